@@ -1,0 +1,41 @@
+"""Shared fixtures: a real Redis server on loopback, paths to the shared vectors."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from loadtest.redis_server import RedisServer
+
+ROOT = Path(__file__).resolve().parent.parent
+SHARED = ROOT.parent / "shared"
+VECTORS = SHARED / "vectors"
+
+
+@pytest.fixture(scope="session")
+def redis_server() -> Iterator[RedisServer]:
+    """A real redis-server on a free loopback port for the whole session."""
+    with RedisServer() as server:
+        yield server
+
+
+@pytest.fixture
+def redis_url(redis_server: RedisServer) -> Iterator[str]:
+    """URL of the session's Redis, flushed before each test."""
+    import redis
+
+    client = redis.Redis.from_url(redis_server.url)
+    client.flushall()
+    client.close()
+    yield redis_server.url
+
+
+def load_vectors(name: str) -> Any:
+    path = VECTORS / name
+    if not path.exists():
+        pytest.skip(f"{path} not present (tests read ../shared/vectors)")
+    return json.loads(path.read_text())
