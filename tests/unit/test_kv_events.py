@@ -1,0 +1,141 @@
+"""vLLM 0.33 KV event codec against frames captured from vLLM's own ZmqEventPublisher."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+import pytest
+
+from router.hashing import BlockHasher, MultiModalItem, block_extra_keys
+from tests.conftest import load_vectors
+from worker.kv_events import (
+    REPLAY_END_SEQ,
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    KVEventBatch,
+    KVEventDecodeError,
+    decode_batch,
+    encode_batch,
+    event_hash_key,
+    from_event_extra_keys,
+    parse_seq,
+    seq_bytes,
+    to_event_extra_keys,
+)
+
+FRAMES = load_vectors("vllm-kv-event-frames.json")
+RANGE40_KEYS = [3262291359910021016, 7142137847444424233]
+
+
+@pytest.mark.parametrize("variant", FRAMES["variants"], ids=lambda v: f"int={v['int_block_hashes']}")
+def test_captured_frames_decode(variant: dict[str, Any]) -> None:
+    topic, seq, payload = (bytes.fromhex(f) for f in variant["frames_hex"])
+    assert topic == variant["topic"].encode()
+    assert parse_seq(seq) == 0
+    batch = decode_batch(payload)
+    assert batch.ts == FRAMES["ts"]
+    assert batch.data_parallel_rank == 0
+    stored, removed, cleared = batch.events
+    assert isinstance(stored, BlockStored) and isinstance(removed, BlockRemoved)
+    assert isinstance(cleared, AllBlocksCleared)
+    assert [event_hash_key(h) for h in stored.block_hashes] == RANGE40_KEYS
+    assert stored.parent_block_hash is None
+    assert stored.token_ids == list(range(32))
+    assert (stored.block_size, stored.medium, stored.group_idx) == (16, "GPU", 0)
+    assert stored.extra_keys == [None, None]
+    assert [event_hash_key(h) for h in removed.block_hashes] == RANGE40_KEYS[1:]
+    if not variant["int_block_hashes"]:
+        digests = BlockHasher().digests(list(range(40)))
+        assert stored.block_hashes == digests
+    # Re-encoding reproduces vLLM's bytes exactly.
+    assert encode_batch(batch) == payload
+    # The replay exchange: same payload, then the end marker.
+    replies = variant["replay_reply_frames_hex"]
+    assert bytes.fromhex(replies[0][3]) == payload
+    assert parse_seq(bytes.fromhex(replies[-1][2])) == REPLAY_END_SEQ
+
+
+def test_encoder_builds_vllm_bytes_from_scratch() -> None:
+    variant = FRAMES["variants"][0]
+    batch = KVEventBatch(
+        ts=FRAMES["ts"],
+        events=[
+            BlockStored(block_hashes=RANGE40_KEYS, parent_block_hash=None, token_ids=list(range(32)),
+                        block_size=16, lora_id=None, medium="GPU", lora_name=None,
+                        extra_keys=[None, None], group_idx=0),
+            BlockRemoved(block_hashes=RANGE40_KEYS[1:], medium="GPU", group_idx=0),
+            AllBlocksCleared(),
+        ],
+        data_parallel_rank=0,
+    )
+    assert encode_batch(batch).hex() == variant["frames_hex"][2]
+    assert seq_bytes(0).hex() == variant["frames_hex"][1]
+
+
+def test_extra_keys_example_round_trip() -> None:
+    example = FRAMES["extra_keys_example"]
+    payload = bytes.fromhex(example["payload_hex"])
+    batch = decode_batch(payload)
+    assert encode_batch(batch) == payload
+    stored = batch.events[0]
+    assert isinstance(stored, BlockStored)
+    tagged = [tuple(tuple(k) for k in block) for block in example["tagged_extra_keys_used_in_hash"]]
+    assert [to_event_extra_keys(t) for t in tagged] == stored.extra_keys
+    assert stored.extra_keys is not None
+    retagged = [
+        from_event_extra_keys(entry, block_index=i, lora_name=stored.lora_name, lora_path="/models/sql-lora")
+        for i, entry in enumerate(stored.extra_keys)
+    ]
+    assert retagged == tagged
+    # The retagged keys are exactly what the hasher puts into the chain, so re-hashing works.
+    expected = [block_extra_keys(i * 16, i * 16 + 16, lora=("sql-lora", "/models/sql-lora"),
+                                 mm_items=[MultiModalItem("img-abc", 5, 20)], cache_salt="tenant-A-salt")
+                for i in range(2)]
+    assert retagged == expected
+    hasher = BlockHasher()
+    keys = hasher.keys(list(range(32)), lora=("sql-lora", "/models/sql-lora"), cache_salt="tenant-A-salt",
+                       mm_items=[MultiModalItem("img-abc", 5, 20)])
+    assert keys == stored.block_hashes
+
+
+def test_legacy_array_encoded_events() -> None:
+    legacy = msgspec.msgpack.encode([
+        1.5,
+        [["BlockStored", [1, 2], None, list(range(32)), 16, None],
+         ["BlockStored", [3], 2, list(range(16)), 16, None, "GPU"],
+         ["BlockRemoved", [1]],
+         ["AllBlocksCleared"]],
+    ])
+    batch = decode_batch(legacy)
+    assert [type(e).__name__ for e in batch.events] == ["BlockStored", "BlockStored", "BlockRemoved",
+                                                         "AllBlocksCleared"]
+    first = batch.events[0]
+    assert isinstance(first, BlockStored) and first.block_hashes == [1, 2] and first.medium is None
+    assert batch.data_parallel_rank is None
+
+
+@pytest.mark.parametrize("payload", [
+    b"", b"\xc1", msgspec.msgpack.encode({"a": 1}), msgspec.msgpack.encode([1.0, [["Nope", 1]]]),
+    msgspec.msgpack.encode([1.0, [{"type": "Nope"}]]), msgspec.msgpack.encode([1.0, [["BlockStored"]]]),
+    msgspec.msgpack.encode(["x", []]),
+])
+def test_malformed_payloads_raise(payload: bytes) -> None:
+    with pytest.raises(KVEventDecodeError):
+        decode_batch(payload)
+
+
+def test_event_hash_key_forms() -> None:
+    digest = bytes(range(32))
+    assert event_hash_key(digest) == int.from_bytes(digest[-8:], "big")
+    assert event_hash_key(5) == 5
+    for bad in (-1, 1 << 64, "x", True, b"short"):
+        with pytest.raises(KVEventDecodeError):
+            event_hash_key(bad)  # type: ignore[arg-type]
+
+
+def test_parse_seq_rejects_bad_frames() -> None:
+    assert parse_seq(seq_bytes(2**63)) == 2**63
+    with pytest.raises(KVEventDecodeError):
+        parse_seq(b"\x00" * 4)

@@ -1,0 +1,240 @@
+"""vLLM 0.33 KV-cache event wire format: msgspec structs, encode and decode. Pure: no I/O.
+
+Source: vLLM 0.33 ``vllm/distributed/kv_events.py``. A published batch is three
+ZMQ frames ``[topic, seq (8-byte big-endian unsigned), msgpack(KVEventBatch)]``.
+``KVEventBatch`` is a msgpack *array* ``[ts, events, data_parallel_rank]``; each
+event is a msgpack *map* tagged by ``"type"`` (the class name) whose fields follow
+in declaration order, defaults (None) omitted. Older vLLM releases (about 0.9 to
+0.11) encoded events as arrays ``["BlockStored", block_hashes, parent, token_ids,
+block_size, lora_id, medium]``; ``decode_batch`` accepts both.
+
+Hashes in events are 64-bit ints by default (``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=1``:
+the digest's last 8 bytes, big-endian) or raw digests (``=0``); ``event_hash_key``
+reduces both to the project's 64-bit block key.
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Sequence
+from typing import Any, Final
+
+import msgspec
+
+from router.hashing import block_key
+
+ExternalBlockHash = int | bytes
+
+REPLAY_END_SEQ: Final = -1  # end marker seq of the replay socket, as a signed 8-byte int
+_SEQ = struct.Struct(">Q")
+_SIGNED_SEQ = struct.Struct(">q")
+REPLAY_END_FRAME: Final = _SIGNED_SEQ.pack(REPLAY_END_SEQ)
+
+
+class KVEventDecodeError(ValueError):
+    """A payload that is not a vLLM KV event batch (malformed msgpack or wrong shape)."""
+
+
+class KVCacheEvent(msgspec.Struct, omit_defaults=True, gc=False, tag=True):
+    """Base of all KV-cache events (vLLM 0.33: tagged map, defaults omitted)."""
+
+
+class BlockStored(KVCacheEvent):
+    """Blocks committed to the prefix cache; one event per run of consecutive new full blocks.
+
+    ``block_hashes``: one hash per block; ``parent_block_hash``: hash of the block
+    before the first, or None at block 0; ``token_ids``: the tokens of those blocks
+    (``len == block_size * len(block_hashes)`` for a standard model);
+    ``extra_keys``: one entry per block, None or the untagged extra-key values.
+    """
+
+    block_hashes: list[ExternalBlockHash]
+    parent_block_hash: ExternalBlockHash | None
+    token_ids: list[int]
+    block_size: int
+    lora_id: int | None
+    medium: str | None
+    lora_name: str | None
+    extra_keys: list[list[Any] | None] | None = None
+    group_idx: int | None = None
+    kv_cache_spec_kind: str | None = None
+    kv_cache_spec_sliding_window: int | None = None
+    locality: str | None = None
+    ownership: str | None = None
+    session_id: str | None = None
+    lookahead_token_ids: list[list[int]] | None = None
+
+
+class BlockRemoved(KVCacheEvent):
+    """Cached blocks evicted (one hash per evicted physical block)."""
+
+    block_hashes: list[ExternalBlockHash]
+    medium: str | None
+    group_idx: int | None = None
+    locality: str | None = None
+    ownership: str | None = None
+
+
+class AllBlocksCleared(KVCacheEvent):
+    """The whole prefix cache was reset (``POST /reset_prefix_cache``)."""
+
+
+KVEvent = BlockStored | BlockRemoved | AllBlocksCleared
+
+
+class KVEventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """One scheduler step's events: ``ts`` unix seconds, ``events``, the publisher's DP rank."""
+
+    ts: float
+    events: list[BlockStored | BlockRemoved | AllBlocksCleared]
+    data_parallel_rank: int | None = None
+
+
+_encoder = msgspec.msgpack.Encoder()
+_decoder = msgspec.msgpack.Decoder(KVEventBatch)
+_generic_decoder = msgspec.msgpack.Decoder()
+
+
+def encode_batch(batch: KVEventBatch) -> bytes:
+    """msgpack payload of a batch, byte-identical to vLLM 0.33's publisher."""
+    return _encoder.encode(batch)
+
+
+def seq_bytes(seq: int) -> bytes:
+    """The 8-byte big-endian sequence frame."""
+    return _SEQ.pack(seq)
+
+
+def parse_seq(frame: bytes) -> int:
+    """Sequence number from its frame; ``REPLAY_END_SEQ`` for the replay end marker.
+
+    Raises ``KVEventDecodeError`` unless the frame is 8 bytes.
+    """
+    if len(frame) != 8:
+        raise KVEventDecodeError(f"sequence frame must be 8 bytes, got {len(frame)}")
+    if frame == REPLAY_END_FRAME:
+        return REPLAY_END_SEQ
+    return int(_SEQ.unpack(frame)[0])
+
+
+def event_hash_key(block_hash: ExternalBlockHash) -> int:
+    """64-bit block key of an event hash (int form as is, raw digest reduced).
+
+    Raises ``KVEventDecodeError`` for other types or ints outside 0..2**64-1.
+    """
+    if isinstance(block_hash, bool):
+        raise KVEventDecodeError("block hash must be an int or bytes, got bool")
+    if isinstance(block_hash, int):
+        if not 0 <= block_hash < 1 << 64:
+            raise KVEventDecodeError(f"int block hash out of 64-bit range: {block_hash}")
+        return block_hash
+    if isinstance(block_hash, bytes | bytearray | memoryview):
+        data = bytes(block_hash)
+        if len(data) < 8:
+            raise KVEventDecodeError(f"byte block hash too short: {len(data)} bytes")
+        return block_key(data)
+    raise KVEventDecodeError(f"block hash must be an int or bytes, got {type(block_hash).__name__}")
+
+
+def _legacy_event(item: Any) -> KVEvent:
+    """Convert one array-encoded (pre-0.12) event."""
+    if not isinstance(item, list) or not item or not isinstance(item[0], str):
+        raise KVEventDecodeError(f"unrecognised event: {item!r:.80}")
+    kind, fields = item[0], item[1:]
+    try:
+        if kind == "BlockStored":
+            hashes, parent, token_ids, block_size, *rest = fields
+            rest += [None] * (3 - len(rest))
+            return BlockStored(
+                block_hashes=list(hashes), parent_block_hash=parent, token_ids=list(token_ids),
+                block_size=int(block_size), lora_id=rest[0], medium=rest[1], lora_name=rest[2],
+            )
+        if kind == "BlockRemoved":
+            hashes, *rest = fields
+            return BlockRemoved(block_hashes=list(hashes), medium=rest[0] if rest else None)
+        if kind == "AllBlocksCleared":
+            return AllBlocksCleared()
+    except (TypeError, ValueError) as exc:
+        raise KVEventDecodeError(f"malformed {kind} event: {exc}") from exc
+    raise KVEventDecodeError(f"unknown event type {kind!r}")
+
+
+def decode_batch(payload: bytes) -> KVEventBatch:
+    """Decode a batch payload (vLLM 0.33 map-encoded events, or legacy array-encoded).
+
+    Raises ``KVEventDecodeError`` for anything else, including unknown event types.
+    """
+    try:
+        return _decoder.decode(payload)
+    except msgspec.DecodeError as typed_error:
+        try:
+            raw = _generic_decoder.decode(payload)
+        except msgspec.DecodeError as exc:
+            raise KVEventDecodeError(f"not msgpack: {exc}") from exc
+        if not (isinstance(raw, list) and len(raw) >= 2 and isinstance(raw[1], list)):
+            raise KVEventDecodeError(f"not a KV event batch: {typed_error}") from typed_error
+        if not all(isinstance(e, list) for e in raw[1]):
+            raise KVEventDecodeError(f"bad event in batch: {typed_error}") from typed_error
+        try:
+            ts = float(raw[0])
+        except (TypeError, ValueError) as exc:
+            raise KVEventDecodeError(f"bad batch timestamp {raw[0]!r}") from exc
+        rank = raw[2] if len(raw) > 2 else None
+        return KVEventBatch(ts=ts, events=[_legacy_event(e) for e in raw[1]], data_parallel_rank=rank)
+
+
+def to_event_extra_keys(extra_keys: Sequence[Any] | None) -> list[Any] | None:
+    """Tagged hash extra keys of one block -> the untagged shape events carry.
+
+    Source: vLLM 0.33 ``to_event_extra_keys``: ``("lora", name, path)`` -> name,
+    ``("mm", id, offset)`` -> ``[id, offset]``, ``("cache_salt", s)`` -> s,
+    ``("prompt_embeds", digest)`` -> digest. None stays None.
+    """
+    if not extra_keys:
+        return None
+    out: list[Any] = []
+    for key in extra_keys:
+        tag = key[0]
+        if tag == "lora":
+            out.append(key[1])
+        elif tag == "mm":
+            out.append([key[1], key[2]])
+        elif tag in ("cache_salt", "prompt_embeds"):
+            out.append(key[1])
+        else:
+            raise ValueError(f"unknown extra key tag {tag!r}")
+    return out
+
+
+def from_event_extra_keys(
+    entry: Sequence[Any] | None,
+    *,
+    block_index: int,
+    lora_name: str | None,
+    lora_path: str | None,
+) -> tuple[Any, ...] | None:
+    """Re-tag one block's event extra keys so the block can be re-hashed.
+
+    Inverse of ``to_event_extra_keys`` given the event's ``lora_name`` and the
+    adapter's path (which events do not carry). ``block_index`` is the block's
+    absolute index in the request (cache_salt only appears on block 0).
+    Raises ``KVEventDecodeError`` for a LoRA key without a known path or an
+    entry that fits no known shape.
+    """
+    if not entry:
+        return None
+    out: list[tuple[Any, ...]] = []
+    for position, value in enumerate(entry):
+        if isinstance(value, list | tuple) and len(value) == 2:
+            out.append(("mm", value[0], value[1]))
+        elif isinstance(value, bytes):
+            out.append(("prompt_embeds", value))
+        elif isinstance(value, str) and position == 0 and lora_name is not None and value == lora_name:
+            if lora_path is None:
+                raise KVEventDecodeError(f"no path known for LoRA adapter {lora_name!r}")
+            out.append(("lora", value, lora_path))
+        elif isinstance(value, str) and block_index == 0:
+            out.append(("cache_salt", value))
+        else:
+            raise KVEventDecodeError(f"unrecognised extra key {value!r:.60} in block {block_index}")
+    return tuple(out)
