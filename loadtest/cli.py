@@ -1,0 +1,122 @@
+"""``prefix-loadtest``: replay a Mooncake trace against an endpoint, compare routing policies on an
+emulated fleet, and run the demo (the project's main benchmark). Does I/O (it is the CLI edge).
+
+    prefix-loadtest replay --trace FILE --target URL [--speedup X] [--start I] [--limit N] ...
+    prefix-loadtest compare [--policies prefix,round_robin,...] [--replicas 8] ...
+    prefix-loadtest demo [--output-dir DIR] [--no-peers] ...
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from loadtest.data import packaged_trace_path
+from loadtest.replay import (
+    DEFAULT_MAX_CONCURRENCY,
+    DEFAULT_MODEL,
+    DEFAULT_REQUEST_TIMEOUT_S,
+    ReplayConfig,
+    replay,
+    summarize,
+    write_records,
+)
+from loadtest.trace import read_trace
+
+logger = logging.getLogger(__name__)
+
+
+def _progress(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
+def _add_slice_args(parser: argparse.ArgumentParser, default_limit: int | None) -> None:
+    parser.add_argument("--trace", type=Path, default=None,
+                        help="Mooncake JSONL trace (default: the packaged slice of the "
+                             "Mooncake conversation trace, first 3,000 requests)")
+    parser.add_argument("--start", type=int, default=0, help="first trace line to replay (0-based)")
+    parser.add_argument("--limit", type=int, default=default_limit,
+                        help="replay at most N requests")
+    parser.add_argument("--window", type=float, default=None, metavar="S",
+                        help="replay only requests within S trace seconds of the first one")
+    parser.add_argument("--speedup", type=float, default=1.0,
+                        help="divide the trace's inter-arrival times by X")
+    parser.add_argument("--burst", action="store_true",
+                        help="send each ~3 s timestamp step as one burst instead of spreading "
+                             "its requests evenly over the step")
+    parser.add_argument("--max-output-tokens", type=int, default=None,
+                        help="cap the trace's output lengths (default: no cap)")
+    parser.add_argument("--max-concurrency", type=int, default=DEFAULT_MAX_CONCURRENCY,
+                        help="requests in flight at most; later ones wait (their send lags)")
+    parser.add_argument("--request-timeout", type=float, default=DEFAULT_REQUEST_TIMEOUT_S,
+                        help="seconds per request, end to end")
+    parser.add_argument("--max-duration", type=float, default=None, metavar="S",
+                        help="stop sending after S seconds of replay")
+    parser.add_argument("--token-seed", type=int, default=0,
+                        help="global seed of the hash-id -> token-id mapping")
+    parser.add_argument("--no-keepalive", action="store_true",
+                        help="one fresh TCP connection per request")
+    parser.add_argument("--progress-interval", type=float, default=10.0, metavar="S")
+
+
+def _replay_config(args: argparse.Namespace, target: str, model: str) -> ReplayConfig:
+    return ReplayConfig(
+        target=target, model=model, speedup=args.speedup, spread=not args.burst,
+        max_concurrency=args.max_concurrency, max_duration_s=args.max_duration,
+        request_timeout_s=args.request_timeout, max_output_tokens=args.max_output_tokens,
+        token_seed=args.token_seed, keepalive=not args.no_keepalive,
+        progress_interval_s=args.progress_interval)
+
+
+def _cmd_replay(args: argparse.Namespace) -> int:
+    trace = args.trace or packaged_trace_path()
+    requests = read_trace(trace, start=args.start, limit=args.limit, window_s=args.window)
+    if not requests:
+        print("no requests in the selected slice", file=sys.stderr)
+        return 2
+    config = _replay_config(args, args.target, args.model)
+    _progress(f"replaying {len(requests)} requests of {trace} against {args.target} "
+              f"at speedup {args.speedup}")
+    records = asyncio.run(replay(requests, config, progress=_progress))
+    if args.output:
+        write_records(records, args.output)
+        _progress(f"records written to {args.output}")
+    print(json.dumps(summarize(records), indent=2))
+    return 0 if any(r.ok for r in records) else 1
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="prefix-loadtest", description=__doc__.split("\n")[0])
+    parser.add_argument("--log-level", default="warning")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p_replay = sub.add_parser("replay", help="replay a Mooncake trace slice against an endpoint")
+    _add_slice_args(p_replay, default_limit=None)
+    p_replay.add_argument("--target", required=True, help="base URL, e.g. http://127.0.0.1:8000")
+    p_replay.add_argument("--model", default=DEFAULT_MODEL)
+    p_replay.add_argument("--output", type=Path, default=None, help="per-request records (JSONL)")
+    p_replay.set_defaults(func=_cmd_replay)
+
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``prefix-loadtest`` console script; returns the exit status."""
+    parser = build_parser()
+    args = parser.parse_args(list(argv) if argv is not None else None)
+    logging.basicConfig(level=args.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        return int(args.func(args))
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,162 @@
+"""Mooncake trace reading, the hash-id -> token mapping and the replay schedule (pure code)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from loadtest.trace import (
+    TRACE_BLOCK_TOKENS,
+    TokenMapper,
+    TraceFormatError,
+    TraceRequest,
+    parse_trace_line,
+    read_trace,
+    schedule_offsets,
+    select_requests,
+)
+
+
+def _req(index: int, ts: int, hash_ids: list[int], input_length: int | None = None,
+         output_length: int = 10) -> TraceRequest:
+    length = input_length if input_length is not None else 512 * len(hash_ids)
+    return TraceRequest(index=index, timestamp_ms=ts, input_length=length,
+                        output_length=output_length, hash_ids=tuple(hash_ids))
+
+
+def test_same_hash_id_same_tokens_across_mappers() -> None:
+    a, b = TokenMapper(seed=7), TokenMapper(seed=7)
+    assert a.block(42) == b.block(42)
+    assert len(a.block(42)) == TRACE_BLOCK_TOKENS
+    assert a.block(42) != a.block(43)
+    assert TokenMapper(seed=8).block(42) != a.block(42)
+
+
+def test_mapping_is_pinned() -> None:
+    # The mapping must never drift between versions: replays and saved results depend on it.
+    # (values computed once with SHAKE-128 over b"0:0" and b"0:12345")
+    assert TokenMapper(seed=0).block(0)[:4] == (55678, 87296, 74316, 12122)
+    assert TokenMapper(seed=0).block(12345)[-2:] == (77078, 15544)
+
+
+def test_tokens_stay_in_vocab_range() -> None:
+    mapper = TokenMapper(seed=1, vocab_low=1000, vocab_high=1010)
+    tokens = mapper.prompt([1, 2, 3], 3 * 512)
+    assert min(tokens) >= 1000 and max(tokens) < 1010
+    default = TokenMapper().prompt(list(range(20)), 20 * 512)
+    assert min(default) >= 1000 and max(default) < 100_000
+
+
+def test_prefix_sharing_preserved() -> None:
+    mapper = TokenMapper()
+    a = mapper.prompt([0, 1, 2, 3], 4 * 512)
+    b = mapper.prompt([0, 1, 5], 2 * 512 + 100)
+    assert a[:1024] == b[:1024]
+    assert a[1024] != b[1024] or a[1024:1124] != b[1024:1124]
+    # no sharing beyond the common ids: the third blocks differ
+    assert a[1024:1124] != b[1024:1124]
+    c = mapper.prompt([9, 1], 1024)
+    assert c[:512] != a[:512]
+    assert c[512:] == a[512:1024]  # the block of an id does not depend on its position
+
+
+def test_last_block_cut_keeps_its_first_tokens() -> None:
+    mapper = TokenMapper()
+    tokens = mapper.prompt([0, 1, 2], 1024 + 37)
+    assert len(tokens) == 1024 + 37
+    assert tokens[1024:] == list(mapper.block(2)[:37])
+    assert len(mapper.prompt([5], 1)) == 1
+    assert len(mapper.prompt([5, 6], 1024)) == 1024
+
+
+@pytest.mark.parametrize("length", [1024, 1024 + 513, 0])
+def test_bad_lengths_rejected(length: int) -> None:
+    with pytest.raises(ValueError):
+        TokenMapper().prompt([0, 1, 2], length)
+
+
+def test_request_prompt_matches_input_length() -> None:
+    req = _req(0, 0, [0, 1, 2, 3], input_length=3 * 512 + 5)
+    assert req.last_block_tokens == 5
+    assert len(TokenMapper().request_prompt(req)) == req.input_length
+
+
+def test_parse_line_and_errors() -> None:
+    req = parse_trace_line('{"timestamp": 3000, "input_length": 600, "output_length": 5, '
+                           '"hash_ids": [0, 7]}', 4)
+    assert req == TraceRequest(4, 3000, 600, 5, (0, 7))
+    with pytest.raises(TraceFormatError):
+        parse_trace_line('{"timestamp": 0, "input_length": 600, "output_length": 5, '
+                         '"hash_ids": [0]}', 0)
+    with pytest.raises(TraceFormatError):
+        parse_trace_line('{"timestamp": 0}', 0)
+    with pytest.raises(TraceFormatError):
+        parse_trace_line("not json", 0)
+
+
+def _trace() -> list[TraceRequest]:
+    # steps of 3 s: 3 requests at 0, 2 at 3000, 1 at 6000, 2 at 9000
+    stamps = [0, 0, 0, 3000, 3000, 6000, 9000, 9000]
+    return [_req(i, ts, [0, 100 + i]) for i, ts in enumerate(stamps)]
+
+
+def test_schedule_spreads_within_step() -> None:
+    offsets = schedule_offsets(_trace(), speedup=1.0)
+    assert offsets == pytest.approx([0.0, 1.0, 2.0, 3.0, 4.5, 6.0, 9.0, 10.5])
+
+
+def test_schedule_burst_and_speedup() -> None:
+    assert schedule_offsets(_trace(), speedup=2.0, spread=False) == pytest.approx(
+        [0, 0, 0, 1.5, 1.5, 3.0, 4.5, 4.5])
+    assert schedule_offsets(_trace(), speedup=3.0) == pytest.approx(
+        [x / 3.0 for x in [0.0, 1.0, 2.0, 3.0, 4.5, 6.0, 9.0, 10.5]])
+
+
+def test_schedule_is_shifted_to_slice_start_and_monotonic() -> None:
+    sliced = select_requests(_trace(), start=3)
+    offsets = schedule_offsets(sliced, speedup=1.0)
+    assert offsets[0] == 0.0
+    assert offsets == sorted(offsets)
+    assert offsets == pytest.approx([0.0, 1.5, 3.0, 6.0, 7.5])
+
+
+def test_schedule_rejects_bad_input() -> None:
+    with pytest.raises(ValueError):
+        schedule_offsets(_trace(), speedup=0)
+    with pytest.raises(ValueError):
+        schedule_offsets([_req(0, 3000, [0]), _req(1, 0, [0])])
+    assert schedule_offsets([]) == []
+    assert schedule_offsets([_req(0, 5000, [0]), _req(1, 5000, [0])]) == [0.0, 0.0]
+
+
+def test_select_start_limit_window() -> None:
+    trace = _trace()
+    assert [r.index for r in select_requests(trace, start=2, limit=3)] == [2, 3, 4]
+    assert [r.index for r in select_requests(trace, start=3, window_s=3.0)] == [3, 4, 5]
+    assert [r.index for r in select_requests(trace, window_s=0)] == [0, 1, 2]
+    assert select_requests(trace, limit=0) == []
+    with pytest.raises(ValueError):
+        select_requests(trace, start=-1)
+
+
+def test_read_trace_file(tmp_path: Path) -> None:
+    path = tmp_path / "t.jsonl"
+    lines = [{"timestamp": r.timestamp_ms, "input_length": r.input_length,
+              "output_length": r.output_length, "hash_ids": list(r.hash_ids)} for r in _trace()]
+    path.write_text("\n".join(json.dumps(x) for x in lines) + "\n\n")
+    got = read_trace(path, start=1, limit=4)
+    assert [r.index for r in got] == [1, 2, 3, 4]
+    assert got[0] == _trace()[1]
+
+
+def test_packaged_trace_slice_is_consistent() -> None:
+    from loadtest.data import packaged_trace_path
+
+    path = packaged_trace_path()
+    requests = read_trace(path, limit=200)
+    assert len(requests) == 200
+    assert all(r.hash_ids[0] == 0 for r in requests)  # the trace's common first block
+    offsets = schedule_offsets(requests, speedup=10.0)
+    assert offsets == sorted(offsets)
