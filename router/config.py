@@ -1,0 +1,196 @@
+"""Router configuration: one frozen dataclass, built from CLI flags > ``ROUTER_*`` env > YAML > defaults.
+
+Pure apart from reading the YAML file named by ``--config`` / ``ROUTER_CONFIG``.
+Every setting is a field of ``RouterConfig``; its CLI flag is ``--field-name``,
+its environment variable ``ROUTER_FIELD_NAME`` and its YAML key ``field_name``.
+List settings (``replicas``) take repeated flags, a comma-separated env value or
+a YAML list.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Final
+
+import yaml
+
+from router.contract import DEFAULT_REDIS_PREFIX
+from router.hashing import DEFAULT_BLOCK_SIZE, DEFAULT_HASH_ALGO, HASH_ALGOS
+
+POLICIES: Final = ("prefix", "round_robin", "least_loaded", "consistent_hash")
+LOG_LEVELS: Final = ("debug", "info", "warning", "error", "critical")
+ENV_PREFIX: Final = "ROUTER_"
+
+DEFAULT_PORT: Final = 8000
+DEFAULT_LOAD_FACTOR: Final = 1.25  # bounded-load cap as a multiple of the mean load
+DEFAULT_VNODES: Final = 128  # virtual nodes per replica on the ring
+DEFAULT_SPECULATIVE_TTL_S: Final = 10.0  # seconds a router-side placement counts as a hit
+DEFAULT_QUEUE_SLACK_TOKENS: Final = 2048  # tokens of extra queue accepted to keep affinity/ring home
+DEFAULT_CONSISTENT_HASH_TOKENS: Final = 1024  # tokens keyed by the consistent_hash baseline
+DEFAULT_MAX_BODY_BYTES: Final = 32 * 1024 * 1024  # a 128k-token token-id body is ~1 MB; text ~0.5 MB
+DEFAULT_CONNECT_TIMEOUT_S: Final = 5.0
+DEFAULT_FIRST_BYTE_TIMEOUT_S: Final = 600.0  # a long prefill behind a queue can take minutes
+DEFAULT_STREAM_IDLE_TIMEOUT_S: Final = 120.0
+DEFAULT_TOKENIZER_THREADS: Final = 2
+DEFAULT_TOKEN_CACHE_CHUNKS: Final = 65536  # LRU entries of the per-chunk token cache
+DEFAULT_STATIC_PROBE_INTERVAL_S: Final = 2.0  # /health probe period for static --replica URLs
+
+
+class ConfigError(ValueError):
+    """A setting is missing, malformed or out of range."""
+
+
+@dataclass(frozen=True, slots=True)
+class RouterConfig:
+    """All router settings, validated once in ``__post_init__`` (raises ``ConfigError``)."""
+
+    host: str = "127.0.0.1"
+    port: int = DEFAULT_PORT
+    redis_url: str | None = None
+    redis_password: str | None = None
+    redis_prefix: str = DEFAULT_REDIS_PREFIX
+    replicas: tuple[str, ...] = ()  # static replica base URLs (no worker needed)
+    model: str | None = None  # served model name of static replicas (default: ask their /v1/models)
+    tokenizer: str | None = None  # local dir or hub id; None -> route text by hashing the text
+    block_size: int = DEFAULT_BLOCK_SIZE  # tokens; vLLM default
+    hash_algo: str = DEFAULT_HASH_ALGO
+    hash_seed: str | None = None  # the engines' PYTHONHASHSEED, if set
+    policy: str = "prefix"
+    load_factor: float = DEFAULT_LOAD_FACTOR
+    log_level: str = "info"
+    ready_file: str | None = None
+    vnodes: int = DEFAULT_VNODES
+    speculative_ttl_s: float = DEFAULT_SPECULATIVE_TTL_S
+    queue_slack_tokens: int = DEFAULT_QUEUE_SLACK_TOKENS
+    consistent_hash_tokens: int = DEFAULT_CONSISTENT_HASH_TOKENS
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    connect_timeout_s: float = DEFAULT_CONNECT_TIMEOUT_S
+    first_byte_timeout_s: float = DEFAULT_FIRST_BYTE_TIMEOUT_S
+    stream_idle_timeout_s: float = DEFAULT_STREAM_IDLE_TIMEOUT_S
+    tokenizer_threads: int = DEFAULT_TOKENIZER_THREADS
+    token_cache_chunks: int = DEFAULT_TOKEN_CACHE_CHUNKS
+    static_probe_interval_s: float = DEFAULT_STATIC_PROBE_INTERVAL_S
+    config: str | None = field(default=None, compare=False)  # the YAML file this came from
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port <= 65535:
+            raise ConfigError(f"port must be 0..65535, got {self.port}")
+        if self.policy not in POLICIES:
+            raise ConfigError(f"policy must be one of {', '.join(POLICIES)}, got {self.policy!r}")
+        if self.hash_algo not in HASH_ALGOS:
+            raise ConfigError(f"hash_algo must be one of {', '.join(HASH_ALGOS)}, got {self.hash_algo!r}")
+        if self.block_size < 1:
+            raise ConfigError(f"block_size must be >= 1, got {self.block_size}")
+        if self.load_factor < 1.0:
+            raise ConfigError(f"load_factor must be >= 1.0, got {self.load_factor}")
+        if self.log_level not in LOG_LEVELS:
+            raise ConfigError(f"log_level must be one of {', '.join(LOG_LEVELS)}, got {self.log_level!r}")
+        if self.vnodes < 1:
+            raise ConfigError(f"vnodes must be >= 1, got {self.vnodes}")
+        if self.max_body_bytes < 1024:
+            raise ConfigError(f"max_body_bytes must be >= 1024, got {self.max_body_bytes}")
+        if self.tokenizer_threads < 1:
+            raise ConfigError(f"tokenizer_threads must be >= 1, got {self.tokenizer_threads}")
+        for name in ("speculative_ttl_s", "connect_timeout_s", "first_byte_timeout_s",
+                     "stream_idle_timeout_s", "static_probe_interval_s"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"{name} must be > 0, got {getattr(self, name)}")
+        for name in ("queue_slack_tokens", "consistent_hash_tokens", "token_cache_chunks"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)}")
+        for url in self.replicas:
+            if not url.startswith(("http://", "https://")):
+                raise ConfigError(f"replica URL must start with http:// or https://, got {url!r}")
+        if not self.redis_url and not self.replicas:
+            raise ConfigError("need --redis-url (worker-reported fleet) or at least one --replica URL")
+
+
+_FIELDS: Final = {f.name: f for f in dataclasses.fields(RouterConfig)}
+_HELP: Final = {
+    "replicas": "static replica base URL (repeatable); id is host:port",
+    "tokenizer": "tokenizer dir or hub id; without it text prompts are routed by hashing the text",
+    "policy": "|".join(POLICIES),
+    "config": "YAML file with the same keys (underscored)",
+}
+
+
+def _kind(name: str) -> str:
+    ann = str(_FIELDS[name].type)
+    for kind in ("tuple", "int", "float"):
+        if ann.startswith(kind):
+            return kind
+    return "str"
+
+
+def _convert(name: str, value: Any, source: str) -> Any:
+    kind = _kind(name)
+    try:
+        if value is None:
+            return None
+        if kind == "tuple":
+            if isinstance(value, str):
+                return tuple(v.strip() for v in value.split(",") if v.strip())
+            if isinstance(value, Sequence):
+                return tuple(str(v) for v in value)
+            raise TypeError("expected a list")
+        if kind == "int":
+            if isinstance(value, bool):
+                raise TypeError("expected an integer")
+            return int(value)
+        if kind == "float":
+            return float(value)
+        return str(value)
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"{source}: bad value {value!r} for {name}: {exc}") from exc
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``prefix-router serve`` argument parser; every flag defaults to ``None`` (= not given)."""
+    parser = argparse.ArgumentParser(prog="prefix-router serve",
+                                     description="Prefix-aware, load-aware router for vLLM replicas.")
+    for name in _FIELDS:
+        flag = "--" + ("replica" if name == "replicas" else name.replace("_", "-"))
+        if name == "replicas":
+            parser.add_argument(flag, dest=name, action="append", default=None, help=_HELP[name])
+        else:
+            parser.add_argument(flag, dest=name, default=None, help=_HELP.get(name))
+    return parser
+
+
+def load_config(argv: Sequence[str], env: Mapping[str, str] | None = None) -> RouterConfig:
+    """Parse ``argv`` and merge: CLI flag > ``ROUTER_*`` env var > YAML file > default.
+
+    Raises ``ConfigError`` for unknown YAML keys, bad values or an unreadable file;
+    ``SystemExit`` from argparse for unknown flags.
+    """
+    env = os.environ if env is None else env
+    args = vars(build_parser().parse_args(list(argv)))
+    values: dict[str, Any] = {}
+    config_path = args.get("config") or env.get(ENV_PREFIX + "CONFIG")
+    if config_path:
+        try:
+            loaded = yaml.safe_load(Path(config_path).read_text()) or {}
+        except (OSError, yaml.YAMLError) as exc:
+            raise ConfigError(f"cannot read config file {config_path}: {exc}") from exc
+        if not isinstance(loaded, dict):
+            raise ConfigError(f"config file {config_path} must hold a mapping")
+        for key, value in loaded.items():
+            if key not in _FIELDS or key == "config":
+                raise ConfigError(f"config file {config_path}: unknown key {key!r}")
+            values[key] = _convert(key, value, f"config file {config_path}")
+        values["config"] = str(config_path)
+    for name in _FIELDS:
+        raw = env.get(ENV_PREFIX + name.upper())
+        if raw is not None and name != "config":
+            values[name] = _convert(name, raw, f"env {ENV_PREFIX + name.upper()}")
+    for name, value in args.items():
+        if value is not None and name != "config":
+            values[name] = _convert(name, value, f"--{name.replace('_', '-')}")
+    if "log_level" in values and isinstance(values["log_level"], str):
+        values["log_level"] = values["log_level"].lower()
+    return RouterConfig(**values)

@@ -1,0 +1,277 @@
+"""In-memory block index: which replicas hold which block keys. Pure: no I/O.
+
+``BlockIndex`` maps each resident 64-bit block key to a bitmask of the replicas
+that hold it (``{block_key: replica bitmask}``; bit ``i`` is the replica in slot
+``i``). Equal masks are interned so a key held by one replica costs one dict
+entry plus its key int (about 100 bytes, see ``loadtest/bench_index.py``).
+A chain lookup walks the prompt's block keys from the front, ANDing masks, and
+records the depth at which each replica drops out: the number of leading keys of
+the chain the replica holds, which is exactly vLLM's prefix-hit rule (longest
+run of consecutive matching block hashes from block 0,
+``KVCacheManager.get_computed_blocks``).
+
+``SpeculativePlacements`` holds the router's own recent placements (keys it sent
+to a replica in the last ``ttl_s`` seconds) so a burst of one new prefix sticks
+to one replica before the engine's KV events arrive. Time is an argument, so
+both classes are deterministic.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterable, Sequence
+
+_MAX_INTERNED_MASKS = 1 << 16
+
+
+def _bits(mask: int) -> Iterable[int]:
+    while mask:
+        low = mask & -mask
+        yield low.bit_length() - 1
+        mask ^= low
+
+
+class BlockIndex:
+    """Block keys resident per replica, with per-replica epochs.
+
+    Invariants: no key maps to mask 0; ``num_blocks(r)`` equals the number of
+    keys whose mask has ``r``'s bit. Removing a replica's blocks (``clear``)
+    scans every key: O(keys), done only on epoch resets and replica expiry.
+    """
+
+    __slots__ = ("_bit_to_id", "_free_bits", "_id_to_bit", "_interned", "_key_to_mask",
+                 "_num_blocks", "epochs")
+
+    def __init__(self) -> None:
+        self._key_to_mask: dict[int, int] = {}  # {block_key: replica bitmask}
+        self._id_to_bit: dict[str, int] = {}  # {replica_id: bit index}
+        self._bit_to_id: dict[int, str] = {}  # {bit index: replica_id}
+        self._free_bits: list[int] = []  # released bit indexes, reused lowest first
+        self._num_blocks: dict[str, int] = {}  # {replica_id: resident keys}
+        self._interned: dict[int, int] = {}  # {mask: the shared int object for it}
+        self.epochs: dict[str, int] = {}  # {replica_id: epoch the index reflects}
+
+    # -- replicas -----------------------------------------------------------------
+
+    def bit(self, replica_id: str) -> int:
+        """The replica's bit index, assigning a free one on first use."""
+        bit = self._id_to_bit.get(replica_id)
+        if bit is None:
+            if self._free_bits:
+                self._free_bits.sort()
+                bit = self._free_bits.pop(0)
+            else:
+                bit = len(self._id_to_bit)
+            self._id_to_bit[replica_id] = bit
+            self._bit_to_id[bit] = replica_id
+            self._num_blocks[replica_id] = 0
+        return bit
+
+    def mask_of(self, replica_ids: Iterable[str]) -> int:
+        """Bitmask of the given replicas (assigning bits as needed)."""
+        mask = 0
+        for rid in replica_ids:
+            mask |= 1 << self.bit(rid)
+        return mask
+
+    def replica_of_bit(self, bit: int) -> str:
+        return self._bit_to_id[bit]
+
+    def replicas(self) -> list[str]:
+        return sorted(self._id_to_bit)
+
+    def num_blocks(self, replica_id: str) -> int:
+        """Resident keys recorded for ``replica_id`` (0 if unknown)."""
+        return self._num_blocks.get(replica_id, 0)
+
+    def __len__(self) -> int:
+        """Distinct resident keys over all replicas."""
+        return len(self._key_to_mask)
+
+    # -- updates --------------------------------------------------------------------
+
+    def _intern(self, mask: int) -> int:
+        shared = self._interned.get(mask)
+        if shared is None:
+            if len(self._interned) >= _MAX_INTERNED_MASKS:
+                self._interned.clear()
+            self._interned[mask] = shared = mask
+        return shared
+
+    def add(self, replica_id: str, keys: Iterable[int]) -> None:
+        """Record ``keys`` as resident on the replica (idempotent: set semantics)."""
+        bit = 1 << self.bit(replica_id)
+        table, intern = self._key_to_mask, self._intern
+        added = 0
+        for key in keys:
+            mask = table.get(key, 0)
+            if not mask & bit:
+                table[key] = intern(mask | bit)
+                added += 1
+        self._num_blocks[replica_id] += added
+
+    def remove(self, replica_id: str, keys: Iterable[int]) -> None:
+        """Forget ``keys`` on the replica; unknown keys are ignored."""
+        index = self._id_to_bit.get(replica_id)
+        if index is None:
+            return
+        bit = 1 << index
+        table, intern = self._key_to_mask, self._intern
+        removed = 0
+        for key in keys:
+            mask = table.get(key, 0)
+            if mask & bit:
+                removed += 1
+                mask ^= bit
+                if mask:
+                    table[key] = intern(mask)
+                else:
+                    del table[key]
+        self._num_blocks[replica_id] -= removed
+
+    def clear(self, replica_id: str) -> None:
+        """Forget every key of the replica (vLLM AllBlocksCleared, epoch reset). O(keys)."""
+        index = self._id_to_bit.get(replica_id)
+        if index is None or not self._num_blocks.get(replica_id):
+            return
+        bit = 1 << index
+        table, intern = self._key_to_mask, self._intern
+        emptied = []
+        for key, mask in table.items():
+            if mask & bit:
+                mask ^= bit
+                if mask:
+                    table[key] = intern(mask)
+                else:
+                    emptied.append(key)
+        for key in emptied:
+            del table[key]
+        self._num_blocks[replica_id] = 0
+
+    def replace(self, replica_id: str, keys: Iterable[int], epoch: int | None = None) -> None:
+        """Load a snapshot: clear the replica, add ``keys``, set its epoch if given."""
+        self.clear(replica_id)
+        self.add(replica_id, keys)
+        if epoch is not None:
+            self.epochs[replica_id] = epoch
+
+    def drop(self, replica_id: str) -> None:
+        """Remove the replica entirely (heartbeat expired) and free its bit."""
+        if replica_id not in self._id_to_bit:
+            return
+        self.clear(replica_id)
+        bit = self._id_to_bit.pop(replica_id)
+        del self._bit_to_id[bit]
+        del self._num_blocks[replica_id]
+        self.epochs.pop(replica_id, None)
+        self._free_bits.append(bit)
+
+    # -- lookups --------------------------------------------------------------------
+
+    def hit_depths(
+        self,
+        chain: Sequence[int],
+        candidates: int,
+        speculative: SpeculativePlacements | None = None,
+        now: float = 0.0,
+    ) -> tuple[dict[str, int], dict[str, int]]:
+        """Leading keys of ``chain`` held per candidate replica.
+
+        ``candidates`` is a bitmask (``mask_of``). Returns ``(confirmed, combined)``
+        dicts ``{replica_id: depth in blocks}`` for every candidate: ``confirmed``
+        counts engine-reported keys only, ``combined`` also counts the router's
+        unexpired speculative placements at time ``now``.
+        """
+        confirmed: dict[int, int] = {}
+        combined: dict[int, int] = {}
+        conf_alive = comb_alive = candidates
+        get = self._key_to_mask.get
+        spec_get = speculative._entries.get if speculative is not None and speculative._entries else None
+        depth = 0
+        for depth, key in enumerate(chain):
+            mask = get(key, 0)
+            if conf_alive:
+                kept = mask & conf_alive
+                if kept != conf_alive:
+                    for b in _bits(conf_alive ^ kept):
+                        confirmed[b] = depth
+                    conf_alive = kept
+            if spec_get is not None:
+                entry = spec_get(key)
+                if entry is not None and entry[1] > now:
+                    mask |= entry[0]
+            kept = mask & comb_alive
+            if kept != comb_alive:
+                for b in _bits(comb_alive ^ kept):
+                    combined[b] = depth
+                comb_alive = kept
+                if not comb_alive:
+                    break
+        else:
+            depth = len(chain)
+        for b in _bits(conf_alive):
+            confirmed[b] = depth
+        for b in _bits(comb_alive):
+            combined[b] = depth
+        names = self._bit_to_id
+        return ({names[b]: d for b, d in confirmed.items()},
+                {names[b]: d for b, d in combined.items()})
+
+
+class SpeculativePlacements:
+    """Keys the router recently sent to replicas: ``{block_key: (replica bitmask, expires_at)}``.
+
+    A key placed on several replicas keeps the union of their bits and the latest
+    expiry (a slight over-extension for the earlier replica, accepted for
+    compactness). Expired entries are pruned by ``prune(now)`` in insertion order.
+    """
+
+    __slots__ = ("_entries", "_expiry_queue", "ttl_s")
+
+    def __init__(self, ttl_s: float) -> None:
+        if ttl_s <= 0:
+            raise ValueError(f"ttl_s must be > 0, got {ttl_s}")
+        self.ttl_s = ttl_s
+        self._entries: dict[int, tuple[int, float]] = {}  # {block_key: (replica bitmask, expires_at)}
+        self._expiry_queue: deque[tuple[float, Sequence[int]]] = deque()  # (expires_at, keys)
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def place(self, bit: int, keys: Sequence[int], now: float) -> None:
+        """Record that ``keys`` were routed to the replica with bit index ``bit`` at ``now``."""
+        if not keys:
+            return
+        expires = now + self.ttl_s
+        flag = 1 << bit
+        entries = self._entries
+        for key in keys:
+            entry = entries.get(key)
+            if entry is None or entry[1] <= now:
+                entries[key] = (flag, expires)
+            else:
+                entries[key] = (entry[0] | flag, expires)
+        self._expiry_queue.append((expires, keys))
+
+    def forget_bit(self, bit: int) -> None:
+        """Drop a replica's bit from every entry (replica left the fleet)."""
+        flag = 1 << bit
+        for key, (mask, expires) in list(self._entries.items()):
+            if mask & flag:
+                if mask ^ flag:
+                    self._entries[key] = (mask ^ flag, expires)
+                else:
+                    del self._entries[key]
+
+    def prune(self, now: float) -> int:
+        """Delete entries expired at ``now``; returns how many were deleted."""
+        queue, entries = self._expiry_queue, self._entries
+        deleted = 0
+        while queue and queue[0][0] <= now:
+            _, keys = queue.popleft()
+            for key in keys:
+                entry = entries.get(key)
+                if entry is not None and entry[1] <= now:
+                    del entries[key]
+                    deleted += 1
+        return deleted

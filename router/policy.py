@@ -1,0 +1,356 @@
+"""Routing policy: which replica gets a request, and why. Pure: no I/O, deterministic.
+
+``decide`` takes the request's block chain, per-replica hit depths (from
+``router.index``), per-replica load and the ring, and returns a ``Decision``
+with the chosen replica, an ordered list of fallbacks (for a retry before the
+first byte) and a ``reason`` label:
+
+* ``prefix_hit``: the replica holding the deepest engine-confirmed prefix;
+* ``speculative_hit``: the deepest prefix counts keys this router placed there
+  in the last few seconds (the engine's events have not confirmed them yet);
+* ``cold_ring``: no replica holds more of the chain than the others; the request
+  goes to the ring home of the chain's first un-held block, so every router
+  instance sends a new prefix to the same replica without coordination;
+* ``load_spill``: the preferred replica is above the bounded-load cap
+  (``load_factor`` x mean load); the next best under the cap, in ring order;
+* ``load_balance``: the preferred replica's queued prefill exceeds another's
+  by more than the prefill its hit saves (plus ``queue_slack_tokens``);
+* ``no_tokenizer_ring``: the prompt could not be tokenized; ring on the text;
+* ``round_robin``, ``least_loaded``, ``consistent_hash``: the baselines.
+
+The prefix policy's cost of sending a request of N prompt tokens to replica r is
+``queued_prefill_tokens(r) + N - hit_tokens(r)``: the prefill work standing
+between the request and its first token, in tokens (prefill time is close to
+linear in tokens). A replica's load for the bound is its in-flight requests:
+the larger of this router's count and the engine's running + waiting.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Final
+
+from router.hashing import max_hit_blocks
+from router.ring import HashRing
+
+REASON_PREFIX_HIT: Final = "prefix_hit"
+REASON_SPECULATIVE_HIT: Final = "speculative_hit"
+REASON_COLD_RING: Final = "cold_ring"
+REASON_LOAD_SPILL: Final = "load_spill"
+REASON_LOAD_BALANCE: Final = "load_balance"
+REASON_NO_TOKENIZER_RING: Final = "no_tokenizer_ring"
+REASON_ROUND_ROBIN: Final = "round_robin"
+REASON_LEAST_LOADED: Final = "least_loaded"
+REASON_CONSISTENT_HASH: Final = "consistent_hash"
+REASONS: Final = (REASON_PREFIX_HIT, REASON_SPECULATIVE_HIT, REASON_COLD_RING, REASON_LOAD_SPILL,
+                  REASON_LOAD_BALANCE, REASON_NO_TOKENIZER_RING, REASON_ROUND_ROBIN,
+                  REASON_LEAST_LOADED, REASON_CONSISTENT_HASH)
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicaView:
+    """One eligible replica's state at decision time.
+
+    ``affinity`` is False when its reported hashes cannot be trusted
+    (``hash_verified == "0"`` or another block size): it then gets no hit credit.
+    ``inflight_*`` are this router's own counts (dispatch to completion /
+    dispatch to first token); ``engine_*`` come from the worker heartbeat.
+    """
+
+    replica_id: str
+    affinity: bool = True
+    inflight_requests: int = 0
+    inflight_prefill_tokens: int = 0  # tokens of this router's requests not yet at first token
+    prefilling_requests: int = 0  # this router's requests not yet at first token
+    engine_running: int = 0
+    engine_waiting: int = 0
+
+    @property
+    def load(self) -> int:
+        """In-flight requests: max of this router's view and the engine's report."""
+        return max(self.inflight_requests, self.engine_running + self.engine_waiting)
+
+    def queued_prefill_tokens(self, avg_prompt_tokens: float) -> float:
+        """Prefill tokens ahead of a new request: ours, plus engine waiters we did not send."""
+        others = max(0, self.engine_waiting - self.prefilling_requests)
+        return self.inflight_prefill_tokens + others * avg_prompt_tokens
+
+
+@dataclass(frozen=True, slots=True)
+class PolicyParams:
+    """Tunables of ``decide`` (from ``RouterConfig``)."""
+
+    block_size: int = 16  # tokens
+    load_factor: float = 1.25
+    queue_slack_tokens: int = 2048
+    consistent_hash_blocks: int = 64  # blocks keyed by the consistent_hash baseline
+
+
+@dataclass(frozen=True, slots=True)
+class RouteInput:
+    """What the policy knows about the request.
+
+    ``chain`` is the prompt's block keys (empty when untokenized or shorter than
+    a block); ``num_tokens`` the prompt length (0 if unknown); ``ring_key`` a
+    64-bit key used when ``chain`` is empty (hash of the text or tokens);
+    ``tokenized`` False when the prompt could not be tokenized.
+    """
+
+    chain: Sequence[int]
+    num_tokens: int
+    ring_key: int
+    tokenized: bool = True
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    """The chosen replica, retry order and the explanation."""
+
+    replica_id: str
+    reason: str
+    fallbacks: tuple[str, ...]  # other eligible replicas, best first
+    hit_blocks: int  # predicted hit on the chosen replica (capped at vLLM's max hit)
+    chain_blocks: int
+    details: dict[str, dict[str, Any]] = field(default_factory=dict)  # {replica_id: numbers}
+
+    @property
+    def predicted_hit(self) -> bool:
+        return self.hit_blocks > 0
+
+
+def decide(
+    policy: str,
+    request: RouteInput,
+    replicas: Sequence[ReplicaView],
+    ring: HashRing,
+    *,
+    confirmed: Mapping[str, int] | None = None,
+    combined: Mapping[str, int] | None = None,
+    params: PolicyParams | None = None,
+    rr_counter: int = 0,
+    avg_prompt_tokens: float = 0.0,
+) -> Decision:
+    """Route one request among ``replicas`` (already filtered for health and model).
+
+    ``confirmed``/``combined`` are hit depths in blocks per replica id
+    (``BlockIndex.hit_depths``); missing ids count as 0. ``ring`` may contain
+    more replicas than are eligible. ``rr_counter`` rotates the round_robin
+    baseline and least_loaded's ties. Raises ``ValueError`` if ``replicas`` is
+    empty or ``policy`` unknown.
+    """
+    if not replicas:
+        raise ValueError("no eligible replica")
+    params = params or PolicyParams()
+    confirmed = confirmed or {}
+    combined = combined or {}
+    if policy == "round_robin":
+        return _round_robin(request, replicas, rr_counter)
+    if policy == "least_loaded":
+        return _least_loaded(request, replicas, rr_counter)
+    if policy == "consistent_hash":
+        return _consistent_hash(request, replicas, ring, params)
+    if policy == "prefix":
+        return _prefix(request, replicas, ring, confirmed, combined, params, avg_prompt_tokens)
+    raise ValueError(f"unknown policy {policy!r}")
+
+
+def _ring_order(ring: HashRing, key: int, replicas: Sequence[ReplicaView]) -> list[str]:
+    """Eligible replicas in ring order for ``key``; ones missing from the ring go last, by id."""
+    eligible = {r.replica_id for r in replicas}
+    order = [rid for rid in ring.order(key) if rid in eligible]
+    if len(order) < len(eligible):
+        seen = set(order)
+        order.extend(sorted(eligible - seen))
+    return order
+
+
+def _round_robin(request: RouteInput, replicas: Sequence[ReplicaView], counter: int) -> Decision:
+    ids = sorted(r.replica_id for r in replicas)
+    start = counter % len(ids)
+    order = ids[start:] + ids[:start]
+    return Decision(order[0], REASON_ROUND_ROBIN, tuple(order[1:]), 0, len(request.chain))
+
+
+def _least_loaded(request: RouteInput, replicas: Sequence[ReplicaView], counter: int) -> Decision:
+    ranked = sorted(replicas, key=lambda r: (r.load, r.inflight_prefill_tokens, r.replica_id))
+    best = ranked[0]
+    ties = [r for r in ranked if (r.load, r.inflight_prefill_tokens)
+            == (best.load, best.inflight_prefill_tokens)]
+    chosen = ties[counter % len(ties)].replica_id
+    rest = tuple(r.replica_id for r in ranked if r.replica_id != chosen)
+    return Decision(chosen, REASON_LEAST_LOADED, rest, 0, len(request.chain))
+
+
+def _consistent_hash(request: RouteInput, replicas: Sequence[ReplicaView], ring: HashRing,
+                     params: PolicyParams) -> Decision:
+    chain = request.chain
+    key = chain[min(len(chain), params.consistent_hash_blocks) - 1] if chain else request.ring_key
+    order = _ring_order(ring, key, replicas)
+    return Decision(order[0], REASON_CONSISTENT_HASH, tuple(order[1:]), 0, len(chain))
+
+
+def _prefix(
+    request: RouteInput,
+    replicas: Sequence[ReplicaView],
+    ring: HashRing,
+    confirmed: Mapping[str, int],
+    combined: Mapping[str, int],
+    params: PolicyParams,
+    avg_prompt_tokens: float,
+) -> Decision:
+    chain = request.chain
+    size = params.block_size
+    cap_blocks = max_hit_blocks(request.num_tokens, size)
+    depth: dict[str, int] = {}
+    conf: dict[str, int] = {}
+    for r in replicas:
+        d = combined.get(r.replica_id, 0) if r.affinity else 0
+        depth[r.replica_id] = min(d, cap_blocks)
+        conf[r.replica_id] = min(confirmed.get(r.replica_id, 0) if r.affinity else 0, cap_blocks)
+    raw_best = max((combined.get(r.replica_id, 0) if r.affinity else 0) for r in replicas)
+    if chain:
+        ring_key = chain[raw_best] if raw_best < len(chain) else chain[-1]
+    else:
+        ring_key = request.ring_key
+    order = _ring_order(ring, ring_key, replicas)
+    rank = {rid: i for i, rid in enumerate(order)}
+    by_id = {r.replica_id: r for r in replicas}
+
+    total_load = sum(r.load for r in replicas) + 1
+    cap_load = math.ceil(params.load_factor * total_load / len(replicas))
+    over = {r.replica_id: r.load + 1 > cap_load for r in replicas}
+    cost = {
+        r.replica_id: r.queued_prefill_tokens(avg_prompt_tokens)
+        + max(request.num_tokens - depth[r.replica_id] * size, 0)
+        for r in replicas
+    }
+
+    def preference(rid: str) -> tuple[int, int]:
+        return (-depth[rid], rank[rid])
+
+    preferred = min(order, key=preference)
+    allowed = [rid for rid in order if not over[rid]] or list(order)
+    spilled = preferred not in allowed
+    anchor = min(allowed, key=preference) if spilled else preferred
+    cheapest = min(allowed, key=lambda rid: (cost[rid], preference(rid)))
+    balanced = cost[anchor] > cost[cheapest] + params.queue_slack_tokens
+    chosen = cheapest if balanced else anchor
+
+    min_depth = min(depth.values())
+    if not request.tokenized:
+        reason = REASON_LOAD_SPILL if spilled else REASON_NO_TOKENIZER_RING
+        if balanced:
+            reason = REASON_LOAD_BALANCE
+    elif spilled:
+        reason = REASON_LOAD_SPILL
+    elif balanced:
+        reason = REASON_LOAD_BALANCE
+    elif depth[chosen] > min_depth:
+        reason = REASON_PREFIX_HIT if conf[chosen] >= depth[chosen] else REASON_SPECULATIVE_HIT
+    else:
+        reason = REASON_COLD_RING
+
+    rest = sorted((rid for rid in order if rid != chosen),
+                  key=lambda rid: (over[rid], cost[rid], preference(rid)))
+    details = {
+        rid: {
+            "confirmed_hit_blocks": conf[rid],
+            "hit_blocks": depth[rid],
+            "affinity": by_id[rid].affinity,
+            "load": by_id[rid].load,
+            "over_load_cap": over[rid],
+            "inflight_requests": by_id[rid].inflight_requests,
+            "inflight_prefill_tokens": by_id[rid].inflight_prefill_tokens,
+            "engine_running": by_id[rid].engine_running,
+            "engine_waiting": by_id[rid].engine_waiting,
+            "cost_tokens": cost[rid],
+            "ring_rank": rank[rid],
+        }
+        for rid in order
+    }
+    return Decision(chosen, reason, tuple(rest), depth[chosen], len(chain), details)
+
+
+class LoadTracker:
+    """This router's in-flight work per replica, counted at dispatch. Pure bookkeeping.
+
+    ``dispatch`` adds one request and its prefill tokens; ``first_token``
+    releases the prefill tokens; ``finish`` releases whatever is still held.
+    Both are idempotent per ticket, so every exit path (success, upstream
+    error, client disconnect, timeout) can call ``finish`` safely.
+    """
+
+    __slots__ = ("_avg_prompt_tokens", "_prefill", "_prefilling", "_requests")
+
+    _EWMA_ALPHA: Final = 0.05
+
+    def __init__(self) -> None:
+        self._requests: dict[str, int] = {}  # {replica_id: in-flight requests}
+        self._prefill: dict[str, int] = {}  # {replica_id: prefill tokens before first token}
+        self._prefilling: dict[str, int] = {}  # {replica_id: requests before first token}
+        self._avg_prompt_tokens = 0.0
+
+    @property
+    def avg_prompt_tokens(self) -> float:
+        """Exponentially weighted mean prompt length (tokens) of dispatched requests."""
+        return self._avg_prompt_tokens
+
+    def dispatch(self, replica_id: str, prefill_tokens: int) -> LoadTicket:
+        self._requests[replica_id] = self._requests.get(replica_id, 0) + 1
+        self._prefill[replica_id] = self._prefill.get(replica_id, 0) + prefill_tokens
+        self._prefilling[replica_id] = self._prefilling.get(replica_id, 0) + 1
+        if self._avg_prompt_tokens == 0.0:
+            self._avg_prompt_tokens = float(prefill_tokens)
+        else:
+            self._avg_prompt_tokens += self._EWMA_ALPHA * (prefill_tokens - self._avg_prompt_tokens)
+        return LoadTicket(self, replica_id, prefill_tokens)
+
+    def _release_prefill(self, ticket: LoadTicket) -> None:
+        rid = ticket.replica_id
+        self._prefill[rid] -= ticket.prefill_tokens
+        self._prefilling[rid] -= 1
+
+    def _release_request(self, ticket: LoadTicket) -> None:
+        self._requests[ticket.replica_id] -= 1
+
+    def requests(self, replica_id: str) -> int:
+        return self._requests.get(replica_id, 0)
+
+    def prefill_tokens(self, replica_id: str) -> int:
+        return self._prefill.get(replica_id, 0)
+
+    def prefilling(self, replica_id: str) -> int:
+        return self._prefilling.get(replica_id, 0)
+
+    def snapshot(self) -> dict[str, dict[str, int]]:
+        """``{replica_id: {"requests", "prefill_tokens", "prefilling"}}`` for every replica seen."""
+        return {rid: {"requests": self.requests(rid), "prefill_tokens": self.prefill_tokens(rid),
+                      "prefilling": self.prefilling(rid)} for rid in sorted(self._requests)}
+
+
+class LoadTicket:
+    """One dispatched request's hold on a replica's load (see ``LoadTracker``)."""
+
+    __slots__ = ("_done", "_prefill_done", "prefill_tokens", "replica_id", "tracker")
+
+    def __init__(self, tracker: LoadTracker, replica_id: str, prefill_tokens: int) -> None:
+        self.tracker = tracker
+        self.replica_id = replica_id
+        self.prefill_tokens = prefill_tokens
+        self._prefill_done = False
+        self._done = False
+
+    def first_token(self) -> None:
+        """The replica produced its first byte: the prefill is over."""
+        if not self._prefill_done:
+            self._prefill_done = True
+            self.tracker._release_prefill(self)
+
+    def finish(self) -> None:
+        """The request ended, on any path. Releases everything still held."""
+        self.first_token()
+        if not self._done:
+            self._done = True
+            self.tracker._release_request(self)

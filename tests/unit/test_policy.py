@@ -1,0 +1,164 @@
+"""Routing policy table tests: each row is replicas' state + hit depths -> chosen replica + reason."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import pytest
+
+from router.policy import (
+    LoadTracker,
+    PolicyParams,
+    ReplicaView,
+    RouteInput,
+    decide,
+)
+from router.ring import HashRing
+
+IDS = ("replica-0", "replica-1", "replica-2", "replica-3")
+RING = HashRing(IDS, vnodes=64)
+CHAIN = list(range(1000, 1064))  # 64 blocks = 1024 tokens at block size 16
+PARAMS = PolicyParams(block_size=16, load_factor=1.25, queue_slack_tokens=256)
+
+
+def home_of(key: int) -> str:
+    return RING.order(key)[0]
+
+
+@dataclass
+class Row:
+    name: str
+    combined: dict[str, int]
+    expect_reason: str
+    expect: str | None = None  # None: the ring home of the first un-held block
+    confirmed: dict[str, int] | None = None
+    loads: dict[str, int] = field(default_factory=dict)
+    prefill: dict[str, int] = field(default_factory=dict)
+    no_affinity: tuple[str, ...] = ()
+    num_tokens: int = 1030
+    tokenized: bool = True
+
+
+ROWS = [
+    Row("empty index -> ring home of block 0", {}, "cold_ring"),
+    Row("deepest confirmed wins", {"replica-2": 40, "replica-1": 10}, "prefix_hit", "replica-2"),
+    Row("speculative depth counts", {"replica-3": 30}, "speculative_hit", "replica-3",
+        confirmed={}),
+    Row("shared system prompt on all: ring on first un-held block",
+        {rid: 32 for rid in IDS}, "cold_ring"),
+    Row("hash not verified: no credit", {"replica-2": 40}, "cold_ring", no_affinity=("replica-2",)),
+    Row("over bounded-load cap spills", {"replica-2": 40, "replica-1": 39}, "load_spill",
+        "replica-1", loads={"replica-2": 10, "replica-1": 2, "replica-0": 2, "replica-3": 2}),
+    Row("queued prefill beyond saved prefill -> less loaded", {"replica-2": 8}, "load_balance",
+        None, prefill={"replica-2": 5000}),
+    Row("queued prefill smaller than saved prefill -> keep hit", {"replica-2": 60}, "prefix_hit",
+        "replica-2", prefill={"replica-2": 600}),
+    Row("hit capped at (N-1)//B blocks: equal caps tie -> ring",
+        {"replica-1": 64, "replica-2": 64}, "prefix_hit", None, num_tokens=1024),
+    Row("untokenized prompt rides the ring", {}, "no_tokenizer_ring", tokenized=False),
+]
+
+
+@pytest.mark.parametrize("row", ROWS, ids=[r.name for r in ROWS])
+def test_prefix_policy_table(row: Row) -> None:
+    replicas = [
+        ReplicaView(rid, affinity=rid not in row.no_affinity,
+                    inflight_requests=row.loads.get(rid, 0),
+                    inflight_prefill_tokens=row.prefill.get(rid, 0),
+                    prefilling_requests=1 if row.prefill.get(rid) else 0)
+        for rid in IDS
+    ]
+    confirmed = row.combined if row.confirmed is None else row.confirmed
+    chain = CHAIN if row.tokenized else []
+    request = RouteInput(chain, row.num_tokens if row.tokenized else 0, ring_key=42,
+                         tokenized=row.tokenized)
+    decision = decide("prefix", request, replicas, RING, confirmed=confirmed,
+                      combined=row.combined, params=PARAMS)
+    assert decision.reason == row.expect_reason
+    if row.expect is not None:
+        assert decision.replica_id == row.expect
+    elif row.name.startswith("queued"):
+        assert decision.replica_id != "replica-2"
+    elif row.name.startswith("hit capped"):
+        # both hold the full capped hit (63 blocks); the tie goes to the earlier in ring order
+        # 64 held blocks = the whole chain, so the ring key is the chain's last block
+        order = [r for r in RING.order(CHAIN[-1]) if r in ("replica-1", "replica-2")]
+        assert decision.replica_id == order[0]
+        assert decision.hit_blocks == 63
+    elif row.tokenized:
+        held = max((d for r, d in row.combined.items() if r not in row.no_affinity), default=0)
+        assert decision.replica_id == home_of(CHAIN[held])
+    else:
+        assert decision.replica_id == home_of(42)
+    assert decision.replica_id not in decision.fallbacks
+    assert sorted((decision.replica_id, *decision.fallbacks)) == sorted(IDS)
+    assert set(decision.details) == set(IDS)
+
+
+def test_mooncake_shape_spreads_new_conversations() -> None:
+    """Every prompt shares 32 leading blocks held everywhere; new suffixes spread over the ring."""
+    shared = list(range(32))
+    replicas = [ReplicaView(rid) for rid in IDS]
+    chosen = []
+    for conv in range(400):
+        chain = shared + [10_000 + conv * 100 + j for j in range(20)]
+        depths = {rid: 32 for rid in IDS}
+        d = decide("prefix", RouteInput(chain, 52 * 16 + 5, 0), replicas, RING,
+                   confirmed=depths, combined=depths, params=PARAMS)
+        assert d.reason == "cold_ring"
+        chosen.append(d.replica_id)
+    counts = [chosen.count(rid) for rid in IDS]
+    assert max(counts) / (400 / 4) < 1.35
+
+
+def test_bounded_load_never_exceeds_cap() -> None:
+    replicas = [ReplicaView(rid, inflight_requests=n) for rid, n in zip(IDS, (5, 1, 1, 1), strict=True)]
+    depths = {"replica-0": 60}
+    d = decide("prefix", RouteInput(CHAIN, 1030, 0), replicas, RING, confirmed=depths,
+               combined=depths, params=PARAMS)
+    assert d.replica_id != "replica-0" and d.reason == "load_spill"
+    assert d.details["replica-0"]["over_load_cap"] is True
+
+
+def test_engine_load_merges_with_local() -> None:
+    view = ReplicaView("r", inflight_requests=2, prefilling_requests=1, engine_running=3,
+                       engine_waiting=4, inflight_prefill_tokens=100)
+    assert view.load == 7
+    assert view.queued_prefill_tokens(avg_prompt_tokens=10) == 100 + 3 * 10
+
+
+def test_baselines() -> None:
+    replicas = [ReplicaView(rid, inflight_requests=n) for rid, n in zip(IDS, (3, 0, 0, 2), strict=True)]
+    req = RouteInput(CHAIN, 1030, 7)
+    rr = [decide("round_robin", req, replicas, RING, rr_counter=i).replica_id for i in range(4)]
+    assert rr == sorted(IDS)
+    ll = [decide("least_loaded", req, replicas, RING, rr_counter=i) for i in range(2)]
+    assert [d.replica_id for d in ll] == ["replica-1", "replica-2"]
+    assert ll[0].reason == "least_loaded"
+    ch = decide("consistent_hash", req, replicas, RING, params=PolicyParams(consistent_hash_blocks=4))
+    assert ch.replica_id == home_of(CHAIN[3]) and ch.reason == "consistent_hash"
+    with pytest.raises(ValueError):
+        decide("prefix", req, [], RING)
+    with pytest.raises(ValueError):
+        decide("nope", req, replicas, RING)
+
+
+def test_ring_may_hold_ineligible_replicas() -> None:
+    replicas = [ReplicaView("replica-1"), ReplicaView("replica-9")]
+    d = decide("prefix", RouteInput(CHAIN, 1030, 0), replicas, RING)
+    assert {d.replica_id, *d.fallbacks} == {"replica-1", "replica-9"}
+
+
+def test_load_tracker_releases_on_every_path() -> None:
+    tracker = LoadTracker()
+    t1 = tracker.dispatch("a", 1000)
+    t2 = tracker.dispatch("a", 500)
+    assert tracker.requests("a") == 2 and tracker.prefill_tokens("a") == 1500
+    t1.first_token()
+    t1.first_token()
+    assert tracker.prefill_tokens("a") == 500 and tracker.prefilling("a") == 1
+    t1.finish()
+    t2.finish()  # e.g. a client disconnect before the first token
+    t2.finish()
+    assert tracker.snapshot() == {"a": {"requests": 0, "prefill_tokens": 0, "prefilling": 0}}
+    assert 500 <= tracker.avg_prompt_tokens <= 1000

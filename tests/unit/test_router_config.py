@@ -1,0 +1,57 @@
+"""Router config precedence: CLI flag > ROUTER_* env > YAML > default; validation."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from router.config import ConfigError, RouterConfig, load_config
+
+
+def test_defaults_and_cli(tmp_path: Path) -> None:
+    cfg = load_config(["--replica", "http://127.0.0.1:1", "--replica", "http://127.0.0.1:2"], env={})
+    assert cfg.replicas == ("http://127.0.0.1:1", "http://127.0.0.1:2")
+    assert cfg.policy == "prefix" and cfg.block_size == 16 and cfg.load_factor == 1.25
+    assert cfg.port == 8000 and cfg.max_body_bytes == 32 * 1024 * 1024
+
+
+def test_precedence_cli_env_yaml(tmp_path: Path) -> None:
+    path = tmp_path / "router.yaml"
+    path.write_text("redis_url: redis://127.0.0.1:1\nblock_size: 32\npolicy: round_robin\n"
+                    "load_factor: 1.5\nreplicas: [http://a:1, http://b:2]\n")
+    env = {"ROUTER_CONFIG": str(path), "ROUTER_BLOCK_SIZE": "64", "ROUTER_POLICY": "least_loaded"}
+    cfg = load_config(["--policy", "consistent_hash"], env=env)
+    assert cfg.block_size == 64  # env beats YAML
+    assert cfg.policy == "consistent_hash"  # CLI beats env
+    assert cfg.load_factor == 1.5  # YAML beats default
+    assert cfg.replicas == ("http://a:1", "http://b:2")
+    assert cfg.config == str(path)
+    env_list = load_config([], env={"ROUTER_REPLICAS": "http://a:1, http://b:2"})
+    assert env_list.replicas == ("http://a:1", "http://b:2")
+
+
+@pytest.mark.parametrize("argv, message", [
+    ([], "need --redis-url"),
+    (["--replica", "a:1"], "http://"),
+    (["--replica", "http://a:1", "--policy", "best"], "policy"),
+    (["--replica", "http://a:1", "--load-factor", "0.5"], "load_factor"),
+    (["--replica", "http://a:1", "--block-size", "x"], "block_size"),
+    (["--replica", "http://a:1", "--hash-algo", "md5"], "hash_algo"),
+])
+def test_invalid(argv: list[str], message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        load_config(argv, env={})
+
+
+def test_yaml_unknown_key(tmp_path: Path) -> None:
+    path = tmp_path / "bad.yaml"
+    path.write_text("nope: 1\n")
+    with pytest.raises(ConfigError, match="unknown key"):
+        load_config(["--config", str(path)], env={})
+
+
+def test_frozen() -> None:
+    cfg = RouterConfig(replicas=("http://a:1",))
+    with pytest.raises(AttributeError):
+        cfg.port = 1  # type: ignore[misc]
