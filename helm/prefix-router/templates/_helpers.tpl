@@ -1,0 +1,242 @@
+{{/*
+Names, labels and the values every component must agree on. The block-hash
+settings (block size, hash algorithm, seed, LoRA adapters) are computed here
+once and used by the engine, worker and router templates, so they cannot drift.
+*/}}
+
+{{- define "prefix-router.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{- define "prefix-router.fullname" -}}
+{{- if .Values.fullnameOverride }}
+{{- .Values.fullnameOverride | trunc 63 | trimSuffix "-" }}
+{{- else }}
+{{- $name := default .Chart.Name .Values.nameOverride }}
+{{- if contains $name .Release.Name }}
+{{- .Release.Name | trunc 63 | trimSuffix "-" }}
+{{- else }}
+{{- printf "%s-%s" .Release.Name $name | trunc 63 | trimSuffix "-" }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{- define "prefix-router.chart" -}}
+{{- printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{- define "prefix-router.labels" -}}
+helm.sh/chart: {{ include "prefix-router.chart" . }}
+{{ include "prefix-router.selectorLabels" . }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+app.kubernetes.io/part-of: prefix-router
+{{- end }}
+
+{{- define "prefix-router.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "prefix-router.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+{{- end }}
+
+{{/* Component labels: call with (dict "root" $ "component" "router"). */}}
+{{- define "prefix-router.componentLabels" -}}
+{{ include "prefix-router.labels" .root }}
+app.kubernetes.io/component: {{ .component }}
+{{- end }}
+
+{{- define "prefix-router.componentSelectorLabels" -}}
+{{ include "prefix-router.selectorLabels" .root }}
+app.kubernetes.io/component: {{ .component }}
+{{- end }}
+
+{{- define "prefix-router.serviceAccountName" -}}
+{{- if .Values.serviceAccount.create }}
+{{- default (include "prefix-router.fullname" .) .Values.serviceAccount.name }}
+{{- else }}
+{{- default "default" .Values.serviceAccount.name }}
+{{- end }}
+{{- end }}
+
+{{- define "prefix-router.image" -}}
+{{- printf "%s:%s" .Values.image.repository (default .Chart.AppVersion .Values.image.tag) }}
+{{- end }}
+
+{{- define "prefix-router.routerName" -}}
+{{- printf "%s-router" (include "prefix-router.fullname" .) | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{- define "prefix-router.redisName" -}}
+{{- printf "%s-redis" (include "prefix-router.fullname" .) | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{- define "prefix-router.fleetName" -}}
+{{- printf "%s-fleet" (include "prefix-router.fullname" .) | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{/* ---------------------------------------------------------------------------
+The shared model settings, validated once. Every template that needs one of
+them goes through these helpers; "prefix-router.validate" runs in each of them,
+so a bad value fails the render with one clear message whichever template Helm
+renders first (also under --skip-schema-validation).
+--------------------------------------------------------------------------- */}}
+
+{{- define "prefix-router.hashAlgos" -}}
+sha256 sha256_cbor xxhash xxhash_cbor
+{{- end }}
+
+{{/* PYTHONHASHSEED as a string; empty when unset. Numbers from --set arrive as
+float64, so format them as integers. */}}
+{{- define "prefix-router.hashSeed" -}}
+{{- $seed := .Values.model.hashSeed }}
+{{- if kindIs "invalid" $seed }}
+{{- else if kindIs "string" $seed }}
+{{- $seed }}
+{{- else if or (kindIs "float64" $seed) (kindIs "int" $seed) (kindIs "int64" $seed) }}
+{{- $seed | int64 | toString }}
+{{- else }}
+{{- fail (printf "model.hashSeed must be a decimal integer string such as \"0\", got %v" $seed) }}
+{{- end }}
+{{- end }}
+
+{{- define "prefix-router.validate" -}}
+{{- $m := .Values.model }}
+{{- $bs := $m.blockSize }}
+{{- if not (or (kindIs "float64" $bs) (kindIs "int" $bs) (kindIs "int64" $bs)) }}
+{{- fail (printf "model.blockSize must be an integer number of tokens >= 1, got %v" $bs) }}
+{{- end }}
+{{- if or (lt (float64 $bs) 1.0) (ne (float64 $bs) (float64 (int64 $bs))) }}
+{{- fail (printf "model.blockSize must be an integer number of tokens >= 1, got %v" $bs) }}
+{{- end }}
+{{- $algos := splitList " " (include "prefix-router.hashAlgos" .) }}
+{{- if not (has (toString $m.hashAlgo) $algos) }}
+{{- fail (printf "model.hashAlgo must be one of %s (vLLM --prefix-caching-hash-algo), got %q" (join ", " $algos) (toString $m.hashAlgo)) }}
+{{- end }}
+{{- $seed := include "prefix-router.hashSeed" . }}
+{{- if and (hasPrefix "xxhash" $m.hashAlgo) (eq $seed "") }}
+{{- fail (printf "model.hashSeed is required when model.hashAlgo is %s: without PYTHONHASHSEED vLLM seeds xxhash block hashes with a random value per process, so the router could never match them. Set model.hashSeed to a decimal integer string, e.g. \"0\"." $m.hashAlgo) }}
+{{- end }}
+{{- if and (ne $seed "") (not (regexMatch "^[0-9]+$" $seed)) }}
+{{- fail (printf "model.hashSeed must be a decimal integer in [0, 4294967295] (Python refuses any other PYTHONHASHSEED), got %q" $seed) }}
+{{- end }}
+{{- if and (ne $seed "") (gt (len $seed) 10) }}
+{{- fail (printf "model.hashSeed must be a decimal integer in [0, 4294967295] (Python refuses any other PYTHONHASHSEED), got %q" $seed) }}
+{{- end }}
+{{- if and (ne $seed "") (gt (float64 $seed) 4294967295.0) }}
+{{- fail (printf "model.hashSeed must be a decimal integer in [0, 4294967295] (Python refuses any other PYTHONHASHSEED), got %q" $seed) }}
+{{- end }}
+{{- range $m.loraAdapters }}
+{{- if or (not .name) (not .path) }}
+{{- fail "every model.loraAdapters entry needs a name and a path" }}
+{{- end }}
+{{- end }}
+{{- if not (has .Values.fleet.engine (list "vllm" "emulator")) }}
+{{- fail (printf "fleet.engine must be vllm or emulator, got %q" (toString .Values.fleet.engine)) }}
+{{- end }}
+{{- with .Values.redis.external.url }}
+{{- if not (or (hasPrefix "redis://" .) (hasPrefix "rediss://" .)) }}
+{{- fail (printf "redis.external.url must start with redis:// or rediss:// (TLS), got %q" .) }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{- define "prefix-router.blockSize" -}}
+{{- include "prefix-router.validate" . }}
+{{- .Values.model.blockSize | int64 }}
+{{- end }}
+
+{{- define "prefix-router.hashAlgo" -}}
+{{- include "prefix-router.validate" . }}
+{{- .Values.model.hashAlgo }}
+{{- end }}
+
+{{- define "prefix-router.servedModelName" -}}
+{{- default .Values.model.name .Values.model.servedModelName }}
+{{- end }}
+
+{{/* The router's tokenizer; empty means "router default". */}}
+{{- define "prefix-router.tokenizer" -}}
+{{- if .Values.model.tokenizer }}
+{{- .Values.model.tokenizer }}
+{{- else if eq .Values.fleet.engine "vllm" }}
+{{- .Values.model.name }}
+{{- end }}
+{{- end }}
+
+{{/* LoRA adapters as vLLM's "name=path" strings, one per line. */}}
+{{- define "prefix-router.loraModules" -}}
+{{- range .Values.model.loraAdapters }}
+{{ printf "%s=%s" .name .path }}
+{{- end }}
+{{- end }}
+
+{{/* vLLM --kv-events-config JSON: pod-local ZMQ publisher and replay sockets. */}}
+{{- define "prefix-router.kvEventsConfig" -}}
+{{- $kv := .Values.fleet.kvEvents }}
+{{- dict "enable_kv_cache_events" true "publisher" "zmq" "endpoint" (printf "tcp://*:%d" (int $kv.port)) "replay_endpoint" (printf "tcp://*:%d" (int $kv.replayPort)) "buffer_steps" (int $kv.bufferSteps) "topic" "" | toJson }}
+{{- end }}
+
+{{/* ---------------------------------------------------------------------------
+Redis: the URL every client uses, and the password/TLS wiring.
+--------------------------------------------------------------------------- */}}
+
+{{- define "prefix-router.redisBundled" -}}
+{{- if not .Values.redis.external.url }}true{{ end }}
+{{- end }}
+
+{{- define "prefix-router.redisTlsCaPath" -}}
+/etc/prefix-router/redis-tls/{{ .Values.redis.external.tls.caKey }}
+{{- end }}
+
+{{- define "prefix-router.redisUrl" -}}
+{{- include "prefix-router.validate" . }}
+{{- if .Values.redis.external.url }}
+{{- $url := .Values.redis.external.url }}
+{{- if and (hasPrefix "rediss://" $url) .Values.redis.external.tls.caSecret }}
+{{- printf "%s%sssl_ca_certs=%s" $url (ternary "&" "?" (contains "?" $url)) (include "prefix-router.redisTlsCaPath" .) }}
+{{- else }}
+{{- $url }}
+{{- end }}
+{{- else }}
+{{- printf "redis://%s.%s.svc:%d/0" (include "prefix-router.redisName" .) .Release.Namespace (int .Values.redis.bundled.port) }}
+{{- end }}
+{{- end }}
+
+{{/* Env entry with the Redis password from the Secret; call with (dict "root" $ "name" "ROUTER_REDIS_PASSWORD"). */}}
+{{- define "prefix-router.redisPasswordEnv" -}}
+{{- if .root.Values.redis.auth.existingSecret -}}
+- name: {{ .name }}
+  valueFrom:
+    secretKeyRef:
+      name: {{ .root.Values.redis.auth.existingSecret }}
+      key: {{ .root.Values.redis.auth.existingSecretPasswordKey }}
+{{- end }}
+{{- end }}
+
+{{- define "prefix-router.redisTlsVolumeMount" -}}
+{{- if and .Values.redis.external.url (hasPrefix "rediss://" .Values.redis.external.url) .Values.redis.external.tls.caSecret -}}
+- name: redis-tls
+  mountPath: /etc/prefix-router/redis-tls
+  readOnly: true
+{{- end }}
+{{- end }}
+
+{{- define "prefix-router.redisTlsVolume" -}}
+{{- if and .Values.redis.external.url (hasPrefix "rediss://" .Values.redis.external.url) .Values.redis.external.tls.caSecret -}}
+- name: redis-tls
+  secret:
+    secretName: {{ .Values.redis.external.tls.caSecret }}
+    items:
+      - key: {{ .Values.redis.external.tls.caKey }}
+        path: {{ .Values.redis.external.tls.caKey }}
+{{- end }}
+{{- end }}
+
+{{- define "prefix-router.hfTokenEnv" -}}
+{{- if .Values.model.hfToken.existingSecret -}}
+- name: HF_TOKEN
+  valueFrom:
+    secretKeyRef:
+      name: {{ .Values.model.hfToken.existingSecret }}
+      key: {{ .Values.model.hfToken.key }}
+{{- end }}
+{{- end }}
