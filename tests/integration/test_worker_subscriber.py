@@ -1,0 +1,245 @@
+"""The KV event subscriber against real ZMQ PUB/ROUTER sockets driven by the test.
+
+Covers, independently of the emulator: captured vLLM frames, a gap healed by
+replay, a gap the replay cannot cover, an engine restart (seq backwards), a
+restarted worker continuing from its last seq, a replay that never answers and
+malformed messages.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import pytest
+
+from loadtest.kv_publisher import KVEventPublisher
+from tests.conftest import load_vectors
+from worker.kv_events import BlockStored, KVEventBatch, event_hash_key
+from worker.replica_view import NO_SEQ
+from worker.subscriber import KVEventSubscriber
+
+pytestmark = pytest.mark.timeout(60)
+
+
+class RecordingSink:
+    def __init__(self) -> None:
+        self.applied: list[int] = []
+        self.batches: list[KVEventBatch] = []
+        self.resyncs: list[str] = []
+        self.log: list[Any] = []
+
+    def apply(self, seq: int, batch: KVEventBatch) -> None:
+        self.applied.append(seq)
+        self.batches.append(batch)
+        self.log.append(seq)
+
+    def resync(self, reason: str) -> None:
+        self.resyncs.append(reason)
+        self.log.append("resync")
+
+
+def one_block(n: int) -> KVEventBatch:
+    return KVEventBatch(ts=float(n), events=[BlockStored(
+        block_hashes=[n], parent_block_hash=None, token_ids=[n] * 16, block_size=16,
+        lora_id=None, medium="GPU", lora_name=None)], data_parallel_rank=0)
+
+
+async def until(cond: Callable[[], object], timeout_s: float = 10.0) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while not cond():
+        if asyncio.get_running_loop().time() > deadline:
+            raise TimeoutError("condition not met")
+        await asyncio.sleep(0.01)
+
+
+@contextlib.asynccontextmanager
+async def running(sub: KVEventSubscriber) -> AsyncIterator[KVEventSubscriber]:
+    task = asyncio.create_task(sub.run())
+    try:
+        yield sub
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+
+
+async def connected(pub: KVEventPublisher, sub: KVEventSubscriber, sink: RecordingSink) -> None:
+    """Publish until the subscription is live (ZMQ slow joiner); the first batches may come by replay."""
+    await sub.connected.wait()
+    target = len(sink.applied) + 1
+    await pub.publish(one_block(1000 + pub.next_seq))
+    await until(lambda: len(sink.applied) >= target)
+
+
+async def test_captured_vllm_frames_are_applied() -> None:
+    frames = load_vectors("vllm-kv-event-frames.json")
+    variant = frames["variants"][1]  # raw-digest hashes, topic "kv-events"
+    payload = bytes.fromhex(variant["frames_hex"][2])
+    sink = RecordingSink()
+    async with KVEventPublisher(topic=variant["topic"]) as pub:
+        sub = KVEventSubscriber(pub.endpoint, sink, replay_endpoint=pub.replay_endpoint,
+                                topic=variant["topic"])
+        async with running(sub):
+            await pub.publish(payload)
+            await until(lambda: sink.applied == [0])
+    stored = sink.batches[0].events[0]
+    assert isinstance(stored, BlockStored)
+    assert [event_hash_key(h) for h in stored.block_hashes] == [3262291359910021016,
+                                                                7142137847444424233]
+    assert [type(e).__name__ for e in sink.batches[0].events] == [
+        "BlockStored", "BlockRemoved", "AllBlocksCleared"]
+    assert sink.resyncs == []
+
+
+async def test_gap_is_filled_by_replay_in_order() -> None:
+    sink = RecordingSink()
+    async with KVEventPublisher() as pub:
+        sub = KVEventSubscriber(pub.endpoint, sink, replay_endpoint=pub.replay_endpoint)
+        async with running(sub):
+            await connected(pub, sub, sink)
+            gaps, replays = sub.stats.num_gaps, pub.num_replay_requests
+            await pub.publish(one_block(1), drop=True)
+            await pub.publish(one_block(2), drop=True)
+            await pub.publish(one_block(3))
+            await pub.publish(one_block(4))
+            await until(lambda: sink.applied[-1:] == [4])
+    assert sink.applied == [0, 1, 2, 3, 4]
+    assert sink.resyncs == []
+    assert sub.stats.num_gaps == gaps + 1
+    assert pub.num_replay_requests == replays + 1
+    assert sub.last_seq == 4
+
+
+async def test_gap_the_replay_cannot_cover_resyncs_and_rebuilds() -> None:
+    sink = RecordingSink()
+    async with KVEventPublisher(buffer_steps=2) as pub:
+        sub = KVEventSubscriber(pub.endpoint, sink, replay_endpoint=pub.replay_endpoint)
+        async with running(sub):
+            await connected(pub, sub, sink)
+            for n in (1, 2, 3):
+                await pub.publish(one_block(n), drop=True)
+            await pub.publish(one_block(4))  # buffer now holds 3 and 4 only
+            await until(lambda: sink.applied[-1:] == [4])
+    assert sink.log == [0, "resync", 3, 4]
+    assert "replay buffer starts at seq 3, needed 1" in sink.resyncs[0]
+    assert sub.stats.num_replay_failures == 1
+
+
+async def test_gap_without_replay_socket_resyncs() -> None:
+    sink = RecordingSink()
+    async with KVEventPublisher() as pub:
+        sub = KVEventSubscriber(pub.endpoint, sink, replay_endpoint=None)
+        async with running(sub):
+            await sub.connected.wait()
+            # Without replay the first batches may be lost to the slow joiner: publish until one arrives.
+            while not sink.applied:
+                await pub.publish(one_block(pub.next_seq))
+                await asyncio.sleep(0.02)
+            first = sink.applied[0]
+            assert sink.resyncs == []  # no history yet: any starting seq is accepted
+            last = pub.next_seq - 1
+            await until(lambda: sink.applied[-1] == last)
+            await pub.publish(one_block(0), drop=True)
+            await pub.publish(one_block(1))
+            await until(lambda: sink.applied[-1] == last + 2)
+    assert sink.applied == [*range(first, last + 1), last + 2]
+    assert len(sink.resyncs) == 1 and "lost" in sink.resyncs[0]
+
+
+async def test_engine_restart_is_detected() -> None:
+    sink = RecordingSink()
+    async with KVEventPublisher() as pub:
+        sub = KVEventSubscriber(pub.endpoint, sink, replay_endpoint=pub.replay_endpoint)
+        async with running(sub):
+            await connected(pub, sub, sink)
+            await pub.publish(one_block(1))
+            await pub.publish(one_block(2))
+            await until(lambda: sink.applied[-1:] == [2])
+            pub.restart()
+            await pub.publish(one_block(0), drop=True)  # the new engine's first batches are missed
+            await pub.publish(one_block(1), drop=True)
+            await pub.publish(one_block(2))
+            await until(lambda: sink.log[-1:] == [2] and "resync" in sink.log)
+    assert sink.log == [0, 1, 2, "resync", 0, 1, 2]
+    assert "seq went from 2 to 2" in sink.resyncs[0]
+    assert sub.stats.num_restarts == 1
+
+
+async def test_engine_restart_to_seq_zero() -> None:
+    sink = RecordingSink()
+    async with KVEventPublisher() as pub:
+        sub = KVEventSubscriber(pub.endpoint, sink, replay_endpoint=pub.replay_endpoint)
+        async with running(sub):
+            await connected(pub, sub, sink)
+            await pub.publish(one_block(1))
+            await until(lambda: sink.applied[-1:] == [1])
+            pub.restart()
+            await pub.publish(one_block(0))
+            await until(lambda: sink.log[-2:] == ["resync", 0])
+    assert sink.log == [0, 1, "resync", 0]
+    assert "seq went from 1 to 0" in sink.resyncs[0]
+
+
+async def test_restarted_worker_continues_from_last_seq() -> None:
+    sink = RecordingSink()
+    async with KVEventPublisher() as pub:
+        for n in range(6):
+            await pub.publish(one_block(n))  # nobody listening: only the replay buffer has them
+        sub = KVEventSubscriber(pub.endpoint, sink, replay_endpoint=pub.replay_endpoint,
+                                last_seq=3)
+        async with running(sub):
+            await until(lambda: sink.applied[-1:] == [5])
+            await pub.publish(one_block(6))
+            await until(lambda: sink.applied[-1:] == [6])
+    assert sink.applied == [4, 5, 6]
+    assert sink.resyncs == []
+
+
+async def test_fresh_worker_picks_up_history_from_replay() -> None:
+    sink = RecordingSink()
+    async with KVEventPublisher() as pub:
+        for n in range(3):
+            await pub.publish(one_block(n))
+        sub = KVEventSubscriber(pub.endpoint, sink, replay_endpoint=pub.replay_endpoint,
+                                last_seq=NO_SEQ)
+        async with running(sub):
+            await until(lambda: sink.applied[-1:] == [2])
+    assert sink.applied == [0, 1, 2]
+
+
+async def test_replay_timeout_resyncs() -> None:
+    sink = RecordingSink()
+    async with KVEventPublisher(replay_enabled=False) as pub:
+        sub = KVEventSubscriber(pub.endpoint, sink, replay_endpoint=pub.replay_endpoint,
+                                last_seq=NO_SEQ, start_replay=False, replay_timeout_s=0.3)
+        async with running(sub):
+            await sub.connected.wait()
+            while not sink.applied:
+                await pub.publish(one_block(pub.next_seq))
+                await asyncio.sleep(0.05)
+            last = pub.next_seq - 1
+            await until(lambda: sink.applied[-1] == last)
+            await pub.publish(one_block(0), drop=True)
+            await pub.publish(one_block(1))
+            await until(lambda: sink.applied[-1] == last + 2, timeout_s=5)
+    assert len(sink.resyncs) == 1
+    assert sub.stats.num_replay_failures >= 1
+
+
+async def test_malformed_messages_are_counted_and_dropped() -> None:
+    sink = RecordingSink()
+    async with KVEventPublisher() as pub:
+        sub = KVEventSubscriber(pub.endpoint, sink, replay_endpoint=pub.replay_endpoint)
+        async with running(sub):
+            await connected(pub, sub, sink)
+            await pub.send_raw([b"", b"\x00\x01"])  # two frames
+            await pub.send_raw([b"", b"\x00" * 8, b"\xc1 not msgpack"])
+            await pub.send_raw([b"", b"\x00" * 3, b"\x90"])  # bad seq frame
+            await pub.publish(one_block(1))
+            await until(lambda: sink.applied[-1:] == [1])
+    assert sub.stats.num_malformed == 3
+    assert sink.applied == [0, 1]
+    assert sink.resyncs == []

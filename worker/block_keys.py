@@ -1,0 +1,145 @@
+"""Turning the hashes in KV events into the project's 64-bit block keys. Pure: no I/O.
+
+Two modes, named by the heartbeat field ``key_mode``:
+
+* ``engine``: the key is the event's hash itself (``event_hash_key``). Right
+  whenever the engine hashes the way the routers do (the probe verifies this).
+* ``recomputed``: the engine's hashes disagree with the routers' (another
+  ``PYTHONHASHSEED``, algorithm or block size), so each ``BlockStored`` is
+  re-hashed from its ``token_ids`` and extra keys with the routers' settings,
+  following ``parent_block_hash`` through a map {engine key: our digest}. A
+  ``BlockRemoved`` maps the engine's hash back through the same map.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Final, Protocol
+
+from router.hashing import BlockHasher, block_key
+from worker.kv_events import (
+    BlockRemoved,
+    BlockStored,
+    KVEventDecodeError,
+    event_hash_key,
+    from_event_extra_keys,
+)
+
+KEY_MODE_ENGINE: Final = "engine"
+KEY_MODE_RECOMPUTED: Final = "recomputed"
+
+
+class UnresolvableEvent(KVEventDecodeError):
+    """An event whose keys cannot be computed (unknown parent, unknown LoRA path, wrong block size)."""
+
+
+class KeyMapper(Protocol):
+    """Engine event -> block keys. ``stored``/``removed`` raise ``KVEventDecodeError`` on bad input."""
+
+    mode: str
+
+    def stored(self, event: BlockStored) -> list[int]: ...
+
+    def removed(self, event: BlockRemoved) -> list[int]: ...
+
+    def clear(self) -> None: ...
+
+
+class EngineKeys:
+    """``key_mode=engine``: block key = the event's own hash (64-bit int, or a raw digest reduced)."""
+
+    mode = KEY_MODE_ENGINE
+
+    def stored(self, event: BlockStored) -> list[int]:
+        return [event_hash_key(h) for h in event.block_hashes]
+
+    def removed(self, event: BlockRemoved) -> list[int]:
+        return [event_hash_key(h) for h in event.block_hashes]
+
+    def clear(self) -> None:
+        return None
+
+
+@dataclass(slots=True)
+class _Mapped:
+    digest: bytes  # our raw digest of the block
+    copies: int  # engine copies stored and not yet removed
+
+
+class RecomputedKeys:
+    """``key_mode=recomputed``: re-hash ``BlockStored.token_ids`` with the routers' ``hasher``.
+
+    ``lora_path(name)`` returns the adapter path the engine registered (``root``
+    of its ``/v1/models`` card) or None. Keeps {engine key: (our digest, copies)}
+    for every block it has seen stored and not yet removed as often, so memory
+    is bounded by the replica's resident blocks. Source of the rule being
+    re-applied: vLLM 0.33 ``hash_block_tokens`` and ``to_event_extra_keys``.
+    """
+
+    mode = KEY_MODE_RECOMPUTED
+
+    def __init__(self, hasher: BlockHasher, lora_path: Callable[[str], str | None]) -> None:
+        self.hasher = hasher
+        self._lora_path = lora_path
+        self._engine_to_ours: dict[int, _Mapped] = {}  # {engine key: our digest and copies}
+
+    def __len__(self) -> int:
+        return len(self._engine_to_ours)
+
+    def stored(self, event: BlockStored) -> list[int]:
+        size = self.hasher.block_size
+        num_blocks = len(event.block_hashes)
+        if event.block_size != size:
+            raise UnresolvableEvent(
+                f"event block size {event.block_size} differs from the routers' {size}"
+            )
+        if len(event.token_ids) != size * num_blocks:
+            raise UnresolvableEvent(
+                f"{len(event.token_ids)} token ids for {num_blocks} blocks of {size}"
+            )
+        parent: bytes | None = None
+        first_index = 0
+        if event.parent_block_hash is not None:
+            entry = self._engine_to_ours.get(event_hash_key(event.parent_block_hash))
+            if entry is None:
+                raise UnresolvableEvent("parent block unknown (stored before this worker saw it)")
+            parent = entry.digest
+            first_index = 1  # any block after block 0; only "is it block 0" matters (cache_salt)
+        lora_path = self._lora_path(event.lora_name) if event.lora_name else None
+        extra_keys = event.extra_keys or [None] * num_blocks
+        out: list[int] = []
+        for i, engine_hash in enumerate(event.block_hashes):
+            extra = from_event_extra_keys(
+                extra_keys[i] if i < len(extra_keys) else None,
+                block_index=first_index + i,
+                lora_name=event.lora_name,
+                lora_path=lora_path,
+            )
+            parent = self.hasher.hash_block(parent, event.token_ids[i * size : (i + 1) * size], extra)
+            engine_key = event_hash_key(engine_hash)
+            entry = self._engine_to_ours.get(engine_key)
+            if entry is None:
+                self._engine_to_ours[engine_key] = _Mapped(parent, 1)
+            else:
+                entry.copies += 1
+            out.append(block_key(parent))
+        return out
+
+    def removed(self, event: BlockRemoved) -> list[int]:
+        out: list[int] = []
+        table = self._engine_to_ours
+        for engine_hash in event.block_hashes:
+            engine_key = event_hash_key(engine_hash)
+            entry = table.get(engine_key)
+            if entry is None:
+                continue  # never seen stored: nothing of ours to remove
+            out.append(block_key(entry.digest))
+            if entry.copies == 1:
+                del table[engine_key]
+            else:
+                entry.copies -= 1
+        return out
+
+    def clear(self) -> None:
+        self._engine_to_ours.clear()

@@ -1,0 +1,141 @@
+"""The worker's view of one replica's prefix cache: events in, Redis changes out. Pure: no I/O.
+
+``ReplicaView`` applies decoded KV event batches (vLLM 0.33 ``KVEventBatch``) to
+a reference-counted ``BlockSet`` through a ``KeyMapper`` and returns the
+externally visible ``Change``s: keys that became resident (``stored``), keys
+that stopped being resident (``removed``), or a reset (``cleared``: the set is
+replaced by ``keys``, usually empty, under a new ``epoch``). The Redis writer
+turns each change into set updates plus one ``{prefix}:events`` stream entry.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from dataclasses import dataclass, field
+
+from router.contract import OP_CLEARED, OP_REMOVED, OP_STORED
+from worker.block_keys import EngineKeys, KeyMapper
+from worker.block_set import BlockSet
+from worker.kv_events import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    KVEventBatch,
+    KVEventDecodeError,
+)
+
+logger = logging.getLogger(__name__)
+
+NO_SEQ = -1  # last applied seq before any batch
+
+
+@dataclass(frozen=True, slots=True)
+class Change:
+    """One externally visible change of the replica's resident set.
+
+    ``op``: ``stored`` / ``removed`` (``keys`` = the 0->1 or 1->0 transitions) or
+    ``cleared`` (the set is replaced by ``keys`` under ``epoch``); ``seq``: the
+    KV event batch sequence number it came from (``NO_SEQ`` when none).
+    """
+
+    op: str
+    keys: list[int]
+    epoch: int
+    seq: int
+
+
+@dataclass(slots=True)
+class ViewStats:
+    """Cumulative counters read by the metrics collector."""
+
+    events: Counter[str] = field(default_factory=Counter)  # {event type: events applied}
+    num_bad_events: int = 0  # events dropped because their keys could not be computed
+    num_epoch_resets: int = 0
+    last_batch_ts: float = 0.0  # engine timestamp (unix s) of the last applied batch
+
+
+class ReplicaView:
+    """Resident block keys of one replica, its ``epoch`` and last applied ``seq``.
+
+    ``epoch`` increases on every reset (engine restart, cache clear, resync,
+    Redis rewrite, key-mode switch); ``seq`` is the last KV event batch applied.
+    """
+
+    def __init__(self, epoch: int = 0, seq: int = NO_SEQ, keys: list[int] | None = None,
+                 mapper: KeyMapper | None = None) -> None:
+        self.blocks = BlockSet(keys or ())
+        self.epoch = epoch
+        self.seq = seq
+        self.mapper: KeyMapper = mapper if mapper is not None else EngineKeys()
+        self.stats = ViewStats()
+
+    @property
+    def key_mode(self) -> str:
+        return self.mapper.mode
+
+    def apply_batch(self, seq: int, batch: KVEventBatch) -> list[Change]:
+        """Apply one batch; return its changes in order, consecutive same-op runs merged.
+
+        An ``AllBlocksCleared`` resets the set and bumps ``epoch`` (vLLM 0.33
+        ``reset_prefix_cache``); changes before it in the batch are superseded.
+        An event whose keys cannot be computed is dropped and counted.
+        """
+        changes: list[Change] = []
+        blocks, mapper, stats = self.blocks, self.mapper, self.stats
+        for event in batch.events:
+            try:
+                if isinstance(event, BlockStored):
+                    op, keys = OP_STORED, blocks.store(mapper.stored(event))
+                elif isinstance(event, BlockRemoved):
+                    op, keys = OP_REMOVED, blocks.remove(mapper.removed(event))
+                elif isinstance(event, AllBlocksCleared):
+                    stats.events["AllBlocksCleared"] += 1
+                    self.seq = seq
+                    changes = [self._reset("engine cleared its prefix cache (AllBlocksCleared)")]
+                    continue
+                else:  # pragma: no cover - decode_batch only yields the three types
+                    raise KVEventDecodeError(f"unknown event {type(event).__name__}")
+            except KVEventDecodeError as exc:
+                stats.num_bad_events += 1
+                logger.warning("dropping %s in batch seq %d: %s", type(event).__name__, seq, exc)
+                continue
+            stats.events[type(event).__name__] += 1
+            if not keys:
+                continue
+            if changes and changes[-1].op == op:
+                changes[-1].keys.extend(keys)
+            else:
+                changes.append(Change(op, keys, self.epoch, seq))
+        self.seq = seq
+        stats.last_batch_ts = batch.ts
+        return changes
+
+    def reset(self, reason: str, seq: int | None = None) -> Change:
+        """Forget everything (the view is no longer trustworthy); bump ``epoch``.
+
+        ``seq`` (when given) becomes the last applied sequence number.
+        """
+        if seq is not None:
+            self.seq = seq
+        return self._reset(reason)
+
+    def rewrite(self, reason: str) -> Change:
+        """Keep the keys but bump ``epoch`` and publish the whole set (after a Redis outage)."""
+        self.epoch += 1
+        self.stats.num_epoch_resets += 1
+        logger.warning("epoch %d: republishing %d blocks: %s", self.epoch, len(self.blocks), reason)
+        return Change(OP_CLEARED, self.blocks.keys(), self.epoch, self.seq)
+
+    def switch_mapper(self, mapper: KeyMapper, reason: str) -> Change:
+        """Change how keys are computed; the current keys mean nothing under it, so reset."""
+        self.mapper = mapper
+        return self._reset(reason)
+
+    def _reset(self, reason: str) -> Change:
+        self.blocks.clear()
+        self.mapper.clear()
+        self.epoch += 1
+        self.stats.num_epoch_resets += 1
+        logger.warning("epoch %d: replica view reset: %s", self.epoch, reason)
+        return Change(OP_CLEARED, [], self.epoch, self.seq)

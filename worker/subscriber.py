@@ -1,0 +1,271 @@
+"""ZMQ subscriber for one engine's KV events, with sequence tracking and replay. Does I/O (ZMQ).
+
+The engine (vLLM 0.33 ``ZmqEventPublisher``) publishes each batch as
+``[topic, seq (8-byte big-endian), msgpack batch]`` on a PUB socket and keeps the
+last ``buffer_steps`` batches for a ROUTER replay socket: a DEALER sends
+``[b"", start_seq]`` and receives ``[b"", topic, seq, payload]`` per buffered
+batch with ``seq >= start_seq``, then ``[b"", b"", seq=-1, b""]``.
+
+Sequence rules applied here (the sink does the state changes):
+
+* ``seq == last + 1``: apply.
+* ``seq > last + 1`` (a gap): ask the replay socket for ``last + 1`` onwards and
+  apply what it returns; if the replay is missing, times out or starts after
+  ``last + 1``, the view cannot be trusted: ``sink.resync`` (clear, epoch bump)
+  and rebuild from what follows.
+* ``seq <= last`` (seq went backwards: the engine restarted): ``sink.resync``,
+  then treat the engine as new (replay from 0 if the first batch seen is not 0).
+  Live batches that merely repeat what a replay already applied are skipped.
+* Malformed messages are logged, counted and dropped; the loop never dies on
+  one and lets ``CancelledError`` through.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from dataclasses import dataclass
+from typing import Final, Protocol
+
+import zmq
+import zmq.asyncio
+
+from worker.kv_events import (
+    REPLAY_END_SEQ,
+    KVEventBatch,
+    KVEventDecodeError,
+    decode_batch,
+    parse_seq,
+    seq_bytes,
+)
+from worker.replica_view import NO_SEQ
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_REPLAY_TIMEOUT_S: Final = 2.0  # max wait for the next replay reply frame
+SUB_RCVHWM: Final = 100_000  # messages; as vLLM's default publisher hwm
+_YIELD_EVERY: Final = 8  # live messages between forced yields, so the writer task can run
+
+
+class BatchSink(Protocol):
+    """Receives the ordered, de-duplicated stream of batches."""
+
+    def apply(self, seq: int, batch: KVEventBatch) -> None:
+        """Apply batch ``seq`` (always ``last + 1``, or the first after a resync)."""
+
+    def resync(self, reason: str) -> None:
+        """The view is untrustworthy: clear the replica's set and bump the epoch."""
+
+
+@dataclass(slots=True)
+class SubscriberStats:
+    """Cumulative counters read by the metrics collector."""
+
+    num_messages: int = 0
+    num_malformed: int = 0
+    num_gaps: int = 0
+    num_replays: int = 0
+    num_replay_failures: int = 0  # replay missing, timed out or not covering the gap
+    num_restarts: int = 0  # seq went backwards
+    num_duplicates: int = 0
+
+
+class KVEventSubscriber:
+    """SUB client of ``endpoint`` plus DEALER client of ``replay_endpoint`` (None: no replay).
+
+    ``last_seq`` is the last applied sequence number (``NO_SEQ`` = nothing yet);
+    ``start_replay`` asks the replay socket for everything after it on start-up,
+    so a restarted worker continues without losing or double counting batches.
+    """
+
+    def __init__(
+        self,
+        endpoint: str,
+        sink: BatchSink,
+        *,
+        replay_endpoint: str | None = None,
+        topic: str = "",
+        last_seq: int = NO_SEQ,
+        start_replay: bool = True,
+        replay_timeout_s: float = DEFAULT_REPLAY_TIMEOUT_S,
+        context: zmq.asyncio.Context | None = None,
+    ) -> None:
+        self.endpoint = endpoint
+        self.replay_endpoint = replay_endpoint
+        self.topic = topic.encode()
+        self.sink = sink
+        self.last_seq = last_seq
+        self.start_replay = start_replay
+        self.replay_timeout_s = replay_timeout_s
+        self.stats = SubscriberStats()
+        self.connected = asyncio.Event()  # set once the SUB socket is connected
+        self._ctx = context or zmq.asyncio.Context.instance()
+        self._dealer: zmq.asyncio.Socket | None = None
+        self._dup_floor: int | None = None  # live seqs in [floor, last] were applied by a replay
+
+    # -- main loop ---------------------------------------------------------------
+
+    async def run(self) -> None:
+        """Receive batches until cancelled. Never returns otherwise."""
+        sub = self._ctx.socket(zmq.SUB)
+        sub.setsockopt(zmq.RCVHWM, SUB_RCVHWM)
+        sub.setsockopt(zmq.LINGER, 0)
+        sub.setsockopt(zmq.SUBSCRIBE, self.topic)
+        sub.connect(self.endpoint)
+        self.connected.set()
+        logger.info("subscribed to KV events at %s (replay %s)", self.endpoint,
+                    self.replay_endpoint or "off")
+        try:
+            if self.start_replay and self.replay_endpoint:
+                await self._replay(self.last_seq + 1, trigger=None, reason="start-up")
+            received = 0
+            while True:
+                try:
+                    frames = await sub.recv_multipart()
+                    await self.handle_live(frames)
+                except asyncio.CancelledError:
+                    raise
+                except Exception:  # the loop must survive anything one message does
+                    self.stats.num_malformed += 1
+                    logger.exception("KV event subscriber: unexpected error; continuing")
+                    await asyncio.sleep(0.05)
+                received += 1
+                if received % _YIELD_EVERY == 0:
+                    await asyncio.sleep(0)
+        finally:
+            sub.close(linger=0)
+            self._close_dealer()
+
+    async def handle_live(self, frames: list[bytes]) -> None:
+        """Handle one live PUB message ``[topic, seq, payload]``."""
+        self.stats.num_messages += 1
+        decoded = self._decode(frames, live=True)
+        if decoded is None:
+            return
+        seq, batch = decoded
+        expected = self.last_seq + 1
+        if seq == expected:
+            self._dup_floor = None
+            self._apply(seq, batch)
+        elif seq > expected:
+            self.stats.num_gaps += 1
+            if self.last_seq != NO_SEQ:
+                logger.warning("KV event seq gap: expected %d, got %d", expected, seq)
+            await self._replay(expected, trigger=(seq, batch), reason="gap")
+        elif self._dup_floor is not None and seq >= self._dup_floor:
+            self.stats.num_duplicates += 1  # already applied from the replay buffer
+        else:
+            self.stats.num_restarts += 1
+            self.sink.resync(f"engine restarted: KV event seq went from {self.last_seq} to {seq}")
+            self.last_seq = NO_SEQ
+            self._dup_floor = None
+            if seq == 0:
+                self._apply(seq, batch)
+            else:  # the new engine published before we saw it: fetch its history
+                await self._replay(0, trigger=(seq, batch), reason="engine restart")
+
+    # -- replay ------------------------------------------------------------------
+
+    async def _replay(self, start: int, trigger: tuple[int, KVEventBatch] | None, reason: str) -> None:
+        """Apply buffered batches from ``start``; resync if they do not connect to ``last_seq``.
+
+        ``trigger`` is the live batch that revealed the gap (applied afterwards if
+        the replay did not already include it). With ``last_seq == NO_SEQ`` any
+        starting point is accepted: there is no history to connect to.
+        """
+        covered = False
+        if self.replay_endpoint:
+            self.stats.num_replays += 1
+            covered = await self._fetch_replay(start, reason)
+        if not covered:
+            self.stats.num_replay_failures += 1
+        if trigger is not None:
+            seq, batch = trigger
+            if seq <= self.last_seq:
+                self.stats.num_duplicates += 1
+            else:
+                if seq != self.last_seq + 1 and self.last_seq != NO_SEQ:
+                    self._resync(f"batches {self.last_seq + 1}..{seq - 1} lost "
+                                 f"(replay {'could not cover them' if self.replay_endpoint else 'disabled'})")
+                self._apply(seq, batch)
+            self._dup_floor = seq
+        else:
+            self._dup_floor = start
+
+    async def _fetch_replay(self, start: int, reason: str) -> bool:
+        """Request and apply ``start..``; True when the replay ended normally."""
+        dealer = self._get_dealer()
+        logger.info("requesting KV event replay from seq %d (%s)", start, reason)
+        await dealer.send_multipart([b"", seq_bytes(start)])
+        timeout_ms = int(self.replay_timeout_s * 1000)
+        while True:
+            if not await dealer.poll(timeout_ms):
+                logger.warning("KV event replay from %d timed out after %.1fs", start,
+                               self.replay_timeout_s)
+                self._close_dealer()  # late replies must not leak into the next replay
+                return False
+            frames = await dealer.recv_multipart()
+            if len(frames) == 4 and frames[2] and parse_seq_safe(frames[2]) == REPLAY_END_SEQ:
+                return True
+            decoded = self._decode(frames[1:], live=False)
+            if decoded is None:
+                continue
+            seq, batch = decoded
+            expected = self.last_seq + 1
+            if seq < expected:
+                continue
+            if seq > expected and self.last_seq != NO_SEQ:
+                self.stats.num_replay_failures += 1
+                self._resync(f"replay buffer starts at seq {seq}, needed {expected}")
+            self._apply(seq, batch)
+
+    # -- helpers -----------------------------------------------------------------
+
+    def _apply(self, seq: int, batch: KVEventBatch) -> None:
+        self.sink.apply(seq, batch)
+        self.last_seq = seq
+
+    def _resync(self, reason: str) -> None:
+        self.sink.resync(reason)
+
+    def _decode(self, frames: list[bytes], *, live: bool) -> tuple[int, KVEventBatch] | None:
+        where = "live" if live else "replayed"
+        if len(frames) != 3:
+            self.stats.num_malformed += 1
+            logger.warning("dropping %s KV event message with %d frames (want 3)", where, len(frames))
+            return None
+        if frames[0] != self.topic and self.topic:
+            return None
+        try:
+            seq = parse_seq(frames[1])
+            batch = decode_batch(frames[2])
+        except KVEventDecodeError as exc:
+            self.stats.num_malformed += 1
+            logger.warning("dropping malformed %s KV event batch: %s", where, exc)
+            return None
+        return seq, batch
+
+    def _get_dealer(self) -> zmq.asyncio.Socket:
+        if self._dealer is None:
+            dealer = self._ctx.socket(zmq.DEALER)
+            dealer.setsockopt(zmq.LINGER, 0)
+            assert self.replay_endpoint is not None
+            dealer.connect(self.replay_endpoint)
+            self._dealer = dealer
+        return self._dealer
+
+    def _close_dealer(self) -> None:
+        if self._dealer is not None:
+            with contextlib.suppress(zmq.ZMQError):
+                self._dealer.close(linger=0)
+            self._dealer = None
+
+
+def parse_seq_safe(frame: bytes) -> int | None:
+    """``parse_seq`` that returns None instead of raising."""
+    try:
+        return parse_seq(frame)
+    except KVEventDecodeError:
+        return None
+
