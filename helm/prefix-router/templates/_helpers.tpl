@@ -153,12 +153,16 @@ float64, so format them as integers. */}}
 {{- default .Values.model.name .Values.model.servedModelName }}
 {{- end }}
 
-{{/* The router's tokenizer; empty means "router default". */}}
+{{/* The tokenizer the router (and the emulator) use: model.tokenizer, else the
+model itself for vLLM, else the Qwen3 files the image ships for the emulator
+(its default tokenizer). */}}
 {{- define "prefix-router.tokenizer" -}}
 {{- if .Values.model.tokenizer }}
 {{- .Values.model.tokenizer }}
 {{- else if eq .Values.fleet.engine "vllm" }}
 {{- .Values.model.name }}
+{{- else }}
+{{- print "/opt/prefix-router/tokenizers/qwen3" }}
 {{- end }}
 {{- end }}
 

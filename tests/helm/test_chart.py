@@ -1,0 +1,523 @@
+"""Offline tests of the Helm chart in ``helm/prefix-router``.
+
+No cluster and no ``helm`` binary: the chart is rendered and linted by Helm's own
+Go engine through ``helm-python-sdk`` (``helm_python``, which bundles libhelm),
+every rendered object is validated with ``kubernetes-validate --strict`` against
+Kubernetes ``KUBE_VERSION``, and the invariants the fleet depends on are
+asserted on the parsed YAML: router and engines share block size, hash
+algorithm and seed; every engine pod has a worker sidecar that subscribes to its
+own pod's KV events and reports to the chart's Redis; bad values fail the
+render with a clear message. Where the component's own config parser is in the
+tree, the rendered config and arguments are also fed to it (router
+``load_config``, emulator ``from_args``), so the chart cannot drift from the CLIs.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import helm_python as helm
+import kubernetes_validate
+import pytest
+import yaml
+
+CHART_DIR = Path(__file__).resolve().parents[2] / "helm" / "prefix-router"
+RELEASE = "rel"
+NAMESPACE = "llm"
+FULLNAME = "rel-prefix-router"
+KUBE_VERSION = "1.33.0"
+# Custom resources: kubernetes-validate ships only the core API schemas, so these
+# kinds are skipped explicitly (and only these; any other missing schema fails).
+CRD_KINDS = frozenset({("monitoring.coreos.com/v1", "ServiceMonitor")})
+
+# (value-set name, values, rendered objects)
+Rendered = tuple[str, dict[str, Any], list[dict[str, Any]]]
+
+BUNDLED_REDIS_URL = f"redis://{FULLNAME}-redis.{NAMESPACE}.svc:6379/0"
+
+VALUE_SETS: dict[str, dict[str, Any]] = {
+    "defaults": {},
+    "external-redis-tls": {
+        "redis": {
+            "external": {"url": "rediss://redis.example.com:6380/2", "tls": {"caSecret": "redis-ca"}},
+            "auth": {"existingSecret": "redis-auth", "existingSecretPasswordKey": "password"},
+        },
+    },
+    "emulator": {
+        "fleet": {"engine": "emulator", "replicas": 3, "emulator": {"timeScale": 0.5, "numGpuBlocks": 2048}},
+    },
+    "hpa-pdb": {
+        "router": {
+            "autoscaling": {"enabled": True, "minReplicas": 2, "maxReplicas": 6},
+            "pdb": {"enabled": True, "minAvailable": 1},
+        },
+    },
+    "lora": {
+        "model": {
+            "loraAdapters": [
+                {"name": "sql-lora", "path": "/adapters/sql-lora"},
+                {"name": "chat-lora", "path": "org/chat-lora"},
+            ],
+        },
+    },
+    "xxhash-seed": {
+        "model": {"hashAlgo": "xxhash", "hashSeed": "12345", "blockSize": 32},
+        "fleet": {"vllm": {"tensorParallelSize": 4}},
+    },
+    "everything": {
+        # a numeric seed (as `--set model.hashSeed=7` gives) and every optional object
+        "model": {
+            "hashAlgo": "xxhash_cbor", "hashSeed": 4294967295, "blockSize": 64,
+            "servedModelName": "qwen3", "loraAdapters": [{"name": "a", "path": "/adapters/a"}],
+            "hfToken": {"existingSecret": "hf"},
+        },
+        "redis": {
+            "auth": {"existingSecret": "redis-auth"},
+            "bundled": {"persistence": {"enabled": True}, "maxmemory": "2gb"},
+        },
+        "router": {"autoscaling": {"enabled": True}, "pdb": {"enabled": True}},
+        "fleet": {"engine": "emulator", "emulator": {"numGpuBlocks": 1000000}},
+        "metrics": {"serviceMonitor": {"enabled": True}},
+        "grafana": {"dashboard": {"enabled": True}},
+        "imagePullSecrets": [{"name": "regcred"}],
+    },
+}
+
+
+# ------------------------------------------------------------------ rendering
+
+
+@pytest.fixture(scope="module")
+def chart() -> Iterator[helm.Chart]:
+    with helm.Chart.load(CHART_DIR) as loaded:
+        yield loaded
+
+
+def render(chart: helm.Chart, values: dict[str, Any]) -> list[dict[str, Any]]:
+    """Render with Helm's engine; return every object, each tagged with its template path."""
+    manifests = chart.render(values, name=RELEASE, namespace=NAMESPACE)
+    objects: list[dict[str, Any]] = []
+    for path, text in sorted(manifests.items()):
+        if not path.endswith((".yaml", ".yml")):
+            continue
+        for doc in yaml.safe_load_all(text):
+            if doc:
+                doc["__template__"] = path
+                objects.append(doc)
+    return objects
+
+
+@pytest.fixture(scope="module", params=sorted(VALUE_SETS))
+def rendered(request: pytest.FixtureRequest, chart: helm.Chart) -> Rendered:
+    values = VALUE_SETS[request.param]
+    return request.param, values, render(chart, values)
+
+
+def one(objects: list[dict[str, Any]], kind: str, name_suffix: str = "") -> dict[str, Any]:
+    found = [o for o in objects if o["kind"] == kind and o["metadata"]["name"].endswith(name_suffix)]
+    assert len(found) == 1, f"expected one {kind} *{name_suffix}, got {[o['metadata']['name'] for o in found]}"
+    return found[0]
+
+
+def router_config(objects: list[dict[str, Any]]) -> dict[str, Any]:
+    cm = one(objects, "ConfigMap", "-router")
+    cfg = yaml.safe_load(cm["data"]["router.yaml"])
+    assert isinstance(cfg, dict)
+    return cfg
+
+
+def containers(objects: list[dict[str, Any]], kind: str, name_suffix: str) -> dict[str, dict[str, Any]]:
+    pod = one(objects, kind, name_suffix)["spec"]["template"]["spec"]
+    return {c["name"]: c for c in pod["containers"]}
+
+
+def env_of(container: dict[str, Any]) -> dict[str, Any]:
+    """{name: value or valueFrom} of a container's env list."""
+    return {e["name"]: e.get("value", e.get("valueFrom")) for e in container.get("env", [])}
+
+
+def flag(args: list[str], name: str) -> str | None:
+    """Value following ``name`` in an argument list (None when absent)."""
+    if name not in args:
+        return None
+    return args[args.index(name) + 1]
+
+
+def flag_values(args: list[str], name: str) -> list[str]:
+    """Values of an nargs='+' flag: everything after ``name`` up to the next ``--flag``."""
+    if name not in args:
+        return []
+    out = []
+    for arg in args[args.index(name) + 1:]:
+        if arg.startswith("--"):
+            break
+        out.append(arg)
+    return out
+
+
+# ----------------------------------------------------------- lint & validation
+
+
+@pytest.mark.parametrize("value_set", sorted(VALUE_SETS))
+def test_lint_strict(value_set: str) -> None:
+    report = helm.lint(CHART_DIR, VALUE_SETS[value_set], strict=True, namespace=NAMESPACE,
+                       kube_version=f"v{KUBE_VERSION}")
+    problems = [m for m in report["messages"] if m["severity"] >= 2]
+    assert report["errors"] == [] and problems == [], report
+
+
+def test_every_object_validates_strictly(rendered: Rendered) -> None:
+    name, _, objects = rendered
+    validated = []
+    for obj in objects:
+        template = obj.pop("__template__")
+        if (obj["apiVersion"], obj["kind"]) in CRD_KINDS:
+            continue
+        try:
+            kubernetes_validate.validate(obj, KUBE_VERSION, strict=True)
+        except kubernetes_validate.ValidationError as exc:
+            pytest.fail(f"[{name}] {template}: {obj['kind']}/{obj['metadata']['name']} "
+                        f"at {'.'.join(map(str, exc.path))}: {exc.message}")
+        finally:
+            obj["__template__"] = template
+        validated.append(obj["kind"])
+    for kind in ("Deployment", "Service", "ConfigMap", "StatefulSet", "ServiceAccount", "Pod"):
+        assert kind in validated, f"[{name}] no {kind} rendered"
+
+
+def test_strict_validation_can_fail() -> None:
+    """The validator rejects an unknown field (guards against a validation that passes everything)."""
+    bad = {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "x"}, "data": {}, "spce": {}}
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(bad, KUBE_VERSION, strict=True)
+
+
+def test_expected_objects_per_value_set(rendered: Rendered) -> None:
+    _, values, objects = rendered
+    kinds = sorted((o["kind"], o["metadata"]["name"]) for o in objects)
+    external = bool(values.get("redis", {}).get("external"))
+    router = values.get("router", {})
+    assert (("StatefulSet", f"{FULLNAME}-redis") in kinds) is not external
+    assert (("Service", f"{FULLNAME}-redis") in kinds) is not external
+    assert (("HorizontalPodAutoscaler", f"{FULLNAME}-router") in kinds) is router.get("autoscaling", {}).get("enabled", False)
+    assert (("PodDisruptionBudget", f"{FULLNAME}-router") in kinds) is router.get("pdb", {}).get("enabled", False)
+    monitors = [k for k in kinds if k[0] == "ServiceMonitor"]
+    assert len(monitors) == (2 if values.get("metrics", {}).get("serviceMonitor", {}).get("enabled") else 0)
+    deployment = one(objects, "Deployment", "-router")
+    if router.get("autoscaling", {}).get("enabled"):
+        assert "replicas" not in deployment["spec"], "the HPA owns the replica count"
+    else:
+        assert deployment["spec"]["replicas"] == 2
+
+
+# ----------------------------------------------------------------- invariants
+
+
+def engine_settings(engine: dict[str, Any]) -> tuple[int, str, str | None]:
+    args = engine["args"]
+    env = env_of(engine)
+    block_size = flag(args, "--block-size")
+    algo = flag(args, "--prefix-caching-hash-algo")
+    assert block_size is not None and algo is not None, args
+    return int(block_size), algo, env.get("PYTHONHASHSEED")
+
+
+def test_router_and_engines_agree_on_block_hashing(
+    rendered: Rendered,
+) -> None:
+    name, values, objects = rendered
+    model = values.get("model", {})
+    cfg = router_config(objects)
+    fleet = containers(objects, "StatefulSet", "-fleet")
+    engine, worker = fleet["engine"], fleet["worker"]
+    block_size, algo, seed = engine_settings(engine)
+    worker_seed = env_of(worker).get("WORKER_HASH_SEED")
+
+    assert (cfg["block_size"], cfg["hash_algo"]) == (block_size, algo), name
+    assert cfg.get("hash_seed") == seed == worker_seed, name
+    # ... and they are what the operator asked for (or vLLM's defaults)
+    assert block_size == model.get("blockSize", 16)
+    assert algo == model.get("hashAlgo", "sha256")
+    want_seed = model.get("hashSeed")
+    assert seed == (None if want_seed in (None, "") else str(want_seed))
+    if algo.startswith("xxhash"):
+        assert seed is not None and re.fullmatch(r"[0-9]+", seed)
+    # one served model name for clients, router and engine
+    served = flag_values(engine["args"], "--served-model-name")
+    assert served == [cfg["model"]] == [model.get("servedModelName") or model.get("name", "Qwen/Qwen3-8B")]
+
+
+def test_lora_adapters_reach_the_engine_exactly(
+    rendered: Rendered,
+) -> None:
+    _, values, objects = rendered
+    adapters = values.get("model", {}).get("loraAdapters", [])
+    engine = containers(objects, "StatefulSet", "-fleet")["engine"]
+    args = engine["args"]
+    assert flag_values(args, "--lora-modules") == [f"{a['name']}={a['path']}" for a in adapters]
+    is_vllm = engine["command"] == ["vllm", "serve"]
+    assert ("--enable-lora" in args) is (bool(adapters) and is_vllm)
+    # the router learns adapters (name and path) from worker heartbeats, not from its config
+    assert "lora_modules" not in router_config(objects)
+
+
+def test_worker_sidecar_follows_its_own_engine(
+    rendered: Rendered,
+) -> None:
+    _, values, objects = rendered
+    sts = one(objects, "StatefulSet", "-fleet")
+    pod = sts["spec"]["template"]["spec"]
+    fleet = {c["name"]: c for c in pod["containers"]}
+    assert set(fleet) == {"engine", "worker"}, "every engine pod carries exactly one worker sidecar"
+    engine, worker = fleet["engine"], fleet["worker"]
+    wenv = env_of(worker)
+    assert worker["command"] == ["prefix-worker", "report"]
+
+    # the engine publishes on pod-local wildcard sockets; the worker connects on loopback
+    kv = json.loads(flag(engine["args"], "--kv-events-config") or "{}")
+    assert kv["enable_kv_cache_events"] is True and kv["publisher"] == "zmq"
+    pub_port = int(kv["endpoint"].removeprefix("tcp://*:"))
+    replay_port = int(kv["replay_endpoint"].removeprefix("tcp://*:"))
+    assert wenv["WORKER_KV_EVENTS_ENDPOINT"] == f"tcp://127.0.0.1:{pub_port}"
+    assert wenv["WORKER_KV_REPLAY_ENDPOINT"] == f"tcp://127.0.0.1:{replay_port}"
+    engine_port = int(flag(engine["args"], "--port") or 0)
+    assert engine["ports"][0]["containerPort"] == engine_port
+    assert wenv["WORKER_ENGINE_URL"] == f"http://127.0.0.1:{engine_port}"
+
+    # replica id and advertised URL come from the pod's own name via the downward API
+    assert wenv["POD_NAME"] == {"fieldRef": {"fieldPath": "metadata.name"}}
+    names = [e["name"] for e in worker["env"]]
+    assert names.index("POD_NAME") < names.index("WORKER_REPLICA_ID") < names.index("WORKER_ADVERTISE_URL")
+    assert wenv["WORKER_REPLICA_ID"] == "$(POD_NAME)"
+    headless = one(objects, "Service", "-fleet")
+    assert headless["spec"]["clusterIP"] == "None" and sts["spec"]["serviceName"] == headless["metadata"]["name"]
+    assert wenv["WORKER_ADVERTISE_URL"] == (
+        f"http://$(POD_NAME).{headless['metadata']['name']}.{NAMESPACE}.svc:{engine_port}")
+
+    # the worker reports to the chart's Redis, the same one the routers read
+    external = values.get("redis", {}).get("external", {}).get("url")
+    cfg = router_config(objects)
+    assert wenv["WORKER_REDIS_URL"] == cfg["redis_url"]
+    assert wenv["WORKER_REDIS_PREFIX"] == cfg["redis_prefix"] == "pr"
+    if external:
+        assert cfg["redis_url"].startswith(external)
+    else:
+        assert cfg["redis_url"] == BUNDLED_REDIS_URL
+        redis_svc = one(objects, "Service", "-redis")
+        assert redis_svc["spec"]["ports"][0]["port"] == 6379
+
+
+def test_external_redis_password_and_tls() -> None:
+    with helm.Chart.load(CHART_DIR) as loaded:
+        objects = render(loaded, VALUE_SETS["external-redis-tls"])
+    cfg = router_config(objects)
+    ca_path = "/etc/prefix-router/redis-tls/ca.crt"
+    assert cfg["redis_url"] == f"rediss://redis.example.com:6380/2?ssl_ca_certs={ca_path}"
+    assert "redis_password" not in cfg, "the password never lands in a ConfigMap"
+    secret_ref = {"secretKeyRef": {"name": "redis-auth", "key": "password"}}
+    router = containers(objects, "Deployment", "-router")["router"]
+    worker = containers(objects, "StatefulSet", "-fleet")["worker"]
+    assert env_of(router)["ROUTER_REDIS_PASSWORD"] == secret_ref
+    assert env_of(worker)["WORKER_REDIS_PASSWORD"] == secret_ref
+    for kind, suffix, container in (("Deployment", "-router", router), ("StatefulSet", "-fleet", worker)):
+        mounts = {m["name"]: m["mountPath"] for m in container["volumeMounts"]}
+        assert mounts["redis-tls"] + "/ca.crt" == ca_path
+        volumes = {v["name"]: v for v in one(objects, kind, suffix)["spec"]["template"]["spec"]["volumes"]}
+        assert volumes["redis-tls"]["secret"]["secretName"] == "redis-ca"
+
+
+def test_bundled_redis_with_password() -> None:
+    with helm.Chart.load(CHART_DIR) as loaded:
+        objects = render(loaded, {"redis": {"auth": {"existingSecret": "redis-auth"}}})
+    redis = containers(objects, "StatefulSet", "-redis")["redis"]
+    assert flag(redis["args"], "--requirepass") == "$(REDIS_PASSWORD)"
+    assert flag(redis["args"], "--maxmemory-policy") == "noeviction"
+    ref = {"secretKeyRef": {"name": "redis-auth", "key": "redis-password"}}
+    assert env_of(redis)["REDIS_PASSWORD"] == ref
+    assert env_of(containers(objects, "Deployment", "-router")["router"])["ROUTER_REDIS_PASSWORD"] == ref
+
+
+def test_vllm_engine_arguments_and_gpus(chart: helm.Chart) -> None:
+    objects = render(chart, VALUE_SETS["xxhash-seed"])
+    engine = containers(objects, "StatefulSet", "-fleet")["engine"]
+    args = engine["args"]
+    assert engine["image"] == "docker.io/vllm/vllm-openai:v0.33.0"
+    assert engine["command"] == ["vllm", "serve"] and args[0] == "Qwen/Qwen3-8B"
+    assert flag(args, "--tensor-parallel-size") == "4"
+    assert engine["resources"]["limits"]["nvidia.com/gpu"] == 4
+    assert engine["resources"]["requests"]["nvidia.com/gpu"] == 4
+    assert "--enable-prefix-caching" in args
+    volumes = {v["name"]: v for v in one(objects, "StatefulSet", "-fleet")["spec"]["template"]["spec"]["volumes"]}
+    assert volumes["dshm"]["emptyDir"]["medium"] == "Memory"
+    assert engine["startupProbe"]["httpGet"]["path"] == "/health"
+
+
+def test_emulator_fleet(chart: helm.Chart) -> None:
+    objects = render(chart, VALUE_SETS["emulator"])
+    sts = one(objects, "StatefulSet", "-fleet")
+    assert sts["spec"]["replicas"] == 3
+    engine = containers(objects, "StatefulSet", "-fleet")["engine"]
+    assert engine["command"] == ["prefix-worker", "emulate"]
+    assert engine["image"] == containers(objects, "Deployment", "-router")["router"]["image"]
+    assert not any("gpu" in k for k in engine["resources"].get("limits", {}))
+    args = engine["args"]
+    assert flag(args, "--replicas") == "1" and flag(args, "--host") == "0.0.0.0"
+    assert flag(args, "--time-scale") == "0.5" and flag(args, "--num-gpu-blocks-override") == "2048"
+    # router and emulator tokenize with the same files
+    assert flag(args, "--tokenizer") == router_config(objects)["tokenizer"]
+    assert engine["readinessProbe"]["httpGet"]["path"] == "/health"
+
+
+def test_large_numbers_render_as_integers(chart: helm.Chart) -> None:
+    """Helm decodes numbers as float64; seeds and block counts must not turn into 4.294967295e+09."""
+    objects = render(chart, VALUE_SETS["everything"])
+    engine = containers(objects, "StatefulSet", "-fleet")["engine"]
+    assert env_of(engine)["PYTHONHASHSEED"] == "4294967295"
+    assert flag(engine["args"], "--num-gpu-blocks-override") == "1000000"
+    assert router_config(objects)["hash_seed"] == "4294967295"
+
+
+def test_rendered_config_is_accepted_by_the_router(
+    rendered: Rendered, tmp_path: Path,
+) -> None:
+    """Feed the rendered router.yaml to the router's own config loader (unknown keys fail there)."""
+    config_mod = pytest.importorskip("router.config")
+    name, _, objects = rendered
+    path = tmp_path / "router.yaml"
+    path.write_text(one(objects, "ConfigMap", "-router")["data"]["router.yaml"])
+    args = containers(objects, "Deployment", "-router")["router"]["args"]
+    assert args[:3] == ["serve", "--config", "/etc/prefix-router/router.yaml"]
+    cfg = config_mod.load_config(["--config", str(path)], env={})
+    assert (cfg.host, cfg.port) == ("0.0.0.0", 8000), name
+    assert cfg.redis_url and cfg.block_size >= 1
+
+
+def test_rendered_emulator_args_are_accepted_by_the_emulator(chart: helm.Chart) -> None:
+    """Feed the rendered emulator command line to the emulator's own parser."""
+    emulator_config = pytest.importorskip("worker.emulator.config")
+    for value_set in ("emulator", "everything"):
+        objects = render(chart, VALUE_SETS[value_set])
+        engine = containers(objects, "StatefulSet", "-fleet")["engine"]
+        env = {k: v for k, v in env_of(engine).items() if isinstance(v, str)}
+        cfg = emulator_config.from_args(engine["args"], env)
+        block_size, algo, seed = engine_settings(engine)
+        assert (cfg.block_size, cfg.hash_algo) == (block_size, algo)
+        assert cfg.hash_seed == seed if seed is not None else not cfg.hash_seed_is_random
+        assert cfg.kv_events.enabled and cfg.kv_events.endpoint == "tcp://*:5557"
+
+
+# ------------------------------------------------------- operator conventions
+
+
+def test_labels_security_and_probes(rendered: Rendered) -> None:
+    name, _, objects = rendered
+    for obj in objects:
+        labels = obj["metadata"].get("labels", {})
+        for key in ("app.kubernetes.io/name", "app.kubernetes.io/instance", "app.kubernetes.io/managed-by",
+                    "helm.sh/chart"):
+            assert key in labels, f"[{name}] {obj['kind']}/{obj['metadata']['name']} lacks {key}"
+        if obj["kind"] in ("Deployment", "StatefulSet", "Pod"):
+            spec = obj["spec"]["template"]["spec"] if obj["kind"] != "Pod" else obj["spec"]
+            assert spec["securityContext"]["runAsNonRoot"] is True
+            assert spec["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
+            assert spec["automountServiceAccountToken"] is False
+            assert spec["serviceAccountName"] == FULLNAME
+            for c in spec["containers"]:
+                sc = c["securityContext"]
+                assert sc["allowPrivilegeEscalation"] is False and sc["capabilities"]["drop"] == ["ALL"]
+                assert "resources" in c
+                if obj["kind"] != "Pod":
+                    assert "livenessProbe" in c and "readinessProbe" in c, f"{c['name']} lacks probes"
+    router = containers(objects, "Deployment", "-router")["router"]
+    assert router["readinessProbe"]["httpGet"]["path"] == "/ready"
+    assert router["livenessProbe"]["httpGet"]["path"] == "/health"
+    assert router["securityContext"]["readOnlyRootFilesystem"] is True
+    worker = containers(objects, "StatefulSet", "-fleet")["worker"]
+    metrics_port = next(p for p in worker["ports"] if p["name"] == "worker-metrics")
+    assert worker["livenessProbe"]["httpGet"]["port"] == metrics_port["name"]
+    assert env_of(worker)["WORKER_METRICS_PORT"] == str(metrics_port["containerPort"])
+
+
+def test_config_change_rolls_the_routers(chart: helm.Chart) -> None:
+    def checksum(values: dict[str, Any]) -> str:
+        deployment = one(render(chart, values), "Deployment", "-router")
+        return str(deployment["spec"]["template"]["metadata"]["annotations"]["checksum/config"])
+
+    assert checksum({}) == checksum({})
+    assert checksum({}) != checksum({"model": {"blockSize": 32}})
+    assert checksum({}) != checksum({"router": {"policy": "least_loaded"}})
+
+
+def test_grafana_dashboard_panels(chart: helm.Chart) -> None:
+    assert not [o for o in render(chart, {}) if o["metadata"]["name"].endswith("-dashboard")]
+    cm = one(render(chart, {"grafana": {"dashboard": {"enabled": True}}}), "ConfigMap", "-dashboard")
+    assert cm["metadata"]["labels"]["grafana_dashboard"] == "1"
+    dashboard = json.loads(cm["data"]["prefix-router.json"])
+    exprs = {p["title"]: [t["expr"] for t in p.get("targets", [])] for p in dashboard["panels"]}
+    hit_rate = ("sum by (model_name) (rate(vllm:prefix_cache_hits_total[5m])) / "
+                "sum by (model_name) (rate(vllm:prefix_cache_queries_total[5m]))")
+    assert exprs["Token prefix-cache hit rate per model"] == [hit_rate]
+    hit_panel = next(p for p in dashboard["panels"] if p["title"] == "TTFT, predicted hit")
+    miss_panel = next(p for p in dashboard["panels"] if p["title"] == "TTFT, predicted miss")
+    assert hit_panel["gridPos"]["y"] == miss_panel["gridPos"]["y"], "hits and misses side by side"
+    assert all('router_ttft_seconds_bucket{predicted="hit"}' in e for e in exprs["TTFT, predicted hit"])
+    assert all('router_ttft_seconds_bucket{predicted="miss"}' in e for e in exprs["TTFT, predicted miss"])
+    assert "sum by (pod) (vllm:num_requests_running)" in exprs["Engine load per replica"]
+    assert exprs["Router in-flight requests per replica"] == ["sum by (replica) (router_inflight_requests)"]
+    assert exprs["Routing reasons"] == ["sum by (reason) (rate(router_requests_total[5m]))"]
+
+
+def test_helm_test_hook_sends_a_completion_through_the_router(chart: helm.Chart) -> None:
+    objects = render(chart, {"model": {"servedModelName": "qwen3"}})
+    pod = one(objects, "Pod", "-test-completion")
+    assert pod["metadata"]["annotations"]["helm.sh/hook"] == "test"
+    assert pod["spec"]["restartPolicy"] == "Never"
+    env = env_of(pod["spec"]["containers"][0])
+    service = one(objects, "Service", FULLNAME)
+    port = service["spec"]["ports"][0]["port"]
+    assert env["ROUTER_URL"] == f"http://{FULLNAME}.{NAMESPACE}.svc:{port}/v1/completions"
+    assert json.loads(env["BODY"])["model"] == "qwen3"
+    script = pod["spec"]["containers"][0]["args"][0]
+    compile(script, "helm-test", "exec")  # the hook's Python is at least valid
+    assert "x-prefix-router-replica" in script
+
+
+def test_scrape_annotations(chart: helm.Chart) -> None:
+    objects = render(chart, {})
+    for kind, suffix in (("Deployment", "-router"), ("StatefulSet", "-fleet")):
+        ann = one(objects, kind, suffix)["spec"]["template"]["metadata"]["annotations"]
+        assert ann["prometheus.io/scrape"] == "true" and ann["prometheus.io/path"] == "/metrics"
+    objects = render(chart, {"metrics": {"podAnnotations": False}})
+    ann = one(objects, "Deployment", "-router")["spec"]["template"]["metadata"]["annotations"]
+    assert "prometheus.io/scrape" not in ann
+
+
+# ------------------------------------------------------------- invalid values
+
+
+@pytest.mark.parametrize(
+    ("values", "message"),
+    [
+        ({"model": {"blockSize": 0}}, "at '/model/blockSize': minimum: got 0, want 1"),
+        ({"model": {"hashAlgo": "md5"}}, "at '/model/hashAlgo': value must be one of"),
+        ({"model": {"hashAlgo": "xxhash"}}, "model.hashSeed is required when model.hashAlgo is xxhash"),
+        ({"model": {"hashAlgo": "xxhash_cbor", "hashSeed": ""}},
+         "model.hashSeed is required when model.hashAlgo is xxhash_cbor"),
+        ({"model": {"hashSeed": "random"}}, "at '/model/hashSeed'"),
+        ({"model": {"blocksize": 32}}, "additional properties 'blocksize' not allowed"),
+        ({"fleet": {"engine": "sglang"}}, "at '/fleet/engine': value must be one of"),
+        ({"redis": {"external": {"url": "http://redis:6379"}}}, "at '/redis/external/url'"),
+        ({"router": {"autoscaling": {"enabled": True, "targetCPUUtilizationPercentage": None}}},
+         "router.autoscaling needs targetCPUUtilizationPercentage"),
+    ],
+    ids=["block-size-0", "unknown-algo", "xxhash-no-seed", "xxhash-cbor-empty-seed", "seed-not-integer",
+         "misspelt-key", "unknown-engine", "redis-url-scheme", "hpa-no-metric"],
+)
+def test_invalid_values_fail_with_a_clear_message(chart: helm.Chart, values: dict[str, Any], message: str) -> None:
+    with pytest.raises(helm.HelmError) as info:
+        chart.render(values, name=RELEASE, namespace=NAMESPACE)
+    assert message in str(info.value)
