@@ -136,12 +136,15 @@ class KVEventPublisher:
             self.close()
             raise PublisherError(f"KV events socket {self.config.endpoint}: {exc}") from exc
 
-    def publish(self, events: Sequence[KVEvent]) -> None:
-        """Publish one scheduler step's events as one batch (nothing if ``events`` is empty)."""
+    def publish(self, events: Sequence[KVEvent], ts: float | None = None) -> None:
+        """Publish one scheduler step's events as one batch (nothing if ``events`` is empty).
+
+        ``ts`` defaults to ``time.time()`` (vLLM stamps batches with wall time).
+        """
         if not events or self._pub is None:
             return
         batch = KVEventBatch(
-            ts=time.time(),
+            ts=time.time() if ts is None else ts,
             events=to_wire_events(events, self.config.int_block_hashes),
             data_parallel_rank=self.config.data_parallel_rank,
         )
