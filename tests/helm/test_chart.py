@@ -79,7 +79,11 @@ VALUE_SETS: dict[str, dict[str, Any]] = {
             "auth": {"existingSecret": "redis-auth"},
             "bundled": {"persistence": {"enabled": True}, "maxmemory": "2gb"},
         },
-        "router": {"autoscaling": {"enabled": True}, "pdb": {"enabled": True}},
+        "router": {
+            "autoscaling": {"enabled": True}, "pdb": {"enabled": True},
+            "extraVolumes": [{"name": "tok", "configMap": {"name": "tokenizer"}}],
+            "extraVolumeMounts": [{"name": "tok", "mountPath": "/tokenizer", "readOnly": True}],
+        },
         "fleet": {"engine": "emulator", "emulator": {"numGpuBlocks": 1000000}},
         "metrics": {"serviceMonitor": {"enabled": True}},
         "grafana": {"dashboard": {"enabled": True}},
@@ -440,6 +444,7 @@ def test_labels_security_and_probes(rendered: Rendered) -> None:
     metrics_port = next(p for p in worker["ports"] if p["name"] == "worker-metrics")
     assert worker["livenessProbe"]["httpGet"]["port"] == metrics_port["name"]
     assert env_of(worker)["WORKER_METRICS_PORT"] == str(metrics_port["containerPort"])
+    assert env_of(worker)["WORKER_METRICS_HOST"] == "0.0.0.0", "probes come from the kubelet, not loopback"
 
 
 def test_config_change_rolls_the_routers(chart: helm.Chart) -> None:
