@@ -16,6 +16,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from loadtest.compare import add_compare_parsers
 from loadtest.data import packaged_trace_path
 from loadtest.replay import (
     DEFAULT_MAX_CONCURRENCY,
@@ -101,6 +102,8 @@ def build_parser() -> argparse.ArgumentParser:
     p_replay.add_argument("--model", default=DEFAULT_MODEL)
     p_replay.add_argument("--output", type=Path, default=None, help="per-request records (JSONL)")
     p_replay.set_defaults(func=_cmd_replay)
+
+    add_compare_parsers(sub, _add_slice_args, _replay_config)
 
     return parser
 

@@ -102,6 +102,41 @@ _decoder = msgspec.json.Decoder()
 _encoder = msgspec.json.Encoder()
 
 
+SSE_TAIL_BYTES = 8192  # enough for the usage chunk and [DONE]
+
+
+def _handle_event(event: bytes, record: RequestRecord, start: float) -> bool:
+    """Apply one SSE event to ``record``; True for the ``[DONE]`` marker."""
+    found_done = False
+    for line in event.split(b"\n"):
+        line = line.strip()
+        if not line.startswith(b"data:"):
+            continue
+        payload = line[5:].strip()
+        if payload == b"[DONE]":
+            found_done = True
+            continue
+        try:
+            chunk = _decoder.decode(payload)
+        except msgspec.DecodeError:
+            record.error = f"bad SSE chunk: {payload[:200]!r}"
+            continue
+        if not isinstance(chunk, dict):
+            continue
+        if chunk.get("error"):
+            record.error = f"stream error: {json.dumps(chunk['error'])[:300]}"
+            continue
+        if record.ttft_s is None and _chunk_has_text(chunk):
+            record.ttft_s = time.perf_counter() - start
+        usage = chunk.get("usage")
+        if usage:
+            record.prompt_tokens = usage.get("prompt_tokens")
+            record.completion_tokens = usage.get("completion_tokens")
+            details = usage.get("prompt_tokens_details") or {}
+            record.cached_tokens = details.get("cached_tokens")
+    return found_done
+
+
 def _chunk_has_text(chunk: dict[str, Any]) -> bool:
     for choice in chunk.get("choices") or ():
         if choice.get("text") or (choice.get("delta") or {}).get("content"):
@@ -125,38 +160,30 @@ async def send_one(session: aiohttp.ClientSession, url: str, body: bytes, record
                 record.error = f"HTTP {resp.status}: {text[:300]}"
                 record.e2e_s = time.perf_counter() - start
                 return
+            # Parse events only until the first token; after it keep just the stream's tail (the
+            # usage chunk and [DONE] come last) so hundreds of token events cost no parsing.
+            buf = b""
+            tail = b""
             done = False
-            async for raw in resp.content:
-                line = raw.strip()
-                if not line.startswith(b"data:"):
-                    continue
-                payload = line[5:].strip()
-                if payload == b"[DONE]":
-                    done = True
-                    break
-                # Parse only chunks that can matter: before the first token, the usage chunk and
-                # error events (the hundreds of token chunks in between are skipped cheaply).
-                if record.ttft_s is not None and b"prompt_tokens" not in payload \
-                        and b'"error"' not in payload:
-                    continue
-                try:
-                    chunk = _decoder.decode(payload)
-                except msgspec.DecodeError:
-                    record.error = f"bad SSE chunk: {payload[:200]!r}"
-                    continue
-                if not isinstance(chunk, dict):
-                    continue
-                if chunk.get("error"):
-                    record.error = f"stream error: {json.dumps(chunk['error'])[:300]}"
-                    continue
-                if record.ttft_s is None and _chunk_has_text(chunk):
-                    record.ttft_s = time.perf_counter() - start
-                usage = chunk.get("usage")
-                if usage:
-                    record.prompt_tokens = usage.get("prompt_tokens")
-                    record.completion_tokens = usage.get("completion_tokens")
-                    details = usage.get("prompt_tokens_details") or {}
-                    record.cached_tokens = details.get("cached_tokens")
+            async for data in resp.content.iter_any():
+                if record.ttft_s is None:
+                    buf += data
+                    events = buf.split(b"\n\n")
+                    buf = events.pop()
+                    for event in events:
+                        done = _handle_event(event, record, start) or done
+                    if record.ttft_s is not None:
+                        tail = buf
+                else:
+                    tail = (tail + data)[-SSE_TAIL_BYTES:]
+                    if b'"error"' in data:
+                        record.error = record.error or "stream error (see response)"
+            if record.ttft_s is not None:
+                for event in tail.split(b"\n\n"):
+                    if b"[DONE]" in event or b"prompt_tokens" in event or b'"error"' in event:
+                        done = _handle_event(event, record, start) or done
+            else:
+                done = _handle_event(buf, record, start) or done
             record.e2e_s = time.perf_counter() - start
             if not done and record.error is None:
                 record.error = "stream ended without [DONE]"

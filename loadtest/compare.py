@@ -1,0 +1,623 @@
+"""Side-by-side comparison of routing policies on an emulated fleet: the project's main benchmark.
+Does process, network and file I/O.
+
+For each policy a FRESH fleet is started (``loadtest.fleet.Fleet``: embedded Redis, emulator,
+workers, router; or a peer router), so no run inherits another's KV cache; the same trace slice is
+replayed through the router (``loadtest.replay``); then the emulator replicas' own counters are
+read. Per policy (``results.json``, the table and the plots):
+
+* ``token_hit_rate``: fleet prefix-cache hit rate, sum over replicas of
+  ``vllm:prefix_cache_hits_total`` / sum of ``vllm:prefix_cache_queries_total`` (the increase over
+  the replay; the engine's own counters, so peers are measured exactly like us);
+* ``ttft_p50_s/p90_s/p99_s``, ``e2e_p50_s``: client-side, over successful requests;
+* ``throughput_rps``: successful requests / (last completion - first send);
+* ``imbalance``: max / mean over replicas of busy time, where a replica's busy time is the time
+  during the replay in which it had at least one request running or waiting, integrated from
+  its ``vllm:num_requests_running`` + ``vllm:num_requests_waiting`` gauges sampled every
+  ``sample_interval_s`` (a GPU is busy exactly while it has work); ``imbalance_work`` is the same
+  ratio for the integral of running + waiting requests (request-seconds), which still separates a
+  replica holding 1 request from one holding 30 when both are always busy;
+* ``requests_per_replica``: from the replicas' ``vllm:request_success_total`` (peers add no
+  replica header; for prefix-router the router's ``x-prefix-router-replica`` header counts agree);
+* ``router_cpu_s_per_request``: CPU seconds (user + system, psutil) the router process and its
+  children used during the replay, per replayed request;
+* ``cpu_s``: the same for every component (redis, emulator, workers, router, replayer) and the
+  machine's busy share of all cores, to show whether the machine itself was the bottleneck.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import datetime as dt
+import json
+import logging
+import math
+import signal
+import sys
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+from prometheus_client.parser import text_string_to_metric_families
+
+from loadtest.data import packaged_trace_path
+from loadtest.fleet import (
+    OURS,
+    SGLANG,
+    VLLM_ROUTER,
+    Fleet,
+    FleetConfig,
+    FleetError,
+    RouterSpec,
+    cpu_delta,
+    cpu_sample,
+    peer_available,
+)
+from loadtest.replay import ReplayConfig, RequestRecord, replay, summarize, write_records
+from loadtest.trace import TraceRequest, read_trace
+
+logger = logging.getLogger(__name__)
+
+OWN_POLICIES = ("prefix", "round_robin", "least_loaded", "consistent_hash")
+PEER_SPECS = (RouterSpec(SGLANG, "cache_aware"), RouterSpec(VLLM_ROUTER, "cache_aware"),
+              RouterSpec(VLLM_ROUTER, "kv_aware"))
+DEFAULT_SAMPLE_INTERVAL_S = 1.0  # gauge sampling for busy time; 8 scrapes per second at most
+
+M_QUERIES = "vllm:prefix_cache_queries_total"
+M_HITS = "vllm:prefix_cache_hits_total"
+M_SUCCESS = "vllm:request_success_total"
+M_PROMPT = "vllm:prompt_tokens_total"
+M_PROMPT_CACHED = "vllm:prompt_tokens_cached_total"
+M_RUNNING = "vllm:num_requests_running"
+M_WAITING = "vllm:num_requests_waiting"
+M_PREEMPTIONS = "vllm:num_preemptions_total"
+COUNTERS = (M_QUERIES, M_HITS, M_SUCCESS, M_PROMPT, M_PROMPT_CACHED, M_PREEMPTIONS)
+
+# vllm-router's kv_aware documents this as its tested setup (PEERS.md); the fleet for that peer
+# runs with it so its hashes can match the engine's events.
+KV_AWARE_HASH_ALGO = "sha256_cbor"
+KV_AWARE_PYTHONHASHSEED = "0"
+
+
+@dataclass(frozen=True)
+class CompareConfig:
+    """One comparison: the runs (``RouterSpec`` each, in order), the fleet shape shared by all
+    runs, the replay settings, where to write results, and the sampling period for busy time."""
+
+    runs: tuple[RouterSpec, ...]
+    fleet: FleetConfig
+    replay: ReplayConfig
+    output_dir: Path
+    sample_interval_s: float = DEFAULT_SAMPLE_INTERVAL_S
+    plots: bool = True
+
+
+def parse_metrics(text: str, names: Sequence[str]) -> dict[str, float]:
+    """Sum every sample named in ``names`` over all label sets of a Prometheus text page."""
+    wanted = set(names)
+    out = dict.fromkeys(names, 0.0)
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name in wanted:
+                out[sample.name] += float(sample.value)
+    return out
+
+
+async def scrape(session: aiohttp.ClientSession, url: str, names: Sequence[str]) -> dict[str, float]:
+    """GET ``url``/metrics and sum the named samples (raises ``aiohttp.ClientError``)."""
+    async with session.get(url + "/metrics", timeout=aiohttp.ClientTimeout(total=10)) as resp:
+        resp.raise_for_status()
+        return parse_metrics(await resp.text(), names)
+
+
+async def scrape_all(urls: Sequence[str], names: Sequence[str]) -> list[dict[str, float]]:
+    async with aiohttp.ClientSession() as session:
+        return list(await asyncio.gather(*(scrape(session, u, names) for u in urls)))
+
+
+@dataclass
+class BusySampler:
+    """Integrates per-replica busy time (running + waiting > 0) and work (running + waiting) from
+    periodic gauge scrapes; a sample's value holds until the next one."""
+
+    urls: Sequence[str]
+    interval_s: float
+    busy_s: list[float] = field(default_factory=list)
+    work_request_s: list[float] = field(default_factory=list)
+    num_samples: int = 0
+
+    async def run(self) -> None:
+        self.busy_s = [0.0] * len(self.urls)
+        self.work_request_s = [0.0] * len(self.urls)
+        last = time.perf_counter()
+        async with aiohttp.ClientSession() as session:
+            while True:
+                try:
+                    pages = await asyncio.gather(
+                        *(scrape(session, u, (M_RUNNING, M_WAITING)) for u in self.urls))
+                except (aiohttp.ClientError, TimeoutError) as exc:
+                    logger.debug("busy sampler scrape failed: %s", exc)
+                    pages = []
+                now = time.perf_counter()
+                span = now - last
+                last = now
+                for i, page in enumerate(pages):
+                    active = page[M_RUNNING] + page[M_WAITING]
+                    if active > 0:
+                        self.busy_s[i] += span
+                    self.work_request_s[i] += active * span
+                if pages:
+                    self.num_samples += 1
+                await asyncio.sleep(self.interval_s)
+
+
+def max_over_mean(values: Sequence[float]) -> float | None:
+    """max / mean of ``values``; None when empty or all zero."""
+    if not values:
+        return None
+    mean = sum(values) / len(values)
+    return max(values) / mean if mean > 0 else None
+
+
+@dataclass
+class PolicyResult:
+    """Everything measured for one run; ``metrics`` is what results.json carries per policy."""
+
+    label: str
+    metrics: dict[str, Any]
+    records: list[RequestRecord]
+
+
+async def _measure(fleet: Fleet, requests: Sequence[TraceRequest], config: CompareConfig,
+                   progress: Callable[[str], None]) -> tuple[list[RequestRecord], dict[str, Any]]:
+    urls = [r.url for r in fleet.replicas]
+    before = await scrape_all(urls, COUNTERS)
+    cpu_before = cpu_sample(fleet.pids)
+    sampler = BusySampler(urls, config.sample_interval_s)
+    sampler_task = asyncio.create_task(sampler.run())
+    assert fleet.router_url is not None
+    replay_config = replace(config.replay, target=fleet.router_url)
+    try:
+        records = await replay(requests, replay_config, progress=progress)
+    finally:
+        sampler_task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await sampler_task
+    cpu_after = cpu_sample(fleet.pids)
+    after = await scrape_all(urls, COUNTERS)
+    delta = [{k: a[k] - b[k] for k in COUNTERS} for a, b in zip(after, before, strict=True)]
+    queries = sum(d[M_QUERIES] for d in delta)
+    hits = sum(d[M_HITS] for d in delta)
+    summary = summarize(records)
+    cpu = cpu_delta(cpu_before, cpu_after)
+    ids = [r.replica_id for r in fleet.replicas]
+    metrics: dict[str, Any] = {
+        "token_hit_rate": hits / queries if queries > 0 else None,
+        "ttft_p50_s": summary["ttft_p50_s"],
+        "ttft_p90_s": summary["ttft_p90_s"],
+        "ttft_p99_s": summary["ttft_p99_s"],
+        "e2e_p50_s": summary["e2e_p50_s"],
+        "throughput_rps": summary["throughput_rps"],
+        "imbalance": max_over_mean(sampler.busy_s),
+        "imbalance_work": max_over_mean(sampler.work_request_s),
+        "num_requests": summary["num_requests"],
+        "num_errors": summary["num_errors"],
+        "router_cpu_s_per_request": cpu.get("router", 0.0) / max(1, summary["num_sent"]),
+        "requests_per_replica": {i: round(d[M_SUCCESS]) for i, d in zip(ids, delta, strict=True)},
+        "requests_per_replica_header": summary["requests_per_replica_header"],
+        "busy_s_per_replica": dict(zip(ids, (round(x, 3) for x in sampler.busy_s), strict=True)),
+        "work_request_s_per_replica": dict(zip(ids, (round(x, 3) for x in sampler.work_request_s),
+                                               strict=True)),
+        "hit_rate_per_replica": {i: (d[M_HITS] / d[M_QUERIES] if d[M_QUERIES] else None)
+                                 for i, d in zip(ids, delta, strict=True)},
+        "prefill_tokens_per_replica": {i: int(d[M_QUERIES] - d[M_HITS])
+                                       for i, d in zip(ids, delta, strict=True)},
+        "prefix_cache_queries": queries,
+        "prefix_cache_hits": hits,
+        "client_token_hit_rate": summary["client_token_hit_rate"],
+        "num_preemptions": sum(d[M_PREEMPTIONS] for d in delta),
+        "max_send_lag_s": summary["max_send_lag_s"],
+        "busy_samples": sampler.num_samples,
+        "cpu_s": {k: round(v, 3) for k, v in cpu.items()},
+    }
+    return records, metrics
+
+
+def run_policy(spec: RouterSpec, requests: Sequence[TraceRequest], config: CompareConfig,
+               progress: Callable[[str], None]) -> PolicyResult:
+    """Start a fresh fleet for ``spec``, replay ``requests``, measure, tear down. Raises
+    ``FleetError`` when the fleet does not start."""
+    fleet_config = replace(config.fleet, router=spec,
+                           log_dir=config.output_dir / "logs" / spec.label.replace(":", "-"))
+    if spec.kind == VLLM_ROUTER and spec.policy == "kv_aware":
+        fleet_config = replace(fleet_config, hash_algo=KV_AWARE_HASH_ALGO,
+                               python_hash_seed=KV_AWARE_PYTHONHASHSEED, int_block_hashes=False)
+    with Fleet(fleet_config, progress=progress) as fleet:
+        progress(f"[{spec.label}] fleet ready: router {fleet.router_url}, "
+                 f"{len(fleet.replicas)} replicas; replaying {len(requests)} requests")
+        records, metrics = asyncio.run(_measure(
+            fleet, requests, config, lambda line: progress(f"[{spec.label}] {line}")))
+        fleet.check_alive()
+    metrics["fleet"] = {"hash_algo": fleet_config.hash_algo,
+                        "python_hash_seed": fleet_config.python_hash_seed,
+                        "int_block_hashes": fleet_config.int_block_hashes}
+    return PolicyResult(spec.label, metrics, records)
+
+
+# -- output ------------------------------------------------------------------------------------
+
+def _fmt(value: Any, spec: str, scale: float = 1.0) -> str:
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "-"
+    return format(value * scale, spec)
+
+
+TABLE_COLUMNS = (
+    ("policy", None, "", 1.0),
+    ("hit %", "token_hit_rate", ".1f", 100.0),
+    ("TTFT p50 s", "ttft_p50_s", ".3f", 1.0),
+    ("p90 s", "ttft_p90_s", ".3f", 1.0),
+    ("p99 s", "ttft_p99_s", ".3f", 1.0),
+    ("e2e p50 s", "e2e_p50_s", ".2f", 1.0),
+    ("req/s", "throughput_rps", ".2f", 1.0),
+    ("imbal", "imbalance", ".2f", 1.0),
+    ("imbal work", "imbalance_work", ".2f", 1.0),
+    ("reqs", "num_requests", "d", 1.0),
+    ("errs", "num_errors", "d", 1.0),
+    ("router ms CPU/req", "router_cpu_s_per_request", ".2f", 1000.0),
+)
+
+
+def format_table(policies: dict[str, dict[str, Any]]) -> str:
+    """A fixed-width text table, one row per policy."""
+    rows = [[name for name, *_ in TABLE_COLUMNS]]
+    for label, m in policies.items():
+        row = [label]
+        for _name, key, spec, scale in TABLE_COLUMNS[1:]:
+            assert key is not None
+            row.append(_fmt(m.get(key), spec, scale) if spec != "d" else str(m.get(key, "-")))
+        rows.append(row)
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    lines = ["  ".join(cell.ljust(w) if i == 0 else cell.rjust(w)
+                       for i, (cell, w) in enumerate(zip(row, widths, strict=True)))
+             for row in rows]
+    lines.insert(1, "-" * len(lines[0]))
+    return "\n".join(lines)
+
+
+def format_cpu_table(policies: dict[str, dict[str, Any]]) -> str:
+    """CPU seconds per component during each replay, and the machine's busy share of its cores."""
+    comps = ["redis", "emulator", "workers", "router", "replayer"]
+    header = ["policy", *[f"{c} s" for c in comps], "wall s", "machine busy"]
+    rows = [header]
+    for label, m in policies.items():
+        cpu = m.get("cpu_s", {})
+        rows.append([label, *[_fmt(cpu.get(c), ".1f") for c in comps], _fmt(cpu.get("wall_s"), ".1f"),
+                     _fmt(cpu.get("machine_util"), ".0%")])
+    widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
+    lines = ["  ".join(c.ljust(w) if i == 0 else c.rjust(w)
+                       for i, (c, w) in enumerate(zip(r, widths, strict=True))) for r in rows]
+    lines.insert(1, "-" * len(lines[0]))
+    return "\n".join(lines)
+
+
+def write_plots(policies: dict[str, dict[str, Any]], records: dict[str, list[RequestRecord]],
+                output_dir: Path, bounds: dict[str, Any] | None = None) -> list[Path]:
+    """TTFT CDF per policy, hit rate per policy (with simulated bounds as lines), requests and
+    busy time per replica per policy. Returns the written PNG paths."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    paths: list[Path] = []
+    labels = list(policies)
+
+    fig, ax = plt.subplots(figsize=(8, 5))
+    for label in labels:
+        ttfts = np.sort([r.ttft_s for r in records.get(label, []) if r.ok and r.ttft_s is not None])
+        if len(ttfts):
+            ax.plot(ttfts, np.arange(1, len(ttfts) + 1) / len(ttfts), label=label)
+    ax.set_xscale("log")
+    ax.set_xlabel("TTFT (s, log scale)")
+    ax.set_ylabel("fraction of requests")
+    ax.set_title("TTFT CDF per policy")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend()
+    path = output_dir / "ttft_cdf.png"
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    paths.append(path)
+
+    fig, ax = plt.subplots(figsize=(8, 5))
+    rates = [100.0 * (policies[label].get("token_hit_rate") or 0.0) for label in labels]
+    bars = ax.bar(labels, rates, color=["tab:green" if lb == "prefix" else "tab:gray" for lb in labels])
+    for bar, rate in zip(bars, rates, strict=True):
+        ax.annotate(f"{rate:.1f}%", (bar.get_x() + bar.get_width() / 2, bar.get_height()),
+                    ha="center", va="bottom")
+    if bounds:
+        for key, style in (("single_cache", "--"), ("round_robin", ":")):
+            value = bounds.get(key, {}).get("token_hit_rate")
+            if value is not None:
+                ax.axhline(100 * value, linestyle=style, color="black",
+                           label=f"simulated {key.replace('_', '-')} ({100 * value:.1f}%)")
+        ax.legend()
+    ax.set_ylabel("fleet token prefix-hit rate (%)")
+    ax.set_title("Prefix-cache hit rate per policy (engine counters)")
+    plt.setp(ax.get_xticklabels(), rotation=20, ha="right")
+    path = output_dir / "hit_rate.png"
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    paths.append(path)
+
+    fig, axes = plt.subplots(2, 1, figsize=(9, 7), sharex=True)
+    width = 0.8 / max(1, len(labels))
+    for k, label in enumerate(labels):
+        m = policies[label]
+        for ax, key in zip(axes, ("requests_per_replica", "busy_s_per_replica"), strict=True):
+            per = m.get(key) or {}
+            xs = np.arange(len(per)) + k * width
+            ax.bar(xs, list(per.values()), width=width, label=label)
+    axes[0].set_ylabel("requests")
+    axes[1].set_ylabel("busy time (s)")
+    any_policy = next(iter(policies.values()), {})
+    names = list((any_policy.get("requests_per_replica") or {}).keys())
+    axes[1].set_xticks(np.arange(len(names)) + 0.4 - width / 2)
+    axes[1].set_xticklabels(names, rotation=20, ha="right")
+    axes[0].set_title("Load per replica per policy")
+    axes[0].legend(fontsize="small", ncol=2)
+    path = output_dir / "load_per_replica.png"
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    paths.append(path)
+    return paths
+
+
+# -- the whole comparison ----------------------------------------------------------------------
+
+@contextlib.contextmanager
+def _sigterm_as_interrupt() -> Iterator[None]:
+    """Turn SIGTERM into KeyboardInterrupt so fleets are torn down on ``kill`` as on Ctrl-C."""
+    def handler(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def run_compare(config: CompareConfig, requests: Sequence[TraceRequest],
+                trace_info: dict[str, Any], progress: Callable[[str], None],
+                bounds: dict[str, Any] | None = None,
+                argv: Sequence[str] | None = None) -> dict[str, Any]:
+    """Run every configured policy on a fresh fleet, write ``results.json``, per-policy records
+    (``records-<label>.jsonl``) and plots into ``config.output_dir``; return the results dict.
+    A run whose fleet fails is reported under ``failed`` and the others still run."""
+    out = config.output_dir
+    out.mkdir(parents=True, exist_ok=True)
+    policies: dict[str, dict[str, Any]] = {}
+    records: dict[str, list[RequestRecord]] = {}
+    failed: dict[str, str] = {}
+    started = time.monotonic()
+    with _sigterm_as_interrupt():
+        for n, spec in enumerate(config.runs, 1):
+            progress(f"=== run {n}/{len(config.runs)}: {spec.label} "
+                     f"({time.monotonic() - started:.0f} s elapsed) ===")
+            try:
+                result = run_policy(spec, requests, config, progress)
+            except (FleetError, OSError, aiohttp.ClientError) as exc:
+                logger.error("run %s failed: %s", spec.label, exc)
+                progress(f"[{spec.label}] FAILED: {str(exc)[:2000]}")
+                failed[spec.label] = str(exc)[:4000]
+                continue
+            policies[spec.label] = result.metrics
+            records[spec.label] = result.records
+            write_records(result.records, out / f"records-{spec.label.replace(':', '-')}.jsonl")
+            progress(f"[{spec.label}] hit rate {_fmt(result.metrics['token_hit_rate'], '.1%')}, "
+                     f"TTFT p50 {_fmt(result.metrics['ttft_p50_s'], '.3f')} s, "
+                     f"errors {result.metrics['num_errors']}")
+    fleet_cfg = config.fleet
+    results: dict[str, Any] = {
+        "created": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
+        "command": list(argv) if argv is not None else None,
+        "trace": trace_info,
+        "fleet": {"replicas": fleet_cfg.replicas, "model": fleet_cfg.model,
+                  "block_size": fleet_cfg.block_size, "hash_algo": fleet_cfg.hash_algo,
+                  "num_gpu_blocks_per_replica": fleet_cfg.num_gpu_blocks,
+                  "time_scale": fleet_cfg.time_scale,
+                  "emulator_args": list(fleet_cfg.emulator_args),
+                  "router_args": list(fleet_cfg.router_args)},
+        "replay": {k: v for k, v in asdict(config.replay).items() if k != "target"},
+        "bounds": bounds,
+        "policies": policies,
+        "failed": failed,
+        "duration_s": round(time.monotonic() - started, 1),
+    }
+    (out / "results.json").write_text(json.dumps(results, indent=2) + "\n")
+    if config.plots and policies:
+        results["plots"] = [str(p) for p in write_plots(policies, records, out, bounds)]
+    return results
+
+
+def resolve_runs(policies: str, peers: str) -> tuple[tuple[RouterSpec, ...], dict[str, str]]:
+    """Runs from a comma-separated policy list (own policy names, or ``sglang:POLICY`` /
+    ``vllm-router:POLICY``) and the peers mode (``auto``: add the three peer runs when installed,
+    ``yes``: add them and fail if missing, ``no``). Returns (runs, skipped label -> reason).
+    Raises ``ValueError`` for an unknown name."""
+    runs: list[RouterSpec] = []
+    for name in (p.strip() for p in policies.split(",") if p.strip()):
+        if ":" in name:
+            kind, policy = name.split(":", 1)
+            if kind not in (SGLANG, VLLM_ROUTER):
+                raise ValueError(f"unknown router {kind!r} in {name!r}")
+            runs.append(RouterSpec(kind, policy))
+        elif name in OWN_POLICIES:
+            runs.append(RouterSpec(OURS, name))
+        else:
+            raise ValueError(f"unknown policy {name!r}; own policies: {', '.join(OWN_POLICIES)}")
+    skipped: dict[str, str] = {}
+    if peers not in ("auto", "yes", "no"):
+        raise ValueError("--peers must be auto, yes or no")
+    if peers != "no":
+        for spec in PEER_SPECS:
+            if spec in runs:
+                continue
+            if peer_available(spec.kind):
+                runs.append(spec)
+            elif peers == "yes":
+                raise ValueError(f"{spec.kind} is not installed (pip install 'prefix-router[peers]')")
+            else:
+                skipped[spec.label] = "not installed (pip install 'prefix-router[peers]')"
+    return tuple(runs), skipped
+
+
+# -- CLI ---------------------------------------------------------------------------------------
+
+DEMO_DEFAULTS: dict[str, Any] = {
+    "replicas": 8,
+    "limit": 1200,
+    "speedup": 8.0,
+    "time_scale": 8.0,
+    "num_gpu_blocks": 32_000,
+}
+
+
+def add_compare_parsers(sub: Any, add_slice_args: Callable[[argparse.ArgumentParser, int | None], None],
+                        make_replay_config: Callable[[argparse.Namespace, str, str], ReplayConfig]) -> None:
+    """Register ``compare`` and ``demo`` on the CLI's subparsers."""
+    for name in ("compare", "demo"):
+        demo = name == "demo"
+        p = sub.add_parser(name, help=(
+            "the main job: compare every policy on the packaged Mooncake slice (about 5 min)"
+            if demo else "compare routing policies side by side, each on a fresh emulated fleet"))
+        add_slice_args(p, DEMO_DEFAULTS["limit"] if demo else 1000)
+        p.add_argument("--policies", default=",".join(OWN_POLICIES),
+                       help="comma-separated: " + ", ".join(OWN_POLICIES) +
+                            ", sglang:cache_aware, vllm-router:cache_aware, vllm-router:kv_aware")
+        p.add_argument("--peers", choices=("auto", "yes", "no"), default="auto",
+                       help="also run the peer routers (auto: when the peers extra is installed)")
+        p.add_argument("--replicas", type=int, default=DEMO_DEFAULTS["replicas"])
+        p.add_argument("--num-gpu-blocks", type=int,
+                       default=DEMO_DEFAULTS["num_gpu_blocks"] if demo else None,
+                       help="KV capacity per replica in block-size-token blocks "
+                            "(emulator --num-gpu-blocks-override)")
+        p.add_argument("--time-scale", type=float, default=None,
+                       help="emulator time scale (default: equal to --speedup, so the fleet is as "
+                            "loaded as in the real trace)")
+        p.add_argument("--block-size", type=int, default=16)
+        p.add_argument("--model", default="emulated-llm")
+        p.add_argument("--redis-url", default=None, help="use this Redis instead of an embedded one")
+        p.add_argument("--emulator-arg", action="append", default=[], metavar="ARG",
+                       help="extra argument for prefix-worker emulate (repeatable)")
+        p.add_argument("--router-arg", action="append", default=[], metavar="ARG",
+                       help="extra argument for the router of every run (repeatable)")
+        p.add_argument("--sample-interval", type=float, default=DEFAULT_SAMPLE_INTERVAL_S,
+                       help="seconds between gauge scrapes for busy time")
+        p.add_argument("--output-dir", type=Path, default=None,
+                       help="default: results/<command>-<timestamp>/")
+        p.add_argument("--no-plots", action="store_true")
+        p.add_argument("--no-bounds", action="store_true",
+                       help="skip the placement-only simulation of the slice")
+        p.set_defaults(func=lambda a, _demo=demo: cmd_compare(a, make_replay_config, _demo))
+        if demo:
+            p.set_defaults(speedup=DEMO_DEFAULTS["speedup"])
+
+
+def _progress(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
+def cmd_compare(args: argparse.Namespace,
+                make_replay_config: Callable[[argparse.Namespace, str, str], ReplayConfig],
+                demo: bool) -> int:
+    try:
+        runs, skipped = resolve_runs(args.policies, args.peers)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    for label, reason in skipped.items():
+        _progress(f"note: skipping {label}: {reason}")
+    trace_path = args.trace or packaged_trace_path()
+    requests = read_trace(trace_path, start=args.start, limit=args.limit, window_s=args.window)
+    if not requests:
+        print("no requests in the selected slice", file=sys.stderr)
+        return 2
+    stamp = dt.datetime.now().strftime("%Y%m%d-%H%M%S")
+    output_dir = args.output_dir or Path("results") / f"{'demo' if demo else 'compare'}-{stamp}"
+    time_scale = args.time_scale if args.time_scale is not None else args.speedup
+    fleet = FleetConfig(router=runs[0] if runs else RouterSpec(OURS, "prefix"),
+                        replicas=args.replicas, model=args.model, block_size=args.block_size,
+                        num_gpu_blocks=args.num_gpu_blocks, time_scale=time_scale,
+                        redis_url=args.redis_url, emulator_args=tuple(args.emulator_arg),
+                        router_args=tuple(args.router_arg))
+    config = CompareConfig(runs=runs, fleet=fleet,
+                           replay=make_replay_config(args, "http://unused", args.model),
+                           output_dir=output_dir, sample_interval_s=args.sample_interval,
+                           plots=not args.no_plots)
+    span_s = (requests[-1].timestamp_ms - requests[0].timestamp_ms) / 1000.0
+    trace_info = {"path": str(trace_path), "start": args.start, "limit": args.limit,
+                  "window_s": args.window, "num_requests": len(requests),
+                  "trace_span_s": span_s, "first_index": requests[0].index,
+                  "last_index": requests[-1].index}
+    bounds = None
+    if not args.no_bounds:
+        from loadtest.simulate import simulate_bounds
+
+        capacity_tokens = (args.num_gpu_blocks * args.block_size) if args.num_gpu_blocks else None
+        bounds = simulate_bounds(requests, args.replicas, capacity_tokens)
+    _progress(f"comparing {len(runs)} runs ({', '.join(s.label for s in runs)}) on "
+              f"{len(requests)} requests ({span_s:.0f} s of trace, about {span_s / args.speedup:.0f} s "
+              f"each at speedup {args.speedup}), {args.replicas} replicas, "
+              f"{args.num_gpu_blocks or 'default'} KV blocks each, time scale {time_scale}; "
+              f"output in {output_dir}")
+    try:
+        results = run_compare(config, requests, trace_info, _progress, bounds,
+                              argv=sys.argv if argv_is_cli() else None)
+    except KeyboardInterrupt:
+        _progress("interrupted; fleets stopped")
+        return 130
+    results["skipped"] = skipped
+    (output_dir / "results.json").write_text(json.dumps(results, indent=2) + "\n")
+    print()
+    print(format_table(results["policies"]))
+    print()
+    print("CPU seconds per component during each replay:")
+    print(format_cpu_table(results["policies"]))
+    if bounds:
+        print()
+        print(format_bounds(bounds, results["policies"]))
+    for label, reason in {**results["failed"], **skipped}.items():
+        print(f"\n{label}: not measured: {reason.splitlines()[0] if reason else ''}")
+    print(f"\nresults: {output_dir / 'results.json'}")
+    for plot in results.get("plots", []):
+        print(f"plot:    {plot}")
+    return 0 if results["policies"] and not results["failed"] else 1
+
+
+def argv_is_cli() -> bool:
+    return bool(sys.argv and sys.argv[0].endswith("prefix-loadtest"))
+
+
+def format_bounds(bounds: dict[str, Any], policies: dict[str, dict[str, Any]]) -> str:
+    """The simulated bounds and how close each measured policy came to the single-cache bound."""
+    single = bounds["single_cache"]["token_hit_rate"]
+    lines = [f"placement-only simulation of this slice ({bounds['replicas']} replicas, "
+             f"{bounds['capacity_blocks_per_replica'] or 'unlimited'} {bounds['block_tokens']}-token "
+             f"blocks each, LRU): single-cache bound {single:.1%}, round-robin "
+             f"{bounds['round_robin']['token_hit_rate']:.1%}"]
+    for label, m in policies.items():
+        rate = m.get("token_hit_rate")
+        if rate is not None and single > 0:
+            lines.append(f"  {label}: {rate:.1%} = {rate / single:.0%} of the single-cache bound")
+    return "\n".join(lines)

@@ -1,0 +1,521 @@
+"""Start and stop a whole emulated fleet on loopback for one benchmark run. Does process and
+network I/O.
+
+A ``Fleet`` is, in start order: an embedded Redis (``loadtest.redis_server.RedisServer``, unless
+``redis_url`` is given), one emulator process serving ``replicas`` vLLM-compatible replicas
+(``prefix-worker emulate --replicas N --port 0 --ready-file F``, KV events on ephemeral ZMQ
+ports), then for prefix-router one ``prefix-worker report`` sidecar per replica and the router
+(``prefix-router serve --port 0 --ready-file F --policy P``), or, for a peer router, the peer
+process alone (the SGLang model gateway or vllm-project's router, pointed at the replicas'
+URLs). ``start`` returns once the router can route to every replica; ``stop`` tears everything
+down in reverse order (SIGTERM, then SIGKILL after a grace period) and is safe to call twice, on
+errors and on Ctrl-C. On Linux every child also gets SIGTERM if this process dies
+(``PR_SET_PDEATHSIG``), so a killed benchmark leaves no fleet behind.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import json
+import logging
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Any
+
+from loadtest.redis_server import RedisServer, free_port
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MODEL = "emulated-llm"  # the emulator's default served model name
+DEFAULT_BLOCK_SIZE = 16  # tokens; vLLM default
+DEFAULT_HASH_ALGO = "sha256"  # vLLM 0.33 default --prefix-caching-hash-algo
+DEFAULT_START_TIMEOUT_S = 90.0  # emulator + router start-up includes tokenizer loading
+STOP_GRACE_S = 10.0  # SIGTERM -> SIGKILL
+
+# Router kinds.
+OURS = "prefix-router"
+SGLANG = "sglang"
+VLLM_ROUTER = "vllm-router"
+
+_LAUNCH = "import sys; from {module} import main; sys.exit(main(sys.argv[1:]))"
+_PR_SET_PDEATHSIG = 1
+
+
+class FleetError(RuntimeError):
+    """A fleet component did not start or died; the message names it and points at its log."""
+
+
+@dataclass(frozen=True)
+class RouterSpec:
+    """Which router fronts the fleet: ``kind`` is ``OURS``, ``SGLANG`` or ``VLLM_ROUTER``,
+    ``policy`` its policy name; ``label`` names the run in results (e.g. ``sglang:cache_aware``)."""
+
+    kind: str
+    policy: str
+
+    @property
+    def label(self) -> str:
+        return self.policy if self.kind == OURS else f"{self.kind}:{self.policy}"
+
+
+@dataclass(frozen=True)
+class FleetConfig:
+    """One fleet. ``num_gpu_blocks`` is the KV capacity per replica in ``block_size``-token blocks
+    (None: the emulator's default); ``time_scale`` divides the emulator's modelled latencies;
+    ``python_hash_seed`` is exported as ``PYTHONHASHSEED`` to every component (the emulator's
+    root-parent hash seed, as vLLM); ``int_block_hashes`` False exports
+    ``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0`` (byte-form event hashes)."""
+
+    router: RouterSpec
+    replicas: int = 8
+    model: str = DEFAULT_MODEL
+    block_size: int = DEFAULT_BLOCK_SIZE
+    hash_algo: str = DEFAULT_HASH_ALGO
+    num_gpu_blocks: int | None = None
+    time_scale: float = 1.0
+    python_hash_seed: str | None = None
+    int_block_hashes: bool = True
+    redis_url: str | None = None
+    redis_prefix: str = "pr"
+    log_dir: Path | None = None
+    start_timeout_s: float = DEFAULT_START_TIMEOUT_S
+    emulator_args: tuple[str, ...] = ()
+    router_args: tuple[str, ...] = ()
+    worker_args: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.replicas < 1:
+            raise ValueError("a fleet needs at least one replica")
+        if self.time_scale <= 0:
+            raise ValueError("time_scale must be positive")
+
+
+@dataclass(frozen=True)
+class ReplicaInfo:
+    """One emulated replica, as the emulator's ready file reports it."""
+
+    index: int
+    replica_id: str  # replica-{index}
+    url: str
+    kv_events_endpoint: str | None
+    kv_replay_endpoint: str | None
+
+
+@dataclass
+class _Proc:
+    name: str
+    popen: subprocess.Popen[bytes]
+    log_path: Path | None
+    log_file: IO[bytes] | None = None
+
+
+def _set_pdeathsig() -> None:  # runs in the child between fork and exec
+    with contextlib.suppress(Exception):
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+def python_entry(module: str) -> list[str]:
+    """Command prefix that runs ``module.main(argv)`` with this interpreter (works from an
+    editable or a regular install without relying on console scripts being on PATH)."""
+    return [sys.executable, "-c", _LAUNCH.format(module=module)]
+
+
+def peer_available(kind: str) -> bool:
+    """Whether a peer router can be started here (the ``peers`` extra is installed)."""
+    import importlib.util
+
+    if kind == SGLANG:
+        return importlib.util.find_spec("sglang_router") is not None
+    if kind == VLLM_ROUTER:
+        return importlib.util.find_spec("vllm_router") is not None
+    raise ValueError(f"unknown peer router kind {kind!r}")
+
+
+def http_get(url: str, timeout_s: float = 2.0) -> tuple[int, bytes]:
+    """GET ``url``; (status, body). Raises ``OSError`` when nothing answers."""
+    try:
+        with urllib.request.urlopen(url, timeout=timeout_s) as resp:
+            return int(resp.status), resp.read()
+    except urllib.error.HTTPError as exc:
+        return int(exc.code), exc.read()
+
+
+class Fleet:
+    """An emulated fleet plus one router, as configured by ``FleetConfig``.
+
+    After ``start``: ``router_url``, ``replicas`` (``ReplicaInfo`` list), ``pids`` (component
+    name -> list of pids: ``redis``, ``emulator``, ``workers``, ``router``). Use as a context
+    manager. ``progress`` receives one-line status messages.
+    """
+
+    def __init__(self, config: FleetConfig, progress: Callable[[str], None] | None = None) -> None:
+        self.config = config
+        self.progress = progress or (lambda _msg: None)
+        self.router_url: str | None = None
+        self.redis_url: str | None = config.redis_url
+        self.replicas: list[ReplicaInfo] = []
+        self._redis: RedisServer | None = None
+        self._procs: list[_Proc] = []  # start order
+        self._stopped = False
+        self._env = dict(os.environ)
+        if config.python_hash_seed is not None:
+            self._env["PYTHONHASHSEED"] = config.python_hash_seed
+        if not config.int_block_hashes:
+            self._env["VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES"] = "0"
+        self._env.setdefault("TOKENIZERS_PARALLELISM", "false")
+        self._env.setdefault("PYTHONUNBUFFERED", "1")
+
+    # -- lifecycle ---------------------------------------------------------------------------
+
+    def __enter__(self) -> Fleet:
+        try:
+            self.start()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def start(self) -> Fleet:
+        cfg = self.config
+        if cfg.log_dir is not None:
+            cfg.log_dir.mkdir(parents=True, exist_ok=True)
+        if cfg.router.kind == OURS and self.redis_url is None:
+            self._redis = RedisServer().start()
+            self.redis_url = self._redis.url
+        self._start_emulator()
+        if cfg.router.kind == OURS:
+            self._start_workers()
+            self._start_our_router()
+        else:
+            self._start_peer_router()
+        return self
+
+    def stop(self) -> None:
+        """Stop every component, newest first. Never raises; safe to call more than once."""
+        if self._stopped:
+            return
+        self._stopped = True
+        for proc in reversed(self._procs):
+            if proc.popen.poll() is None:
+                with contextlib.suppress(OSError):
+                    proc.popen.terminate()
+        deadline = time.monotonic() + STOP_GRACE_S
+        for proc in reversed(self._procs):
+            try:
+                proc.popen.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                logger.warning("%s did not stop within %.0f s; killing it", proc.name, STOP_GRACE_S)
+                with contextlib.suppress(OSError):
+                    proc.popen.kill()
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    proc.popen.wait(timeout=5)
+            if proc.log_file is not None:
+                with contextlib.suppress(OSError):
+                    proc.log_file.close()
+        if self._redis is not None:
+            self._redis.stop()
+            self._redis = None
+
+    # -- facts -------------------------------------------------------------------------------
+
+    @property
+    def pids(self) -> dict[str, list[int]]:
+        out: dict[str, list[int]] = {}
+        if self._redis is not None and self._redis._proc is not None:
+            out["redis"] = [self._redis._proc.pid]
+        for proc in self._procs:
+            group = "workers" if proc.name.startswith("worker-") else proc.name
+            out.setdefault(group, []).append(proc.popen.pid)
+        return out
+
+    def check_alive(self) -> None:
+        """Raise ``FleetError`` if a component has exited."""
+        for proc in self._procs:
+            if proc.popen.poll() is not None:
+                raise FleetError(f"{proc.name} exited with status {proc.popen.returncode}"
+                                 f"{self._log_hint(proc)}")
+
+    # -- internals ---------------------------------------------------------------------------
+
+    def _log_hint(self, proc: _Proc) -> str:
+        if proc.log_path is None:
+            return ""
+        tail = ""
+        with contextlib.suppress(OSError):
+            tail = proc.log_path.read_text(errors="replace")[-2000:]
+        return f" (log {proc.log_path}):\n{tail}"
+
+    def _spawn(self, name: str, args: Sequence[str]) -> _Proc:
+        log_path: Path | None = None
+        log_file: IO[bytes] | None = None
+        if self.config.log_dir is not None:
+            log_path = self.config.log_dir / f"{name}.log"
+            log_file = open(log_path, "wb")
+            out: Any = log_file
+        else:
+            out = subprocess.DEVNULL
+        logger.info("starting %s: %s", name, " ".join(args))
+        popen = subprocess.Popen(
+            list(args), env=self._env, stdout=out, stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL, start_new_session=True,
+            preexec_fn=_set_pdeathsig if sys.platform.startswith("linux") else None)
+        proc = _Proc(name, popen, log_path, log_file)
+        self._procs.append(proc)
+        return proc
+
+    def _wait(self, what: str, cond: Callable[[], Any], procs: Sequence[_Proc]) -> Any:
+        deadline = time.monotonic() + self.config.start_timeout_s
+        last_exc: Exception | None = None
+        while time.monotonic() < deadline:
+            for proc in procs:
+                if proc.popen.poll() is not None:
+                    raise FleetError(f"{proc.name} exited with status {proc.popen.returncode} "
+                                     f"while waiting for {what}{self._log_hint(proc)}")
+            try:
+                value = cond()
+                if value:
+                    return value
+            except (OSError, ValueError) as exc:
+                last_exc = exc
+            time.sleep(0.1)
+        hints = "".join(self._log_hint(p) for p in procs)
+        raise FleetError(f"timed out after {self.config.start_timeout_s:.0f} s waiting for {what}; "
+                         f"last error: {last_exc!r}{hints}")
+
+    def _ready_file(self, name: str) -> Path:
+        base = self.config.log_dir or Path(os.environ.get("TMPDIR", "/tmp"))
+        path = base / f"{name}-{os.getpid()}-{time.monotonic_ns()}.ready.json"
+        with contextlib.suppress(FileNotFoundError):
+            path.unlink()
+        return path
+
+    def _start_emulator(self) -> None:
+        cfg = self.config
+        ready = self._ready_file("emulator")
+        kv_events = {"enable_kv_cache_events": True, "publisher": "zmq",
+                     "endpoint": "tcp://*:0", "replay_endpoint": "tcp://*:0"}
+        args = [*python_entry("worker.cli"), "emulate", "--host", "127.0.0.1", "--port", "0",
+                "--replicas", str(cfg.replicas), "--served-model-name", cfg.model,
+                "--block-size", str(cfg.block_size), "--prefix-caching-hash-algo", cfg.hash_algo,
+                "--kv-events-config", json.dumps(kv_events), "--enable-prompt-tokens-details",
+                "--time-scale", repr(cfg.time_scale), "--ready-file", str(ready)]
+        if cfg.num_gpu_blocks is not None:
+            args += ["--num-gpu-blocks-override", str(cfg.num_gpu_blocks)]
+        args += list(cfg.emulator_args)
+        self.progress(f"starting emulator ({cfg.replicas} replicas)")
+        proc = self._spawn("emulator", args)
+
+        def read_ready() -> dict[str, Any] | None:
+            if not ready.exists():
+                return None
+            data: dict[str, Any] = json.loads(ready.read_text())
+            return data
+
+        data = self._wait("the emulator's ready file", read_ready, [proc])
+        self.replicas = [
+            ReplicaInfo(index=int(r["index"]), replica_id=f"replica-{int(r['index'])}",
+                        url=str(r["url"]).rstrip("/"),
+                        kv_events_endpoint=r.get("kv_events_endpoint"),
+                        kv_replay_endpoint=r.get("kv_replay_endpoint"))
+            for r in sorted(data["replicas"], key=lambda r: int(r["index"]))]
+        if len(self.replicas) != cfg.replicas:
+            raise FleetError(f"emulator reported {len(self.replicas)} replicas, "
+                             f"expected {cfg.replicas}")
+        with contextlib.suppress(OSError):
+            ready.unlink()
+
+    def _start_workers(self) -> None:
+        cfg = self.config
+        assert self.redis_url is not None
+        self.progress(f"starting {len(self.replicas)} workers")
+        for rep in self.replicas:
+            if rep.kv_events_endpoint is None:
+                raise FleetError(f"replica {rep.index} publishes no KV events")
+            args = [*python_entry("worker.cli"), "report", "--engine-url", rep.url,
+                    "--kv-events-endpoint", rep.kv_events_endpoint,
+                    "--redis-url", self.redis_url, "--replica-id", rep.replica_id,
+                    "--advertise-url", rep.url, "--redis-prefix", cfg.redis_prefix,
+                    "--metrics-port", "0"]
+            if rep.kv_replay_endpoint:
+                args += ["--kv-replay-endpoint", rep.kv_replay_endpoint]
+            if cfg.python_hash_seed is not None:
+                args += ["--hash-seed", cfg.python_hash_seed]
+            args += list(cfg.worker_args)
+            self._spawn(f"worker-{rep.index}", args)
+
+    def _start_our_router(self) -> None:
+        cfg = self.config
+        assert self.redis_url is not None
+        ready = self._ready_file("router")
+        args = [*python_entry("router.cli"), "serve", "--host", "127.0.0.1", "--port", "0",
+                "--ready-file", str(ready), "--redis-url", self.redis_url,
+                "--redis-prefix", cfg.redis_prefix, "--policy", cfg.router.policy,
+                "--model", cfg.model, "--block-size", str(cfg.block_size),
+                "--hash-algo", cfg.hash_algo, "--log-level", "warning"]
+        if cfg.python_hash_seed is not None:
+            args += ["--hash-seed", cfg.python_hash_seed]
+        args += list(cfg.router_args)
+        self.progress(f"starting prefix-router (policy {cfg.router.policy})")
+        proc = self._spawn("router", args)
+        watched = [p for p in self._procs]
+
+        def read_ready() -> str | None:
+            if not ready.exists():
+                return None
+            return str(json.loads(ready.read_text())["url"]).rstrip("/")
+
+        self.router_url = self._wait("the router's ready file", read_ready, [proc])
+        with contextlib.suppress(OSError):
+            ready.unlink()
+        want = {r.replica_id for r in self.replicas}
+        self._wait(f"the router to see all {len(want)} replicas",
+                   lambda: want <= self._router_replica_ids(), watched)
+
+    def _router_replica_ids(self) -> set[str]:
+        """Replica ids the router reports as routable on GET /ready (accepts a list of ids or of
+        objects with an ``id``/``replica_id`` field, or a mapping keyed by id)."""
+        assert self.router_url is not None
+        status, body = http_get(self.router_url + "/ready")
+        if status != 200:
+            return set()
+        data = json.loads(body or b"{}")
+        found: set[str] = set()
+        candidates: list[Any] = []
+        if isinstance(data, dict):
+            for key in ("replicas", "routable", "routable_replicas", "healthy"):
+                if key in data:
+                    candidates.append(data[key])
+        for value in candidates:
+            if isinstance(value, dict):
+                found.update(str(k) for k in value)
+            elif isinstance(value, list):
+                for item in value:
+                    if isinstance(item, str):
+                        found.add(item)
+                    elif isinstance(item, dict):
+                        ident = item.get("replica_id") or item.get("id")
+                        if ident is not None and item.get("routable", True) is not False:
+                            found.add(str(ident))
+        return found
+
+    def _start_peer_router(self) -> None:
+        cfg = self.config
+        spec = cfg.router
+        port, prom_port = free_port(), free_port()
+        urls = [r.url for r in self.replicas]
+        if spec.kind == SGLANG:
+            args = [sys.executable, "-m", "sglang_router.launch_router", "--log-level", "warn"]
+        elif spec.kind == VLLM_ROUTER:
+            # its console script calls main() with no arguments; main() reads sys.argv
+            args = [sys.executable, "-c",
+                    "import sys; from vllm_router.launch_router import main; sys.exit(main())",
+                    "--log-level", "warning"]
+        else:
+            raise ValueError(f"unknown router kind {spec.kind!r}")
+        args += ["--host", "127.0.0.1", "--port", str(port), "--worker-urls", *urls,
+                 "--policy", spec.policy, "--prometheus-host", "127.0.0.1",
+                 "--prometheus-port", str(prom_port)]
+        if spec.kind == VLLM_ROUTER and spec.policy == "kv_aware":
+            for rep in self.replicas:
+                if rep.kv_events_endpoint:
+                    args += ["--kv-event-source", f"{rep.url}={rep.kv_events_endpoint}"]
+                if rep.kv_replay_endpoint:
+                    args += ["--kv-event-replay-source", f"{rep.url}={rep.kv_replay_endpoint}"]
+            args += ["--kv-event-block-size", str(cfg.block_size), "--kv-event-model", cfg.model]
+        args += list(cfg.router_args)
+        self.progress(f"starting {spec.kind} (policy {spec.policy})")
+        proc = self._spawn("router", args)
+        self.router_url = f"http://127.0.0.1:{port}"
+        want = set(urls)
+
+        def all_healthy() -> bool:
+            status, body = http_get(f"{self.router_url}/workers")
+            if status != 200:
+                return False
+            data = json.loads(body)
+            workers = data.get("workers", data) if isinstance(data, dict) else data
+            healthy = set()
+            for w in workers or []:
+                if isinstance(w, dict) and w.get("is_healthy", True):
+                    healthy.add(str(w.get("url", "")).rstrip("/"))
+                elif isinstance(w, str):
+                    healthy.add(w.rstrip("/"))
+            return want <= healthy
+
+        self._wait(f"{spec.kind} to list all {len(want)} workers as healthy", all_healthy,
+                   [p for p in self._procs])
+        del proc
+
+
+def which(name: str) -> str | None:
+    """A console script next to this interpreter, else on PATH."""
+    local = Path(sys.executable).parent / name
+    if local.exists():
+        return str(local)
+    return shutil.which(name)
+
+
+@dataclass
+class CPUSample:
+    """CPU seconds (user + system) per component at one moment, children included, plus the
+    machine's busy and total CPU seconds over all cores."""
+
+    per_component: dict[str, float] = field(default_factory=dict)
+    machine_busy_s: float = 0.0
+    machine_total_s: float = 0.0
+    wall_s: float = 0.0
+
+
+def cpu_sample(pids: dict[str, list[int]]) -> CPUSample:
+    """Snapshot CPU time of each component (psutil; processes that have gone count 0) and of
+    this process (``replayer``)."""
+    import psutil
+
+    sample = CPUSample(wall_s=time.monotonic())
+    groups = {**pids, "replayer": [os.getpid()]}
+    for name, plist in groups.items():
+        total = 0.0
+        for pid in plist:
+            try:
+                proc = psutil.Process(pid)
+                procs = [proc, *proc.children(recursive=True)]
+            except psutil.Error:
+                continue
+            for p in procs:
+                with contextlib.suppress(psutil.Error):
+                    t = p.cpu_times()
+                    total += t.user + t.system
+        sample.per_component[name] = total
+    times = psutil.cpu_times()
+    idle = times.idle + getattr(times, "iowait", 0.0)
+    total_s = sum(times)
+    sample.machine_busy_s = total_s - idle
+    sample.machine_total_s = total_s
+    return sample
+
+
+def cpu_delta(before: CPUSample, after: CPUSample) -> dict[str, float]:
+    """CPU seconds each component used between two samples, plus ``machine_busy_s``,
+    ``machine_util`` (busy share of all cores, 0-1) and ``wall_s``."""
+    out = {name: max(0.0, after.per_component.get(name, 0.0) - before.per_component.get(name, 0.0))
+           for name in after.per_component}
+    out["wall_s"] = after.wall_s - before.wall_s
+    busy = after.machine_busy_s - before.machine_busy_s
+    total = after.machine_total_s - before.machine_total_s
+    out["machine_busy_s"] = busy
+    out["machine_util"] = busy / total if total > 0 else 0.0
+    return out
