@@ -1,0 +1,91 @@
+"""Router error types and the one middleware that turns them into OpenAI-shaped JSON. HTTP edge.
+
+Every error response has the body ``{"error": {"message", "type", "code"}}``
+(vLLM's ``ErrorResponse`` shape, ``code`` = HTTP status) and the request's
+``X-Request-Id``.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable
+
+import msgspec
+from aiohttp import web
+
+logger = logging.getLogger(__name__)
+
+REQUEST_ID_HEADER = "X-Request-Id"
+
+
+class RouterError(Exception):
+    """Base of errors that become an HTTP response."""
+
+    status = 500
+    error_type = "InternalServerError"
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.message = message
+
+
+class BadRequest(RouterError):
+    status, error_type = 400, "BadRequestError"
+
+
+class ModelNotFound(RouterError):
+    status, error_type = 404, "NotFoundError"
+
+
+class BodyTooLarge(RouterError):
+    status, error_type = 413, "RequestEntityTooLargeError"
+
+
+class NoRoutableReplica(RouterError):
+    status, error_type = 503, "ServiceUnavailableError"
+
+
+class UpstreamError(RouterError):
+    status, error_type = 502, "BadGatewayError"
+
+
+class UpstreamTimeout(RouterError):
+    status, error_type = 504, "GatewayTimeoutError"
+
+
+_HTTP_TYPES = {400: "BadRequestError", 404: "NotFoundError", 405: "MethodNotAllowedError",
+               413: "RequestEntityTooLargeError"}
+
+
+def error_body(message: str, error_type: str, status: int) -> bytes:
+    return msgspec.json.encode({"error": {"message": message, "type": error_type, "code": status}})
+
+
+def error_response(message: str, error_type: str, status: int,
+                   request_id: str | None = None) -> web.Response:
+    headers = {REQUEST_ID_HEADER: request_id} if request_id else None
+    return web.Response(body=error_body(message, error_type, status), status=status,
+                        content_type="application/json", headers=headers)
+
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+@web.middleware
+async def error_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """Map ``RouterError`` and aiohttp's HTTP exceptions to OpenAI-shaped JSON; 500 otherwise."""
+    request_id = request.get("request_id")
+    try:
+        return await handler(request)
+    except RouterError as exc:
+        return error_response(exc.message, exc.error_type, exc.status, request_id)
+    except web.HTTPRequestEntityTooLarge as exc:
+        return error_response(f"request body too large: {exc.text}", "RequestEntityTooLargeError",
+                              413, request_id)
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        return error_response(exc.reason, _HTTP_TYPES.get(exc.status, "Error"), exc.status, request_id)
+    except Exception:
+        logger.exception("unhandled error on %s %s", request.method, request.path)
+        return error_response("internal router error", "InternalServerError", 500, request_id)

@@ -1,0 +1,417 @@
+"""The router's view of the fleet: replicas, their health and load, and the block index.
+
+``Fleet`` is the in-memory state (pure). ``FleetReader`` is the Redis edge: it
+follows the worker-written contract in ``router.contract`` (remember the
+stream's last id, load heartbeats and block-set snapshots, then read the
+change stream with ``XREAD BLOCK``), survives Redis outages with backoff and
+resynchronises when Redis returns. ``StaticProber`` is the HTTP edge for static
+``--replica`` URLs: it probes ``/health`` and reads ``/v1/models``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+from urllib.parse import urlsplit
+
+import aiohttp
+
+from router import contract as c
+from router.config import RouterConfig
+from router.errors import ModelNotFound, NoRoutableReplica
+from router.hashing import BlockHasher
+from router.index import BlockIndex, SpeculativePlacements
+from router.metrics import RouterMetrics
+from router.ring import HashRing
+
+logger = logging.getLogger(__name__)
+
+SUSPECT_S = 5.0  # seconds a replica is skipped after a connection failure
+_BACKOFF_MAX_S = 5.0
+
+
+def static_replica_id(url: str) -> str:
+    """Id of a static replica: ``host:port`` of its URL (default ports filled in)."""
+    parts = urlsplit(url)
+    port = parts.port or (443 if parts.scheme == "https" else 80)
+    return f"{parts.hostname}:{port}"
+
+
+@dataclass(slots=True)
+class Replica:
+    """One replica as the router sees it (mutable; owned by ``Fleet``)."""
+
+    replica_id: str
+    url: str
+    static: bool = False
+    models: frozenset[str] | None = None  # served base models; None = unknown, accept any
+    lora_adapters: dict[str, str] = field(default_factory=dict)  # {lora_name: lora_path}
+    block_size: int | None = None
+    hash_algo: str | None = None
+    seed_fingerprint: str | None = None
+    hash_verified: str = ""  # "1" verified, "0" mismatch, "" not probed yet
+    epoch: int = 0
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_usage: float = 0.0
+    healthy: bool = True
+    heartbeat_ts: float = 0.0
+    suspect_until: float = 0.0  # monotonic time until which connection failures bench it
+    model_cards: list[dict[str, Any]] = field(default_factory=list)  # from /v1/models (static)
+
+    def serves(self, model: str | None) -> bool:
+        if model is None or self.models is None:
+            return True
+        return model in self.models or model in self.lora_adapters
+
+
+class Fleet:
+    """Replicas, block index and speculative placements of one router process."""
+
+    def __init__(self, config: RouterConfig, hasher: BlockHasher) -> None:
+        self.config = config
+        self.hasher = hasher
+        self.replicas: dict[str, Replica] = {}  # {replica_id: Replica}
+        self.index = BlockIndex()
+        self.speculative = SpeculativePlacements(config.speculative_ttl_s)
+        self._ring: HashRing | None = None
+        self._ring_ids: tuple[str, ...] = ()
+        for url in config.replicas:
+            rid = static_replica_id(url)
+            self.replicas[rid] = Replica(
+                rid, url.rstrip("/"), static=True,
+                models=frozenset([config.model]) if config.model else None)
+
+    # -- views ------------------------------------------------------------------
+
+    def affinity_problem(self, replica: Replica) -> str | None:
+        """Why a replica gets no prefix-hit credit, or ``None`` if it does."""
+        if replica.static:
+            return "static replica: no KV events"
+        if replica.hash_verified == "0":
+            return "hash_verified=0: the worker's probe hashes differ from the engine's"
+        if replica.block_size is not None and replica.block_size != self.hasher.block_size:
+            return f"block_size {replica.block_size} != router's {self.hasher.block_size}"
+        if replica.hash_algo and replica.hash_algo != self.hasher.hash_algo:
+            return f"hash_algo {replica.hash_algo} != router's {self.hasher.hash_algo}"
+        if replica.seed_fingerprint and replica.seed_fingerprint != self.hasher.seed_fingerprint:
+            return "seed fingerprint differs (PYTHONHASHSEED / --hash-seed mismatch)"
+        return None
+
+    def routable_problem(self, replica: Replica, now: float) -> str | None:
+        """Why a replica takes no traffic now, or ``None``."""
+        if not replica.healthy:
+            return "unhealthy (health probe failed or heartbeat stale)"
+        if replica.suspect_until > now:
+            return "recent connection failure"
+        return None
+
+    def routable(self, now: float) -> list[Replica]:
+        return [r for r in self.replicas.values() if self.routable_problem(r, now) is None]
+
+    def ring(self, replicas: list[Replica]) -> HashRing:
+        """Ring over the given (routable) replicas; rebuilt only when the set changes."""
+        ids = tuple(sorted(r.replica_id for r in replicas))
+        if self._ring is None or ids != self._ring_ids:
+            self._ring = HashRing(ids, self.config.vnodes)
+            self._ring_ids = ids
+        return self._ring
+
+    def eligible(self, model: str | None, now: float) -> tuple[list[Replica], tuple[str, str] | None]:
+        """Routable replicas serving ``model`` and the LoRA (name, path) it names, if any.
+
+        Raises ``ModelNotFound`` when no known replica serves the model and
+        ``NoRoutableReplica`` when some do but none is routable.
+        """
+        serving = [r for r in self.replicas.values() if r.serves(model)]
+        if not serving:
+            if not self.replicas:
+                raise NoRoutableReplica("no replica is known to the router yet")
+            raise ModelNotFound(f"The model `{model}` does not exist.")
+        ready = [r for r in serving if self.routable_problem(r, now) is None]
+        if not ready:
+            raise NoRoutableReplica(f"no routable replica serves model {model!r}")
+        lora = None
+        if model is not None:
+            for r in ready:
+                if model in r.lora_adapters and not (r.models and model in r.models):
+                    lora = (model, r.lora_adapters[model])
+                    break
+        return ready, lora
+
+    def mark_failed(self, replica_id: str, now: float) -> None:
+        """Passive health: skip a replica for ``SUSPECT_S`` after a connection failure."""
+        replica = self.replicas.get(replica_id)
+        if replica is not None:
+            replica.suspect_until = now + SUSPECT_S
+
+    def model_cards(self, now: float) -> list[dict[str, Any]]:
+        """Union of model cards over routable replicas, by id (``GET /v1/models``)."""
+        cards: dict[str, dict[str, Any]] = {}
+        for r in self.routable(now):
+            if r.model_cards:
+                for card in r.model_cards:
+                    cards.setdefault(str(card.get("id")), card)
+                continue
+            for name in sorted(r.models or ()):
+                cards.setdefault(name, {"id": name, "object": "model", "created": 0,
+                                        "owned_by": "vllm", "root": name, "parent": None})
+            for name, path in sorted(r.lora_adapters.items()):
+                base = sorted(r.models)[0] if r.models else None
+                cards.setdefault(name, {"id": name, "object": "model", "created": 0,
+                                        "owned_by": "vllm", "root": path, "parent": base})
+        return [cards[k] for k in sorted(cards)]
+
+    # -- updates from Redis -----------------------------------------------------
+
+    def apply_heartbeat(self, replica_id: str, fields: Mapping[str, str], wall_now: float) -> bool:
+        """Create or refresh a worker-reported replica. Returns True if its block set must be
+        (re)loaded: new replica or a newer epoch."""
+        replica = self.replicas.get(replica_id)
+        is_new = replica is None
+        if replica is None:
+            replica = self.replicas[replica_id] = Replica(replica_id, fields.get(c.F_URL, ""))
+        replica.url = fields.get(c.F_URL, replica.url).rstrip("/")
+        try:
+            models = json.loads(fields.get(c.F_MODELS) or "null")
+            replica.models = frozenset(models) if isinstance(models, list) else None
+            adapters = json.loads(fields.get(c.F_LORA_ADAPTERS) or "{}")
+            replica.lora_adapters = dict(adapters) if isinstance(adapters, dict) else {}
+        except json.JSONDecodeError:
+            logger.warning("replica %s: malformed models/lora_adapters in heartbeat", replica_id)
+        replica.block_size = _int(fields.get(c.F_BLOCK_SIZE), None)
+        replica.hash_algo = fields.get(c.F_HASH_ALGO) or None
+        replica.seed_fingerprint = fields.get(c.F_SEED_FINGERPRINT) or None
+        replica.hash_verified = fields.get(c.F_HASH_VERIFIED, "")
+        replica.num_running = _int(fields.get(c.F_NUM_RUNNING), 0) or 0
+        replica.num_waiting = _int(fields.get(c.F_NUM_WAITING), 0) or 0
+        replica.kv_usage = _float(fields.get(c.F_KV_USAGE), 0.0)
+        replica.heartbeat_ts = _float(fields.get(c.F_HEARTBEAT_TS), wall_now)
+        replica.healthy = wall_now - replica.heartbeat_ts <= c.HEARTBEAT_TTL_S + 0.5
+        epoch = _int(fields.get(c.F_EPOCH), 0) or 0
+        reload = is_new or epoch > replica.epoch
+        replica.epoch = max(epoch, replica.epoch)
+        return reload
+
+    def drop_replica(self, replica_id: str) -> None:
+        """A worker-reported replica's heartbeat expired: out of rotation, blocks forgotten."""
+        if replica_id in self.replicas and not self.replicas[replica_id].static:
+            del self.replicas[replica_id]
+        if replica_id in self.index.replicas():
+            self.speculative.forget_bit(self.index.bit(replica_id))
+            self.index.drop(replica_id)
+
+    def apply_event(self, replica_id: str, epoch: int, op: str, keys: Any) -> str | None:
+        """Apply one change-stream entry. Returns ``None`` or why it was dropped."""
+        replica = self.replicas.get(replica_id)
+        if replica is None or replica.static:
+            return "unknown_replica"
+        known = self.index.epochs.get(replica_id, replica.epoch)
+        if epoch < known:
+            return "stale_epoch"
+        if epoch > known:
+            self.index.clear(replica_id)
+            self.index.epochs[replica_id] = epoch
+            replica.epoch = max(replica.epoch, epoch)
+        if op == c.OP_STORED:
+            self.index.add(replica_id, keys)
+        elif op == c.OP_REMOVED:
+            self.index.remove(replica_id, keys)
+        elif op == c.OP_CLEARED:
+            self.index.clear(replica_id)
+        else:
+            return "bad_op"
+        return None
+
+
+def _int(value: str | None, default: int | None) -> int | None:
+    try:
+        return int(value) if value not in (None, "") else default
+    except ValueError:
+        return default
+
+
+def _float(value: str | None, default: float) -> float:
+    try:
+        return float(value) if value not in (None, "") else default
+    except ValueError:
+        return default
+
+
+def _text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+class FleetReader:
+    """Follows the fleet's Redis keys and stream into a ``Fleet``. Redis edge.
+
+    ``run()`` loops until cancelled: connect, resync (remember the stream's last
+    id, load every heartbeat and block set), then ``XREAD BLOCK`` the stream and
+    refresh heartbeats every ``HEARTBEAT_INTERVAL_S``. On connection loss it
+    backs off (0.1 s doubling to 5 s) and resyncs; routing goes on meanwhile.
+    """
+
+    def __init__(self, fleet: Fleet, config: RouterConfig, metrics: RouterMetrics) -> None:
+        self.fleet = fleet
+        self.config = config
+        self.metrics = metrics
+        self.prefix = config.redis_prefix
+        self.connected = False
+        self.last_id = "0-0"
+        self.synced = asyncio.Event()
+
+    async def run(self) -> None:
+        import redis.asyncio as aioredis
+        from redis.exceptions import RedisError
+
+        backoff = 0.1
+        while True:
+            client = aioredis.from_url(self.config.redis_url or "", password=self.config.redis_password,
+                                       socket_connect_timeout=2.0, socket_timeout=5.0)
+            try:
+                await self._resync(client)
+                self._set_connected(True)
+                backoff = 0.1
+                await self._follow(client)
+            except (RedisError, OSError) as exc:
+                if self.connected:
+                    logger.warning("redis connection lost (%s); routing continues on ring and "
+                                   "speculative state", exc)
+                self._set_connected(False)
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, _BACKOFF_MAX_S)
+            finally:
+                await client.aclose()
+
+    def _set_connected(self, value: bool) -> None:
+        self.connected = value
+        self.metrics.redis_connected.set(1 if value else 0)
+
+    async def _resync(self, client: Any) -> None:
+        last = await client.xrevrange(c.events_key(self.prefix), count=1)
+        self.last_id = _text(last[0][0]) if last else "0-0"
+        await self._refresh_heartbeats(client, force_reload=True)
+        self.metrics.redis_resyncs.inc()
+        self.synced.set()
+
+    async def _refresh_heartbeats(self, client: Any, force_reload: bool = False) -> None:
+        keys = [k async for k in client.scan_iter(match=c.replica_pattern(self.prefix), count=1000)]
+        pipe = client.pipeline(transaction=False)
+        for key in keys:
+            pipe.hgetall(key)
+        results = await pipe.execute() if keys else []
+        wall_now = time.time()
+        seen: set[str] = set()
+        for key, raw in zip(keys, results, strict=True):
+            if not raw:
+                continue
+            try:
+                rid = c.replica_id_from_key(self.prefix, _text(key))
+            except ValueError:
+                continue
+            fields = {_text(k): _text(v) for k, v in raw.items()}
+            seen.add(rid)
+            if self.fleet.apply_heartbeat(rid, fields, wall_now) or force_reload:
+                await self._load_blocks(client, rid)
+        for rid, replica in list(self.fleet.replicas.items()):
+            if not replica.static and rid not in seen:
+                logger.info("replica %s heartbeat expired; out of rotation", rid)
+                self.fleet.drop_replica(rid)
+        self._update_gauges()
+
+    async def _load_blocks(self, client: Any, replica_id: str) -> None:
+        members = await client.smembers(c.blocks_key(self.prefix, replica_id))
+        keys = [int.from_bytes(m, "big") for m in members if len(m) == 8]
+        replica = self.fleet.replicas[replica_id]
+        self.fleet.index.replace(replica_id, keys, epoch=replica.epoch)
+        logger.info("replica %s: loaded %d block keys (epoch %d)", replica_id, len(keys), replica.epoch)
+
+    async def _follow(self, client: Any) -> None:
+        stream = c.events_key(self.prefix)
+        next_refresh = time.monotonic() + c.HEARTBEAT_INTERVAL_S
+        block_ms = int(c.HEARTBEAT_INTERVAL_S * 250)
+        while True:
+            reply = await client.xread({stream: self.last_id}, count=1000, block=block_ms)
+            for _, entries in reply or ():
+                for entry_id, fields in entries:
+                    self.last_id = _text(entry_id)
+                    self._apply(fields)
+                if entries:
+                    ms = int(self.last_id.split("-", 1)[0])
+                    self.metrics.event_lag.set(max(0.0, time.time() - ms / 1000.0))
+            if time.monotonic() >= next_refresh:
+                await self._refresh_heartbeats(client)
+                next_refresh = time.monotonic() + c.HEARTBEAT_INTERVAL_S
+
+    def _apply(self, fields: Mapping[Any, Any]) -> None:
+        try:
+            data = {_text(k): v for k, v in fields.items()}
+            rid = _text(data[c.E_REPLICA])
+            epoch = int(_text(data[c.E_EPOCH]))
+            op = _text(data[c.E_OP])
+            raw = data.get(c.E_KEYS, b"")
+            keys = c.unpack_keys(raw if isinstance(raw, bytes) else raw.encode("latin-1"))
+        except (KeyError, ValueError, UnicodeDecodeError) as exc:
+            logger.warning("dropping malformed stream entry: %s", exc)
+            self.metrics.event_errors.labels("malformed").inc()
+            return
+        dropped = self.fleet.apply_event(rid, epoch, op, keys)
+        if dropped is not None:
+            self.metrics.event_errors.labels(dropped).inc()
+        else:
+            self.metrics.events.labels(op).inc()
+
+    def _update_gauges(self) -> None:
+        index = self.fleet.index
+        self.metrics.index_blocks.set(len(index))
+        for rid in index.replicas():
+            self.metrics.replica_blocks.labels(rid).set(index.num_blocks(rid))
+
+
+class StaticProber:
+    """Probes static ``--replica`` URLs: ``GET /health`` for health, ``GET /v1/models`` for models."""
+
+    def __init__(self, fleet: Fleet, session: aiohttp.ClientSession, interval_s: float) -> None:
+        self.fleet = fleet
+        self.session = session
+        self.interval_s = interval_s
+        self.probed = asyncio.Event()
+
+    async def probe_once(self) -> None:
+        replicas = [r for r in self.fleet.replicas.values() if r.static]
+        await asyncio.gather(*(self._probe(r) for r in replicas))
+        self.probed.set()
+
+    async def _probe(self, replica: Replica) -> None:
+        timeout = aiohttp.ClientTimeout(total=2.0)
+        try:
+            async with self.session.get(f"{replica.url}/health", timeout=timeout) as resp:
+                healthy = resp.status == 200
+            if healthy and not replica.model_cards:
+                async with self.session.get(f"{replica.url}/v1/models", timeout=timeout) as resp:
+                    if resp.status == 200:
+                        data = await resp.json()
+                        cards = [card for card in data.get("data", []) if isinstance(card, dict)]
+                        replica.model_cards = cards
+                        bases = {str(k["id"]) for k in cards if not k.get("parent")}
+                        loras = {str(k["id"]): str(k.get("root", "")) for k in cards if k.get("parent")}
+                        if self.fleet.config.model:
+                            bases.add(self.fleet.config.model)
+                        replica.models = frozenset(bases) if bases else replica.models
+                        replica.lora_adapters = loras
+        except (aiohttp.ClientError, TimeoutError, ValueError):
+            healthy = False
+        if healthy != replica.healthy:
+            logger.info("static replica %s is %s", replica.replica_id,
+                        "healthy" if healthy else "unhealthy")
+        replica.healthy = healthy
+
+    async def run(self) -> None:
+        while True:
+            await self.probe_once()
+            await asyncio.sleep(self.interval_s)

@@ -1,0 +1,91 @@
+"""Prometheus metrics of the router (``router_*``), on a registry per app. Metrics edge.
+
+One ``RouterMetrics`` per running app so several routers can live in one test
+process. ``render()`` returns the text exposition for ``GET /metrics``.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+CONTENT_TYPE = CONTENT_TYPE_LATEST
+
+_LATENCY_BUCKETS = (0.0005, 0.001, 0.002, 0.003, 0.005, 0.0075, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0)
+_TTFT_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0,
+                 20.0, 40.0, 80.0)  # vLLM's TTFT buckets, trimmed
+
+
+class RouterMetrics:
+    """All router metrics. Label values: replica ids, decision reasons, HTTP status codes."""
+
+    def __init__(self) -> None:
+        self.registry = registry = CollectorRegistry(auto_describe=True)
+        self.requests = Counter(
+            "router_requests_total", "Requests finished, by chosen replica, decision reason, "
+            "endpoint and final HTTP status", ["replica", "reason", "endpoint", "status"],
+            registry=registry)
+        self.prompt_tokens = Counter(
+            "router_prompt_tokens_total", "Prompt tokens of routed requests", ["replica"],
+            registry=registry)
+        self.predicted_hit_tokens = Counter(
+            "router_predicted_hit_tokens_total", "Prompt tokens predicted to hit the chosen "
+            "replica's prefix cache", ["replica"], registry=registry)
+        self.ttft = Histogram(
+            "router_ttft_seconds", "Time from request arrival to the first response byte from the "
+            "replica, split by whether the router predicted a prefix hit", ["predicted"],
+            buckets=_TTFT_BUCKETS, registry=registry)
+        self.overhead = Histogram(
+            "router_overhead_seconds", "Router time from request arrival to upstream send "
+            "(parse, tokenize, hash, route)", ["endpoint"], buckets=_LATENCY_BUCKETS,
+            registry=registry)
+        self.tokenize = Histogram(
+            "router_tokenize_seconds", "Time to compute prompt tokens (in the thread pool)",
+            ["kind"], buckets=_LATENCY_BUCKETS, registry=registry)
+        self.inflight = Gauge(
+            "router_inflight_requests", "Requests this router has in flight per replica",
+            ["replica"], registry=registry)
+        self.inflight_prefill = Gauge(
+            "router_inflight_prefill_tokens", "Prefill tokens this router has sent that have not "
+            "produced a first byte yet, per replica", ["replica"], registry=registry)
+        self.untokenized = Counter(
+            "router_untokenized_requests_total", "Requests routed without exact prompt tokens "
+            "(consistent hashing on the text)", ["cause"], registry=registry)
+        self.retries = Counter(
+            "router_upstream_retries_total", "Upstream attempts retried before the first byte",
+            ["cause"], registry=registry)
+        self.upstream_errors = Counter(
+            "router_upstream_errors_total", "Upstream failures, by replica and kind",
+            ["replica", "kind"], registry=registry)
+        self.index_blocks = Gauge(
+            "router_index_blocks", "Distinct block keys in the router's index", registry=registry)
+        self.replica_blocks = Gauge(
+            "router_index_replica_blocks", "Block keys the index holds per replica", ["replica"],
+            registry=registry)
+        self.speculative_blocks = Gauge(
+            "router_speculative_blocks", "Block keys in the speculative placement table",
+            registry=registry)
+        self.event_lag = Gauge(
+            "router_event_lag_seconds", "Age of the last KV change-stream entry applied "
+            "(now - entry id time)", registry=registry)
+        self.events = Counter(
+            "router_events_total", "KV change-stream entries applied, by op", ["op"],
+            registry=registry)
+        self.event_errors = Counter(
+            "router_event_errors_total", "Malformed or stale stream entries dropped", ["cause"],
+            registry=registry)
+        self.redis_connected = Gauge(
+            "router_redis_connected", "1 when the fleet reader is connected to Redis",
+            registry=registry)
+        self.redis_resyncs = Counter(
+            "router_redis_resyncs_total", "Full reloads of heartbeats and block sets",
+            registry=registry)
+        self.replica_routable = Gauge(
+            "router_replica_routable", "1 when a replica takes traffic", ["replica"],
+            registry=registry)
+        self.replica_affinity = Gauge(
+            "router_replica_affinity", "1 when a replica gets prefix-hit credit (hash verified, "
+            "same block size and hash settings)", ["replica"], registry=registry)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

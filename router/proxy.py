@@ -1,0 +1,246 @@
+"""Streaming HTTP pass-through to a replica, with retries before the first byte. HTTP edge.
+
+Rules:
+
+* the response is relayed chunk by chunk as it arrives (no buffering); the
+  client's headers are sent only when the replica's first body byte arrives,
+  so anything failing before that (connection refused or reset, a pooled
+  connection the engine had closed, the replica answering 503) is retried on
+  the next-best replica, once; a stale pooled connection is retried once more on
+  the same replica first, transparently;
+* after bytes went to the client nothing is retried: an SSE stream gets an
+  ``data: {"error": {...}}`` event and closes, other bodies are cut short and
+  the connection closed (the client sees a short body, never a silent success);
+* connect, first-byte and stream-idle timeouts (``RouterConfig``);
+* the client disconnecting (the aiohttp handler is cancelled) closes the
+  upstream connection, which makes vLLM abort the request;
+* hop-by-hop headers are dropped both ways, everything else (Authorization,
+  Content-Encoding, ...) passes; bodies are not decompressed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Final, Protocol
+
+import aiohttp
+from aiohttp import web
+from multidict import CIMultiDict
+
+from router.config import RouterConfig
+from router.errors import REQUEST_ID_HEADER, UpstreamError, UpstreamTimeout, error_body
+from router.metrics import RouterMetrics
+
+logger = logging.getLogger(__name__)
+
+REPLICA_HEADER: Final = "x-prefix-router-replica"
+REASON_HEADER: Final = "x-prefix-router-reason"
+HOP_BY_HOP: Final = frozenset({
+    "connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te", "trailer",
+    "trailers", "transfer-encoding", "upgrade", "host", "content-length",
+})
+STATUS_CLIENT_CLOSED: Final = 499  # nginx's convention for "client closed request"
+
+
+class LoadTicket(Protocol):
+    """What the proxy needs of a load hold (``router.policy.LoadTicket``)."""
+
+    def first_token(self) -> None: ...
+
+    def finish(self) -> None: ...
+
+
+@dataclass(frozen=True, slots=True)
+class Target:
+    """One candidate replica for an attempt."""
+
+    replica_id: str
+    url: str  # base URL, no trailing slash
+
+
+@dataclass(slots=True)
+class ProxyOutcome:
+    """What happened, for metrics: final replica, HTTP status sent, first-byte time."""
+
+    replica_id: str
+    status: int
+    first_byte_s: float | None = None
+
+
+def upstream_headers(request: web.Request, request_id: str) -> CIMultiDict[str]:
+    """Client headers minus hop-by-hop ones, with the request id set."""
+    headers: CIMultiDict[str] = CIMultiDict()
+    for name, value in request.headers.items():
+        if name.lower() not in HOP_BY_HOP:
+            headers.add(name, value)
+    headers[REQUEST_ID_HEADER] = request_id
+    return headers
+
+
+class _Retryable(Exception):
+    def __init__(self, cause: str, same_replica: bool = False) -> None:
+        super().__init__(cause)
+        self.cause = cause
+        self.same_replica = same_replica
+
+
+class Proxy:
+    """Forwards requests to replicas over one pooled ``aiohttp.ClientSession``."""
+
+    def __init__(self, session: aiohttp.ClientSession, config: RouterConfig,
+                 metrics: RouterMetrics) -> None:
+        self.session = session
+        self.config = config
+        self.metrics = metrics
+
+    async def forward(
+        self,
+        request: web.Request,
+        path: str,
+        body: bytes,
+        targets: Sequence[Target],
+        reason: str,
+        request_id: str,
+        start_ticket: Callable[[str], LoadTicket],
+        on_failure: Callable[[str], None],
+        arrival: float,
+        on_sent: Callable[[str], None] | None = None,
+    ) -> tuple[web.StreamResponse, ProxyOutcome]:
+        """Send ``body`` to ``targets[0]`` (then at most one fallback) and relay the answer.
+
+        ``start_ticket(replica_id)`` counts the load at dispatch; the ticket is
+        released at the first byte and at the end on every path.
+        ``on_failure(replica_id)`` marks a replica after a connection failure.
+        Raises ``UpstreamError`` (502) / ``UpstreamTimeout`` (504) when nothing
+        was sent to the client.
+        """
+        headers = upstream_headers(request, request_id)
+        attempts = list(targets[:2])
+        stale_retry_used = False
+        last_error = "no replica"
+        i = 0
+        while i < len(attempts):
+            target = attempts[i]
+            ticket = start_ticket(target.replica_id)
+            try:
+                if on_sent is not None:
+                    on_sent(target.replica_id)
+                result = await self._attempt(request, path, body, headers, target, reason,
+                                             request_id, ticket, arrival)
+            except _Retryable as exc:
+                ticket.finish()
+                last_error = f"replica {target.replica_id}: {exc.cause}"
+                if exc.same_replica and not stale_retry_used:
+                    stale_retry_used = True
+                    self.metrics.retries.labels("stale_connection").inc()
+                    continue
+                on_failure(target.replica_id)
+                self.metrics.upstream_errors.labels(target.replica_id, exc.cause).inc()
+                if i + 1 < len(attempts):
+                    self.metrics.retries.labels(exc.cause).inc()
+                    logger.info("retrying %s elsewhere after %s", request_id, last_error)
+                i += 1
+            except BaseException:
+                ticket.finish()
+                raise
+            ticket.finish()
+            return result
+        raise UpstreamError(f"upstream failed before the first byte: {last_error}")
+
+    async def _attempt(
+        self,
+        request: web.Request,
+        path: str,
+        body: bytes,
+        headers: CIMultiDict[str],
+        target: Target,
+        reason: str,
+        request_id: str,
+        ticket: LoadTicket,
+        arrival: float,
+    ) -> tuple[web.StreamResponse, ProxyOutcome]:
+        cfg = self.config
+        timeout = aiohttp.ClientTimeout(total=None, connect=None, sock_connect=cfg.connect_timeout_s,
+                                        sock_read=None)
+        upstream: aiohttp.ClientResponse | None = None
+        try:
+            try:
+                async with asyncio.timeout(cfg.first_byte_timeout_s):
+                    upstream = await self.session.request(
+                        request.method, f"{target.url}{path}", data=body or None,
+                        headers=headers, timeout=timeout, auto_decompress=False,
+                        allow_redirects=False)
+                    if upstream.status == 503:
+                        raise _Retryable("http_503")
+                    first = await upstream.content.readany()
+            except aiohttp.ClientConnectorError as exc:
+                raise _Retryable("connect_error") from exc
+            except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as exc:
+                raise _Retryable("disconnected", same_replica=True) from exc
+            except aiohttp.ServerTimeoutError as exc:
+                raise _Retryable("connect_timeout") from exc
+            except aiohttp.ClientPayloadError as exc:
+                raise _Retryable("payload_error") from exc
+            except TimeoutError as exc:
+                raise UpstreamTimeout(
+                    f"replica {target.replica_id} sent no byte within "
+                    f"{cfg.first_byte_timeout_s:g} s") from exc
+            except aiohttp.ClientError as exc:
+                raise UpstreamError(f"replica {target.replica_id}: {exc}") from exc
+            first_byte_s = time.perf_counter() - arrival
+            ticket.first_token()
+            response = web.StreamResponse(status=upstream.status, reason=upstream.reason)
+            for name, value in upstream.headers.items():
+                if name.lower() not in HOP_BY_HOP:
+                    response.headers.add(name, value)
+            if upstream.content_length is not None:
+                response.content_length = upstream.content_length
+            response.headers[REPLICA_HEADER] = target.replica_id
+            response.headers[REASON_HEADER] = reason
+            response.headers[REQUEST_ID_HEADER] = request_id
+            outcome = ProxyOutcome(target.replica_id, upstream.status, first_byte_s)
+            await response.prepare(request)
+            if first:
+                await response.write(first)
+            await self._relay(upstream, response, target, outcome)
+            return response, outcome
+        except asyncio.CancelledError:
+            logger.info("client closed %s; cancelling upstream on %s", request_id, target.replica_id)
+            raise
+        finally:
+            if upstream is not None:
+                if upstream.content.at_eof() and not upstream.closed:
+                    upstream.release()
+                else:
+                    upstream.close()  # drop the connection so the engine aborts the request
+
+    async def _relay(self, upstream: aiohttp.ClientResponse, response: web.StreamResponse,
+                     target: Target, outcome: ProxyOutcome) -> None:
+        idle = self.config.stream_idle_timeout_s
+        is_sse = upstream.content_type == "text/event-stream"
+        while True:
+            try:
+                async with asyncio.timeout(idle):
+                    chunk = await upstream.content.readany()
+            except (TimeoutError, aiohttp.ClientError) as exc:
+                kind = "stream_idle_timeout" if isinstance(exc, TimeoutError) else "stream_broken"
+                self.metrics.upstream_errors.labels(target.replica_id, kind).inc()
+                outcome.status = 504 if kind == "stream_idle_timeout" else 502
+                logger.warning("upstream %s failed mid-response: %s", target.replica_id, kind)
+                if is_sse:
+                    message = (f"replica {target.replica_id} stream failed: {kind}")
+                    await response.write(b"data: " + error_body(
+                        message, "BadGatewayError" if outcome.status == 502 else "GatewayTimeoutError",
+                        outcome.status) + b"\n\n")
+                    await response.write_eof()
+                else:
+                    response.force_close()
+                return
+            if not chunk:
+                break
+            await response.write(chunk)
+        await response.write_eof()

@@ -1,0 +1,451 @@
+"""The router service: aiohttp app on uvloop, routes and start-up/shutdown. HTTP edge.
+
+``main(argv)`` parses ``RouterConfig`` (CLI > ``ROUTER_*`` env > YAML), loads
+the tokenizer once, starts the fleet reader (Redis) and/or the static replica
+prober, listens, logs ``router listening on http://HOST:PORT`` and writes
+``--ready-file``. ``RouterService`` holds the per-process state and the handlers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import json
+import logging
+import os
+import signal
+import time
+import uuid
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import msgspec
+from aiohttp import web
+
+from router.config import ConfigError, RouterConfig, load_config
+from router.errors import REQUEST_ID_HEADER, BadRequest, RouterError, error_middleware
+from router.fleet import Fleet, FleetReader, StaticProber
+from router.hashing import BlockHasher, HashConfigError
+from router.metrics import CONTENT_TYPE, RouterMetrics
+from router.policy import Decision, LoadTracker, PolicyParams, ReplicaView, RouteInput, decide
+from router.prompts import PromptError, PromptSpec, PromptTokenizer, parse_prompt
+from router.proxy import Proxy, Target
+from router.ring import text_key
+
+logger = logging.getLogger(__name__)
+
+_JSON = msgspec.json.Decoder()
+
+
+@dataclass(slots=True)
+class Routed:
+    """A routing decision plus what the proxy needs to count load."""
+
+    decision: Decision
+    num_tokens: int
+    chain: list[int]
+    targets: list[Target]
+    tokenized: bool
+
+
+class RouterService:
+    """Per-process router state and HTTP handlers."""
+
+    def __init__(self, config: RouterConfig, tokenizer: PromptTokenizer | None) -> None:
+        self.config = config
+        self.hasher = BlockHasher(config.block_size, config.hash_algo, config.hash_seed)
+        self.tokenizer = tokenizer
+        self.metrics = RouterMetrics()
+        self.fleet = Fleet(config, self.hasher)
+        self.tracker = LoadTracker()
+        self.params = PolicyParams(
+            block_size=config.block_size, load_factor=config.load_factor,
+            queue_slack_tokens=config.queue_slack_tokens,
+            consistent_hash_blocks=max(1, config.consistent_hash_tokens // config.block_size))
+        self.executor = ThreadPoolExecutor(config.tokenizer_threads, thread_name_prefix="tokenize")
+        self.rr_counter = 0
+        self.reader: FleetReader | None = None
+        self.prober: StaticProber | None = None
+        self.session: aiohttp.ClientSession | None = None
+        self.proxy: Proxy | None = None
+        self._tasks: list[asyncio.Task[None]] = []
+
+    # -- lifecycle ---------------------------------------------------------------
+
+    def build_app(self) -> web.Application:
+        app = web.Application(middlewares=[_request_id_middleware, error_middleware],
+                              client_max_size=self.config.max_body_bytes)
+        app.router.add_post("/v1/completions", functools.partial(self.handle_generate, "completion"))
+        app.router.add_post("/v1/chat/completions", functools.partial(self.handle_generate, "chat"))
+        app.router.add_get("/v1/models", self.handle_models)
+        for path in ("/tokenize", "/detokenize", "/v1/embeddings"):
+            app.router.add_post(path, self.handle_passthrough)
+        app.router.add_get("/health", self.handle_health)
+        app.router.add_get("/ready", self.handle_ready)
+        app.router.add_get("/metrics", self.handle_metrics)
+        app.router.add_post("/debug/route", self.handle_debug_route)
+        app.on_startup.append(self._on_startup)
+        app.on_cleanup.append(self._on_cleanup)
+        return app
+
+    async def _on_startup(self, app: web.Application) -> None:
+        connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=30.0, enable_cleanup_closed=True)
+        self.session = aiohttp.ClientSession(connector=connector, auto_decompress=False)
+        self.proxy = Proxy(self.session, self.config, self.metrics)
+        if self.config.replicas:
+            self.prober = StaticProber(self.fleet, self.session, self.config.static_probe_interval_s)
+            await self.prober.probe_once()
+            self._tasks.append(asyncio.create_task(self.prober.run()))
+        if self.config.redis_url:
+            self.reader = FleetReader(self.fleet, self.config, self.metrics)
+            self._tasks.append(asyncio.create_task(self.reader.run()))
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.reader.synced.wait(), timeout=5.0)
+        self._tasks.append(asyncio.create_task(self._housekeeping()))
+
+    async def _on_cleanup(self, app: web.Application) -> None:
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        if self.session is not None:
+            await self.session.close()
+        self.executor.shutdown(wait=False, cancel_futures=True)
+
+    async def _housekeeping(self) -> None:
+        """Prune expired speculative placements and refresh gauges once a second."""
+        while True:
+            now = time.monotonic()
+            self.fleet.speculative.prune(now)
+            self.metrics.speculative_blocks.set(len(self.fleet.speculative))
+            self.metrics.index_blocks.set(len(self.fleet.index))
+            for rid, replica in self.fleet.replicas.items():
+                routable = self.fleet.routable_problem(replica, now) is None
+                self.metrics.replica_routable.labels(rid).set(1 if routable else 0)
+                affinity = self.fleet.affinity_problem(replica) is None
+                self.metrics.replica_affinity.labels(rid).set(1 if affinity else 0)
+            await asyncio.sleep(1.0)
+
+    # -- routing -----------------------------------------------------------------
+
+    def _tokens_and_chain(self, spec: PromptSpec, lora: tuple[str, str] | None
+                          ) -> tuple[list[int], list[int]]:
+        """Runs in the thread pool: exact tokens (if possible) and the block-key chain."""
+        if spec.token_ids is not None:
+            tokens = spec.token_ids
+        else:
+            assert self.tokenizer is not None
+            tokens = self.tokenizer.prompt_tokens(spec)
+        chain = self.hasher.keys(tokens, lora=lora, cache_salt=spec.cache_salt)
+        return tokens, chain
+
+    async def route(self, spec: PromptSpec, *, dry_run: bool = False) -> Routed:
+        """Eligibility, tokens, hit depths and the policy decision for one request."""
+        now = time.monotonic()
+        eligible, lora = self.fleet.eligible(spec.model, now)
+        tokenized = spec.token_ids is not None or self.tokenizer is not None
+        tokens: list[int] = []
+        chain: list[int] = []
+        if tokenized:
+            started = time.perf_counter()
+            loop = asyncio.get_running_loop()
+            try:
+                if spec.token_ids is not None and len(spec.token_ids) < 64 * self.config.block_size:
+                    tokens, chain = self._tokens_and_chain(spec, lora)
+                else:
+                    tokens, chain = await loop.run_in_executor(
+                        self.executor, self._tokens_and_chain, spec, lora)
+            except PromptError as exc:
+                raise BadRequest(str(exc)) from exc
+            self.metrics.tokenize.labels(spec.kind).observe(time.perf_counter() - started)
+        elif not dry_run:
+            self.metrics.untokenized.labels("no_tokenizer").inc()
+        num_tokens = len(tokens) if tokenized else max(1, len(spec.fallback_text()) // 4)
+        ring_key = text_key(spec.fallback_text()) if not tokenized else (
+            text_key(json.dumps(tokens[: self.config.block_size])) if tokens else 0)
+        views = []
+        affinity_ids = []
+        for r in eligible:
+            affinity = self.fleet.affinity_problem(r) is None
+            if affinity:
+                affinity_ids.append(r.replica_id)
+            views.append(ReplicaView(
+                r.replica_id, affinity=affinity,
+                inflight_requests=self.tracker.requests(r.replica_id),
+                inflight_prefill_tokens=self.tracker.prefill_tokens(r.replica_id),
+                prefilling_requests=self.tracker.prefilling(r.replica_id),
+                engine_running=r.num_running, engine_waiting=r.num_waiting))
+        confirmed: dict[str, int] = {}
+        combined: dict[str, int] = {}
+        if chain and self.config.policy == "prefix":
+            mask = self.fleet.index.mask_of(r.replica_id for r in eligible)
+            confirmed, combined = self.fleet.index.hit_depths(
+                chain, mask, self.fleet.speculative, now)
+        request = RouteInput(chain, num_tokens, ring_key, tokenized=tokenized)
+        decision = decide(self.config.policy, request, views, self.fleet.ring(self.fleet.routable(now)),
+                          confirmed=confirmed, combined=combined, params=self.params,
+                          rr_counter=self.rr_counter, avg_prompt_tokens=self.tracker.avg_prompt_tokens)
+        if not dry_run:
+            self.rr_counter += 1
+        urls = {r.replica_id: r.url for r in eligible}
+        targets = [Target(rid, urls[rid]) for rid in (decision.replica_id, *decision.fallbacks)]
+        return Routed(decision, num_tokens, chain, targets, tokenized)
+
+    def _place_speculative(self, routed: Routed, replica_id: str) -> None:
+        if self.config.policy != "prefix" or not routed.chain:
+            return
+        held = routed.decision.details.get(replica_id, {}).get("confirmed_hit_blocks", 0)
+        self.fleet.speculative.place(self.fleet.index.bit(replica_id), routed.chain[held:],
+                                     time.monotonic())
+
+    # -- handlers ----------------------------------------------------------------
+
+    async def _read_json(self, request: web.Request) -> tuple[bytes, Any]:
+        body = await request.read()
+        try:
+            return body, _JSON.decode(body)
+        except msgspec.DecodeError as exc:
+            raise BadRequest(f"request body is not valid JSON: {exc}") from exc
+
+    async def handle_generate(self, kind: str, request: web.Request) -> web.StreamResponse:
+        arrival = time.perf_counter()
+        body, data = await self._read_json(request)
+        try:
+            spec = parse_prompt(kind, data)
+        except PromptError as exc:
+            raise BadRequest(str(exc)) from exc
+        routed = await self.route(spec)
+        decision = routed.decision
+        hit_tokens = decision.hit_blocks * self.config.block_size
+        prefill = max(routed.num_tokens - hit_tokens, 1)
+        endpoint = request.path
+        status = 500
+        replica_id = decision.replica_id
+
+        def start_ticket(rid: str) -> Any:
+            ticket = self.tracker.dispatch(rid, prefill)
+            self._update_inflight(rid)
+            return _GaugedTicket(ticket, self)
+
+        def on_sent(rid: str) -> None:
+            self.metrics.overhead.labels(endpoint).observe(time.perf_counter() - arrival)
+            self._place_speculative(routed, rid)
+
+        def on_failure(rid: str) -> None:
+            self.fleet.mark_failed(rid, time.monotonic())
+
+        assert self.proxy is not None
+        try:
+            response, outcome = await self.proxy.forward(
+                request, endpoint, body, routed.targets, decision.reason, request["request_id"],
+                start_ticket, on_failure, arrival, on_sent)
+            status, replica_id = outcome.status, outcome.replica_id
+            if outcome.first_byte_s is not None:
+                self.metrics.ttft.labels("hit" if decision.predicted_hit else "miss").observe(
+                    outcome.first_byte_s)
+            self.metrics.prompt_tokens.labels(replica_id).inc(routed.num_tokens)
+            self.metrics.predicted_hit_tokens.labels(replica_id).inc(
+                hit_tokens if replica_id == decision.replica_id else 0)
+            return response
+        except RouterError as exc:
+            status = exc.status
+            raise
+        except asyncio.CancelledError:
+            status = 499
+            raise
+        finally:
+            self.metrics.requests.labels(replica_id, decision.reason, endpoint, str(status)).inc()
+
+    def _update_inflight(self, replica_id: str) -> None:
+        self.metrics.inflight.labels(replica_id).set(self.tracker.requests(replica_id))
+        self.metrics.inflight_prefill.labels(replica_id).set(self.tracker.prefill_tokens(replica_id))
+
+    async def handle_passthrough(self, request: web.Request) -> web.StreamResponse:
+        """``/tokenize``, ``/detokenize``, ``/v1/embeddings``: least-loaded replica serving the model."""
+        arrival = time.perf_counter()
+        body, data = await self._read_json(request)
+        model = data.get("model") if isinstance(data, dict) else None
+        if model is not None and not isinstance(model, str):
+            raise BadRequest("'model' must be a string")
+        now = time.monotonic()
+        eligible, _ = self.fleet.eligible(model, now)
+        views = [ReplicaView(r.replica_id, inflight_requests=self.tracker.requests(r.replica_id),
+                             engine_running=r.num_running, engine_waiting=r.num_waiting)
+                 for r in eligible]
+        decision = decide("least_loaded", RouteInput([], 0, 0), views, self.fleet.ring(eligible),
+                          rr_counter=self.rr_counter)
+        self.rr_counter += 1
+        urls = {r.replica_id: r.url for r in eligible}
+        targets = [Target(rid, urls[rid]) for rid in (decision.replica_id, *decision.fallbacks)]
+        assert self.proxy is not None
+        status = 500
+        try:
+            response, outcome = await self.proxy.forward(
+                request, request.path, body, targets, decision.reason, request["request_id"],
+                lambda rid: _GaugedTicket(self.tracker.dispatch(rid, 0), self),
+                lambda rid: self.fleet.mark_failed(rid, time.monotonic()), arrival)
+            status = outcome.status
+            return response
+        except RouterError as exc:
+            status = exc.status
+            raise
+        finally:
+            self.metrics.requests.labels(decision.replica_id, decision.reason, request.path,
+                                         str(status)).inc()
+
+    async def handle_models(self, request: web.Request) -> web.Response:
+        cards = self.fleet.model_cards(time.monotonic())
+        return web.json_response({"object": "list", "data": cards})
+
+    async def handle_health(self, request: web.Request) -> web.Response:
+        return web.json_response({"status": "ok"})
+
+    async def handle_ready(self, request: web.Request) -> web.Response:
+        now = time.monotonic()
+        replicas = []
+        for rid in sorted(self.fleet.replicas):
+            r = self.fleet.replicas[rid]
+            problem = self.fleet.routable_problem(r, now)
+            affinity_problem = self.fleet.affinity_problem(r)
+            replicas.append({
+                "replica_id": rid, "url": r.url, "static": r.static, "routable": problem is None,
+                "not_routable_reason": problem, "affinity": affinity_problem is None,
+                "no_affinity_reason": affinity_problem, "hash_verified": r.hash_verified,
+                "epoch": r.epoch, "models": sorted(r.models) if r.models is not None else None,
+                "lora_adapters": sorted(r.lora_adapters), "num_running": r.num_running,
+                "num_waiting": r.num_waiting, "kv_usage": r.kv_usage,
+                "index_blocks": self.fleet.index.num_blocks(rid),
+                "inflight_requests": self.tracker.requests(rid),
+                "inflight_prefill_tokens": self.tracker.prefill_tokens(rid),
+            })
+        ready = any(item["routable"] for item in replicas)
+        body = {"ready": ready, "policy": self.config.policy,
+                "redis": None if self.reader is None else {"connected": self.reader.connected,
+                                                           "last_stream_id": self.reader.last_id},
+                "tokenizer": self.tokenizer.source if self.tokenizer else None,
+                "index_blocks": len(self.fleet.index), "replicas": replicas}
+        return web.json_response(body, status=200 if ready else 503)
+
+    async def handle_metrics(self, request: web.Request) -> web.Response:
+        for rid in self.fleet.replicas:
+            self._update_inflight(rid)
+        return web.Response(body=self.metrics.render(), headers={"Content-Type": CONTENT_TYPE})
+
+    async def handle_debug_route(self, request: web.Request) -> web.Response:
+        """The decision for a completions or chat body, without sending it."""
+        _, data = await self._read_json(request)
+        kind = "chat" if isinstance(data, dict) and "messages" in data else "completion"
+        try:
+            spec = parse_prompt(kind, data)
+        except PromptError as exc:
+            raise BadRequest(str(exc)) from exc
+        routed = await self.route(spec, dry_run=True)
+        d = routed.decision
+        return web.json_response({
+            "kind": kind, "policy": self.config.policy, "tokenized": routed.tokenized,
+            "num_tokens": routed.num_tokens, "chain_blocks": len(routed.chain),
+            "block_size": self.config.block_size, "replica": d.replica_id, "reason": d.reason,
+            "hit_blocks": d.hit_blocks, "hit_tokens": d.hit_blocks * self.config.block_size,
+            "fallbacks": list(d.fallbacks), "replicas": d.details,
+            "load": self.tracker.snapshot(),
+        })
+
+
+class _GaugedTicket:
+    """A ``LoadTicket`` that refreshes the in-flight gauges when released."""
+
+    __slots__ = ("_service", "_ticket", "replica_id")
+
+    def __init__(self, ticket: Any, service: RouterService) -> None:
+        self._ticket = ticket
+        self._service = service
+        self.replica_id = ticket.replica_id
+
+    def first_token(self) -> None:
+        self._ticket.first_token()
+        self._service._update_inflight(self.replica_id)
+
+    def finish(self) -> None:
+        self._ticket.finish()
+        self._service._update_inflight(self.replica_id)
+
+
+@web.middleware
+async def _request_id_middleware(request: web.Request, handler: Any) -> web.StreamResponse:
+    request_id = request.headers.get(REQUEST_ID_HEADER) or uuid.uuid4().hex
+    request["request_id"] = request_id
+    response = await handler(request)
+    if REQUEST_ID_HEADER not in response.headers and not response.prepared:
+        response.headers[REQUEST_ID_HEADER] = request_id
+    return response
+
+
+def _write_ready_file(path: str, url: str) -> None:
+    target = Path(path)
+    tmp = target.with_name(target.name + ".tmp")
+    tmp.write_text(json.dumps({"url": url}))
+    os.replace(tmp, target)
+
+
+async def serve(config: RouterConfig, tokenizer: PromptTokenizer | None) -> None:
+    """Run the router until SIGINT/SIGTERM."""
+    service = RouterService(config, tokenizer)
+    app = service.build_app()
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, config.host, config.port, backlog=1024)
+    await site.start()
+    server = getattr(site, "_server", None)
+    sockets = getattr(server, "sockets", None) or []
+    port = sockets[0].getsockname()[1] if sockets else config.port
+    url = f"http://{config.host}:{port}"
+    logger.info("router listening on %s", url)
+    if config.ready_file:
+        _write_ready_file(config.ready_file, url)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        await stop.wait()
+    finally:
+        await runner.cleanup()
+
+
+def main(argv: Sequence[str]) -> int:
+    """``prefix-router serve``: returns the process exit code."""
+    try:
+        config = load_config(argv)
+        BlockHasher(config.block_size, config.hash_algo, config.hash_seed)
+    except (ConfigError, HashConfigError) as exc:
+        print(f"prefix-router serve: error: {exc}", flush=True)
+        return 2
+    logging.basicConfig(level=config.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    tokenizer = None
+    if config.tokenizer:
+        try:
+            tokenizer = PromptTokenizer(config.tokenizer, config.token_cache_chunks)
+        except (OSError, ValueError) as exc:
+            print(f"prefix-router serve: error: cannot load tokenizer {config.tokenizer!r}: {exc}",
+                  flush=True)
+            return 2
+    else:
+        logger.warning("no --tokenizer: text prompts are routed by hashing the text "
+                       "(router_untokenized_requests_total)")
+    loop_factory = None
+    try:
+        import uvloop
+
+        loop_factory = uvloop.new_event_loop
+    except ImportError:
+        logger.info("uvloop not available; using asyncio's default loop")
+    with asyncio.Runner(loop_factory=loop_factory) as runner:
+        runner.run(serve(config, tokenizer))
+    return 0
