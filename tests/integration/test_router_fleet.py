@@ -1,0 +1,338 @@
+"""The router against a real fleet on loopback: Redis, emulator replicas, workers, router processes.
+
+One fleet (3 emulated replicas in one process, one worker each, real Redis) is
+shared by the module; each test starts the router(s) it needs. Prompts are
+token ids of random vocabularies so tests never share cache blocks by accident.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+import subprocess
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from router.prompts import default_tokenizer_dir
+from tests.helpers import PYTHON, start_process, stop_process, wait_for
+
+pytestmark = pytest.mark.timeout(180)
+
+TOKENIZER = default_tokenizer_dir()
+NUM_REPLICAS = 3
+KV_EVENTS = json.dumps({"enable_kv_cache_events": True, "publisher": "zmq",
+                        "endpoint": "tcp://*:0", "replay_endpoint": "tcp://*:0"})
+
+
+def http(method: str, url: str, body: Any = None, headers: dict[str, str] | None = None,
+         timeout: float = 30.0) -> tuple[int, dict[str, str], bytes]:
+    data = body if isinstance(body, bytes) or body is None else json.dumps(body).encode()
+    req = urllib.request.Request(url, data=data, method=method,
+                                 headers={"Content-Type": "application/json", **(headers or {})})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
+            return resp.status, {k.lower(): v for k, v in resp.headers.items()}, resp.read()
+    except urllib.error.HTTPError as exc:
+        return exc.code, {k.lower(): v for k, v in exc.headers.items()}, exc.read()
+
+
+def read_json_file(path: Path) -> Any:
+    return json.loads(path.read_text()) if path.exists() else None
+
+
+def prometheus_value(text: str, name: str) -> float:
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith(name) and (line[len(name)] in " {"):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+class Fleet:
+    """Emulator process + workers, started once per module."""
+
+    def __init__(self, tmp: Path, redis_url: str, time_scale: float) -> None:
+        self.tmp = tmp
+        self.redis_url = redis_url
+        self.procs: list[subprocess.Popen[bytes]] = []
+        ready = tmp / "emulator.json"
+        args = [PYTHON, "-m", "worker.cli", "emulate", "--host", "127.0.0.1", "--port", "0",
+                "--replicas", str(NUM_REPLICAS), "--kv-events-config", KV_EVENTS,
+                "--time-scale", str(time_scale), "--enable-prompt-tokens-details",
+                "--ready-file", str(ready)]
+        self.emulator = start_process(args, env={"PYTHONHASHSEED": "0"})
+        self.procs.append(self.emulator)
+        info = wait_for(lambda: read_json_file(ready), 60, message="emulator ready file")
+        self.replicas: list[dict[str, Any]] = info["replicas"]
+        self.workers = []
+        for rep in self.replicas:
+            worker = start_process([
+                PYTHON, "-m", "worker.cli", "report", "--engine-url", rep["url"],
+                "--kv-events-endpoint", rep["kv_events_endpoint"],
+                "--kv-replay-endpoint", rep["kv_replay_endpoint"], "--redis-url", redis_url,
+                "--replica-id", f"replica-{rep['index']}", "--advertise-url", rep["url"],
+                "--hash-seed", "0", "--metrics-port", "0"])
+            self.workers.append(worker)
+            self.procs.append(worker)
+
+    def url_of(self, replica_id: str) -> str:
+        return self.replicas[int(replica_id.rsplit("-", 1)[1])]["url"]
+
+    def counters(self) -> tuple[float, float]:
+        """Fleet-wide (prefix_cache_hits, prefix_cache_queries) in tokens."""
+        hits = queries = 0.0
+        for rep in self.replicas:
+            _, _, body = http("GET", rep["url"] + "/metrics")
+            text = body.decode()
+            hits += prometheus_value(text, "vllm:prefix_cache_hits_total")
+            queries += prometheus_value(text, "vllm:prefix_cache_queries_total")
+        return hits, queries
+
+    def stop(self) -> str:
+        return "\n".join(stop_process(p) for p in reversed(self.procs))
+
+
+class Router:
+    def __init__(self, tmp: Path, args: list[str], name: str = "router") -> None:
+        ready = tmp / f"{name}-{time.monotonic_ns()}.json"
+        self.proc = start_process([PYTHON, "-m", "router.cli", "serve", "--port", "0",
+                                   "--ready-file", str(ready), *args])
+        info = wait_for(lambda: read_json_file(ready) or self.proc.poll() is not None, 60,
+                        message="router ready file")
+        if not isinstance(info, dict):
+            raise RuntimeError(stop_process(self.proc))
+        self.url: str = info["url"]
+
+    def post(self, path: str, body: Any, **kw: Any) -> tuple[int, dict[str, str], bytes]:
+        return http("POST", self.url + path, body, **kw)
+
+    def ready(self) -> dict[str, Any]:
+        return json.loads(http("GET", self.url + "/ready")[2])
+
+    def metrics(self) -> str:
+        return http("GET", self.url + "/metrics")[2].decode()
+
+    def stop(self) -> str:
+        return stop_process(self.proc)
+
+
+@pytest.fixture(scope="module")
+def fleet(redis_server: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
+    import redis
+
+    client = redis.Redis.from_url(redis_server.url)
+    client.flushall()
+    client.close()
+    f = Fleet(tmp_path_factory.mktemp("fleet"), redis_server.url, time_scale=20.0)
+    try:
+        yield f
+    finally:
+        f.stop()
+
+
+def start_router(fleet: Fleet, tmp: Path, *extra: str) -> Router:
+    args = ["--redis-url", fleet.redis_url, "--hash-seed", "0"]
+    if TOKENIZER:
+        args += ["--tokenizer", TOKENIZER]
+    router = Router(tmp, [*args, *extra])
+
+    def all_routable() -> bool:
+        reps = router.ready()["replicas"]
+        return len(reps) == NUM_REPLICAS and all(r["routable"] and r["affinity"] for r in reps)
+
+    try:
+        wait_for(all_routable, 30, message="all replicas routable with affinity")
+    except TimeoutError:
+        print(router.ready())
+        raise
+    return router
+
+
+@pytest.fixture
+def router(fleet: Fleet, tmp_path: Path) -> Iterator[Router]:
+    r = start_router(fleet, tmp_path)
+    yield r
+    r.stop()
+
+
+def tokens(rng: random.Random, n: int) -> list[int]:
+    return [rng.randrange(1000, 100_000) for _ in range(n)]
+
+
+def complete(router: Router, prompt: Any, **extra: Any) -> tuple[int, dict[str, str], Any]:
+    status, headers, body = router.post("/v1/completions", {"model": "emulated-llm", "prompt": prompt,
+                                                            "max_tokens": 2, **extra})
+    return status, headers, json.loads(body) if body else None
+
+
+def test_shared_prefix_sticks_and_unrelated_prompts_spread(router: Router) -> None:
+    rng = random.Random(11)
+    shared = tokens(rng, 640)
+    chosen = []
+    for _ in range(6):
+        status, headers, _ = complete(router, shared + tokens(rng, 40))
+        assert status == 200
+        chosen.append(headers["x-prefix-router-replica"])
+    assert len(set(chosen)) == 1, chosen
+    spread = {complete(router, tokens(rng, 200))[1]["x-prefix-router-replica"] for _ in range(15)}
+    assert len(spread) >= 2, spread
+
+
+def run_conversations(router: Router, rng: random.Random, num_convs: int, turns: int) -> None:
+    convs = [tokens(rng, 400) for _ in range(num_convs)]
+    for _ in range(turns):
+        for i in range(num_convs):
+            convs[i] = convs[i] + tokens(rng, 120)
+            status, _, _ = complete(router, convs[i])
+            assert status == 200
+
+
+def test_prefix_hit_rate_at_least_twice_round_robin(fleet: Fleet, tmp_path: Path) -> None:
+    rng = random.Random(5)
+    rates = {}
+    for policy in ("round_robin", "prefix"):
+        router = start_router(fleet, tmp_path, "--policy", policy)
+        try:
+            hits0, queries0 = fleet.counters()
+            run_conversations(router, rng, num_convs=5, turns=4)  # 5 is coprime with 3 replicas
+            hits1, queries1 = fleet.counters()
+        finally:
+            router.stop()
+        rates[policy] = (hits1 - hits0) / (queries1 - queries0)
+    assert rates["prefix"] >= 2 * rates["round_robin"], rates
+
+
+@pytest.mark.skipif(TOKENIZER is None, reason="needs the Qwen3 tokenizer files")
+def test_chat_and_completion_rendering_to_same_tokens_share_blocks(router: Router) -> None:
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(TOKENIZER)
+    rng = random.Random(3)
+    words = " ".join(f"w{rng.randrange(10**6)}" for _ in range(300))
+    messages = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": words}]
+    status, headers, _ = router.post("/v1/chat/completions", {"model": "emulated-llm",
+                                                              "messages": messages, "max_tokens": 2})
+    assert status == 200
+    chat_replica = headers["x-prefix-router-replica"]
+    text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+
+    def confirmed() -> dict[str, Any] | None:
+        debug = json.loads(router.post("/debug/route", {"model": "emulated-llm", "prompt": text})[2])
+        return debug if debug["reason"] == "prefix_hit" else None
+
+    debug = wait_for(confirmed, 10, message="chat blocks confirmed by KV events")
+    assert debug["replica"] == chat_replica
+    assert debug["hit_blocks"] == (debug["num_tokens"] - 1) // 16
+    status, headers, body = complete(router, text)
+    assert headers["x-prefix-router-replica"] == chat_replica
+    assert body["usage"]["prompt_tokens_details"]["cached_tokens"] == debug["hit_tokens"]
+
+
+def _normalise_sse(data: bytes) -> bytes:
+    data = re.sub(rb'"id":"[^"]*"', b'"id":"X"', data)
+    return re.sub(rb'"created":\d+', b'"created":0', data)
+
+
+def test_sse_through_router_is_byte_identical(fleet: Fleet, router: Router) -> None:
+    body = {"model": "emulated-llm", "prompt": list(range(2000, 2100)), "max_tokens": 8,
+            "stream": True, "stream_options": {"include_usage": True}}
+    router.post("/v1/completions", body)  # warm the cache so both runs below hit equally
+    status, headers, via_router = router.post("/v1/completions", body)
+    assert status == 200 and headers["content-type"].startswith("text/event-stream")
+    replica_url = fleet.url_of(headers["x-prefix-router-replica"])
+    _, _, direct = http("POST", replica_url + "/v1/completions", body)
+    assert via_router.endswith(b"data: [DONE]\n\n")
+    # request ids and timestamps differ per request; every other byte must match
+    assert _normalise_sse(via_router) == _normalise_sse(direct)
+
+
+def test_client_disconnect_mid_prefill_releases_load_and_cancels(fleet: Fleet, router: Router) -> None:
+    import socket
+
+    rng = random.Random(9)
+    prompt = tokens(rng, 60_000)  # long prefill (~ seconds of emulated time even at 20x)
+    payload = json.dumps({"model": "emulated-llm", "prompt": prompt, "max_tokens": 4,
+                          "stream": True}).encode()
+    host, port = router.url.removeprefix("http://").split(":")
+    sock = socket.create_connection((host, int(port)))
+    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 + f"Content-Length: {len(payload)}\r\n\r\n".encode() + payload)
+
+    def inflight() -> float:
+        return prometheus_value(router.metrics(), "router_inflight_requests")
+
+    def engine_running() -> float:
+        return sum(prometheus_value(http("GET", r["url"] + "/metrics")[2].decode(),
+                                    "vllm:num_requests_running") for r in fleet.replicas)
+
+    wait_for(lambda: inflight() == 1 and engine_running() >= 1, 15, message="request in prefill")
+    assert prometheus_value(router.metrics(), "router_inflight_prefill_tokens") == len(prompt)
+    sock.close()
+    wait_for(lambda: inflight() == 0, 10, message="router load released")
+    assert prometheus_value(router.metrics(), "router_inflight_prefill_tokens") == 0
+    wait_for(lambda: engine_running() == 0, 10, message="engine request aborted")
+    assert 'status="499"' in router.metrics()
+
+
+def test_bad_inputs_get_openai_errors_and_router_keeps_serving(router: Router, tmp_path: Path) -> None:
+    cases = [
+        (b"{not json", 400), ({"model": "emulated-llm"}, 400),
+        ({"model": "emulated-llm", "prompt": [-1]}, 400),
+        ({"model": "no-such-model", "prompt": "hi"}, 404),
+        ({"model": "emulated-llm", "prompt": "x" * (33 * 1024 * 1024)}, 413),
+    ]
+    for body, expect in cases:
+        status, headers, raw = router.post("/v1/completions", body)
+        error = json.loads(raw)["error"]
+        assert status == expect and error["code"] == expect, (status, raw[:200])
+        assert {"message", "type", "code"} <= set(error)
+        assert headers.get("x-request-id")
+    status, _, raw = router.post("/v1/chat/completions", {"messages": "hi"})
+    assert status == 400
+    status, headers, _ = complete(router, [1, 2, 3])
+    assert status == 200
+    rid = "my-request-id-1"
+    status, headers, _ = router.post("/v1/completions", {"prompt": [1, 2, 3], "max_tokens": 1},
+                                     headers={"X-Request-Id": rid})
+    assert status == 200 and headers["x-request-id"] == rid
+
+
+def test_no_routable_replica_is_503_and_timeout_is_504(fleet: Fleet, tmp_path: Path) -> None:
+    from tests.helpers import free_port
+
+    dead = Router(tmp_path, ["--replica", f"http://127.0.0.1:{free_port()}", "--model", "m"], "dead")
+    try:
+        status, _, raw = dead.post("/v1/completions", {"model": "m", "prompt": [1, 2]})
+        assert status == 503 and json.loads(raw)["error"]["code"] == 503
+        assert http("GET", dead.url + "/ready")[0] == 503
+        assert http("GET", dead.url + "/health")[0] == 200
+    finally:
+        dead.stop()
+    slow = Router(tmp_path, ["--replica", fleet.replicas[0]["url"], "--first-byte-timeout-s", "0.2"],
+                  "slow")
+    try:
+        status, _, raw = slow.post("/v1/completions", {"model": "emulated-llm", "max_tokens": 1,
+                                                       "prompt": tokens(random.Random(1), 60_000)})
+        assert status == 504 and json.loads(raw)["error"]["type"] == "GatewayTimeoutError"
+        status, _, _ = slow.post("/v1/completions", {"model": "emulated-llm", "max_tokens": 1,
+                                                     "prompt": [5, 6, 7]})
+        assert status == 200
+    finally:
+        slow.stop()
+
+
+def test_models_ready_and_passthrough(router: Router) -> None:
+    status, _, raw = http("GET", router.url + "/v1/models")
+    assert status == 200 and [m["id"] for m in json.loads(raw)["data"]] == ["emulated-llm"]
+    ready = router.ready()
+    assert ready["ready"] and ready["redis"]["connected"]
+    assert all(r["hash_verified"] == "1" for r in ready["replicas"])
+    status, headers, raw = router.post("/tokenize", {"model": "emulated-llm", "prompt": "hello"})
+    assert status == 200 and "x-prefix-router-replica" in headers
