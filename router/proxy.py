@@ -144,6 +144,7 @@ class Proxy:
                     self.metrics.retries.labels(exc.cause).inc()
                     logger.info("retrying %s elsewhere after %s", request_id, last_error)
                 i += 1
+                continue
             except BaseException:
                 ticket.finish()
                 raise

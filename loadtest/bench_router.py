@@ -1,0 +1,157 @@
+"""Router overhead: added latency and requests per second per core, router vs straight to the replica.
+
+``python -m loadtest.bench_router [--requests 60] [--time-scale 1000]`` starts one emulated replica
+(fast clock so the replica is not the bottleneck) and a router in front of it (static replica,
+Qwen3 tokenizer), then for 1k, 8k and 32k-token prompts, as token ids and as text, sends the same
+sequence of non-streamed requests (max_tokens=1) once directly and once through the router and
+reports p50/p99 latency of both and the difference. Text prompts come in two kinds: ``text-cold``
+(every prompt new: full tokenization) and ``text-shared`` (a shared document plus a new question:
+the router's chunk cache serves the shared part). Throughput per core: a concurrent burst through
+the router, divided by the router process's CPU seconds (from /proc). Figures, not pass/fail.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+
+from router.prompts import default_tokenizer_dir
+
+
+def _start(args: list[str], log: Path) -> Any:
+    import subprocess
+    import sys
+
+    return subprocess.Popen([sys.executable, "-m", *args], stdout=log.open("wb"),
+                            stderr=subprocess.STDOUT)
+
+
+def _wait_file(path: Path, timeout_s: float = 60.0) -> Any:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if path.exists():
+            return json.loads(path.read_text())
+        time.sleep(0.1)
+    raise TimeoutError(f"{path} not written")
+
+
+def _cpu_seconds(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _pct(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def make_prompts(kind: str, num_tokens: int, count: int, tok: Any, rng: random.Random) -> list[Any]:
+    if kind == "ids":
+        return [[rng.randrange(1000, 100_000) for _ in range(num_tokens)] for _ in range(count)]
+
+    def words(n_tokens: int) -> str:
+        lines = []
+        n = 0
+        while n < n_tokens:
+            line = " ".join(f"w{rng.randrange(10**5)}" for _ in range(12))
+            lines.append(line)
+            n += len(tok.encode(line + "\n", add_special_tokens=False))
+        return "\n".join(lines) + "\n"
+
+    if kind == "text-cold":
+        return [words(num_tokens) for _ in range(count)]
+    shared = words(num_tokens - 64)
+    return [shared + f"Question {i}: " + words(48) for i in range(count)]
+
+
+async def _timed(session: aiohttp.ClientSession, url: str, prompt: Any) -> float:
+    body = {"model": "emulated-llm", "prompt": prompt, "max_tokens": 1}
+    start = time.perf_counter()
+    async with session.post(url + "/v1/completions", json=body) as resp:
+        await resp.read()
+        if resp.status != 200:
+            raise RuntimeError(f"HTTP {resp.status}")
+    return time.perf_counter() - start
+
+
+async def run(args: argparse.Namespace) -> None:
+    tmp = Path(tempfile.mkdtemp(prefix="bench_router_"))
+    tokenizer_dir = default_tokenizer_dir()
+    emulator = _start(["worker.cli", "emulate", "--host", "127.0.0.1", "--port", "0", "--replicas",
+                       "1", "--time-scale", str(args.time_scale), "--num-gpu-blocks-override",
+                       "20000", "--ready-file", str(tmp / "emu.json")], tmp / "emu.log")
+    router = None
+    try:
+        replica_url = _wait_file(tmp / "emu.json")["replicas"][0]["url"]
+        router = _start(["router.cli", "serve", "--port", "0", "--replica", replica_url,
+                         "--tokenizer", str(tokenizer_dir), "--ready-file", str(tmp / "router.json"),
+                         "--log-level", "warning"], tmp / "router.log")
+        router_url = _wait_file(tmp / "router.json")["url"]
+        from transformers import AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(tokenizer_dir)
+        rng = random.Random(0)
+        print(f"{'prompt':>16} {'direct p50':>10} {'p99':>8} {'router p50':>10} {'p99':>8} "
+              f"{'added p50':>9} {'added p99':>9}  (ms)")
+        async with aiohttp.ClientSession() as session:
+            for num_tokens in (1024, 8192, 32768):
+                count = max(10, args.requests * 1024 // num_tokens) if num_tokens > 8192 else args.requests
+                for kind in ("ids", "text-cold", "text-shared"):
+                    prompts = make_prompts(kind, num_tokens, count, tok, rng)
+                    # both paths see the same prompts; the replica caches them after the first
+                    # pass, so warm it first and send each prompt direct and routed alternately
+                    for p in prompts[:2]:
+                        await _timed(session, replica_url, p)
+                    direct, routed = [], []
+                    for p in prompts:
+                        routed.append(await _timed(session, router_url, p))
+                        direct.append(await _timed(session, replica_url, p))
+                    added = [r - d for r, d in zip(routed, direct, strict=True)]
+                    print(f"{kind + ' ' + str(num_tokens // 1024) + 'k':>16} "
+                          f"{_pct(direct, .5) * 1e3:10.2f} {_pct(direct, .99) * 1e3:8.2f} "
+                          f"{_pct(routed, .5) * 1e3:10.2f} {_pct(routed, .99) * 1e3:8.2f} "
+                          f"{statistics.median(added) * 1e3:9.2f} {_pct(added, .99) * 1e3:9.2f}")
+            # throughput per core: concurrent token-id and shared-text 8k prompts through the router
+            for kind in ("ids", "text-shared"):
+                prompts = make_prompts(kind, 8192, args.requests * 2, tok, rng)
+                cpu0 = _cpu_seconds(router.pid)
+                t0 = time.perf_counter()
+                sem = asyncio.Semaphore(16)
+
+                async def one(p: Any, sem: asyncio.Semaphore = sem) -> float:
+                    async with sem:
+                        return await _timed(session, router_url, p)
+
+                await asyncio.gather(*(one(p) for p in prompts))
+                wall = time.perf_counter() - t0
+                cpu = _cpu_seconds(router.pid) - cpu0
+                print(f"throughput {kind} 8k: {len(prompts) / wall:.0f} req/s wall "
+                      f"(replica-bound), router CPU {cpu * 1e3 / len(prompts):.2f} ms/request "
+                      f"= {len(prompts) / cpu:.0f} req/s per router core")
+    finally:
+        for proc in (router, emulator):
+            if proc is not None:
+                proc.terminate()
+                proc.wait(10)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--requests", type=int, default=60, help="requests per configuration")
+    parser.add_argument("--time-scale", type=float, default=1000.0,
+                        help="emulator clock speed-up (the replica should not be the bottleneck)")
+    asyncio.run(run(parser.parse_args()))
+
+
+if __name__ == "__main__":
+    main()
