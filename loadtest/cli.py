@@ -22,6 +22,7 @@ from loadtest.replay import (
     DEFAULT_MAX_CONCURRENCY,
     DEFAULT_MODEL,
     DEFAULT_REQUEST_TIMEOUT_S,
+    PROMPT_FORMATS,
     ReplayConfig,
     replay,
     summarize,
@@ -71,6 +72,7 @@ def _replay_config(args: argparse.Namespace, target: str, model: str) -> ReplayC
         max_concurrency=args.max_concurrency, max_duration_s=args.max_duration,
         request_timeout_s=args.request_timeout, max_output_tokens=args.max_output_tokens,
         token_seed=args.token_seed, keepalive=not args.no_keepalive,
+        prompt_format=getattr(args, "prompt_format", "token_ids"),
         progress_interval_s=args.progress_interval)
 
 
@@ -100,6 +102,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_slice_args(p_replay, default_limit=None)
     p_replay.add_argument("--target", required=True, help="base URL, e.g. http://127.0.0.1:8000")
     p_replay.add_argument("--model", default=DEFAULT_MODEL)
+    p_replay.add_argument("--prompt-format", choices=PROMPT_FORMATS, default="token_ids",
+                          help="token_ids (exact, no tokenizer needed) or text (words of exactly "
+                               "the same Qwen3 token count, for text-only routers)")
     p_replay.add_argument("--output", type=Path, default=None, help="per-request records (JSONL)")
     p_replay.set_defaults(func=_cmd_replay)
 

@@ -41,6 +41,7 @@ DEFAULT_BLOCK_SIZE = 16  # tokens; vLLM default
 DEFAULT_HASH_ALGO = "sha256"  # vLLM 0.33 default --prefix-caching-hash-algo
 DEFAULT_START_TIMEOUT_S = 90.0  # emulator + router start-up includes tokenizer loading
 STOP_GRACE_S = 10.0  # SIGTERM -> SIGKILL
+AFFINITY_TIMEOUT_S = 20.0  # wait for the workers' hash verification before a replay
 
 # Router kinds.
 OURS = "prefix-router"
@@ -277,8 +278,10 @@ class Fleet:
         self._procs.append(proc)
         return proc
 
-    def _wait(self, what: str, cond: Callable[[], Any], procs: Sequence[_Proc]) -> Any:
-        deadline = time.monotonic() + self.config.start_timeout_s
+    def _wait(self, what: str, cond: Callable[[], Any], procs: Sequence[_Proc],
+              timeout_s: float | None = None) -> Any:
+        timeout_s = self.config.start_timeout_s if timeout_s is None else timeout_s
+        deadline = time.monotonic() + timeout_s
         last_exc: Exception | None = None
         while time.monotonic() < deadline:
             for proc in procs:
@@ -293,7 +296,7 @@ class Fleet:
                 last_exc = exc
             time.sleep(0.1)
         hints = "".join(self._log_hint(p) for p in procs)
-        raise FleetError(f"timed out after {self.config.start_timeout_s:.0f} s waiting for {what}; "
+        raise FleetError(f"timed out after {timeout_s:.0f} s waiting for {what}; "
                          f"last error: {last_exc!r}{hints}")
 
     def _ready_file(self, name: str) -> Path:
@@ -384,10 +387,22 @@ class Fleet:
         want = {r.replica_id for r in self.replicas}
         self._wait(f"the router to see all {len(want)} replicas",
                    lambda: want <= self._router_replica_ids(), watched)
+        # Affinity needs the worker's hash verification; without it the router still routes, so
+        # a replica that never verifies is a warning, not a failure.
+        try:
+            self._wait("hash-verified affinity on every replica",
+                       lambda: want <= self._router_replica_ids(require_affinity=True), watched,
+                       timeout_s=AFFINITY_TIMEOUT_S)
+        except FleetError as exc:
+            if "exited" in str(exc):
+                raise
+            self.progress(f"warning: not every replica has affinity after {AFFINITY_TIMEOUT_S} s: "
+                          f"{sorted(want - self._router_replica_ids(require_affinity=True))}")
 
-    def _router_replica_ids(self) -> set[str]:
-        """Replica ids the router reports as routable on GET /ready (accepts a list of ids or of
-        objects with an ``id``/``replica_id`` field, or a mapping keyed by id)."""
+    def _router_replica_ids(self, require_affinity: bool = False) -> set[str]:
+        """Replica ids the router reports as routable (and, with ``require_affinity``, usable for
+        prefix affinity) on GET /ready: ``{"replicas": [{"replica_id", "routable", "affinity"}]}``;
+        also accepts a list of ids or a mapping keyed by id."""
         assert self.router_url is not None
         status, body = http_get(self.router_url + "/ready")
         if status != 200:
@@ -408,7 +423,9 @@ class Fleet:
                         found.add(item)
                     elif isinstance(item, dict):
                         ident = item.get("replica_id") or item.get("id")
-                        if ident is not None and item.get("routable", True) is not False:
+                        usable = item.get("routable", True) is not False and not (
+                            require_affinity and item.get("affinity", True) is False)
+                        if ident is not None and usable:
                             found.add(str(ident))
         return found
 
@@ -481,8 +498,8 @@ class CPUSample:
 
 
 def cpu_sample(pids: dict[str, list[int]]) -> CPUSample:
-    """Snapshot CPU time of each component (psutil; processes that have gone count 0) and of
-    this process (``replayer``)."""
+    """Snapshot CPU time of each component with its children (psutil; processes that have gone
+    count 0) and of this process alone (``replayer``)."""
     import psutil
 
     sample = CPUSample(wall_s=time.monotonic())
@@ -492,7 +509,8 @@ def cpu_sample(pids: dict[str, list[int]]) -> CPUSample:
         for pid in plist:
             try:
                 proc = psutil.Process(pid)
-                procs = [proc, *proc.children(recursive=True)]
+                # this process's children are the fleet itself, counted under their own names
+                procs = [proc] if name == "replayer" else [proc, *proc.children(recursive=True)]
             except psutil.Error:
                 continue
             for p in procs:

@@ -3,7 +3,8 @@ schedule and records per-request latency, cache and routing facts. Does network 
 
 Each request is a streamed ``POST /v1/completions`` with a token-id prompt (see
 ``loadtest.trace.TokenMapper``), ``max_tokens`` = the trace's output length, ``ignore_eos`` and
-``stream_options.include_usage``. Send times follow ``loadtest.trace.schedule_offsets``: the
+``stream_options.include_usage`` (or, with ``prompt_format="text"``, text of exactly the same token
+count, for routers that accept only text; see ``loadtest.text``). Send times follow ``loadtest.trace.schedule_offsets``: the
 trace's ~3 s timestamp steps are spread evenly over their step (``spread=True``, the default) or
 sent as one burst, divided by ``speedup``. A request whose slot comes while ``max_concurrency``
 requests are in flight waits for a free slot; its ``send_s`` then lags its ``scheduled_s``.
@@ -40,6 +41,7 @@ DEFAULT_MODEL = "emulated-llm"  # the emulator's default served model name
 DEFAULT_MAX_CONCURRENCY = 512  # requests in flight
 DEFAULT_REQUEST_TIMEOUT_S = 600.0  # per request, end to end
 DEFAULT_PROGRESS_INTERVAL_S = 10.0
+PROMPT_FORMATS = ("token_ids", "text")
 
 
 @dataclass(frozen=True)
@@ -60,6 +62,7 @@ class ReplayConfig:
     max_output_tokens: int | None = None
     token_seed: int = 0
     keepalive: bool = True
+    prompt_format: str = "token_ids"  # or "text": words of exactly the same token count
     progress_interval_s: float = DEFAULT_PROGRESS_INTERVAL_S
     extra_headers: dict[str, str] = field(default_factory=dict)
 
@@ -68,6 +71,8 @@ class ReplayConfig:
             raise ValueError("speedup must be positive")
         if self.max_concurrency < 1:
             raise ValueError("max_concurrency must be at least 1")
+        if self.prompt_format not in PROMPT_FORMATS:
+            raise ValueError(f"prompt_format must be one of {PROMPT_FORMATS}")
         if self.max_output_tokens is not None and self.max_output_tokens < 1:
             raise ValueError("max_output_tokens must be at least 1")
 
@@ -223,6 +228,12 @@ async def replay(requests: Sequence[TraceRequest], config: ReplayConfig,
     ``progress`` receives a status line every ``progress_interval_s``."""
     offsets = schedule_offsets(requests, config.speedup, config.spread)
     mapper = TokenMapper(seed=config.token_seed)
+    make_prompt: Callable[[TraceRequest], list[int] | str] = mapper.request_prompt
+    if config.prompt_format == "text":
+        from loadtest.text import TextMapper, default_vocabulary
+
+        text_mapper = TextMapper(mapper, default_vocabulary())
+        make_prompt = lambda r: text_mapper.prompt(r.hash_ids, r.input_length)  # noqa: E731
     records = [RequestRecord(seq=i, trace_index=r.index, scheduled_s=off, input_length=r.input_length)
                for i, (r, off) in enumerate(zip(requests, offsets, strict=True))]
     url = config.target.rstrip("/") + "/v1/completions"
@@ -260,7 +271,7 @@ async def replay(requests: Sequence[TraceRequest], config: ReplayConfig,
                 record.max_tokens = max_tokens
                 body = _encoder.encode({
                     "model": config.model,
-                    "prompt": mapper.request_prompt(req),
+                    "prompt": make_prompt(req),
                     "max_tokens": max_tokens,
                     "ignore_eos": True,
                     "temperature": 0.0,
