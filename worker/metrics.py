@@ -1,0 +1,127 @@
+"""The worker's own Prometheus metrics (``worker_*``), served on ``--metrics-port``. Does I/O (HTTP server).
+
+Values are read from the worker's counters at scrape time through one custom
+collector, so the event path pays nothing per event for metrics.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
+
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerSnapshot:
+    """Everything the metrics report, read at scrape time."""
+
+    events: Mapping[str, int] = field(default_factory=dict)  # {event type: events applied}
+    num_messages: int = 0
+    num_malformed: int = 0
+    num_bad_events: int = 0
+    num_seq_gaps: int = 0
+    num_replays: int = 0
+    num_replay_failures: int = 0
+    num_engine_restarts: int = 0
+    num_epoch_resets: int = 0
+    num_redis_errors: int = 0
+    num_redis_transactions: int = 0
+    num_redis_rewrites: int = 0
+    num_keys_written: int = 0
+    num_heartbeats: int = 0
+    num_engine_errors: int = 0
+    num_unknown_removals: int = 0
+    num_probes: int = 0
+    resident_blocks: int = 0
+    pending_changes: int = 0
+    epoch: int = 0
+    seq: int = -1
+    hash_verified: int = -1  # 1 verified, 0 mismatch, -1 not yet probed
+    key_mode_recomputed: int = 0
+    engine_up: int = 0
+    redis_up: int = 0
+    event_lag_s: float = 0.0
+
+
+_COUNTERS: tuple[tuple[str, str, str], ...] = (
+    ("worker_kv_messages", "num_messages", "KV event messages received live."),
+    ("worker_malformed_messages", "num_malformed", "KV event messages dropped as malformed."),
+    ("worker_bad_events", "num_bad_events", "Events whose block keys could not be computed."),
+    ("worker_seq_gaps", "num_seq_gaps", "KV event sequence gaps seen."),
+    ("worker_replays", "num_replays", "Replay requests sent to the engine."),
+    ("worker_replay_failures", "num_replay_failures", "Gaps the replay could not cover."),
+    ("worker_engine_restarts", "num_engine_restarts", "Engine restarts detected (seq backwards)."),
+    ("worker_epoch_resets", "num_epoch_resets", "Epoch bumps (restart, clear, resync, rewrite)."),
+    ("worker_redis_errors", "num_redis_errors", "Failed Redis writes."),
+    ("worker_redis_transactions", "num_redis_transactions", "Committed Redis transactions."),
+    ("worker_redis_rewrites", "num_redis_rewrites", "Full set rewrites after a Redis outage."),
+    ("worker_keys_written", "num_keys_written", "Block keys written to Redis (set changes)."),
+    ("worker_heartbeats", "num_heartbeats", "Heartbeats written."),
+    ("worker_engine_errors", "num_engine_errors", "Failed engine polls."),
+    ("worker_unknown_removals", "num_unknown_removals", "BlockRemoved for keys not resident."),
+    ("worker_probes", "num_probes", "Hash agreement probes completed."),
+)
+_GAUGES: tuple[tuple[str, str, str], ...] = (
+    ("worker_resident_blocks", "resident_blocks", "Block keys resident on the replica."),
+    ("worker_pending_changes", "pending_changes", "Changes queued for Redis."),
+    ("worker_epoch", "epoch", "Current epoch of the replica's view."),
+    ("worker_last_seq", "seq", "Last KV event batch sequence number applied."),
+    ("worker_hash_verified", "hash_verified", "1 engine hashes verified, 0 mismatch, -1 unknown."),
+    ("worker_key_mode_recomputed", "key_mode_recomputed", "1 when keys are re-computed."),
+    ("worker_engine_up", "engine_up", "1 when the engine answered the last poll."),
+    ("worker_redis_up", "redis_up", "1 when the last Redis write succeeded."),
+    ("worker_event_lag_seconds", "event_lag_s", "Wall time minus engine ts of the last batch."),
+)
+
+
+class WorkerCollector(Collector):
+    """Turns a ``WorkerSnapshot`` into metric families at scrape time."""
+
+    def __init__(self, snapshot: Callable[[], WorkerSnapshot]) -> None:
+        self.snapshot = snapshot
+
+    def collect(self) -> Iterator[Metric]:
+        snap = self.snapshot()
+        events = CounterMetricFamily("worker_events", "KV events applied, by type.", labels=["type"])
+        for kind in ("BlockStored", "BlockRemoved", "AllBlocksCleared"):
+            events.add_metric([kind], snap.events.get(kind, 0))
+        yield events
+        for name, attr, doc in _COUNTERS:
+            yield CounterMetricFamily(name, doc, value=getattr(snap, attr))
+        for name, attr, doc in _GAUGES:
+            yield GaugeMetricFamily(name, doc, value=getattr(snap, attr))
+
+
+def make_registry(snapshot: Callable[[], WorkerSnapshot]) -> CollectorRegistry:
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(WorkerCollector(snapshot))
+    return registry
+
+
+async def start_metrics_server(registry: CollectorRegistry, host: str, port: int) -> tuple[web.AppRunner, int]:
+    """Serve ``GET /metrics`` on ``host:port`` (0 = ephemeral). Returns the runner and the bound port."""
+
+    async def metrics(_: web.Request) -> web.Response:
+        body = generate_latest(registry)
+        return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+    app = web.Application()
+    app.router.add_get("/metrics", metrics)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, host, port)
+    await site.start()
+    bound = port
+    server = site._server
+    sockets = getattr(server, "sockets", None) or ()
+    if sockets:
+        bound = int(sockets[0].getsockname()[1])
+    logger.info("worker metrics on http://%s:%d/metrics", host, bound)
+    return runner, bound

@@ -1,0 +1,233 @@
+"""Writes one replica's block-set changes and heartbeat to Redis. Does I/O (redis.asyncio).
+
+Per ``router/contract.py``: the set ``{prefix}:blocks:{r}`` of 8-byte keys and
+one ``{prefix}:events`` stream entry per change (``replica``, ``epoch``, ``op``,
+packed ``keys``), written together in one MULTI/EXEC transaction. Changes that
+pile up while a transaction is in flight are flushed together in the next one
+(one pipeline round trip, still one stream entry per change). The same
+transaction records the committed ``epoch``/``seq`` in the heartbeat hash (only
+if it exists, so a dead replica is never resurrected), so a restarted worker
+reads back a set and a sequence number that agree.
+
+Redis outage: the failed changes are dropped (the in-memory view is the
+buffer), the writer retries with exponential backoff, and on reconnect asks
+``on_recovered`` for a full rewrite under a new epoch.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, Final
+
+import redis.asyncio as aioredis
+from redis.exceptions import RedisError
+
+from router import contract
+from router.contract import OP_CLEARED, OP_STORED
+from worker.replica_view import NO_SEQ, Change
+
+logger = logging.getLogger(__name__)
+
+MAX_KEYS_PER_ENTRY: Final = 4096  # block keys per SADD/SREM and per stream entry (32 KiB)
+BACKOFF_INITIAL_S: Final = 0.1
+BACKOFF_MAX_S: Final = 5.0
+
+# Record the committed epoch/seq in the heartbeat hash only while it exists.
+_SET_IF_EXISTS: Final = (
+    "if redis.call('EXISTS', KEYS[1]) == 1 then "
+    "redis.call('HSET', KEYS[1], ARGV[1], ARGV[2], ARGV[3], ARGV[4]) end return 0"
+)
+
+
+@dataclass(slots=True)
+class WriterStats:
+    """Cumulative counters read by the metrics collector."""
+
+    num_transactions: int = 0
+    num_entries: int = 0
+    num_keys: int = 0
+    num_errors: int = 0
+    num_rewrites: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class StoredState:
+    """What a previous worker left in Redis for this replica."""
+
+    epoch: int | None  # None when the heartbeat hash is gone
+    seq: int
+    key_mode: str | None
+    keys: list[int]
+
+
+def _split(keys: list[int]) -> list[list[int]]:
+    return [keys[i : i + MAX_KEYS_PER_ENTRY] for i in range(0, len(keys), MAX_KEYS_PER_ENTRY)]
+
+
+def _members(packed: bytes) -> list[bytes]:
+    return [packed[i : i + 8] for i in range(0, len(packed), 8)]
+
+
+class RedisWriter:
+    """The single writer of replica ``replica_id``'s Redis state.
+
+    ``enqueue`` is synchronous and cheap; ``run`` flushes in the background.
+    ``committed_epoch``/``committed_seq`` describe what Redis holds.
+    """
+
+    def __init__(self, client: aioredis.Redis, prefix: str, replica_id: str, *,
+                 on_recovered: Callable[[], Change],
+                 stream_maxlen: int = contract.EVENTS_STREAM_MAXLEN) -> None:
+        self.client = client
+        self.replica_id = replica_id
+        self.blocks_key = contract.blocks_key(prefix, replica_id)
+        self.events_key = contract.events_key(prefix)
+        self.replica_key = contract.replica_key(prefix, replica_id)
+        self.stream_maxlen = stream_maxlen
+        self.on_recovered = on_recovered
+        self.stats = WriterStats()
+        self.committed_epoch = 0
+        self.committed_seq = NO_SEQ
+        self.connected = True
+        self._pending: list[Change] = []
+        self._wake = asyncio.Event()
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self._lock = asyncio.Lock()  # one Redis write of this replica at a time
+
+    # -- producer side -------------------------------------------------------
+
+    def enqueue(self, change: Change) -> None:
+        """Queue a change; a ``cleared`` change supersedes everything queued before it."""
+        if change.op == OP_CLEARED:
+            self._pending = [change]
+        else:
+            self._pending.append(change)
+        self._idle.clear()
+        self._wake.set()
+
+    @property
+    def num_pending(self) -> int:
+        return len(self._pending)
+
+    async def wait_idle(self, timeout_s: float | None = None) -> None:
+        """Wait until everything queued so far is committed (or dropped by an outage)."""
+        await asyncio.wait_for(self._idle.wait(), timeout_s)
+
+    # -- start-up --------------------------------------------------------------
+
+    async def read_state(self) -> StoredState:
+        """Read back the replica's heartbeat epoch/seq/key_mode and block set. Raises ``RedisError``."""
+        async with self.client.pipeline(transaction=True) as pipe:
+            pipe.hmget(self.replica_key, [contract.F_EPOCH, contract.F_SEQ, contract.F_KEY_MODE])
+            pipe.smembers(self.blocks_key)
+            (epoch, seq, mode), members = await pipe.execute()
+        keys = [contract.unpack_key(m) for m in members if len(m) == 8]
+        return StoredState(
+            epoch=int(epoch) if epoch not in (None, b"") else None,
+            seq=int(seq) if seq not in (None, b"") else NO_SEQ,
+            key_mode=mode.decode() if mode else None,
+            keys=keys,
+        )
+
+    # -- heartbeat ---------------------------------------------------------------
+
+    async def write_heartbeat(self, fields: Mapping[str, Any], ttl_s: float) -> None:
+        """HSET the heartbeat hash (plus the committed epoch/seq) and refresh its TTL.
+
+        Serialised with change transactions so the published seq never runs ahead
+        of the set. Raises ``RedisError``.
+        """
+        async with self._lock:
+            mapping: dict[Any, Any] = dict(fields)
+            mapping[contract.F_EPOCH] = self.committed_epoch
+            mapping[contract.F_SEQ] = self.committed_seq
+            async with self.client.pipeline(transaction=True) as pipe:
+                pipe.hset(self.replica_key, mapping=mapping)
+                pipe.pexpire(self.replica_key, int(ttl_s * 1000))
+                await pipe.execute()
+
+    # -- flushing ----------------------------------------------------------------
+
+    async def run(self) -> None:
+        """Flush queued changes until cancelled; survive Redis outages."""
+        backoff = BACKOFF_INITIAL_S
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            while self._pending or not self.connected:
+                try:
+                    if not self.connected:
+                        await self.client.ping()
+                        self._recover()
+                    await self.flush()
+                    backoff = BACKOFF_INITIAL_S
+                except asyncio.CancelledError:
+                    raise
+                except (RedisError, OSError) as exc:
+                    self.stats.num_errors += 1
+                    if self.connected:
+                        logger.error("Redis write failed (%s); buffering and retrying", exc)
+                    self.connected = False
+                    await asyncio.sleep(backoff)
+                    backoff = min(backoff * 2, BACKOFF_MAX_S)
+            self._idle.set()
+
+    def _recover(self) -> None:
+        logger.warning("Redis is back; rewriting the replica's full block set")
+        self.connected = True
+        self.stats.num_rewrites += 1
+        self._pending = [self.on_recovered()]
+
+    async def flush(self) -> None:
+        """Write everything queued in one MULTI/EXEC transaction. Raises ``RedisError``.
+
+        On failure the queued changes are dropped: the caller must rewrite the set.
+        """
+        changes, self._pending = self._pending, []
+        if not changes:
+            return
+        async with self._lock:
+            pipe = self.client.pipeline(transaction=True)
+            entries = 0
+            num_keys = 0
+            for change in changes:
+                if change.op == OP_CLEARED:
+                    pipe.delete(self.blocks_key)
+                    self._xadd(pipe, OP_CLEARED, change.epoch, b"")
+                    entries += 1
+                    op = OP_STORED
+                else:
+                    op = change.op
+                for chunk in _split(change.keys):
+                    packed = contract.pack_keys(chunk)
+                    if op == OP_STORED:
+                        pipe.sadd(self.blocks_key, *_members(packed))
+                    else:
+                        pipe.srem(self.blocks_key, *_members(packed))
+                    self._xadd(pipe, op, change.epoch, packed)
+                    entries += 1
+                    num_keys += len(chunk)
+            last = changes[-1]
+            pipe.eval(_SET_IF_EXISTS, 1, self.replica_key, contract.F_EPOCH, last.epoch,
+                      contract.F_SEQ, last.seq)
+            try:
+                await pipe.execute()
+            finally:
+                await pipe.reset()
+        self.committed_epoch, self.committed_seq = last.epoch, last.seq
+        self.stats.num_transactions += 1
+        self.stats.num_entries += entries
+        self.stats.num_keys += num_keys
+
+    def _xadd(self, pipe: Any, op: str, epoch: int, packed: bytes) -> None:
+        pipe.xadd(
+            self.events_key,
+            {contract.E_REPLICA: self.replica_id, contract.E_EPOCH: epoch, contract.E_OP: op,
+             contract.E_KEYS: packed},
+            maxlen=self.stream_maxlen,
+            approximate=True,
+        )

@@ -1,0 +1,348 @@
+"""``prefix-worker report``: the sidecar that publishes one replica's KV cache to Redis. Does I/O (wiring).
+
+Wires the pieces together on one asyncio (uvloop) loop:
+``KVEventSubscriber`` (ZMQ) -> ``ReplicaView`` (pure) -> ``RedisWriter`` (Redis),
+plus the ``Heartbeat`` (engine HTTP -> Redis), the hash agreement probe and
+the metrics endpoint. On start it reads back what a previous worker of the
+same replica left in Redis (block set, epoch, seq) and continues from the
+last sequence number through the engine's replay socket.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+import sys
+import time
+from collections.abc import Sequence
+from typing import Final
+
+import aiohttp
+import redis.asyncio as aioredis
+from redis.exceptions import RedisError
+
+from router.contract import OP_CLEARED
+from router.hashing import BlockHasher, HashConfigError
+from worker.block_keys import KEY_MODE_RECOMPUTED, EngineKeys, RecomputedKeys
+from worker.heartbeat import EngineClient, EngineLoad, EngineModels, EngineUnreachable, Heartbeat
+from worker.kv_events import BlockStored, KVEventBatch
+from worker.metrics import WorkerSnapshot, make_registry, start_metrics_server
+from worker.probe import PROBE_TIMEOUT_S, ProbeCatcher, judge, probe_tokens
+from worker.redis_writer import BACKOFF_MAX_S, RedisWriter, StoredState
+from worker.replica_view import NO_SEQ, Change, ReplicaView
+from worker.report_config import ConfigError, WorkerConfig, load_config
+from worker.subscriber import KVEventSubscriber
+
+logger = logging.getLogger(__name__)
+
+ENGINE_WAIT_S: Final = 10.0  # wait this long for the engine's cache config before subscribing
+PROBE_RETRY_S: Final = 2.0
+SHUTDOWN_FLUSH_S: Final = 2.0
+
+
+class Worker:
+    """One replica's sidecar. ``apply``/``resync`` are the subscriber's sink (synchronous, cheap)."""
+
+    def __init__(self, config: WorkerConfig, client: aioredis.Redis,
+                 session: aiohttp.ClientSession) -> None:
+        self.config = config
+        self.client = client
+        self.view = ReplicaView()
+        self.writer = RedisWriter(client, config.redis_prefix, config.replica_id,
+                                  on_recovered=self._on_redis_recovered)
+        self.engine = EngineClient(session, config.engine_url)
+        self.heartbeat = Heartbeat(self.engine, self.writer, replica_id=config.replica_id,
+                                   url=config.url, fields=self._heartbeat_fields,
+                                   on_engine=self._on_engine)
+        self.subscriber: KVEventSubscriber | None = None
+        self.hash_verified = ""  # "1" verified, "0" mismatch, "" not yet probed
+        self.num_probes = 0
+        self.engine_block_size: int | None = None
+        self.engine_hash_algo: str | None = None
+        self.lora_paths: dict[str, str] = {}  # {lora_name: lora_path} from the engine's /v1/models
+        self.event_lag_s = 0.0
+        self.engine_known = asyncio.Event()
+        self._probe_wanted = asyncio.Event()
+        self._catcher: ProbeCatcher | None = None
+        self._tasks: list[asyncio.Task[None]] = []
+
+    # -- subscriber sink ---------------------------------------------------------
+
+    def apply(self, seq: int, batch: KVEventBatch) -> None:
+        epoch = self.view.epoch
+        for change in self.view.apply_batch(seq, batch):
+            self.writer.enqueue(change)
+        self.event_lag_s = max(0.0, time.time() - batch.ts)
+        catcher = self._catcher
+        if catcher is not None:
+            for event in batch.events:
+                if isinstance(event, BlockStored):
+                    catcher.observe(event)
+        if self.view.epoch != epoch:
+            self._epoch_changed()
+
+    def resync(self, reason: str) -> None:
+        self.writer.enqueue(self.view.reset(reason))
+        self._epoch_changed()
+
+    def _epoch_changed(self) -> None:
+        self._probe_wanted.set()
+        self.heartbeat.wake.set()
+
+    def _on_redis_recovered(self) -> Change:
+        change = self.view.rewrite("Redis connection restored")
+        self._epoch_changed()
+        return change
+
+    # -- engine info -------------------------------------------------------------
+
+    def _on_engine(self, models: EngineModels, load: EngineLoad) -> None:
+        self.lora_paths = dict(models.lora_adapters)
+        if load.block_size is not None:
+            self.engine_block_size = load.block_size
+        if load.hash_algo is not None:
+            self.engine_hash_algo = load.hash_algo
+        self.engine_known.set()
+
+    def hasher(self) -> BlockHasher:
+        """The routers' hasher for this engine. Raises ``HashConfigError``."""
+        block_size = self.config.block_size or self.engine_block_size or 16
+        algo = self.config.hash_algo or self.engine_hash_algo or "sha256"
+        return BlockHasher(block_size, algo, self.config.hash_seed)
+
+    def _heartbeat_fields(self) -> dict[str, str | int]:
+        try:
+            fingerprint = self.hasher().seed_fingerprint
+        except HashConfigError:
+            fingerprint = ""
+        return {
+            "seed_fingerprint": fingerprint,
+            "hash_verified": self.hash_verified,
+            "key_mode": self.view.key_mode,
+            "num_blocks": len(self.view.blocks),
+        }
+
+    # -- probe ---------------------------------------------------------------------
+
+    async def probe_loop(self) -> None:
+        """Probe at start and after every epoch change; retry while the engine is away."""
+        self._probe_wanted.set()
+        while True:
+            await self._probe_wanted.wait()
+            self._probe_wanted.clear()
+            try:
+                await self.engine_known.wait()
+                await self.probe_once()
+            except asyncio.CancelledError:
+                raise
+            except EngineUnreachable as exc:
+                logger.warning("hash probe failed (%s); retrying in %.0fs", exc, PROBE_RETRY_S)
+                await asyncio.sleep(PROBE_RETRY_S)
+                self._probe_wanted.set()
+            except Exception:
+                logger.exception("hash probe failed unexpectedly")
+            finally:
+                self._catcher = None
+
+    async def probe_once(self) -> None:
+        """Send the probe completion, catch its ``BlockStored``, publish the verdict."""
+        try:
+            hasher = self.hasher()
+        except HashConfigError as exc:
+            logger.error("cannot reproduce the engine's block hashes: %s", exc)
+            self.hash_verified = "0"
+            return
+        models = self.heartbeat.models
+        if models is None or not models.models:
+            raise EngineUnreachable("engine serves no models yet")
+        tokens = probe_tokens(self.engine_block_size or hasher.block_size)
+        catcher = ProbeCatcher(tokens, self.engine_block_size or hasher.block_size)
+        self._catcher = catcher
+        await self.engine.complete(models.models[0], tokens, PROBE_TIMEOUT_S)
+        try:
+            await asyncio.wait_for(catcher.done.wait(), PROBE_TIMEOUT_S)
+        except TimeoutError:
+            logger.error("hash probe: no BlockStored for the probe prompt within %.0fs "
+                         "(are KV events enabled on the engine?)", PROBE_TIMEOUT_S)
+            return
+        verdict = judge(catcher, hasher)
+        self.num_probes += 1
+        self.hash_verified = "1" if verdict.verified else "0"
+        if verdict.verified:
+            logger.info("hash probe: engine block hashes agree with the routers' (%s, block size %d)",
+                        hasher.hash_algo, hasher.block_size)
+            if self.view.key_mode != EngineKeys.mode:
+                self._switch(EngineKeys(), "engine hashes verified: back to key_mode=engine")
+        else:
+            logger.error("hash probe: engine block hashes DIFFER from the routers' (likely cause: %s); "
+                         "re-computing keys from token_ids (key_mode=recomputed)", verdict.cause)
+            current = self.view.mapper
+            same = (isinstance(current, RecomputedKeys)
+                    and (current.hasher.block_size, current.hasher.hash_algo, current.hasher.seed)
+                    == (hasher.block_size, hasher.hash_algo, hasher.seed))
+            if not same:
+                self._switch(RecomputedKeys(hasher, self.lora_paths.get),
+                             f"hash mismatch ({verdict.cause}): key_mode=recomputed")
+        self.heartbeat.wake.set()
+
+    def _switch(self, mapper: EngineKeys | RecomputedKeys, reason: str) -> None:
+        # A mode switch bumps the epoch but needs no new probe.
+        self.writer.enqueue(self.view.switch_mapper(mapper, reason))
+        self.heartbeat.wake.set()
+
+    # -- life cycle ----------------------------------------------------------------
+
+    async def read_state(self) -> StoredState:
+        """What a previous worker of this replica left in Redis (retries until Redis answers).
+
+        Without a heartbeat (routers have dropped the replica) the stale set is
+        deleted at once under an epoch newer than any before (a ms clock), so a
+        heartbeat never advertises it.
+        """
+        backoff = 0.1
+        while True:
+            try:
+                state = await self.writer.read_state()
+                if state.epoch is None:
+                    epoch = int(time.time() * 1000)
+                    self.view = ReplicaView(epoch=epoch)
+                    self.writer.enqueue(Change(OP_CLEARED, [], epoch, NO_SEQ))
+                    await self.writer.flush()
+                    logger.info("no previous state for replica %s: starting at epoch %d",
+                                self.config.replica_id, epoch)
+                else:
+                    self.writer.committed_epoch = state.epoch
+                    self.writer.committed_seq = state.seq
+                return state
+            except (RedisError, OSError) as exc:
+                logger.warning("Redis not reachable yet (%s); retrying", exc)
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, BACKOFF_MAX_S)
+
+    def restore(self, state: StoredState) -> bool:
+        """Continue from ``state``. Returns True when continuing from its seq (no reset)."""
+        if state.epoch is None:
+            return False
+        if state.key_mode == KEY_MODE_RECOMPUTED:
+            # The {engine hash: key} map died with the previous worker: rebuild from replay.
+            self.view = ReplicaView(epoch=state.epoch)
+            try:
+                self.view.mapper = RecomputedKeys(self.hasher(), self.lora_paths.get)
+            except HashConfigError:
+                pass
+            self.writer.enqueue(self.view.reset("restarted in key_mode=recomputed"))
+            return False
+        self.view = ReplicaView(epoch=state.epoch, seq=state.seq, keys=state.keys)
+        logger.info("restored replica %s: epoch %d, seq %d, %d blocks", self.config.replica_id,
+                    state.epoch, state.seq, len(state.keys))
+        return True
+
+    def snapshot(self) -> WorkerSnapshot:
+        sub = self.subscriber.stats if self.subscriber is not None else None
+        stats, wstats = self.view.stats, self.writer.stats
+        return WorkerSnapshot(
+            events=dict(stats.events),
+            num_messages=sub.num_messages if sub else 0,
+            num_malformed=sub.num_malformed if sub else 0,
+            num_bad_events=stats.num_bad_events,
+            num_seq_gaps=sub.num_gaps if sub else 0,
+            num_replays=sub.num_replays if sub else 0,
+            num_replay_failures=sub.num_replay_failures if sub else 0,
+            num_engine_restarts=sub.num_restarts if sub else 0,
+            num_epoch_resets=stats.num_epoch_resets,
+            num_redis_errors=wstats.num_errors + self.heartbeat.num_redis_errors,
+            num_redis_transactions=wstats.num_transactions,
+            num_redis_rewrites=wstats.num_rewrites,
+            num_keys_written=wstats.num_keys,
+            num_heartbeats=self.heartbeat.num_beats,
+            num_engine_errors=self.heartbeat.num_engine_errors,
+            num_unknown_removals=self.view.blocks.num_unknown_removals,
+            num_probes=self.num_probes,
+            resident_blocks=len(self.view.blocks),
+            pending_changes=self.writer.num_pending,
+            epoch=self.view.epoch,
+            seq=self.view.seq,
+            hash_verified={"1": 1, "0": 0}.get(self.hash_verified, -1),
+            key_mode_recomputed=int(self.view.key_mode == KEY_MODE_RECOMPUTED),
+            engine_up=int(self.heartbeat.engine_up),
+            redis_up=int(self.writer.connected),
+            event_lag_s=self.event_lag_s,
+        )
+
+    async def run(self, stop: asyncio.Event) -> None:
+        """Run until ``stop`` is set; then flush what is queued and return."""
+        config = self.config
+        runner, _ = await start_metrics_server(make_registry(self.snapshot), config.metrics_host,
+                                               config.metrics_port)
+        state = await self.read_state()
+        heartbeat = asyncio.create_task(self.heartbeat.run())
+        try:
+            await asyncio.wait_for(self.engine_known.wait(), ENGINE_WAIT_S)
+        except TimeoutError:
+            logger.warning("engine %s not answering yet; subscribing anyway", config.engine_url)
+        replay_from_state = self.restore(state)
+        self.subscriber = KVEventSubscriber(
+            config.kv_events_endpoint, self, replay_endpoint=config.kv_replay_endpoint,
+            topic=config.kv_events_topic, last_seq=self.view.seq,
+            replay_timeout_s=config.replay_timeout_s)
+        logger.info("worker for replica %s: engine %s, events %s, redis %s (%s)", config.replica_id,
+                    config.engine_url, config.kv_events_endpoint, config.redis_url,
+                    f"continuing from seq {self.view.seq}" if replay_from_state else "fresh start")
+        self._tasks = [
+            asyncio.create_task(self.writer.run()),
+            heartbeat,
+            asyncio.create_task(self.subscriber.run()),
+            asyncio.create_task(self.probe_loop()),
+        ]
+        try:
+            await stop.wait()
+        finally:
+            for task in self._tasks[2:]:
+                task.cancel()
+            with contextlib.suppress(TimeoutError):
+                await self.writer.wait_idle(SHUTDOWN_FLUSH_S)
+            for task in self._tasks[:2]:
+                task.cancel()
+            await asyncio.gather(*self._tasks, return_exceptions=True)
+            await runner.cleanup()
+
+
+async def serve(config: WorkerConfig) -> None:
+    """Run a worker until SIGINT/SIGTERM."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        with contextlib.suppress(NotImplementedError):
+            loop.add_signal_handler(sig, stop.set)
+    client = aioredis.Redis.from_url(config.redis_url, password=config.redis_password,
+                                     socket_timeout=5.0, socket_connect_timeout=2.0)
+    try:
+        async with aiohttp.ClientSession() as session:
+            await Worker(config, client, session).run(stop)
+    finally:
+        await client.aclose()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of ``prefix-worker report``. Returns the exit code."""
+    try:
+        config = load_config(sys.argv[1:] if argv is None else argv)
+    except ConfigError as exc:
+        print(f"prefix-worker report: error: {exc}", file=sys.stderr)
+        return 2
+    logging.basicConfig(level=config.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        import uvloop
+
+        with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+            runner.run(serve(config))
+    except ImportError:
+        asyncio.run(serve(config))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

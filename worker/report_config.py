@@ -1,0 +1,143 @@
+"""Configuration of ``prefix-worker report``: one frozen dataclass from CLI > ``WORKER_*`` env > YAML > defaults.
+
+Pure apart from reading the YAML file named by ``--config`` / ``WORKER_CONFIG``.
+Each field ``name`` has the flag ``--name-with-dashes``, the environment variable
+``WORKER_NAME`` and the YAML key ``name``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any, Final
+from urllib.parse import urlsplit
+
+import yaml
+
+from router.contract import DEFAULT_REDIS_PREFIX
+from router.hashing import HASH_ALGOS
+
+ENV_PREFIX: Final = "WORKER_"
+DEFAULT_METRICS_HOST: Final = "127.0.0.1"  # set 0.0.0.0 in a pod so Prometheus can scrape
+DEFAULT_METRICS_PORT: Final = 0  # ephemeral; the bound port is logged
+DEFAULT_REPLAY_TIMEOUT_S: Final = 2.0  # seconds without a replay reply before giving up
+
+
+class ConfigError(ValueError):
+    """Missing or invalid setting; reported as one line with exit code 2."""
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerConfig:
+    """Settings of one worker sidecar (one replica)."""
+
+    engine_url: str  # the engine's HTTP base URL, e.g. http://127.0.0.1:8000
+    kv_events_endpoint: str  # the engine's KV event PUB socket, tcp://HOST:PORT
+    redis_url: str
+    replica_id: str
+    kv_replay_endpoint: str | None = None  # the engine's replay ROUTER socket; None: no replay
+    kv_events_topic: str = ""  # vLLM KVEventsConfig.topic
+    advertise_url: str = ""  # URL routers send traffic to; default engine_url
+    redis_password: str | None = None
+    redis_prefix: str = DEFAULT_REDIS_PREFIX
+    hash_seed: str | None = None  # the routers' PYTHONHASHSEED setting (None: unset)
+    block_size: int | None = None  # routers' block size if it differs from the engine's declared one
+    hash_algo: str | None = None  # routers' hash algorithm; None: the engine's declared one
+    metrics_host: str = DEFAULT_METRICS_HOST
+    metrics_port: int = DEFAULT_METRICS_PORT
+    replay_timeout_s: float = DEFAULT_REPLAY_TIMEOUT_S
+    log_level: str = "info"
+
+    @property
+    def url(self) -> str:
+        return self.advertise_url or self.engine_url
+
+
+_REQUIRED: Final = ("engine_url", "kv_events_endpoint", "redis_url", "replica_id")
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="prefix-worker report",
+        description="Publish one replica's resident KV-cache block keys, heartbeat and load to "
+        "Redis. Every flag can also be set as WORKER_<FLAG> (e.g. WORKER_REDIS_URL) or in the "
+        "YAML file given by --config; precedence: flag > env > YAML > default.",
+    )
+    for f in fields(WorkerConfig):
+        flag = "--" + f.name.replace("_", "-")
+        kind = int if f.name in ("block_size", "metrics_port") else float if f.name.endswith("_s") else str
+        parser.add_argument(flag, type=kind, default=None, dest=f.name,
+                            help=f"env {ENV_PREFIX}{f.name.upper()}")
+    parser.add_argument("--config", default=None, help=f"YAML file (env {ENV_PREFIX}CONFIG)")
+    return parser
+
+
+def load_config(argv: Sequence[str], env: Mapping[str, str] | None = None) -> WorkerConfig:
+    """Parse ``argv`` and merge with env and YAML. Raises ``ConfigError``."""
+    env = os.environ if env is None else env
+    args = vars(_parser().parse_args(list(argv)))
+    config_path = args.pop("config") or env.get(f"{ENV_PREFIX}CONFIG")
+    from_yaml: dict[str, Any] = {}
+    if config_path:
+        try:
+            loaded = yaml.safe_load(Path(config_path).read_text()) or {}
+        except (OSError, yaml.YAMLError) as exc:
+            raise ConfigError(f"cannot read config file {config_path}: {exc}") from exc
+        if not isinstance(loaded, dict):
+            raise ConfigError(f"config file {config_path} must hold a mapping")
+        from_yaml = loaded
+    known = {f.name: f for f in fields(WorkerConfig)}
+    unknown = set(from_yaml) - set(known)
+    if unknown:
+        raise ConfigError(f"unknown config keys: {', '.join(sorted(unknown))}")
+    values: dict[str, Any] = {}
+    for name in known:
+        value = args.get(name)
+        if value is None:
+            value = env.get(f"{ENV_PREFIX}{name.upper()}")
+        if value is None:
+            value = from_yaml.get(name)
+        if value is not None:
+            values[name] = value
+    missing = [n for n in _REQUIRED if not values.get(n)]
+    if missing:
+        flags = ", ".join("--" + n.replace("_", "-") for n in missing)
+        raise ConfigError(f"missing required settings: {flags}")
+    try:
+        for name in ("block_size", "metrics_port"):
+            if name in values:
+                values[name] = int(values[name])
+        if "replay_timeout_s" in values:
+            values["replay_timeout_s"] = float(values["replay_timeout_s"])
+        for name in ("hash_seed", "kv_replay_endpoint", "redis_password", "hash_algo"):
+            if name in values:
+                values[name] = str(values[name]) or None
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"bad numeric setting: {exc}") from exc
+    config = WorkerConfig(**values)
+    _validate(config)
+    return config
+
+
+def _validate(config: WorkerConfig) -> None:
+    for name in ("engine_url", "advertise_url"):
+        value = getattr(config, name)
+        if value and urlsplit(value).scheme not in ("http", "https"):
+            raise ConfigError(f"--{name.replace('_', '-')} must be an http(s) URL, got {value!r}")
+    for name in ("kv_events_endpoint", "kv_replay_endpoint"):
+        value = getattr(config, name)
+        if value and "://" not in value:
+            raise ConfigError(f"--{name.replace('_', '-')} must be a ZMQ endpoint like tcp://host:port")
+    if urlsplit(config.redis_url).scheme not in ("redis", "rediss", "unix"):
+        raise ConfigError(f"--redis-url must be redis://, rediss:// or unix://, got {config.redis_url!r}")
+    if config.hash_algo is not None and config.hash_algo not in HASH_ALGOS:
+        raise ConfigError(f"--hash-algo must be one of {', '.join(HASH_ALGOS)}")
+    if config.block_size is not None and config.block_size < 1:
+        raise ConfigError("--block-size must be positive")
+    if not 0 <= config.metrics_port <= 65535:
+        raise ConfigError("--metrics-port must be 0..65535")
+    if config.replay_timeout_s <= 0:
+        raise ConfigError("--replay-timeout-s must be positive")
