@@ -123,6 +123,11 @@ def parse_metrics(text: str) -> EngineLoad:
     )
 
 
+def _number(value: float) -> int | float:
+    """Counts as ints ("33", not "33.0") when integral."""
+    return int(value) if value.is_integer() else value
+
+
 def heartbeat_fields(*, replica_id: str, url: str, models: EngineModels, load: EngineLoad,
                      seed_fingerprint: str, hash_verified: str, key_mode: str,
                      num_blocks: int, now_s: float) -> dict[str, str | int | float]:
@@ -137,11 +142,11 @@ def heartbeat_fields(*, replica_id: str, url: str, models: EngineModels, load: E
         contract.F_SEED_FINGERPRINT: seed_fingerprint,
         contract.F_HASH_VERIFIED: hash_verified,
         contract.F_KEY_MODE: key_mode,
-        contract.F_NUM_RUNNING: load.num_running,
-        contract.F_NUM_WAITING: load.num_waiting,
+        contract.F_NUM_RUNNING: _number(load.num_running),
+        contract.F_NUM_WAITING: _number(load.num_waiting),
         contract.F_KV_USAGE: load.kv_usage,
-        contract.F_PREFIX_CACHE_QUERIES: load.prefix_cache_queries,
-        contract.F_PREFIX_CACHE_HITS: load.prefix_cache_hits,
+        contract.F_PREFIX_CACHE_QUERIES: _number(load.prefix_cache_queries),
+        contract.F_PREFIX_CACHE_HITS: _number(load.prefix_cache_hits),
         contract.F_NUM_BLOCKS: num_blocks,
         contract.F_NUM_GPU_BLOCKS: "" if load.num_gpu_blocks is None else load.num_gpu_blocks,
         contract.F_HEARTBEAT_TS: now_s,
