@@ -1,0 +1,147 @@
+"""A real worker process fed by a test-side vLLM-format ZMQ publisher, with a real Redis.
+
+The engine HTTP side (heartbeat) is a real emulator; the KV events come from
+the test so it can send exactly the sequences a real engine may produce: the
+same hash stored twice then removed once, and changes made during a Redis outage.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import tempfile
+from collections.abc import AsyncIterator, Callable, Iterator
+from pathlib import Path
+
+import pytest
+import redis
+import requests
+
+from loadtest.kv_publisher import KVEventPublisher
+from loadtest.redis_server import RedisServer
+from router import contract
+from tests.helpers import PYTHON, free_port, start_process, stop_process
+from tests.integration.test_worker_emulator import REPLICA, Emulator, start_emulator
+from worker.kv_events import BlockRemoved, BlockStored, KVEventBatch
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def stored(*hashes: int) -> KVEventBatch:
+    return KVEventBatch(ts=0.0, events=[BlockStored(
+        block_hashes=list(hashes), parent_block_hash=None, token_ids=[1] * 16 * len(hashes),
+        block_size=16, lora_id=None, medium="GPU", lora_name=None)], data_parallel_rank=0)
+
+
+def removed(*hashes: int) -> KVEventBatch:
+    return KVEventBatch(ts=0.0, events=[BlockRemoved(block_hashes=list(hashes), medium="GPU")],
+                        data_parallel_rank=0)
+
+
+async def until(cond: Callable[[], object], timeout_s: float = 20.0, message: str = "") -> None:
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    last: Exception | None = None
+    while loop.time() < deadline:
+        try:
+            if cond():
+                return
+        except Exception as exc:  # Redis may be down on purpose
+            last = exc
+        await asyncio.sleep(0.05)
+    raise TimeoutError(f"timed out waiting for {message}; last error {last!r}")
+
+
+@pytest.fixture(scope="module")
+def emulator() -> Iterator[Emulator]:
+    with tempfile.TemporaryDirectory(prefix="worker-proc-") as name:
+        emu = start_emulator(Path(name))
+        yield emu
+        stop_process(emu.proc)
+
+
+@pytest.fixture
+async def publisher() -> AsyncIterator[KVEventPublisher]:
+    async with KVEventPublisher() as pub:
+        yield pub
+
+
+def start_worker(emu: Emulator, pub: KVEventPublisher, redis_url: str,
+                 metrics_port: int = 0) -> subprocess.Popen[bytes]:
+    return start_process([PYTHON, "-m", "worker.cli", "report", "--engine-url", emu.url,
+                          "--redis-url", redis_url, "--replica-id", REPLICA,
+                          "--hash-seed", "0", "--metrics-port", str(metrics_port)],
+                         env={"WORKER_KV_EVENTS_ENDPOINT": pub.endpoint,
+                              "WORKER_KV_REPLAY_ENDPOINT": pub.replay_endpoint})
+
+
+def blocks(client: redis.Redis) -> set[int]:
+    members: set[bytes] = client.smembers(contract.blocks_key("pr", REPLICA))  # type: ignore[assignment]
+    return {contract.unpack_key(m) for m in members}
+
+
+def epoch(client: redis.Redis) -> int:
+    value = client.hget(contract.replica_key("pr", REPLICA), contract.F_EPOCH)
+    return int(value) if value is not None else -1  # type: ignore[arg-type]
+
+
+async def test_stored_twice_removed_once_stays_resident(
+        emulator: Emulator, publisher: KVEventPublisher, redis_url: str) -> None:
+    client = redis.Redis.from_url(redis_url)
+    metrics_port = free_port()
+    worker = start_worker(emulator, publisher, redis_url, metrics_port)
+    try:
+        await until(lambda: epoch(client) > 0, message="first heartbeat")
+        await publisher.publish(stored(11, 12))
+        await until(lambda: blocks(client) == {11, 12}, message="stored")
+        await publisher.publish(stored(12))  # a second physical copy of 12
+        await publisher.publish(removed(12))
+        await publisher.publish(removed(11))
+        await until(lambda: blocks(client) == {12}, message="11 removed")
+        await publisher.publish(removed(12))
+        await until(lambda: blocks(client) == set(), message="12 removed")
+        entries = client.xrange(contract.events_key("pr"))
+        ops = [(f[b"op"], list(contract.unpack_keys(f[b"keys"]))) for _, f in entries]  # type: ignore[union-attr]
+        assert ops[-3:] == [(b"stored", [11, 12]), (b"removed", [11]), (b"removed", [12])]
+        text = (await asyncio.to_thread(requests.get, f"http://127.0.0.1:{metrics_port}/metrics",
+                                        timeout=5)).text
+        assert 'worker_events_total{type="BlockStored"} 2.0' in text
+        assert 'worker_events_total{type="BlockRemoved"} 3.0' in text
+        assert "worker_resident_blocks 0.0" in text
+        seq = client.hget(contract.replica_key("pr", REPLICA), contract.F_SEQ)
+        assert int(seq) == publisher.next_seq - 1  # type: ignore[arg-type]
+    finally:
+        stop_process(worker)
+
+
+async def test_redis_outage_rewrites_set_under_new_epoch(
+        emulator: Emulator, publisher: KVEventPublisher) -> None:
+    server = RedisServer().start()
+    client = redis.Redis.from_url(server.url)
+    metrics_port = free_port()
+    worker = start_worker(emulator, publisher, server.url, metrics_port)
+
+    def worker_metrics() -> str:
+        return requests.get(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5).text
+
+    try:
+        await until(lambda: epoch(client) > 0, message="first heartbeat")
+        await publisher.publish(stored(1, 2, 3))
+        await until(lambda: blocks(client) == {1, 2, 3}, message="stored")
+        old_epoch = epoch(client)
+        server.stop()
+        await publisher.publish(stored(4, 5))
+        await publisher.publish(removed(1))
+        await until(lambda: "worker_redis_up 0.0" in worker_metrics(), message="write failed")
+        server = RedisServer(port=server.port).start()  # an empty Redis on the same port
+        client = redis.Redis.from_url(server.url)
+        await until(lambda: blocks(client) == {2, 3, 4, 5}, message="rewritten set")
+        await until(lambda: epoch(client) > old_epoch, message="epoch bump")
+        entries = client.xrange(contract.events_key("pr"))
+        ops = [f[b"op"] for _, f in entries]  # type: ignore[union-attr]
+        assert ops[:2] == [b"cleared", b"stored"]
+    finally:
+        output = stop_process(worker)
+        server.stop()
+    assert "Redis is back" in output
+    assert "rewriting the replica's full block set" in output
