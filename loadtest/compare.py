@@ -47,6 +47,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from loadtest.data import packaged_trace_path
 from loadtest.fleet import (
+    DEFAULT_HASH_ALGO,
     OURS,
     SGLANG,
     VLLM_ROUTER,
@@ -644,12 +645,38 @@ def cmd_compare(args: argparse.Namespace,
     if bounds:
         print()
         print(format_bounds(bounds, results["policies"]))
+    notes = run_notes(results["policies"])
+    results["notes"] = notes
+    (output_dir / "results.json").write_text(json.dumps(results, indent=2) + "\n")
+    for note in notes:
+        print(f"\nnote: {note}")
     for label, reason in {**results["failed"], **skipped}.items():
         print(f"\n{label}: not measured: {reason.splitlines()[0] if reason else ''}")
     print(f"\nresults: {output_dir / 'results.json'}")
     for plot in results.get("plots", []):
         print(f"plot:    {plot}")
     return 0 if results["policies"] and not results["failed"] else 1
+
+
+def run_notes(policies: dict[str, dict[str, Any]]) -> list[str]:
+    """Caveats a reader of the table must know, derived from the runs that happened."""
+    notes = []
+    for label, m in policies.items():
+        if label.startswith(f"{SGLANG}:"):
+            cpu = m.get("cpu_s", {})
+            per_req = cpu.get("emulator", 0.0) / max(1, m.get("num_requests") or 1)
+            notes.append(
+                f"{label} accepts only text prompts, so its run sends text of exactly the same "
+                f"Qwen3 token counts and the emulator tokenizes it on this machine's CPU "
+                f"({per_req * 1000:.0f} ms of emulator CPU per request in this run; the machine "
+                f"was {cpu.get('machine_util', 0.0):.0%} busy): its hit rate and balance are "
+                f"comparable, its TTFT and e2e latency are not.")
+        if label == f"{VLLM_ROUTER}:kv_aware":
+            notes.append(
+                f"{label} ran on a fleet with {KV_AWARE_HASH_ALGO}, PYTHONHASHSEED="
+                f"{KV_AWARE_PYTHONHASHSEED} and byte-form KV-event hashes (its documented tested "
+                f"setup); every other run used {DEFAULT_HASH_ALGO} with integer event hashes.")
+    return notes
 
 
 def argv_is_cli() -> bool:

@@ -160,3 +160,17 @@ def test_packaged_trace_slice_is_consistent() -> None:
     assert all(r.hash_ids[0] == 0 for r in requests)  # the trace's common first block
     offsets = schedule_offsets(requests, speedup=10.0)
     assert offsets == sorted(offsets)
+
+
+def test_text_prompts_have_exact_token_counts_and_share_prefixes() -> None:
+    from loadtest.text import TextMapper, default_vocabulary
+
+    vocab = default_vocabulary()
+    mapper = TextMapper(TokenMapper(), vocab)
+    a = mapper.prompt([0, 1, 2], 1024 + 300)
+    b = mapper.prompt([0, 1, 7], 1024 + 20)
+    assert vocab.count_tokens(a) == 1024 + 300
+    assert vocab.count_tokens(b) == 1024 + 20
+    shared = mapper.prompt([0, 1], 1024)
+    assert a.startswith(shared) and b.startswith(shared)
+    assert vocab.count_tokens(vocab.text_of_length(12_000, seed=3)) == 12_000
