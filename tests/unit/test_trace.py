@@ -174,3 +174,24 @@ def test_text_prompts_have_exact_token_counts_and_share_prefixes() -> None:
     shared = mapper.prompt([0, 1], 1024)
     assert a.startswith(shared) and b.startswith(shared)
     assert vocab.count_tokens(vocab.text_of_length(12_000, seed=3)) == 12_000
+
+
+def test_simulated_bounds_single_cache_and_round_robin() -> None:
+    from loadtest.simulate import simulate_bounds
+
+    # two conversations of two turns each; turn 2 extends turn 1's full blocks
+    reqs = [_req(0, 0, [0, 1], 1024), _req(1, 0, [0, 2], 1024),
+            _req(2, 3000, [0, 1, 3], 1100), _req(3, 3000, [0, 2, 4], 1100)]
+    bounds = simulate_bounds(reqs, replicas=2, capacity_tokens_per_replica=None)
+    total = 1024 * 2 + 1100 * 2
+    # single cache: block 0 hits for request 1, two blocks for requests 2 and 3
+    assert bounds["single_cache"]["hit_tokens"] == 512 + 1024 + 1024
+    assert bounds["single_cache"]["token_hit_rate"] == pytest.approx(2560 / total)
+    # round robin on 2 replicas: each conversation stays on its replica by parity
+    assert bounds["round_robin"]["hit_tokens"] == 1024 + 1024
+    # one 512-token block of capacity per replica: only the last-touched block survives
+    tiny = simulate_bounds(reqs, replicas=1, capacity_tokens_per_replica=512)
+    assert tiny["single_cache"]["hit_tokens"] == 0
+    # the hit never covers the last prompt token (vLLM recomputes it): 1024 tokens, 2 blocks
+    capped = simulate_bounds([_req(0, 0, [0, 1]), _req(1, 0, [0, 1])], 1, None)
+    assert capped["single_cache"]["hit_tokens"] == 1008
