@@ -417,9 +417,10 @@ def write_plots(policies: dict[str, dict[str, Any]], records: dict[str, list[Req
     axes[1].set_xticks(np.arange(len(names)) + 0.4 - width / 2)
     axes[1].set_xticklabels(names, rotation=20, ha="right")
     axes[0].set_title("Load per replica per policy")
-    axes[0].legend(fontsize="small", ncol=2)
+    handles, names_ = axes[0].get_legend_handles_labels()
+    fig.legend(handles, names_, loc="lower center", ncol=4, fontsize="small")
     path = output_dir / "load_per_replica.png"
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0.07, 1, 1))
     fig.savefig(path, dpi=110)
     plt.close(fig)
     paths.append(path)
