@@ -198,13 +198,23 @@ class Fleet:
         replica.epoch = max(epoch, replica.epoch)
         return reload
 
+    def sweep_index(self, max_keys: int) -> bool:
+        """One bounded step of the index's retired-slot sweep; True while more remains.
+
+        Slots the sweep frees are dropped from the speculative placements too,
+        before any replica can be given them again.
+        """
+        for slot in self.index.sweep_step(max_keys):
+            self.speculative.forget_bit(slot)
+        return self.index.sweep_pending
+
     def drop_replica(self, replica_id: str) -> None:
         """A worker-reported replica's heartbeat expired: out of rotation, blocks forgotten."""
         if replica_id in self.replicas and not self.replicas[replica_id].static:
             del self.replicas[replica_id]
-        if replica_id in self.index.replicas():
-            self.speculative.forget_bit(self.index.bit(replica_id))
-            self.index.drop(replica_id)
+        # O(1): the replica's slot is retired; sweep_index later removes it from the index and
+        # the speculative placements before the slot is reused
+        self.index.drop(replica_id)
 
     def apply_event(self, replica_id: str, epoch: int, op: str, keys: Any) -> str | None:
         """Apply one change-stream entry. Returns ``None`` or why it was dropped."""

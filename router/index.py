@@ -4,7 +4,9 @@
 that hold it (``{block_key: replica bitmask}``; bit ``i`` is the replica in slot
 ``i``). Equal masks are interned so a key held by one replica costs one dict
 entry plus its key int (about 100 bytes, see ``loadtest/bench_index.py``).
-A chain lookup walks the prompt's block keys from the front, ANDing masks, and
+Forgetting a replica's keys is O(1) (a fresh bit slot; the old one is swept
+away incrementally, see ``BlockIndex``). A chain lookup walks the prompt's
+block keys from the front, ANDing masks with the candidates' slots, and
 records the depth at which each replica drops out: the number of leading keys of
 the chain the replica holds, which is exactly vLLM's prefix-hit rule (longest
 run of consecutive matching block hashes from block 0,
@@ -34,41 +36,58 @@ def _bits(mask: int) -> Iterable[int]:
 class BlockIndex:
     """Block keys resident per replica, with per-replica epochs.
 
+    Each replica owns one bit *slot* at a time. Forgetting all of a replica's
+    keys (``clear``: AllBlocksCleared, an epoch reset; ``drop``: heartbeat
+    expiry) is O(1): the replica moves to a fresh slot and the old slot is
+    retired. Lookups only look at the candidates' current slots, so retired
+    bits are invisible at once; ``sweep_step`` removes them from the table
+    incrementally (a bounded number of keys per call, so the event loop is
+    never blocked for long) and then frees the slots for reuse.
+
     Invariants: no key maps to mask 0; ``num_blocks(r)`` equals the number of
-    keys whose mask has ``r``'s bit. Removing a replica's blocks (``clear``)
-    scans every key: O(keys), done only on epoch resets and replica expiry.
+    keys whose mask has ``r``'s current slot bit; a retired slot is reused only
+    after a sweep removed it from every key; ``len()`` may count keys held only
+    by retired slots until they are swept.
     """
 
     __slots__ = ("_bit_to_id", "_free_bits", "_id_to_bit", "_interned", "_key_to_mask",
-                 "_num_blocks", "epochs")
+                 "_num_blocks", "_retired", "_sweep_keys", "_sweep_mask", "_sweep_pos", "epochs")
 
     def __init__(self) -> None:
-        self._key_to_mask: dict[int, int] = {}  # {block_key: replica bitmask}
-        self._id_to_bit: dict[str, int] = {}  # {replica_id: bit index}
-        self._bit_to_id: dict[int, str] = {}  # {bit index: replica_id}
-        self._free_bits: list[int] = []  # released bit indexes, reused lowest first
+        self._key_to_mask: dict[int, int] = {}  # {block_key: slot bitmask}
+        self._id_to_bit: dict[str, int] = {}  # {replica_id: current slot index}
+        self._bit_to_id: dict[int, str] = {}  # {current slot index: replica_id}
+        self._free_bits: list[int] = []  # swept slot indexes, reused lowest first
+        self._retired = 0  # bitmask of retired slots not yet being swept
+        self._sweep_mask = 0  # bitmask of retired slots the running sweep removes
+        self._sweep_keys: list[int] = []  # snapshot of the table's keys for the running sweep
+        self._sweep_pos = 0
         self._num_blocks: dict[str, int] = {}  # {replica_id: resident keys}
         self._interned: dict[int, int] = {}  # {mask: the shared int object for it}
         self.epochs: dict[str, int] = {}  # {replica_id: epoch the index reflects}
 
     # -- replicas -----------------------------------------------------------------
 
+    def _new_slot(self) -> int:
+        if self._free_bits:
+            self._free_bits.sort()
+            return self._free_bits.pop(0)
+        # no free slot: every slot below the highest is current, retired or being swept
+        return max((*self._bit_to_id, (self._retired | self._sweep_mask).bit_length() - 1),
+                   default=-1) + 1
+
     def bit(self, replica_id: str) -> int:
-        """The replica's bit index, assigning a free one on first use."""
+        """The replica's current slot index, assigning a free one on first use."""
         bit = self._id_to_bit.get(replica_id)
         if bit is None:
-            if self._free_bits:
-                self._free_bits.sort()
-                bit = self._free_bits.pop(0)
-            else:
-                bit = len(self._id_to_bit)
+            bit = self._new_slot()
             self._id_to_bit[replica_id] = bit
             self._bit_to_id[bit] = replica_id
             self._num_blocks[replica_id] = 0
         return bit
 
     def mask_of(self, replica_ids: Iterable[str]) -> int:
-        """Bitmask of the given replicas (assigning bits as needed)."""
+        """Bitmask of the given replicas' current slots (assigning slots as needed)."""
         mask = 0
         for rid in replica_ids:
             mask |= 1 << self.bit(rid)
@@ -85,7 +104,7 @@ class BlockIndex:
         return self._num_blocks.get(replica_id, 0)
 
     def __len__(self) -> int:
-        """Distinct resident keys over all replicas."""
+        """Distinct keys in the table (including ones held only by retired slots, until swept)."""
         return len(self._key_to_mask)
 
     # -- updates --------------------------------------------------------------------
@@ -129,23 +148,22 @@ class BlockIndex:
                     del table[key]
         self._num_blocks[replica_id] -= removed
 
+    def _retire(self, replica_id: str) -> None:
+        slot = self._id_to_bit.pop(replica_id)
+        del self._bit_to_id[slot]
+        self._retired |= 1 << slot
+
     def clear(self, replica_id: str) -> None:
-        """Forget every key of the replica (vLLM AllBlocksCleared, epoch reset). O(keys)."""
-        index = self._id_to_bit.get(replica_id)
-        if index is None or not self._num_blocks.get(replica_id):
+        """Forget every key of the replica (vLLM AllBlocksCleared, epoch reset). O(1).
+
+        The replica gets a fresh slot; the old one is swept by ``sweep_step``.
+        """
+        if not self._num_blocks.get(replica_id):
             return
-        bit = 1 << index
-        table, intern = self._key_to_mask, self._intern
-        emptied = []
-        for key, mask in table.items():
-            if mask & bit:
-                mask ^= bit
-                if mask:
-                    table[key] = intern(mask)
-                else:
-                    emptied.append(key)
-        for key in emptied:
-            del table[key]
+        self._retire(replica_id)
+        slot = self._new_slot()
+        self._id_to_bit[replica_id] = slot
+        self._bit_to_id[slot] = replica_id
         self._num_blocks[replica_id] = 0
 
     def replace(self, replica_id: str, keys: Iterable[int], epoch: int | None = None) -> None:
@@ -156,15 +174,60 @@ class BlockIndex:
             self.epochs[replica_id] = epoch
 
     def drop(self, replica_id: str) -> None:
-        """Remove the replica entirely (heartbeat expired) and free its bit."""
+        """Remove the replica entirely (heartbeat expired). O(1); its slot is swept later."""
         if replica_id not in self._id_to_bit:
             return
-        self.clear(replica_id)
-        bit = self._id_to_bit.pop(replica_id)
-        del self._bit_to_id[bit]
+        self._retire(replica_id)
         del self._num_blocks[replica_id]
         self.epochs.pop(replica_id, None)
-        self._free_bits.append(bit)
+
+    @property
+    def sweep_pending(self) -> bool:
+        """True while retired slots still have to be removed from the table."""
+        return bool(self._retired or self._sweep_mask)
+
+    def sweep_step(self, max_keys: int = 20_000) -> list[int]:
+        """Remove retired slots from at most ``max_keys`` keys; returns the slots freed now.
+
+        A sweep pass first snapshots the table's keys (that call does nothing
+        else; keys added later can never carry a retired slot), then walks them
+        over further calls; when it is through,
+        its slots become free for reuse and are returned (the caller drops them
+        from ``SpeculativePlacements`` too).
+        """
+        if not self._sweep_mask:
+            if not self._retired:
+                return []
+            self._sweep_mask, self._retired = self._retired, 0
+            self._sweep_keys = list(self._key_to_mask)  # C speed: ~5 ms per 1M keys
+            self._sweep_pos = 0
+            return []
+        dead, keep = self._sweep_mask, ~self._sweep_mask
+        table, intern = self._key_to_mask, self._intern
+        end = min(self._sweep_pos + max_keys, len(self._sweep_keys))
+        for key in self._sweep_keys[self._sweep_pos:end]:
+            mask = table.get(key, 0)
+            if mask & dead:
+                mask &= keep
+                if mask:
+                    table[key] = intern(mask)
+                else:
+                    del table[key]
+        self._sweep_pos = end
+        if end < len(self._sweep_keys):
+            return []
+        freed = list(_bits(dead))
+        self._free_bits.extend(freed)
+        self._sweep_mask = 0
+        self._sweep_keys = []
+        return freed
+
+    def sweep_all(self) -> list[int]:
+        """Run sweeps until nothing is retired (tests, benchmarks). Returns the freed slots."""
+        freed: list[int] = []
+        while self.sweep_pending:
+            freed.extend(self.sweep_step(1 << 62))
+        return freed
 
     # -- lookups --------------------------------------------------------------------
 

@@ -40,8 +40,10 @@ class RouterMetrics:
             "(parse, tokenize, hash, route)", ["endpoint"], buckets=_LATENCY_BUCKETS,
             registry=registry)
         self.tokenize = Histogram(
-            "router_tokenize_seconds", "Time to compute prompt tokens (in the thread pool)",
-            ["kind"], buckets=_LATENCY_BUCKETS, registry=registry)
+            "router_tokenize_seconds", "Time to compute a prompt's length and block-key chain "
+            "(tokenize + hash through the chain cache); path=inline on the event loop (cached or "
+            "small), path=thread in the tokenizer thread pool", ["kind", "path"],
+            buckets=_LATENCY_BUCKETS, registry=registry)
         self.inflight = Gauge(
             "router_inflight_requests", "Requests this router has in flight per replica",
             ["replica"], registry=registry)

@@ -42,10 +42,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final
 
+import msgspec
+
+from router.chain_cache import ChainCache, PromptChain
+
 logger = logging.getLogger(__name__)
 
-MIN_CHUNK_CHARS: Final = 512  # smallest cached text chunk
-MAX_CHUNK_CHARS: Final = 2048  # a newline boundary is looked for up to here, else a space one
+MIN_CHUNK_CHARS: Final = 256  # smallest cached text chunk
+MAX_CHUNK_CHARS: Final = 1024  # a newline boundary is looked for up to here, else a space one
+RENDER_CACHE_ENTRIES: Final = 1024  # rendered chat texts kept, by the request's chat fields
 CACHE_SALT_MAX_CHARS: Final = 128  # vLLM validate_cache_salt
 
 # Pre-tokenizer regexes known to never join pieces across our boundaries.
@@ -172,11 +177,13 @@ def text_chunks(text: str) -> list[str]:
     """Split ``text`` at pre-tokenizer-safe boundaries into pieces of >= MIN_CHUNK_CHARS.
 
     Deterministic from the start of the text, so two texts sharing a prefix share
-    every chunk that ends before MAX_CHUNK_CHARS of their divergence.
+    every chunk that ends before MAX_CHUNK_CHARS of their divergence (and a text
+    that extends another shares all but the other's last chunk). The last chunk
+    is short when a boundary exists, so a new suffix costs little to tokenize.
     """
     chunks: list[str] = []
     pos, n = 0, len(text)
-    while n - pos > MAX_CHUNK_CHARS:
+    while n - pos > MIN_CHUNK_CHARS:
         m = _NEWLINE_BOUNDARY.search(text, pos + MIN_CHUNK_CHARS, pos + MAX_CHUNK_CHARS)
         if m is None:
             m = _SPACE_BOUNDARY.search(text, pos + MIN_CHUNK_CHARS)
@@ -288,6 +295,8 @@ class PromptTokenizer:
         self.backend = backend
         self.chat_template: str | None = getattr(self.hf, "chat_template", None)
         self.cache = _LRU(cache_chunks)
+        self._rendered: OrderedDict[bytes, str] = OrderedDict()  # {chat fields JSON: text}
+        self._render_lock = threading.Lock()
         self._special_prefix, self._special_suffix = self._special_tokens()
         self.chunking = self._chunking_is_exact()
         logger.info("tokenizer %s loaded (chunk cache %s)", source,
@@ -331,7 +340,16 @@ class PromptTokenizer:
         """Token ids of ``text`` exactly as ``tokenizer(text, add_special_tokens=...)``."""
         if not self.chunking:
             return list(self.backend.encode(text, add_special_tokens=add_special_tokens).ids)
-        chunks = text_chunks(text)
+        found = self._chunk_tokens(text_chunks(text))
+        tokens: list[int] = list(self._special_prefix) if add_special_tokens else []
+        for chunk_ids in found:
+            tokens.extend(chunk_ids or ())
+        if add_special_tokens:
+            tokens.extend(self._special_suffix)
+        return tokens
+
+    def _chunk_tokens(self, chunks: Sequence[str]) -> list[list[int]]:
+        """Tokens of each chunk (``add_special_tokens=False``), through the chunk LRU."""
         found: list[list[int] | None] = [self.cache.get(c) for c in chunks]
         missing = [i for i, ids in enumerate(found) if ids is None]
         if missing:
@@ -341,12 +359,81 @@ class PromptTokenizer:
                 ids = list(enc.ids)
                 found[i] = ids
                 self.cache.put(chunks[i], ids)
-        tokens: list[int] = list(self._special_prefix) if add_special_tokens else []
-        for chunk_ids in found:
-            tokens.extend(chunk_ids or ())
-        if add_special_tokens:
-            tokens.extend(self._special_suffix)
-        return tokens
+        return [ids or [] for ids in found]
+
+    def text_chain(self, text: str, add_special_tokens: bool, chains: ChainCache,
+                   lora: tuple[str, str] | None = None, cache_salt: str | None = None,
+                   max_uncached_chars: int | None = None) -> PromptChain | None:
+        """Block-key chain of ``text`` tokenized as ``encode_text`` does, through ``chains``.
+
+        Pieces already in ``chains`` after the same prefix are neither tokenized
+        nor hashed. Returns ``None`` (having done no tokenizing) when more than
+        ``max_uncached_chars`` characters would have to be tokenized: the caller
+        then runs this again without the limit off the event loop.
+        """
+        if self.chunking:
+            pieces: list[Any] = list(text_chunks(text))
+            prefix = self._special_prefix if add_special_tokens else []
+            suffix = self._special_suffix if add_special_tokens else []
+
+            def tokens_of(indexes: list[int]) -> list[Sequence[int]]:
+                return list(self._chunk_tokens([pieces[i] for i in indexes]))
+        else:
+            pieces = [(add_special_tokens, text)]
+            prefix = suffix = []
+
+            def tokens_of(indexes: list[int]) -> list[Sequence[int]]:
+                return [self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+                        for _ in indexes]
+        root = chains.root(lora, cache_salt, prefix)
+        path = chains.walk(root, pieces)
+        if max_uncached_chars is not None and len(path) < len(pieces):
+            uncached = sum(len(p) if isinstance(p, str) else len(p[1]) for p in pieces[len(path):])
+            if uncached > max_uncached_chars:
+                return None
+        return chains.chain(root, pieces, tokens_of, lora, cache_salt, suffix, path)
+
+    def rendered_chat(self, spec: PromptSpec, cached_only: bool = False) -> str | None:
+        """``render_chat`` through an LRU keyed by the request's chat fields.
+
+        With ``cached_only`` returns ``None`` instead of rendering. Raises
+        ``PromptError`` on template errors.
+        """
+        key = msgspec.json.encode([spec.messages, spec.chat_options])
+        with self._render_lock:
+            text = self._rendered.get(key)
+            if text is not None:
+                self._rendered.move_to_end(key)
+                return text
+        if cached_only:
+            return None
+        try:
+            text = self.render_chat(spec)
+        except PromptError:
+            raise
+        except Exception as exc:  # jinja errors, template raise_exception(...)
+            raise PromptError(f"chat template error: {exc}") from exc
+        with self._render_lock:
+            self._rendered[key] = text
+            while len(self._rendered) > RENDER_CACHE_ENTRIES:
+                self._rendered.popitem(last=False)
+        return text
+
+    def prompt_chain(self, spec: PromptSpec, chains: ChainCache, lora: tuple[str, str] | None,
+                     max_uncached_chars: int | None = None) -> PromptChain | None:
+        """Block-key chain of a parsed text or chat request (see ``text_chain``).
+
+        With ``max_uncached_chars`` set this is the event-loop fast path: it
+        returns ``None`` rather than render a chat template or tokenize more
+        than that many characters. Raises ``PromptError``.
+        """
+        text = spec.text
+        if text is None:
+            text = self.rendered_chat(spec, cached_only=max_uncached_chars is not None)
+            if text is None:
+                return None
+        return self.text_chain(text, spec.add_special_tokens, chains, lora, spec.cache_salt,
+                               max_uncached_chars)
 
     def render_chat(self, spec: PromptSpec) -> str:
         """The chat template rendered to text (vLLM ``safe_apply_chat_template`` minus tokenizing)."""

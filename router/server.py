@@ -27,6 +27,7 @@ import aiohttp
 import msgspec
 from aiohttp import web
 
+from router.chain_cache import ChainCache, PromptChain
 from router.config import ConfigError, RouterConfig, load_config
 from router.errors import REQUEST_ID_HEADER, BadRequest, RouterError, error_middleware
 from router.fleet import Fleet, FleetReader, StaticProber
@@ -40,6 +41,9 @@ from router.ring import text_key
 logger = logging.getLogger(__name__)
 
 _JSON = msgspec.json.Decoder()
+INLINE_HASH_BLOCKS = 64  # uncached blocks hashed on the event loop (~1.3 us each) before a thread hop
+SWEEP_KEYS_PER_STEP = 5_000  # index keys swept per event-loop turn (~1 ms)
+INLINE_TOKENIZE_CHARS = 2048  # uncached characters tokenized on the loop (~0.5 ms) before a thread hop
 
 
 @dataclass(slots=True)
@@ -60,7 +64,9 @@ class RouterService:
         self.config = config
         self.hasher = BlockHasher(config.block_size, config.hash_algo, config.hash_seed)
         self.tokenizer = tokenizer
+        self.chains = ChainCache(self.hasher, config.token_cache_chunks)
         self.metrics = RouterMetrics()
+        self._tokenize_children: dict[tuple[str, str], Any] = {}
         self.fleet = Fleet(config, self.hasher)
         self.tracker = LoadTracker()
         self.params = PolicyParams(
@@ -107,6 +113,7 @@ class RouterService:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self.reader.synced.wait(), timeout=5.0)
         self._tasks.append(asyncio.create_task(self._housekeeping()))
+        self._tasks.append(asyncio.create_task(self._sweeper()))
 
     async def _on_cleanup(self, app: web.Application) -> None:
         for task in self._tasks:
@@ -132,43 +139,70 @@ class RouterService:
                 self.metrics.replica_affinity.labels(rid).set(1 if affinity else 0)
             await asyncio.sleep(1.0)
 
+    async def _sweeper(self) -> None:
+        """Sweep retired index slots (replica cleared or dropped) in steps that yield to the loop."""
+        while True:
+            if self.fleet.index.sweep_pending:
+                self.fleet.sweep_index(SWEEP_KEYS_PER_STEP)
+                await asyncio.sleep(0)
+            else:
+                await asyncio.sleep(0.05)
+
     # -- routing -----------------------------------------------------------------
 
-    def _tokens_and_chain(self, spec: PromptSpec, lora: tuple[str, str] | None
-                          ) -> tuple[list[int], list[int]]:
-        """Runs in the thread pool: exact tokens (if possible) and the block-key chain."""
+    def _chain(self, spec: PromptSpec, lora: tuple[str, str] | None,
+               inline: bool) -> PromptChain | None:
+        """Exact prompt length and block-key chain through the chain cache.
+
+        ``inline`` (on the event loop): returns ``None`` instead of doing more than
+        ``INLINE_HASH_BLOCKS`` of hashing or ``INLINE_TOKENIZE_CHARS`` of
+        tokenizing; the caller then runs it again in the thread pool.
+        """
         if spec.token_ids is not None:
-            tokens = spec.token_ids
-        else:
-            assert self.tokenizer is not None
-            tokens = self.tokenizer.prompt_tokens(spec)
-        chain = self.hasher.keys(tokens, lora=lora, cache_salt=spec.cache_salt)
-        return tokens, chain
+            uncached, path, pieces = self.chains.uncached_id_blocks(
+                spec.token_ids, lora, spec.cache_salt)
+            if inline and uncached > INLINE_HASH_BLOCKS:
+                return None
+            root = self.chains.root(lora, spec.cache_salt)
+            return self.chains.chain(root, pieces, lambda idx: [pieces[i] for i in idx], lora,
+                                     spec.cache_salt, path=path)
+        assert self.tokenizer is not None
+        return self.tokenizer.prompt_chain(spec, self.chains, lora,
+                                           INLINE_TOKENIZE_CHARS if inline else None)
+
+    def _chain_blocking(self, spec: PromptSpec, lora: tuple[str, str] | None) -> PromptChain:
+        chain = self._chain(spec, lora, inline=False)
+        assert chain is not None
+        return chain
 
     async def route(self, spec: PromptSpec, *, dry_run: bool = False) -> Routed:
         """Eligibility, tokens, hit depths and the policy decision for one request."""
         now = time.monotonic()
         eligible, lora = self.fleet.eligible(spec.model, now)
         tokenized = spec.token_ids is not None or self.tokenizer is not None
-        tokens: list[int] = []
         chain: list[int] = []
+        prompt: PromptChain | None = None
         if tokenized:
             started = time.perf_counter()
-            loop = asyncio.get_running_loop()
             try:
-                if spec.token_ids is not None and len(spec.token_ids) < 64 * self.config.block_size:
-                    tokens, chain = self._tokens_and_chain(spec, lora)
-                else:
-                    tokens, chain = await loop.run_in_executor(
-                        self.executor, self._tokens_and_chain, spec, lora)
+                prompt = self._chain(spec, lora, inline=True)
+                path = "inline"
+                if prompt is None:
+                    path = "thread"
+                    prompt = await asyncio.get_running_loop().run_in_executor(
+                        self.executor, self._chain_blocking, spec, lora)
             except PromptError as exc:
                 raise BadRequest(str(exc)) from exc
-            self.metrics.tokenize.labels(spec.kind).observe(time.perf_counter() - started)
+            chain = prompt.keys
+            self._tokenize_child(spec.kind, path).observe(time.perf_counter() - started)
         elif not dry_run:
             self.metrics.untokenized.labels("no_tokenizer").inc()
-        num_tokens = len(tokens) if tokenized else max(1, len(spec.fallback_text()) // 4)
-        ring_key = text_key(spec.fallback_text()) if not tokenized else (
-            text_key(json.dumps(tokens[: self.config.block_size])) if tokens else 0)
+        if prompt is not None:
+            num_tokens = prompt.num_tokens
+            ring_key = text_key(json.dumps(prompt.head)) if prompt.head else 0
+        else:
+            num_tokens = max(1, len(spec.fallback_text()) // 4)
+            ring_key = text_key(spec.fallback_text())
         views = []
         affinity_ids = []
         for r in eligible:
@@ -196,6 +230,12 @@ class RouterService:
         urls = {r.replica_id: r.url for r in eligible}
         targets = [Target(rid, urls[rid]) for rid in (decision.replica_id, *decision.fallbacks)]
         return Routed(decision, num_tokens, chain, targets, tokenized)
+
+    def _tokenize_child(self, kind: str, path: str) -> Any:
+        child = self._tokenize_children.get((kind, path))
+        if child is None:
+            child = self._tokenize_children[(kind, path)] = self.metrics.tokenize.labels(kind, path)
+        return child
 
     def _place_speculative(self, routed: Routed, replica_id: str) -> None:
         if self.config.policy != "prefix" or not routed.chain:

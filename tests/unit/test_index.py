@@ -37,8 +37,10 @@ def test_add_is_idempotent_and_remove_clear_drop() -> None:
     assert index.hit_depths([1], index.mask_of(["b"]))[0] == {"b": 0}
     index.drop("c")
     assert "c" not in index.replicas()
+    assert index.sweep_pending
+    assert sorted(index.sweep_all()) == [1, 2]  # b's old slot and c's slot
     assert len(index) == 3  # keys 1, 3, 4 of replica a remain
-    index.add("d", [1])  # reuses c's freed bit without inheriting its keys
+    index.add("d", [1])  # reuses a freed slot without inheriting its keys
     assert index.hit_depths([1, 2], index.mask_of(["a", "d"]))[0] == {"a": 1, "d": 1}
     index.remove("unknown", [1])
 
@@ -71,3 +73,43 @@ def test_speculative_forget_bit_and_bad_ttl() -> None:
     assert len(spec) == 1
     with pytest.raises(ValueError):
         SpeculativePlacements(ttl_s=0)
+
+
+def test_clear_is_immediate_and_sweep_is_incremental() -> None:
+    index = BlockIndex()
+    index.add("a", range(1000))
+    index.add("b", range(500, 1500))
+    old_slot = index.bit("a")
+    index.clear("a")  # O(1): a fresh slot
+    assert index.bit("a") != old_slot and index.num_blocks("a") == 0
+    mask = index.mask_of(["a", "b"])
+    assert index.hit_depths([0, 1, 2], mask)[0] == {"a": 0, "b": 0}
+    assert index.hit_depths(list(range(500, 510)), mask)[0] == {"a": 0, "b": 10}
+    index.add("a", [5000, 5001])  # new events while the sweep runs
+    steps = 0
+    freed: list[int] = []
+    while index.sweep_pending:
+        freed += index.sweep_step(max_keys=100)
+        index.add("c", [10_000 + steps])  # keys added mid-sweep are never swept away
+        steps += 1
+    assert freed == [old_slot] and steps > 5
+    assert len(index) == 1000 + 2 + steps  # b's 1000, a's 2 new, c's
+    assert index.hit_depths([5000, 5001], index.mask_of(["a"]))[0] == {"a": 2}
+    assert index.num_blocks("c") == steps
+    index.add("d", [0])  # takes the freed slot, and inherits nothing
+    assert index.bit("d") == old_slot
+    assert index.hit_depths([0, 1], index.mask_of(["d"]))[0] == {"d": 1}
+
+
+def test_retired_slots_are_not_reused_before_their_sweep() -> None:
+    index = BlockIndex()
+    for rid in "abc":
+        index.add(rid, [1, 2, 3])
+    index.clear("a")
+    index.drop("b")
+    index.add("e", [9])
+    slots = {index.bit(r) for r in ("a", "c", "e")}
+    assert len(slots) == 3 and not slots & {0, 1}  # a's and b's old slots are still retired
+    index.sweep_all()
+    assert index.hit_depths([1, 2, 3], index.mask_of(["a", "c", "e"]))[0] == {"a": 0, "c": 3, "e": 0}
+    assert len(index) == 4

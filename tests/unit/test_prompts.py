@@ -5,7 +5,11 @@ from __future__ import annotations
 import random
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
+from router.chain_cache import ChainCache
+from router.hashing import BlockHasher
 from router.prompts import (
     MAX_CHUNK_CHARS,
     PromptError,
@@ -55,6 +59,58 @@ def test_chunked_encoding_equals_whole_text(tok: PromptTokenizer) -> None:
             assert tok.encode_text(text, special) == expect, trial
             assert tok.encode_text(text, special) == expect  # again, from the cache
     assert tok.cache.hits > 0
+
+
+EDGE_PIECES = st.sampled_from([*ALPHABET, " ", "\n", "\r", "\u2028", "\u3000", "\x0b", "\x0c",
+                               "\u0301", "\u200d", "a\u0308", "Å", "ﬁ", "\uff11\uff12", "٣",
+                               "'S", "'RE", "  \n", " \n\n ", "<|endoftext|>"])
+
+
+@needs_tokenizer
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(parts=st.lists(st.one_of(EDGE_PIECES, st.text(min_size=1, max_size=12)), min_size=50,
+                      max_size=900))
+def test_chunked_encoding_is_exact_property(tok: PromptTokenizer, parts: list[str]) -> None:
+    """Any text, cut at our boundaries and tokenized piecewise, equals whole-text tokenization."""
+    text = "".join(parts)
+    whole = tok.backend.encode(text, add_special_tokens=False).ids
+    pieces = [t for c in text_chunks(text) for t in tok.backend.encode(c, add_special_tokens=False).ids]
+    assert pieces == whole
+
+
+@needs_tokenizer
+def test_text_chain_equals_full_tokenize_and_hash(tok: PromptTokenizer) -> None:
+    hasher = BlockHasher(16)
+    chains = ChainCache(hasher, capacity=5000)
+    rng = random.Random(5)
+    doc = random_text(rng, 9000)
+    for trial in range(30):
+        text = doc[: rng.randrange(len(doc))] + random_text(rng, rng.randrange(0, 400))
+        special = trial % 2 == 0
+        lora = ("a", "/x") if trial % 5 == 0 else None
+        salt = "salt" if trial % 3 == 0 else None
+        got = tok.text_chain(text, special, chains, lora, salt)
+        assert got is not None
+        tokens = tok.hf(text, add_special_tokens=special)["input_ids"]
+        assert got.keys == hasher.keys(tokens, lora=lora, cache_salt=salt), trial
+        assert got.num_tokens == len(tokens) and got.head == tuple(tokens[:16])
+    # a repeat is served from the cache; a long uncached text is refused on the fast path
+    again = tok.text_chain(text, special, chains, lora, salt, max_uncached_chars=0)
+    assert again is not None and again.computed_pieces == 0
+    assert tok.text_chain(random_text(rng, 5000), True, chains, max_uncached_chars=100) is None
+
+
+@needs_tokenizer
+def test_chat_chain_uses_render_cache(tok: PromptTokenizer) -> None:
+    hasher = BlockHasher(16)
+    chains = ChainCache(hasher)
+    spec = parse_prompt("chat", {"messages": [{"role": "system", "content": "You help. " * 200},
+                                              {"role": "user", "content": "hi"}]})
+    assert tok.prompt_chain(spec, chains, None, max_uncached_chars=10**6) is None  # not rendered yet
+    full = tok.prompt_chain(spec, chains, None)
+    assert full is not None and full.keys == hasher.keys(tok.prompt_tokens(spec))
+    fast = tok.prompt_chain(spec, chains, None, max_uncached_chars=0)
+    assert fast is not None and fast.keys == full.keys
 
 
 @needs_tokenizer

@@ -1,0 +1,217 @@
+"""Cache of prompt block-key chains by prompt pieces, so shared prefixes cost almost nothing. Pure.
+
+A prompt is cut into *pieces* that are deterministic from the start of the
+prompt: pre-tokenizer-safe text chunks (``router.prompts.text_chunks``) for
+text, spans of ``SPAN_BLOCKS`` full blocks for token ids. The cache is a trie
+flattened into one LRU dict ``{(parent node id, piece): ChainNode}``; a node is
+the hashing state after its piece: the block keys the piece completed, the
+last full block's digest and the tokens after it (fewer than ``block_size``).
+Walking a prompt's pieces from its root therefore yields the block-key chain
+without tokenizing or hashing any piece seen before after the same prefix; the
+first piece not in the cache and every piece after it are computed with
+``BlockHasher`` from the parent's state and stored.
+
+Results are bit-exact with ``BlockHasher.keys(all_tokens, lora=..., cache_salt=...)``
+(vLLM 0.33 ``hash_block_tokens``: the chain only depends on the parent digest,
+the block's tokens and its extra keys; the LoRA key is on every block and
+``cache_salt`` on block 0, so both are part of the root). Multimodal items are
+not supported here (the router never sees them). Thread-safe: one lock guards
+the dict; hashing runs outside it.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+from collections import OrderedDict
+from collections.abc import Callable, Hashable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Final
+
+from router.hashing import BlockHasher
+
+SPAN_BLOCKS: Final = 16  # full blocks per token-id piece (256 tokens at block size 16)
+DEFAULT_CAPACITY: Final = 65536  # cached pieces (nodes)
+
+
+@dataclass(frozen=True, slots=True)
+class ChainNode:
+    """Hashing state after a prompt prefix that ends at a piece boundary.
+
+    ``keys`` are the 64-bit block keys of the blocks completed by the last piece;
+    ``digest`` is the raw digest of the last full block of the whole prefix
+    (``None`` before the first full block); ``tail`` the prefix's tokens after
+    that block (``len(tail) < block_size``); ``head`` the prefix's first
+    ``block_size`` tokens (ring key for prompts shorter than one block).
+    """
+
+    node_id: int
+    num_tokens: int  # tokens in the whole prefix
+    keys: tuple[int, ...]
+    digest: bytes | None
+    tail: tuple[int, ...]
+    head: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class PromptChain:
+    """A prompt's length and block-key chain: what routing needs of its tokens."""
+
+    num_tokens: int
+    keys: list[int]  # 64-bit block keys of the full blocks, block 0 first
+    head: tuple[int, ...]  # the first block_size tokens (all of them if fewer)
+    cached_pieces: int = 0  # pieces served from the cache (for metrics/tests)
+    computed_pieces: int = 0  # pieces tokenized and/or hashed now
+
+
+class ChainCache:
+    """LRU trie of ``ChainNode`` keyed by ``(parent node id, piece)``. Thread-safe.
+
+    ``capacity`` counts nodes (>= 0; 0 disables caching but still computes).
+    """
+
+    def __init__(self, hasher: BlockHasher, capacity: int = DEFAULT_CAPACITY) -> None:
+        if capacity < 0:
+            raise ValueError(f"capacity must be >= 0, got {capacity}")
+        self.hasher = hasher
+        self.capacity = capacity
+        self._nodes: OrderedDict[tuple[int, Hashable], ChainNode] = OrderedDict()
+        self._roots: dict[Hashable, ChainNode] = {}  # {(lora, cache_salt, prefix tokens): root}
+        self._ids = itertools.count(1)
+        self._lock = threading.Lock()
+        self.hits = 0
+        self.misses = 0
+
+    def __len__(self) -> int:
+        return len(self._nodes)
+
+    # -- computing ------------------------------------------------------------------
+
+    def extend(self, parent: ChainNode, tokens: Sequence[int], lora: tuple[str, str] | None,
+               cache_salt: str | None) -> ChainNode:
+        """The state after appending ``tokens`` to ``parent``'s prefix (not cached)."""
+        size = self.hasher.block_size
+        seq = parent.tail + tuple(tokens)
+        first_block = (parent.num_tokens - len(parent.tail)) // size
+        digests = self.hasher.digests(
+            seq, lora=lora, cache_salt=cache_salt if first_block == 0 else None,
+            parent=parent.digest)
+        num_tokens = parent.num_tokens + len(tokens)
+        head = parent.head
+        if len(head) < size:
+            head = (head + tuple(tokens[: size - len(head)]))
+        return ChainNode(
+            next(self._ids), num_tokens, tuple(int.from_bytes(d[-8:], "big") for d in digests),
+            digests[-1] if digests else parent.digest, seq[len(digests) * size:], head)
+
+    def root(self, lora: tuple[str, str] | None, cache_salt: str | None,
+             prefix_tokens: Sequence[int] = ()) -> ChainNode:
+        """The node every prompt with these extra keys (and special prefix tokens) starts from."""
+        key = (lora, cache_salt, tuple(prefix_tokens))
+        node = self._roots.get(key)
+        if node is None:
+            empty = ChainNode(0, 0, (), None, (), ())
+            node = self.extend(empty, prefix_tokens, lora, cache_salt)
+            with self._lock:
+                if len(self._roots) > 4096:  # many distinct salts: keep the dict bounded
+                    self._roots.clear()
+                node = self._roots.setdefault(key, node)
+        return node
+
+    # -- the trie ---------------------------------------------------------------------
+
+    def child(self, parent: ChainNode, piece: Hashable) -> ChainNode | None:
+        """The cached node after ``piece`` under ``parent``, or ``None`` (LRU touch on hit)."""
+        key = (parent.node_id, piece)
+        with self._lock:
+            node = self._nodes.get(key)
+            if node is None:
+                self.misses += 1
+                return None
+            self._nodes.move_to_end(key)
+            self.hits += 1
+            return node
+
+    def put(self, parent: ChainNode, piece: Hashable, node: ChainNode) -> None:
+        if self.capacity == 0:
+            return
+        key = (parent.node_id, piece)
+        with self._lock:
+            self._nodes[key] = node
+            self._nodes.move_to_end(key)
+            while len(self._nodes) > self.capacity:
+                self._nodes.popitem(last=False)
+
+    def walk(self, root: ChainNode, pieces: Sequence[Hashable]) -> list[ChainNode]:
+        """Cached nodes for the leading ``pieces`` under ``root`` (stops at the first miss)."""
+        path: list[ChainNode] = []
+        node = root
+        for piece in pieces:
+            found = self.child(node, piece)
+            if found is None:
+                break
+            path.append(found)
+            node = found
+        return path
+
+    def chain(
+        self,
+        root: ChainNode,
+        pieces: Sequence[Hashable],
+        tokens_of: Callable[[list[int]], list[Sequence[int]]],
+        lora: tuple[str, str] | None,
+        cache_salt: str | None,
+        suffix_tokens: Sequence[int] = (),
+        path: list[ChainNode] | None = None,
+    ) -> PromptChain:
+        """The chain of the prompt made of ``pieces`` (+ uncached ``suffix_tokens``).
+
+        ``tokens_of(indexes)`` returns the tokens of the pieces at those indexes
+        (called once, for the pieces not cached). ``path`` is a previous
+        ``walk(root, pieces)`` result to reuse.
+        """
+        if path is None:
+            path = self.walk(root, pieces)
+        node = path[-1] if path else root
+        missing = list(range(len(path), len(pieces)))
+        if missing:
+            for i, toks in zip(missing, tokens_of(missing), strict=True):
+                new = self.extend(node, toks, lora, cache_salt)
+                self.put(node, pieces[i], new)
+                path.append(new)
+                node = new
+        final = self.extend(node, suffix_tokens, lora, cache_salt) if suffix_tokens else None
+        keys: list[int] = list(root.keys)
+        for n in path:
+            keys.extend(n.keys)
+        if final is not None:
+            keys.extend(final.keys)
+            node = final
+        return PromptChain(node.num_tokens, keys, node.head, len(pieces) - len(missing),
+                           len(missing))
+
+    # -- token ids ----------------------------------------------------------------------
+
+    def id_pieces(self, tokens: Sequence[int]) -> list[tuple[int, ...]]:
+        """Token-id prompt cut into spans of ``SPAN_BLOCKS`` blocks (last one may be short)."""
+        span = SPAN_BLOCKS * self.hasher.block_size
+        return [tuple(tokens[i:i + span]) for i in range(0, len(tokens), span)]
+
+    def chain_of_ids(self, tokens: Sequence[int], lora: tuple[str, str] | None = None,
+                     cache_salt: str | None = None) -> PromptChain:
+        """Chain of a token-id prompt (vLLM uses given token ids as they are)."""
+        pieces = self.id_pieces(tokens)
+
+        def tokens_of(indexes: Iterable[int]) -> list[Sequence[int]]:
+            return [pieces[i] for i in indexes]
+
+        return self.chain(self.root(lora, cache_salt), pieces, tokens_of, lora, cache_salt)
+
+    def uncached_id_blocks(self, tokens: Sequence[int], lora: tuple[str, str] | None = None,
+                           cache_salt: str | None = None) -> tuple[int, list[ChainNode],
+                                                                     list[tuple[int, ...]]]:
+        """Blocks that would be hashed now, plus the cached path and pieces to reuse."""
+        pieces = self.id_pieces(tokens)
+        path = self.walk(self.root(lora, cache_salt), pieces)
+        done = path[-1].num_tokens if path else 0
+        return (len(tokens) - done) // self.hasher.block_size, path, pieces

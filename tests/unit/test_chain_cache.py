@@ -1,0 +1,59 @@
+"""Chain cache: cached and incremental chains are bit-exact with ``BlockHasher.keys``."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from router.chain_cache import SPAN_BLOCKS, ChainCache
+from router.hashing import BlockHasher
+
+
+@pytest.mark.parametrize("algo", ["sha256", "sha256_cbor", "xxhash"])
+def test_id_chains_equal_block_hasher_keys(algo: str) -> None:
+    hasher = BlockHasher(16, algo, "0" if algo.startswith("xxhash") else None)
+    cache = ChainCache(hasher, capacity=10_000)
+    rng = random.Random(3)
+    shared = [rng.randrange(150_000) for _ in range(3000)]
+    for trial in range(40):
+        cut = rng.randrange(0, len(shared))
+        tokens = shared[:cut] + [rng.randrange(150_000) for _ in range(rng.randrange(0, 700))]
+        lora = ("ad", "/p") if trial % 3 == 0 else None
+        salt = "s" if trial % 4 == 0 else None
+        got = cache.chain_of_ids(tokens, lora, salt)
+        assert got.keys == hasher.keys(tokens, lora=lora, cache_salt=salt), trial
+        assert got.num_tokens == len(tokens)
+        assert got.head == tuple(tokens[:16])
+        again = cache.chain_of_ids(tokens, lora, salt)
+        assert again.keys == got.keys and again.computed_pieces == 0
+    assert cache.hits > 0
+
+
+def test_shared_prefix_reuses_pieces_and_lru_is_bounded() -> None:
+    hasher = BlockHasher(16)
+    cache = ChainCache(hasher, capacity=50)
+    span = SPAN_BLOCKS * 16
+    base = list(range(10 * span))
+    first = cache.chain_of_ids(base)
+    assert first.computed_pieces == 10 and first.cached_pieces == 0
+    longer = cache.chain_of_ids(base + [7] * 100)
+    assert longer.cached_pieces == 10 and longer.computed_pieces == 1
+    assert longer.keys[: len(first.keys)] == first.keys
+    uncached, path, _ = cache.uncached_id_blocks(base + [8] * 100)
+    assert len(path) == 10 and uncached == 100 // 16
+    for i in range(100):
+        cache.chain_of_ids([i] * 40)
+    assert len(cache) == 50
+
+
+def test_suffix_and_prefix_tokens_continue_the_chain() -> None:
+    hasher = BlockHasher(4)
+    cache = ChainCache(hasher)
+    root = cache.root(None, "salt", prefix_tokens=[1, 2])
+    pieces = [(3, 4, 5), (6, 7, 8, 9, 10)]
+    chain = cache.chain(root, pieces, lambda idx: [pieces[i] for i in idx], None, "salt",
+                        suffix_tokens=[11, 12, 13])
+    tokens = [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13]
+    assert chain.keys == hasher.keys(tokens, cache_salt="salt")
+    assert chain.num_tokens == 13 and chain.head == (1, 2, 3, 4)
