@@ -224,6 +224,7 @@ class Heartbeat:
         self.engine_up = False
         self.models: EngineModels | None = None
         self.load: EngineLoad | None = None
+        self.previous_load: EngineLoad | None = None  # the poll before ``load``
         self.num_beats = 0
         self.num_engine_errors = 0
         self.num_redis_errors = 0
@@ -246,7 +247,7 @@ class Heartbeat:
             self.engine_up = False
             self.models = None
             return False
-        self.models, self.load = models, load
+        self.previous_load, self.models, self.load = self.load, models, load
         if not self.engine_up:
             logger.info("engine %s is up: %s, block_size=%s, hash_algo=%s", self.engine.engine_url,
                         list(models.models), load.block_size, load.hash_algo)

@@ -93,6 +93,7 @@ class RedisWriter:
         self.committed_seq = NO_SEQ
         self.connected = True
         self._pending: list[Change] = []
+        self._position: tuple[int, int] | None = None  # (epoch, seq) applied but not committed
         self._wake = asyncio.Event()
         self._idle = asyncio.Event()
         self._idle.set()
@@ -106,6 +107,16 @@ class RedisWriter:
             self._pending = [change]
         else:
             self._pending.append(change)
+        self._idle.clear()
+        self._wake.set()
+
+    def advance(self, epoch: int, seq: int) -> None:
+        """Record that batch ``seq`` was applied (even with no visible change) so Redis gets its seq.
+
+        A restarted worker replays from the committed seq + 1; a stale seq would
+        re-apply batches and corrupt reference counts.
+        """
+        self._position = (epoch, seq)
         self._idle.clear()
         self._wake.set()
 
@@ -158,7 +169,7 @@ class RedisWriter:
         while True:
             await self._wake.wait()
             self._wake.clear()
-            while self._pending or not self.connected:
+            while self._pending or self._position is not None or not self.connected:
                 try:
                     if not self.connected:
                         await self.client.ping()
@@ -181,6 +192,7 @@ class RedisWriter:
         self.connected = True
         self.stats.num_rewrites += 1
         self._pending = [self.on_recovered()]
+        self._position = None
 
     async def flush(self) -> None:
         """Write everything queued in one MULTI/EXEC transaction. Raises ``RedisError``.
@@ -188,7 +200,10 @@ class RedisWriter:
         On failure the queued changes are dropped: the caller must rewrite the set.
         """
         changes, self._pending = self._pending, []
-        if not changes:
+        position, self._position = self._position, None
+        if changes:
+            position = max(position or (0, NO_SEQ), (changes[-1].epoch, changes[-1].seq))
+        if position is None:
             return
         async with self._lock:
             pipe = self.client.pipeline(transaction=True)
@@ -211,14 +226,14 @@ class RedisWriter:
                     self._xadd(pipe, op, change.epoch, packed)
                     entries += 1
                     num_keys += len(chunk)
-            last = changes[-1]
-            pipe.eval(_SET_IF_EXISTS, 1, self.replica_key, contract.F_EPOCH, last.epoch,
-                      contract.F_SEQ, last.seq)
+            epoch, seq = position
+            pipe.eval(_SET_IF_EXISTS, 1, self.replica_key, contract.F_EPOCH, epoch,
+                      contract.F_SEQ, seq)
             try:
                 await pipe.execute()
             finally:
                 await pipe.reset()
-        self.committed_epoch, self.committed_seq = last.epoch, last.seq
+        self.committed_epoch, self.committed_seq = epoch, seq
         self.stats.num_transactions += 1
         self.stats.num_entries += entries
         self.stats.num_keys += num_keys

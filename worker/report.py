@@ -74,6 +74,7 @@ class Worker:
         epoch = self.view.epoch
         for change in self.view.apply_batch(seq, batch):
             self.writer.enqueue(change)
+        self.writer.advance(self.view.epoch, seq)
         self.event_lag_s = max(0.0, time.time() - batch.ts)
         catcher = self._catcher
         if catcher is not None:
@@ -99,6 +100,14 @@ class Worker:
     # -- engine info -------------------------------------------------------------
 
     def _on_engine(self, models: EngineModels, load: EngineLoad) -> None:
+        previous = self.heartbeat.previous_load
+        if previous is not None and load.prefix_cache_queries < previous.prefix_cache_queries:
+            # vLLM counters only go down when the engine restarted; its KV events may not
+            # have told us yet (the new engine's first batches can be lost before the SUB
+            # socket reconnects), so resync now and fetch the new engine's history.
+            self.resync("engine restarted: its prefix cache counters went backwards")
+            if self.subscriber is not None:
+                self.subscriber.restart_from_scratch()
         self.lora_paths = dict(models.lora_adapters)
         if load.block_size is not None:
             self.engine_block_size = load.block_size

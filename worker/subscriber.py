@@ -165,6 +165,15 @@ class KVEventSubscriber:
             else:  # the new engine published before we saw it: fetch its history
                 await self._replay(0, trigger=(seq, batch), reason="engine restart")
 
+    def restart_from_scratch(self) -> None:
+        """The engine restarted (seen elsewhere): accept its next batch as new history.
+
+        A next batch with seq > 0 triggers a replay from 0 without another resync.
+        """
+        self.stats.num_restarts += 1
+        self.last_seq = NO_SEQ
+        self._dup_floor = None
+
     # -- replay ------------------------------------------------------------------
 
     async def _replay(self, start: int, trigger: tuple[int, KVEventBatch] | None, reason: str) -> None:

@@ -1,0 +1,168 @@
+"""Benchmark of the worker sidecar: block keys ingested per second into Redis, and Redis memory per block.
+
+``python -m loadtest.bench_worker [--keys 1000000] [--min-batch 32] [--max-batch 512]``
+
+Starts a local Redis, one emulator replica (the worker's engine for heartbeat
+and probe) and a real ``prefix-worker report`` process whose KV events come
+from a fast vLLM-format ZMQ publisher in this process: BlockStored batches of
+random 64-bit hashes, sizes uniform in [min, max] blocks, plus one BlockRemoved
+of a few earlier keys every tenth batch. Reports keys/s from the first publish
+until Redis holds the last batch's seq, the worker's CPU seconds, and Redis
+memory per resident block (INFO memory, plus MEMORY USAGE of the set and stream).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import redis
+
+from loadtest.kv_publisher import KVEventPublisher
+from loadtest.redis_server import RedisServer
+from router import contract
+from worker.kv_events import BlockRemoved, BlockStored, KVEventBatch, encode_batch
+
+REPLICA = "bench-0"
+PYTHON = sys.executable
+
+
+def start_process(args: list[str]) -> subprocess.Popen[bytes]:
+    return subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
+def stop_process(proc: subprocess.Popen[bytes]) -> None:
+    proc.terminate()
+    try:
+        proc.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+def _cpu_s(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _wait(cond: Any, timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            if cond():
+                return
+        except Exception:
+            pass
+        time.sleep(0.02)
+    raise TimeoutError(what)
+
+
+def _payloads(num_keys: int, lo: int, hi: int, rng: random.Random) -> tuple[list[bytes], int, int]:
+    """Pre-encoded batches; returns (payloads, keys stored, keys resident at the end)."""
+    payloads: list[bytes] = []
+    resident: list[int | bytes] = []
+    total = 0
+    while total < num_keys:
+        n = min(rng.randint(lo, hi), num_keys - total)
+        hashes: list[int | bytes] = [rng.getrandbits(64) for _ in range(n)]
+        events: list[Any] = [BlockStored(block_hashes=hashes, parent_block_hash=None,
+                                         token_ids=[7] * (16 * n), block_size=16, lora_id=None,
+                                         medium="GPU", lora_name=None, extra_keys=[None] * n)]
+        resident.extend(hashes)
+        total += n
+        if len(payloads) % 10 == 9 and len(resident) > 64:
+            gone = [resident.pop(rng.randrange(len(resident))) for _ in range(16)]
+            events.append(BlockRemoved(block_hashes=gone, medium="GPU"))
+        payloads.append(encode_batch(KVEventBatch(ts=time.time(), events=events, data_parallel_rank=0)))
+    return payloads, total, len(set(resident))
+
+
+async def _run(args: argparse.Namespace) -> dict[str, Any]:
+    rng = random.Random(args.seed)
+    payloads, num_keys, num_resident = _payloads(args.keys, args.min_batch, args.max_batch, rng)
+    with RedisServer() as server, tempfile.TemporaryDirectory() as tmp:
+        client = redis.Redis.from_url(server.url)
+        ready = Path(tmp) / "ready.json"
+        emu = start_process([PYTHON, "-m", "worker.cli", "emulate", "--port", "0",
+                             "--ready-file", str(ready)])
+        worker = None
+        try:
+            _wait(ready.exists, 60, "emulator")
+            url = json.loads(ready.read_text())["replicas"][0]["url"]
+            async with KVEventPublisher() as pub:
+                worker = start_process([PYTHON, "-m", "worker.cli", "report", "--engine-url", url,
+                                        "--kv-events-endpoint", pub.endpoint,
+                                        "--kv-replay-endpoint", pub.replay_endpoint,
+                                        "--redis-url", server.url, "--replica-id", REPLICA,
+                                        "--log-level", "warning"])
+                key = contract.replica_key("pr", REPLICA)
+                deadline = time.monotonic() + 30
+                while not client.exists(key):
+                    if time.monotonic() > deadline:
+                        raise TimeoutError("worker heartbeat")
+                    await asyncio.sleep(0.05)
+                # Warm-up batch so the subscription is live (ZMQ slow joiner).
+                await pub.publish(KVEventBatch(ts=time.time(), events=[], data_parallel_rank=0))
+                while client.hget(key, contract.F_SEQ) in (None, b"-1"):
+                    await pub.publish(KVEventBatch(ts=time.time(), events=[], data_parallel_rank=0))
+                    await asyncio.sleep(0.05)
+                mem_before = int(client.info("memory")["used_memory"])
+                cpu_before = _cpu_s(worker.pid)
+                start = time.perf_counter()
+                for payload in payloads:
+                    await pub.publish(payload)
+                publish_s = time.perf_counter() - start
+                last = str(pub.next_seq - 1).encode()
+                while True:
+                    if client.hget(key, contract.F_SEQ) == last:
+                        break
+                    await asyncio.sleep(0.005)
+                elapsed = time.perf_counter() - start
+                cpu = _cpu_s(worker.pid) - cpu_before
+                mem_after = int(client.info("memory")["used_memory"])
+                set_bytes = int(client.memory_usage(contract.blocks_key("pr", REPLICA), samples=0) or 0)
+                stream_bytes = int(client.memory_usage(contract.events_key("pr"), samples=0) or 0)
+                resident = int(client.scard(contract.blocks_key("pr", REPLICA)))
+        finally:
+            if worker is not None:
+                stop_process(worker)
+            stop_process(emu)
+    return {
+        "batches": len(payloads),
+        "keys_stored": num_keys,
+        "keys_resident_expected": num_resident,
+        "keys_resident_in_redis": resident,
+        "publish_s": round(publish_s, 3),
+        "elapsed_s": round(elapsed, 3),
+        "keys_per_s": round(num_keys / elapsed),
+        "worker_cpu_s": round(cpu, 3),
+        "keys_per_worker_cpu_s": round(num_keys / cpu) if cpu else None,
+        "redis_bytes_per_resident_block_info": round((mem_after - mem_before) / resident, 1),
+        "redis_set_bytes_per_block": round(set_bytes / resident, 1),
+        "redis_stream_bytes_per_block": round(stream_bytes / resident, 1),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m loadtest.bench_worker", description=__doc__)
+    parser.add_argument("--keys", type=int, default=1_000_000, help="block keys to store")
+    parser.add_argument("--min-batch", type=int, default=32, help="blocks per BlockStored, min")
+    parser.add_argument("--max-batch", type=int, default=512, help="blocks per BlockStored, max")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    result = asyncio.run(_run(args))
+    print(json.dumps(result, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
