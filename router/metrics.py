@@ -6,6 +6,8 @@ process. ``render()`` returns the text exposition for ``GET /metrics``.
 
 from __future__ import annotations
 
+from typing import Any
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
@@ -21,6 +23,7 @@ class RouterMetrics:
 
     def __init__(self) -> None:
         self.registry = registry = CollectorRegistry(auto_describe=True)
+        self._children: dict[tuple[int, tuple[str, ...]], Any] = {}  # {(metric id, labels): child}
         self.requests = Counter(
             "router_requests_total", "Requests finished, by chosen replica, decision reason, "
             "endpoint and final HTTP status", ["replica", "reason", "endpoint", "status"],
@@ -88,6 +91,15 @@ class RouterMetrics:
         self.replica_affinity = Gauge(
             "router_replica_affinity", "1 when a replica gets prefix-hit credit (hash verified, "
             "same block size and hash settings)", ["replica"], registry=registry)
+
+    def child(self, metric: Any, *values: str) -> Any:
+        """``metric.labels(*values)``, memoised: the request path calls this several times per
+        request and prometheus_client's ``labels`` takes a lock and validates every call."""
+        key = (id(metric), values)
+        found = self._children.get(key)
+        if found is None:
+            found = self._children[key] = metric.labels(*values)
+        return found
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -40,7 +40,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Final
+from typing import Annotated, Any, Final
 
 import msgspec
 
@@ -101,6 +101,37 @@ class PromptSpec:
         if self.messages is not None:
             return json.dumps(self.messages, sort_keys=True, ensure_ascii=False)
         return ""
+
+
+class _TokenIdsCompletion(msgspec.Struct):
+    """The fields the router reads from a completions body with one token-id prompt."""
+
+    prompt: list[Annotated[int, msgspec.Meta(ge=0)]]
+    model: str | None = None
+    cache_salt: str | None = None
+    stream: bool | None = False
+    add_special_tokens: bool = True  # unused for token ids, but must be a boolean
+
+
+_TOKEN_IDS_DECODER: Final = msgspec.json.Decoder(_TokenIdsCompletion)
+
+
+def parse_token_ids_completion(body: bytes) -> PromptSpec | None:
+    """Fast path of ``parse_prompt("completion", json.loads(body))`` for one token-id prompt.
+
+    msgspec validates the ids (integers >= 0, no booleans) in C. Returns ``None``
+    when the body is anything else (other prompt forms, bad input): the caller
+    then takes the general path, which also produces the error messages.
+    """
+    try:
+        parsed = _TOKEN_IDS_DECODER.decode(body)
+    except msgspec.DecodeError:
+        return None
+    salt = parsed.cache_salt
+    if not parsed.prompt or (salt is not None and not 0 < len(salt) <= CACHE_SALT_MAX_CHARS):
+        return None
+    return PromptSpec("completion", model=parsed.model, token_ids=parsed.prompt, cache_salt=salt,
+                      stream=bool(parsed.stream))
 
 
 def _is_token_list(value: Any) -> bool:

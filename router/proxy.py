@@ -5,8 +5,9 @@ Rules:
 * the response is relayed chunk by chunk as it arrives (no buffering); the
   client's headers are sent only when the replica's first body byte arrives,
   so anything failing before that (connection refused or reset, a pooled
-  connection the engine had closed, the replica answering 503) is retried on
-  the next-best replica, once; a stale pooled connection is retried once more on
+  connection the engine had closed, the replica answering 502, 503 or 504) is
+  retried on the next-best replica, once (with no replica left, the replica's
+  own 502/503/504 answer is relayed); a stale pooled connection is retried once more on
   the same replica first, transparently;
 * after bytes went to the client nothing is retried: an SSE stream gets an
   ``data: {"error": {...}}`` event and closes, other bodies are cut short and
@@ -43,6 +44,7 @@ HOP_BY_HOP: Final = frozenset({
     "connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te", "trailer",
     "trailers", "transfer-encoding", "upgrade", "host", "content-length",
 })
+RETRY_STATUSES: Final = frozenset({502, 503, 504})  # answered before any byte: try the next replica
 STATUS_CLIENT_CLOSED: Final = 499  # nginx's convention for "client closed request"
 
 
@@ -96,6 +98,8 @@ class Proxy:
         self.session = session
         self.config = config
         self.metrics = metrics
+        self._timeout = aiohttp.ClientTimeout(total=None, connect=None,
+                                              sock_connect=config.connect_timeout_s, sock_read=None)
 
     async def forward(
         self,
@@ -130,18 +134,19 @@ class Proxy:
                 if on_sent is not None:
                     on_sent(target.replica_id)
                 result = await self._attempt(request, path, body, headers, target, reason,
-                                             request_id, ticket, arrival)
+                                             request_id, ticket, arrival,
+                                             retry_status=i + 1 < len(attempts))
             except _Retryable as exc:
                 ticket.finish()
                 last_error = f"replica {target.replica_id}: {exc.cause}"
                 if exc.same_replica and not stale_retry_used:
                     stale_retry_used = True
-                    self.metrics.retries.labels("stale_connection").inc()
+                    self.metrics.child(self.metrics.retries, "stale_connection").inc()
                     continue
                 on_failure(target.replica_id)
-                self.metrics.upstream_errors.labels(target.replica_id, exc.cause).inc()
+                self.metrics.child(self.metrics.upstream_errors, target.replica_id, exc.cause).inc()
                 if i + 1 < len(attempts):
-                    self.metrics.retries.labels(exc.cause).inc()
+                    self.metrics.child(self.metrics.retries, exc.cause).inc()
                     logger.info("retrying %s elsewhere after %s", request_id, last_error)
                 i += 1
                 continue
@@ -163,10 +168,11 @@ class Proxy:
         request_id: str,
         ticket: LoadTicket,
         arrival: float,
+        retry_status: bool = True,
     ) -> tuple[web.StreamResponse, ProxyOutcome]:
+        """One attempt; ``retry_status`` False relays a 502/503/504 answer instead of retrying."""
         cfg = self.config
-        timeout = aiohttp.ClientTimeout(total=None, connect=None, sock_connect=cfg.connect_timeout_s,
-                                        sock_read=None)
+        timeout = self._timeout
         upstream: aiohttp.ClientResponse | None = None
         try:
             try:
@@ -175,8 +181,8 @@ class Proxy:
                         request.method, f"{target.url}{path}", data=body or None,
                         headers=headers, timeout=timeout, auto_decompress=False,
                         allow_redirects=False)
-                    if upstream.status == 503:
-                        raise _Retryable("http_503")
+                    if retry_status and upstream.status in RETRY_STATUSES:
+                        raise _Retryable(f"http_{upstream.status}")
                     first = await upstream.content.readany()
             except aiohttp.ClientConnectorError as exc:
                 raise _Retryable("connect_error") from exc

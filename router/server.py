@@ -34,7 +34,13 @@ from router.fleet import Fleet, FleetReader, StaticProber
 from router.hashing import BlockHasher, HashConfigError
 from router.metrics import CONTENT_TYPE, RouterMetrics
 from router.policy import Decision, LoadTracker, PolicyParams, ReplicaView, RouteInput, decide
-from router.prompts import PromptError, PromptSpec, PromptTokenizer, parse_prompt
+from router.prompts import (
+    PromptError,
+    PromptSpec,
+    PromptTokenizer,
+    parse_prompt,
+    parse_token_ids_completion,
+)
 from router.proxy import Proxy, Target
 from router.ring import text_key
 
@@ -255,11 +261,17 @@ class RouterService:
 
     async def handle_generate(self, kind: str, request: web.Request) -> web.StreamResponse:
         arrival = time.perf_counter()
-        body, data = await self._read_json(request)
-        try:
-            spec = parse_prompt(kind, data)
-        except PromptError as exc:
-            raise BadRequest(str(exc)) from exc
+        body = await request.read()
+        spec = parse_token_ids_completion(body) if kind == "completion" else None
+        if spec is None:
+            try:
+                data = _JSON.decode(body)
+            except msgspec.DecodeError as exc:
+                raise BadRequest(f"request body is not valid JSON: {exc}") from exc
+            try:
+                spec = parse_prompt(kind, data)
+            except PromptError as exc:
+                raise BadRequest(str(exc)) from exc
         routed = await self.route(spec)
         decision = routed.decision
         hit_tokens = decision.hit_blocks * self.config.block_size
@@ -274,7 +286,7 @@ class RouterService:
             return _GaugedTicket(ticket, self)
 
         def on_sent(rid: str) -> None:
-            self.metrics.overhead.labels(endpoint).observe(time.perf_counter() - arrival)
+            self.metrics.child(self.metrics.overhead, endpoint).observe(time.perf_counter() - arrival)
             self._place_speculative(routed, rid)
 
         def on_failure(rid: str) -> None:
@@ -287,10 +299,11 @@ class RouterService:
                 start_ticket, on_failure, arrival, on_sent)
             status, replica_id = outcome.status, outcome.replica_id
             if outcome.first_byte_s is not None:
-                self.metrics.ttft.labels("hit" if decision.predicted_hit else "miss").observe(
+                self.metrics.child(self.metrics.ttft,
+                                   "hit" if decision.predicted_hit else "miss").observe(
                     outcome.first_byte_s)
-            self.metrics.prompt_tokens.labels(replica_id).inc(routed.num_tokens)
-            self.metrics.predicted_hit_tokens.labels(replica_id).inc(
+            self.metrics.child(self.metrics.prompt_tokens, replica_id).inc(routed.num_tokens)
+            self.metrics.child(self.metrics.predicted_hit_tokens, replica_id).inc(
                 hit_tokens if replica_id == decision.replica_id else 0)
             return response
         except RouterError as exc:
@@ -300,11 +313,12 @@ class RouterService:
             status = 499
             raise
         finally:
-            self.metrics.requests.labels(replica_id, decision.reason, endpoint, str(status)).inc()
+            self.metrics.child(self.metrics.requests, replica_id, decision.reason, endpoint,
+                               str(status)).inc()
 
     def _update_inflight(self, replica_id: str) -> None:
-        self.metrics.inflight.labels(replica_id).set(self.tracker.requests(replica_id))
-        self.metrics.inflight_prefill.labels(replica_id).set(self.tracker.prefill_tokens(replica_id))
+        self.metrics.child(self.metrics.inflight, replica_id).set(self.tracker.requests(replica_id))
+        self.metrics.child(self.metrics.inflight_prefill, replica_id).set(self.tracker.prefill_tokens(replica_id))
 
     async def handle_passthrough(self, request: web.Request) -> web.StreamResponse:
         """``/tokenize``, ``/detokenize``, ``/v1/embeddings``: least-loaded replica serving the model."""

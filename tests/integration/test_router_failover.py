@@ -80,3 +80,86 @@ def test_killed_replica_leaves_rotation_and_requests_are_retried(redis_url: str,
             print(router.stop()[-3000:])
         for proc in reversed(procs):
             stop_process(proc)
+
+
+STATUS_SERVER = """
+import sys
+from aiohttp import web
+STATUS = int(sys.argv[2])
+async def completions(request):
+    await request.read()
+    if STATUS != 200:
+        return web.json_response({"error": {"message": f"replica says {STATUS}", "type": "X",
+                                            "code": STATUS}}, status=STATUS)
+    return web.json_response({"id": "ok", "object": "text_completion", "choices": []})
+async def health(request):
+    return web.json_response({})
+async def models(request):
+    return web.json_response({"object": "list", "data": [{"id": "fixed", "object": "model"}]})
+app = web.Application()
+app.router.add_post("/v1/completions", completions)
+app.router.add_get("/health", health)
+app.router.add_get("/v1/models", models)
+web.run_app(app, host="127.0.0.1", port=int(sys.argv[1]), print=None)
+"""
+
+
+def test_502_and_504_before_any_byte_are_retried_on_the_next_replica(tmp_path: Path) -> None:
+    from tests.helpers import free_port
+
+    script = tmp_path / "status_server.py"
+    script.write_text(STATUS_SERVER)
+    servers = {}
+    routers: list[Router] = []
+    try:
+        for status in (200, 502, 504):
+            port = free_port()
+            servers[status] = (start_process([PYTHON, str(script), str(port), str(status)]),
+                               f"127.0.0.1:{port}")
+        for _, rid in servers.values():
+            wait_for(lambda rid=rid: http("GET", f"http://{rid}/health")[0] == 200, 20)
+        rng = random.Random(4)
+        for bad in (502, 504):  # one failing and one good replica behind each router
+            bad_id, good_id = servers[bad][1], servers[200][1]
+            router = Router(tmp_path, ["--replica", f"http://{bad_id}", "--replica",
+                                       f"http://{good_id}"])
+            routers.append(router)
+            # a prompt whose first choice is the failing replica
+            for _ in range(200):
+                body = {"model": "fixed", "prompt": [rng.randrange(1000, 90_000) for _ in range(40)]}
+                if json.loads(router.post("/debug/route", body)[2])["replica"] == bad_id:
+                    break
+            else:
+                raise AssertionError(f"no prompt routed to {bad_id}")
+            status, headers, raw = router.post("/v1/completions", body)
+            assert status == 200, raw[:200]
+            assert headers["x-prefix-router-replica"] == good_id
+            metrics = router.metrics()
+            assert f'router_upstream_retries_total{{cause="http_{bad}"}} 1.0' in metrics
+            assert (f'router_upstream_errors_total{{kind="http_{bad}",replica="{bad_id}"}} 1.0'
+                    in metrics)
+    finally:
+        for router in routers:
+            router.stop()
+        for proc, _ in servers.values():
+            stop_process(proc)
+
+
+def test_last_replica_answering_503_is_relayed(tmp_path: Path) -> None:
+    from tests.helpers import free_port
+
+    script = tmp_path / "status_server.py"
+    script.write_text(STATUS_SERVER)
+    port = free_port()
+    server = start_process([PYTHON, str(script), str(port), "503"])
+    router = None
+    try:
+        wait_for(lambda: http("GET", f"http://127.0.0.1:{port}/health")[0] == 200, 20)
+        router = Router(tmp_path, ["--replica", f"http://127.0.0.1:{port}"])
+        status, headers, raw = router.post("/v1/completions", {"model": "fixed", "prompt": [1, 2]})
+        assert status == 503 and json.loads(raw)["error"]["message"] == "replica says 503"
+        assert headers["x-prefix-router-replica"] == f"127.0.0.1:{port}"
+    finally:
+        if router is not None:
+            router.stop()
+        stop_process(server)

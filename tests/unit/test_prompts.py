@@ -16,6 +16,7 @@ from router.prompts import (
     PromptTokenizer,
     default_tokenizer_dir,
     parse_prompt,
+    parse_token_ids_completion,
     text_chunks,
 )
 
@@ -170,3 +171,23 @@ def test_completion_forms(tok: PromptTokenizer) -> None:
 def test_parse_errors(kind: str, body: object, message: str) -> None:
     with pytest.raises(PromptError, match=message):
         parse_prompt(kind, body)
+
+
+@pytest.mark.parametrize("body", [
+    {"prompt": [1, 2, 3], "model": "m", "max_tokens": 3, "extra": {"a": [1]}},
+    {"prompt": [0], "cache_salt": "s", "stream": True},
+    {"prompt": [5], "stream": None, "model": None},
+])
+def test_token_ids_fast_path_equals_general_parse(body: dict[str, object]) -> None:
+    import json
+
+    assert parse_token_ids_completion(json.dumps(body).encode()) == parse_prompt("completion", body)
+
+
+@pytest.mark.parametrize("raw", [
+    b'{"prompt": [1, true]}', b'{"prompt": [1, -1]}', b'{"prompt": "x"}', b'{"prompt": [[1]]}',
+    b'{"prompt": []}', b"[1]", b'{"prompt": [1], "stream": "y"}', b'{"prompt": [1], "cache_salt": ""}',
+    b'{"prompt": [1], "add_special_tokens": 1}', b'{"prompt": [1], "model": 3}', b"{bad",
+])
+def test_token_ids_fast_path_leaves_everything_else_to_the_general_parse(raw: bytes) -> None:
+    assert parse_token_ids_completion(raw) is None
