@@ -4,7 +4,8 @@
 follows the worker-written contract in ``router.contract`` (remember the
 stream's last id, load heartbeats and block-set snapshots, then read the
 change stream with ``XREAD BLOCK``), survives Redis outages with backoff and
-resynchronises when Redis returns. ``StaticProber`` is the HTTP edge for static
+resynchronises when Redis returns or when the stream was trimmed past its
+position (entries lost: ``router_event_stream_gaps_total``). ``StaticProber`` is the HTTP edge for static
 ``--replica`` URLs: it probes ``/health`` and reads ``/v1/models``.
 """
 
@@ -239,6 +240,15 @@ class Fleet:
         return None
 
 
+class _StreamGap(Exception):
+    """Entries of the events stream were trimmed before this router read them."""
+
+
+def _stream_id(entry_id: str) -> tuple[int, int]:
+    ms, _, seq = entry_id.partition("-")
+    return int(ms), int(seq or 0)
+
+
 def _int(value: str | None, default: int | None) -> int | None:
     try:
         return int(value) if value not in (None, "") else default
@@ -274,6 +284,9 @@ class FleetReader:
         self.connected = False
         self.last_id = "0-0"
         self.synced = asyncio.Event()
+        # after a reconnect, replicas whose heartbeat is missing stay until then (monotonic):
+        # a Redis that restarted empty gets one heartbeat TTL for the workers to re-register
+        self._keep_missing_until = 0.0
 
     async def run(self) -> None:
         import redis.asyncio as aioredis
@@ -288,6 +301,9 @@ class FleetReader:
                 self._set_connected(True)
                 backoff = 0.1
                 await self._follow(client)
+            except _StreamGap as exc:
+                logger.warning("%s; full resync", exc)
+                self.metrics.stream_gaps.inc()
             except (RedisError, OSError) as exc:
                 if self.connected:
                     logger.warning("redis connection lost (%s); routing continues on ring and "
@@ -305,6 +321,8 @@ class FleetReader:
     async def _resync(self, client: Any) -> None:
         last = await client.xrevrange(c.events_key(self.prefix), count=1)
         self.last_id = _text(last[0][0]) if last else "0-0"
+        if self.synced.is_set():
+            self._keep_missing_until = time.monotonic() + c.HEARTBEAT_TTL_S
         await self._refresh_heartbeats(client, force_reload=True)
         self.metrics.redis_resyncs.inc()
         self.synced.set()
@@ -328,8 +346,9 @@ class FleetReader:
             seen.add(rid)
             if self.fleet.apply_heartbeat(rid, fields, wall_now) or force_reload:
                 await self._load_blocks(client, rid)
+        keep_missing = time.monotonic() < self._keep_missing_until
         for rid, replica in list(self.fleet.replicas.items()):
-            if not replica.static and rid not in seen:
+            if not replica.static and rid not in seen and not keep_missing:
                 logger.info("replica %s heartbeat expired; out of rotation", rid)
                 self.fleet.drop_replica(rid)
         self._update_gauges()
@@ -346,8 +365,11 @@ class FleetReader:
         next_refresh = time.monotonic() + c.HEARTBEAT_INTERVAL_S
         block_ms = int(c.HEARTBEAT_INTERVAL_S * 250)
         while True:
+            read_from = self.last_id
             reply = await client.xread({stream: self.last_id}, count=1000, block=block_ms)
             for _, entries in reply or ():
+                if entries and read_from != "0-0":
+                    await self._check_gap(client, stream, read_from, _text(entries[0][0]))
                 for entry_id, fields in entries:
                     self.last_id = _text(entry_id)
                     self._apply(fields)
@@ -357,6 +379,30 @@ class FleetReader:
             if time.monotonic() >= next_refresh:
                 await self._refresh_heartbeats(client)
                 next_refresh = time.monotonic() + c.HEARTBEAT_INTERVAL_S
+
+    async def _check_gap(self, client: Any, stream: str, read_from: str, first_read: str) -> None:
+        """Raise ``_StreamGap`` if entries after ``read_from`` were trimmed before we read them.
+
+        Redis 7 reports ``max-deleted-entry-id``: a deleted id above ``read_from`` and below
+        the first entry returned is a lost entry. Redis 6 only has ``first-entry``: if the
+        stream now starts after ``read_from``, everything up to its first entry was trimmed,
+        which (unless that is exactly our next entry, the rare false positive that costs
+        one resync) loses entries.
+        """
+        info = await client.xinfo_stream(stream)
+        info = {_text(k): v for k, v in info.items()}
+        after, before = _stream_id(read_from), _stream_id(first_read)
+        deleted = info.get("max-deleted-entry-id")
+        if deleted is not None:
+            gone = _stream_id(_text(deleted))
+            if after < gone < before:
+                raise _StreamGap(f"events stream trimmed past this router (entry {_text(deleted)} "
+                                 f"deleted unread after {read_from})")
+            return
+        first = info.get("first-entry")
+        if first and _stream_id(_text(first[0])) > after and _stream_id(_text(first[0])) >= before:
+            raise _StreamGap(f"events stream trimmed past this router (it starts at "
+                             f"{_text(first[0])}, last read {read_from})")
 
     def _apply(self, fields: Mapping[Any, Any]) -> None:
         try:

@@ -82,6 +82,9 @@ class RouterMetrics:
         self.redis_connected = Gauge(
             "router_redis_connected", "1 when the fleet reader is connected to Redis",
             registry=registry)
+        self.stream_gaps = Counter(
+            "router_event_stream_gaps_total", "Times the events stream was trimmed past this "
+            "router's read position (entries lost; a full resync follows)", registry=registry)
         self.redis_resyncs = Counter(
             "router_redis_resyncs_total", "Full reloads of heartbeats and block sets",
             registry=registry)

@@ -48,6 +48,7 @@ logger = logging.getLogger(__name__)
 
 _JSON = msgspec.json.Decoder()
 INLINE_HASH_BLOCKS = 64  # uncached blocks hashed on the event loop (~1.3 us each) before a thread hop
+PREFILL_RATE_EWMA_ALPHA = 0.1  # weight of the newest first-byte-per-prefill-token sample
 SWEEP_KEYS_PER_STEP = 5_000  # index keys swept per event-loop turn (~1 ms)
 INLINE_TOKENIZE_CHARS = 2048  # uncached characters tokenized on the loop (~0.5 ms) before a thread hop
 
@@ -73,6 +74,8 @@ class RouterService:
         self.chains = ChainCache(self.hasher, config.token_cache_chunks)
         self.metrics = RouterMetrics()
         self._tokenize_children: dict[tuple[str, str], Any] = {}
+        # {replica_id: EWMA of streamed first-byte seconds per prefill token (incl. queueing)}
+        self.prefill_s_per_token: dict[str, float] = {}
         self.fleet = Fleet(config, self.hasher)
         self.tracker = LoadTracker()
         self.params = PolicyParams(
@@ -283,7 +286,14 @@ class RouterService:
         def start_ticket(rid: str) -> Any:
             ticket = self.tracker.dispatch(rid, prefill)
             self._update_inflight(rid)
-            return _GaugedTicket(ticket, self)
+            gauged = _GaugedTicket(ticket, self)
+            if not spec.stream:
+                # the first byte of a non-streamed answer comes only at the end: release its
+                # prefill at the time streamed requests to this replica took per prefill token
+                per_token = self.prefill_s_per_token.get(rid)
+                if per_token is not None:
+                    gauged.release_prefill_after(per_token * prefill)
+            return gauged
 
         def on_sent(rid: str) -> None:
             self.metrics.child(self.metrics.overhead, endpoint).observe(time.perf_counter() - arrival)
@@ -298,6 +308,11 @@ class RouterService:
                 request, endpoint, body, routed.targets, decision.reason, request["request_id"],
                 start_ticket, on_failure, arrival, on_sent)
             status, replica_id = outcome.status, outcome.replica_id
+            if spec.stream and outcome.first_byte_s is not None and status == 200:
+                sample = outcome.first_byte_s / prefill
+                old = self.prefill_s_per_token.get(replica_id)
+                self.prefill_s_per_token[replica_id] = sample if old is None else (
+                    old + PREFILL_RATE_EWMA_ALPHA * (sample - old))
             if outcome.first_byte_s is not None:
                 self.metrics.child(self.metrics.ttft,
                                    "hit" if decision.predicted_hit else "miss").observe(
@@ -412,20 +427,41 @@ class RouterService:
 
 
 class _GaugedTicket:
-    """A ``LoadTicket`` that refreshes the in-flight gauges when released."""
+    """A ``LoadTicket`` that refreshes the in-flight gauges when released.
 
-    __slots__ = ("_service", "_ticket", "replica_id")
+    ``release_prefill_after(delay_s)`` releases the prefill part early, at an
+    estimated first-token time (non-streamed requests, whose first byte is the
+    whole answer); the timer is cancelled when the ticket is released otherwise.
+    """
+
+    __slots__ = ("_service", "_ticket", "_timer", "replica_id")
 
     def __init__(self, ticket: Any, service: RouterService) -> None:
         self._ticket = ticket
         self._service = service
+        self._timer: asyncio.TimerHandle | None = None
         self.replica_id = ticket.replica_id
 
+    def release_prefill_after(self, delay_s: float) -> None:
+        self._timer = asyncio.get_running_loop().call_later(delay_s, self._estimated_first_token)
+
+    def _estimated_first_token(self) -> None:
+        self._timer = None
+        self._ticket.first_token()
+        self._service._update_inflight(self.replica_id)
+
+    def _cancel_timer(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
     def first_token(self) -> None:
+        self._cancel_timer()
         self._ticket.first_token()
         self._service._update_inflight(self.replica_id)
 
     def finish(self) -> None:
+        self._cancel_timer()
         self._ticket.finish()
         self._service._update_inflight(self.replica_id)
 

@@ -17,7 +17,13 @@ import pytest
 
 from router.contract import HEARTBEAT_TTL_S
 from tests.helpers import PYTHON, start_process, stop_process, wait_for
-from tests.integration.test_router_fleet import KV_EVENTS, Router, http, read_json_file
+from tests.integration.test_router_fleet import (
+    KV_EVENTS,
+    Router,
+    http,
+    prometheus_value,
+    read_json_file,
+)
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -163,3 +169,122 @@ def test_last_replica_answering_503_is_relayed(tmp_path: Path) -> None:
         if router is not None:
             router.stop()
         stop_process(server)
+
+
+def _emulated_fleet(redis_url: str, tmp_path: Path, num: int) -> list[Any]:
+    ready = tmp_path / "emu-fleet.json"
+    procs = [start_process([PYTHON, "-m", "worker.cli", "emulate", "--host", "127.0.0.1",
+                            "--port", "0", "--replicas", str(num), "--kv-events-config", KV_EVENTS,
+                            "--time-scale", "50", "--ready-file", str(ready)],
+                           env={"PYTHONHASHSEED": "0"})]
+    for rep in wait_for(lambda: read_json_file(ready), 60)["replicas"]:
+        procs.append(start_process([
+            PYTHON, "-m", "worker.cli", "report", "--engine-url", rep["url"],
+            "--kv-events-endpoint", rep["kv_events_endpoint"], "--kv-replay-endpoint",
+            rep["kv_replay_endpoint"], "--redis-url", redis_url, "--replica-id",
+            f"replica-{rep['index']}", "--advertise-url", rep["url"], "--hash-seed", "0",
+            "--metrics-port", "0"]))
+    return procs
+
+
+def test_redis_outage_keeps_routing_and_index_resyncs_after_restart(tmp_path: Path) -> None:
+    from loadtest.redis_server import RedisServer
+
+    redis = RedisServer().start()
+    procs: list[Any] = []
+    router = None
+    try:
+        procs = _emulated_fleet(redis.url, tmp_path, 2)
+        router = Router(tmp_path, ["--redis-url", redis.url, "--hash-seed", "0"])
+        wait_for(lambda: sum(r["routable"] and r["affinity"] for r in router.ready()["replicas"])
+                 == 2, 30, message="both replicas routable")
+        rng = random.Random(6)
+
+        def prompt() -> list[int]:
+            return [rng.randrange(1000, 90_000) for _ in range(160)]
+
+        def confirmed_hit(p: list[int]) -> bool:
+            d = json.loads(router.post("/debug/route", {"prompt": p})[2])
+            return any(v["confirmed_hit_blocks"] >= 9 for v in d["replicas"].values())
+
+        before = prompt()
+        assert router.post("/v1/completions", {"prompt": before, "max_tokens": 1})[0] == 200
+        wait_for(lambda: confirmed_hit(before), 15, message="KV events reach the index")
+
+        redis.stop()
+        wait_for(lambda: router.ready()["redis"]["connected"] is False, 15, message="redis down")
+        # routing goes on: ring placement and the router's own speculative placements
+        during = prompt()
+        homes = set()
+        reasons = set()
+        for _ in range(3):
+            status, headers, _ = router.post("/v1/completions", {"prompt": during, "max_tokens": 1})
+            assert status == 200
+            homes.add(headers["x-prefix-router-replica"])
+            reasons.add(headers["x-prefix-router-reason"])
+        assert len(homes) == 1 and "speculative_hit" in reasons
+        ready = router.ready()
+        assert ready["ready"] is True and all(r["routable"] for r in ready["replicas"])
+        assert http("GET", router.url + "/ready")[0] == 200
+
+        redis = RedisServer(port=redis.port).start()  # empty: no persistence
+        wait_for(lambda: router.ready()["redis"]["connected"] is True, 30, message="reconnected")
+        after = prompt()
+        assert router.post("/v1/completions", {"prompt": after, "max_tokens": 1})[0] == 200
+        # new KV events flow through the restarted Redis into the router's index again
+        wait_for(lambda: confirmed_hit(after), 30, message="index resynced after the restart")
+        assert all(r["routable"] for r in router.ready()["replicas"])
+        assert prometheus_value(router.metrics(), "router_redis_resyncs_total") >= 2
+    finally:
+        if router is not None:
+            print(router.stop()[-3000:])
+        for proc in reversed(procs):
+            stop_process(proc)
+        redis.stop()
+
+
+def test_stream_trimmed_past_the_router_forces_a_resync(tmp_path: Path) -> None:
+    import redis as redis_lib
+
+    from loadtest.redis_server import RedisServer
+    from router import contract as c
+
+    with RedisServer() as server:
+        client = redis_lib.Redis.from_url(server.url)
+        rid = "replica-x"
+
+        def heartbeat() -> None:
+            client.hset(c.replica_key("pr", rid), mapping={
+                c.F_URL: "http://127.0.0.1:9", c.F_MODELS: '["m"]', c.F_BLOCK_SIZE: "16",
+                c.F_HASH_ALGO: "sha256", c.F_HASH_VERIFIED: "1", c.F_EPOCH: "1",
+                c.F_HEARTBEAT_TS: str(time.time())})
+
+        def event(keys: list[int]) -> None:
+            client.xadd(c.events_key("pr"), {c.E_REPLICA: rid, c.E_EPOCH: "1",
+                                             c.E_OP: c.OP_STORED, c.E_KEYS: c.pack_keys(keys)})
+
+        heartbeat()
+        event([1])
+        router = Router(tmp_path, ["--redis-url", server.url])
+        try:
+            wait_for(lambda: router.ready()["replicas"], 15, message="replica seen")
+            event([2])
+            wait_for(lambda: router.ready()["index_blocks"] == 1 or
+                     prometheus_value(router.metrics(), "router_events_total") >= 1, 15)
+            assert prometheus_value(router.metrics(), "router_event_stream_gaps_total") == 0
+            router.proc.send_signal(signal.SIGSTOP)  # the router falls behind ...
+            try:
+                for key in range(100, 110):
+                    event([key])
+                    heartbeat()
+                client.xtrim(c.events_key("pr"), maxlen=1, approximate=False)  # ... and the stream is trimmed past it
+            finally:
+                router.proc.send_signal(signal.SIGCONT)
+            wait_for(lambda: prometheus_value(router.metrics(),
+                                              "router_event_stream_gaps_total") == 1, 15,
+                     message="gap detected")
+            wait_for(lambda: prometheus_value(router.metrics(), "router_redis_resyncs_total") >= 2,
+                     15, message="full resync")
+        finally:
+            print(router.stop()[-3000:])
+            client.close()

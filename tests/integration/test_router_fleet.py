@@ -342,6 +342,39 @@ def test_client_disconnect_mid_prefill_releases_load_and_cancels(fleet: Fleet, r
     assert 'status="499"' in router.metrics()
 
 
+def test_non_streamed_prefill_released_at_estimated_first_token(fleet: Fleet, router: Router) -> None:
+    """A non-streamed answer's first byte is its last: the router releases the prefill part at
+    the first-token time it measured on streamed requests to that replica, not at the end."""
+    import threading
+
+    rng = random.Random(12)
+    prefix = tokens(rng, 2048)
+    status, headers, _ = router.post("/v1/completions", {
+        "model": "emulated-llm", "prompt": prefix + tokens(rng, 32), "max_tokens": 1, "stream": True})
+    assert status == 200
+    home = headers["x-prefix-router-replica"]
+    done = threading.Event()
+
+    def long_decode() -> None:
+        router.post("/v1/completions", {"model": "emulated-llm", "prompt": prefix + tokens(rng, 32),
+                                        "max_tokens": 3000, "ignore_eos": True}, timeout=60)
+        done.set()
+
+    thread = threading.Thread(target=long_decode)
+    thread.start()
+    try:
+        def load() -> dict[str, int]:
+            snap = json.loads(router.post("/debug/route", {"prompt": [1]})[2])["load"]
+            return snap.get(home, {"requests": 0, "prefill_tokens": 0})
+
+        wait_for(lambda: load()["requests"] == 1, 10, interval_s=0.01, message="request in flight")
+        wait_for(lambda: load()["prefill_tokens"] == 0 or done.is_set(), 20, interval_s=0.01)
+        assert not done.is_set(), "the decode ended before the prefill part was released"
+        assert load()["requests"] == 1  # the request itself is still counted
+    finally:
+        thread.join(60)
+
+
 def test_bad_inputs_get_openai_errors_and_router_keeps_serving(router: Router, tmp_path: Path) -> None:
     cases = [
         (b"{not json", 400), ({"model": "emulated-llm"}, 400),
