@@ -62,6 +62,7 @@ class PromptChain:
     head: tuple[int, ...]  # the first block_size tokens (all of them if fewer)
     cached_pieces: int = 0  # pieces served from the cache (for metrics/tests)
     computed_pieces: int = 0  # pieces tokenized and/or hashed now
+    complete: bool = True  # False: ``keys`` stops after the first piece with an un-held key
 
 
 class ChainCache:
@@ -163,32 +164,53 @@ class ChainCache:
         cache_salt: str | None,
         suffix_tokens: Sequence[int] = (),
         path: list[ChainNode] | None = None,
+        held: Callable[[int], bool] | None = None,
+        num_tokens: int | None = None,
     ) -> PromptChain:
         """The chain of the prompt made of ``pieces`` (+ uncached ``suffix_tokens``).
 
         ``tokens_of(indexes)`` returns the tokens of the pieces at those indexes
         (called once, for the pieces not cached). ``path`` is a previous
         ``walk(root, pieces)`` result to reuse.
+
+        Lazy mode (``held`` given, with the prompt's total ``num_tokens``): hashing
+        stops after the first computed piece holding a key for which ``held(key)``
+        is False (no replica can hit beyond it, and it already contains the first
+        un-held block the ring needs); the result has ``complete=False`` and a
+        later call without ``held`` finishes the chain from the cached pieces.
+        ``tokens_of`` is then called once per piece.
         """
         if path is None:
             path = self.walk(root, pieces)
         node = path[-1] if path else root
-        missing = list(range(len(path), len(pieces)))
-        if missing:
+        cached = len(path)
+        missing = list(range(cached, len(pieces)))
+        complete = True
+        if missing and held is not None:
+            for i in missing:
+                new = self.extend(node, tokens_of([i])[0], lora, cache_salt)
+                self.put(node, pieces[i], new)
+                path.append(new)
+                node = new
+                if i + 1 < len(pieces) and not all(map(held, new.keys)):
+                    complete = False
+                    break
+        elif missing:
             for i, toks in zip(missing, tokens_of(missing), strict=True):
                 new = self.extend(node, toks, lora, cache_salt)
                 self.put(node, pieces[i], new)
                 path.append(new)
                 node = new
-        final = self.extend(node, suffix_tokens, lora, cache_salt) if suffix_tokens else None
+        final = (self.extend(node, suffix_tokens, lora, cache_salt)
+                 if suffix_tokens and complete else None)
         keys: list[int] = list(root.keys)
         for n in path:
             keys.extend(n.keys)
         if final is not None:
             keys.extend(final.keys)
             node = final
-        return PromptChain(node.num_tokens, keys, node.head, len(pieces) - len(missing),
-                           len(missing))
+        total = node.num_tokens if complete or num_tokens is None else num_tokens
+        return PromptChain(total, keys, node.head, cached, len(path) - cached, complete)
 
     # -- token ids ----------------------------------------------------------------------
 

@@ -199,6 +199,10 @@ class Fleet:
         replica.epoch = max(epoch, replica.epoch)
         return reload
 
+    def holds_key(self, key: int) -> bool:
+        """True if any replica holds ``key`` or was recently sent it (speculative, any age)."""
+        return self.index.holds(key) or key in self.speculative
+
     def sweep_index(self, max_keys: int) -> bool:
         """One bounded step of the index's retired-slot sweep; True while more remains.
 

@@ -229,6 +229,10 @@ class BlockIndex:
             freed.extend(self.sweep_step(1 << 62))
         return freed
 
+    def holds(self, key: int) -> bool:
+        """True if some slot (current or retired, not yet swept) holds ``key``."""
+        return key in self._key_to_mask
+
     # -- lookups --------------------------------------------------------------------
 
     def hit_depths(
@@ -300,6 +304,9 @@ class SpeculativePlacements:
 
     def __len__(self) -> int:
         return len(self._entries)
+
+    def __contains__(self, key: int) -> bool:
+        return key in self._entries
 
     def place(self, bit: int, keys: Sequence[int], now: float) -> None:
         """Record that ``keys`` were routed to the replica with bit index ``bit`` at ``now``."""

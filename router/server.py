@@ -17,7 +17,7 @@ import os
 import signal
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -49,6 +49,12 @@ logger = logging.getLogger(__name__)
 _JSON = msgspec.json.Decoder()
 INLINE_HASH_BLOCKS = 64  # uncached blocks hashed on the event loop (~1.3 us each) before a thread hop
 PREFILL_RATE_EWMA_ALPHA = 0.1  # weight of the newest first-byte-per-prefill-token sample
+# Lazy hashing (hash a long token-id prompt only up to its first un-held block before routing,
+# the rest in the thread pool after sending) is implemented but off: until the rest is hashed,
+# the first request's speculative record covers only its first piece, so a concurrent request
+# with the same new prefix sees a 16-block hit instead of the whole prefix and the cost rule
+# (load_balance) can send it elsewhere. Needs a "pending tail" record before it can be on.
+LAZY_HASHING = False
 SWEEP_KEYS_PER_STEP = 5_000  # index keys swept per event-loop turn (~1 ms)
 INLINE_TOKENIZE_CHARS = 2048  # uncached characters tokenized on the loop (~0.5 ms) before a thread hop
 
@@ -59,9 +65,11 @@ class Routed:
 
     decision: Decision
     num_tokens: int
-    chain: list[int]
+    chain: list[int]  # block keys; with complete=False only up to the first un-held piece
     targets: list[Target]
     tokenized: bool
+    complete: bool = True
+    lora: tuple[str, str] | None = None
 
 
 class RouterService:
@@ -160,21 +168,30 @@ class RouterService:
     # -- routing -----------------------------------------------------------------
 
     def _chain(self, spec: PromptSpec, lora: tuple[str, str] | None,
-               inline: bool) -> PromptChain | None:
+               inline: bool, lazy: bool = True) -> PromptChain | None:
         """Exact prompt length and block-key chain through the chain cache.
 
         ``inline`` (on the event loop): returns ``None`` instead of doing more than
         ``INLINE_HASH_BLOCKS`` of hashing or ``INLINE_TOKENIZE_CHARS`` of
-        tokenizing; the caller then runs it again in the thread pool.
+        tokenizing; the caller then runs it again in the thread pool. Except,
+        with ``lazy`` and the prefix policy, a token-id prompt is hashed inline
+        only up to the first piece holding a block no replica holds (the
+        result has ``complete=False``; see ``_place_speculative``).
         """
         if spec.token_ids is not None:
             uncached, path, pieces = self.chains.uncached_id_blocks(
                 spec.token_ids, lora, spec.cache_salt)
+            held: Callable[[int], bool] | None = None
             if inline and uncached > INLINE_HASH_BLOCKS:
-                return None
+                if not (LAZY_HASHING and lazy and self.config.policy == "prefix"):
+                    return None
+                # the policy needs the chain only up to the first block no replica holds:
+                # hash piece by piece until then, the rest after the request was sent
+                held = self.fleet.holds_key
             root = self.chains.root(lora, spec.cache_salt)
             return self.chains.chain(root, pieces, lambda idx: [pieces[i] for i in idx], lora,
-                                     spec.cache_salt, path=path)
+                                     spec.cache_salt, path=path, held=held,
+                                     num_tokens=len(spec.token_ids))
         assert self.tokenizer is not None
         return self.tokenizer.prompt_chain(spec, self.chains, lora,
                                            INLINE_TOKENIZE_CHARS if inline else None)
@@ -194,7 +211,7 @@ class RouterService:
         if tokenized:
             started = time.perf_counter()
             try:
-                prompt = self._chain(spec, lora, inline=True)
+                prompt = self._chain(spec, lora, inline=True, lazy=not dry_run)
                 path = "inline"
                 if prompt is None:
                     path = "thread"
@@ -238,7 +255,8 @@ class RouterService:
             self.rr_counter += 1
         urls = {r.replica_id: r.url for r in eligible}
         targets = [Target(rid, urls[rid]) for rid in (decision.replica_id, *decision.fallbacks)]
-        return Routed(decision, num_tokens, chain, targets, tokenized)
+        return Routed(decision, num_tokens, chain, targets, tokenized,
+                      prompt.complete if prompt is not None else True, lora)
 
     def _tokenize_child(self, kind: str, path: str) -> Any:
         child = self._tokenize_children.get((kind, path))
@@ -246,12 +264,24 @@ class RouterService:
             child = self._tokenize_children[(kind, path)] = self.metrics.tokenize.labels(kind, path)
         return child
 
-    def _place_speculative(self, routed: Routed, replica_id: str) -> None:
+    def _place_speculative(self, routed: Routed, replica_id: str, spec: PromptSpec,
+                           lora: tuple[str, str] | None) -> None:
         if self.config.policy != "prefix" or not routed.chain:
             return
         held = routed.decision.details.get(replica_id, {}).get("confirmed_hit_blocks", 0)
-        self.fleet.speculative.place(self.fleet.index.bit(replica_id), routed.chain[held:],
-                                     time.monotonic())
+        bit = self.fleet.index.bit(replica_id)
+        self.fleet.speculative.place(bit, routed.chain[held:], time.monotonic())
+        if not routed.complete:
+            # hash the rest of a lazily computed chain off the loop, then record it too
+            done = len(routed.chain)
+            future = asyncio.get_running_loop().run_in_executor(
+                self.executor, self._chain_blocking, spec, lora)
+
+            def place_rest(fut: asyncio.Future[PromptChain]) -> None:
+                if not fut.cancelled() and fut.exception() is None:
+                    self.fleet.speculative.place(bit, fut.result().keys[done:], time.monotonic())
+
+            future.add_done_callback(place_rest)
 
     # -- handlers ----------------------------------------------------------------
 
@@ -297,7 +327,7 @@ class RouterService:
 
         def on_sent(rid: str) -> None:
             self.metrics.child(self.metrics.overhead, endpoint).observe(time.perf_counter() - arrival)
-            self._place_speculative(routed, rid)
+            self._place_speculative(routed, rid, spec, routed.lora)
 
         def on_failure(rid: str) -> None:
             self.fleet.mark_failed(rid, time.monotonic())

@@ -184,6 +184,24 @@ def test_shared_prefix_sticks_and_unrelated_prompts_spread(router: Router) -> No
     assert len(spread) >= 2, spread
 
 
+def test_long_new_prefix_sticks_and_is_placed_whole(router: Router) -> None:
+    """A long new token-id prefix (hashed in the thread pool, through the chain cache) sticks,
+    and the whole chain is recorded (speculative, then engine-confirmed)."""
+    rng = random.Random(13)
+    shared = tokens(rng, 4096)
+    results = [complete(router, shared + tokens(rng, 40)) for _ in range(4)]
+    assert all(status == 200 for status, _, _ in results)
+    homes = {headers["x-prefix-router-replica"] for _, headers, _ in results}
+    assert len(homes) == 1, homes
+    assert {headers["x-prefix-router-reason"] for _, headers, _ in results[1:]} <= {
+        "prefix_hit", "speculative_hit"}
+
+    def deep_hit() -> bool:
+        d = json.loads(router.post("/debug/route", {"prompt": shared + tokens(rng, 40)})[2])
+        return d["chain_blocks"] == (4096 + 40) // 16 and d["hit_blocks"] == 4096 // 16
+    wait_for(deep_hit, 10, message="whole shared prefix placed or confirmed")
+
+
 def run_conversations(router: Router, rng: random.Random, num_convs: int, turns: int) -> None:
     convs = [tokens(rng, 400) for _ in range(num_convs)]
     for _ in range(turns):

@@ -57,3 +57,28 @@ def test_suffix_and_prefix_tokens_continue_the_chain() -> None:
     tokens = [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13]
     assert chain.keys == hasher.keys(tokens, cache_salt="salt")
     assert chain.num_tokens == 13 and chain.head == (1, 2, 3, 4)
+
+
+def test_lazy_chain_stops_after_the_first_unheld_piece_and_finishes_later() -> None:
+    hasher = BlockHasher(16)
+    cache = ChainCache(hasher)
+    rng = random.Random(8)
+    span = SPAN_BLOCKS * 16
+    tokens = [rng.randrange(150_000) for _ in range(10 * span + 50)]
+    full = hasher.keys(tokens)
+    held = set(full[: 3 * SPAN_BLOCKS + 5])  # replicas hold 3 pieces and a bit of the 4th
+    pieces = cache.id_pieces(tokens)
+    root = cache.root(None, None)
+    lazy = cache.chain(root, pieces, lambda idx: [pieces[i] for i in idx], None, None,
+                       held=held.__contains__, num_tokens=len(tokens))
+    assert not lazy.complete and lazy.num_tokens == len(tokens)
+    assert lazy.keys == full[: 4 * SPAN_BLOCKS]  # up to and including the first un-held block
+    assert lazy.head == tuple(tokens[:16])
+    rest = cache.chain_of_ids(tokens)
+    assert rest.complete and rest.keys == full and rest.cached_pieces == 4
+    # everything held: the lazy walk computes the whole chain
+    other = [rng.randrange(150_000) for _ in range(3 * span)]
+    whole = cache.chain(root, cache.id_pieces(other), lambda idx: [cache.id_pieces(other)[i]
+                                                                   for i in idx],
+                        None, None, held=lambda key: True, num_tokens=len(other))
+    assert whole.complete and whole.keys == hasher.keys(other)
