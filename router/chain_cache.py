@@ -2,7 +2,8 @@
 
 A prompt is cut into *pieces* that are deterministic from the start of the
 prompt: pre-tokenizer-safe text chunks (``router.prompts.text_chunks``) for
-text, spans of ``SPAN_BLOCKS`` full blocks for token ids. The cache is a trie
+text, spans of ``SPAN_BLOCKS`` full blocks for token ids (keyed by their
+xxh3-128 digest). The cache is a trie
 flattened into one LRU dict ``{(parent node id, piece): ChainNode}``; a node is
 the hashing state after its piece: the block keys the piece completed, the
 last full block's digest and the tokens after it (fewer than ``block_size``).
@@ -23,10 +24,13 @@ from __future__ import annotations
 
 import itertools
 import threading
+from array import array
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Final
+
+import xxhash
 
 from router.hashing import BlockHasher
 
@@ -214,25 +218,36 @@ class ChainCache:
 
     # -- token ids ----------------------------------------------------------------------
 
-    def id_pieces(self, tokens: Sequence[int]) -> list[tuple[int, ...]]:
-        """Token-id prompt cut into spans of ``SPAN_BLOCKS`` blocks (last one may be short)."""
+    def id_pieces(self, tokens: Sequence[int]) -> list[Hashable]:
+        """Cache keys of a token-id prompt's spans of ``SPAN_BLOCKS`` blocks (last may be short).
+
+        A key is the span's xxh3-128 digest (16 bytes instead of the span itself,
+        so cached id prompts cost about 1 KB per span); ids beyond 64 bits fall
+        back to the span tuple.
+        """
         span = SPAN_BLOCKS * self.hasher.block_size
-        return [tuple(tokens[i:i + span]) for i in range(0, len(tokens), span)]
+        try:
+            raw = memoryview(array("Q", tokens)).cast("B")
+        except OverflowError:
+            return [tuple(tokens[i:i + span]) for i in range(0, len(tokens), span)]
+        step = span * 8
+        return [xxhash.xxh3_128_digest(raw[i:i + step]) for i in range(0, len(raw), step)]
+
+    def id_spans(self, tokens: Sequence[int]) -> Callable[[Iterable[int]], list[Sequence[int]]]:
+        """``tokens_of`` for ``chain``: the token spans at the given piece indexes."""
+        span = SPAN_BLOCKS * self.hasher.block_size
+        return lambda indexes: [tokens[i * span:(i + 1) * span] for i in indexes]
 
     def chain_of_ids(self, tokens: Sequence[int], lora: tuple[str, str] | None = None,
                      cache_salt: str | None = None) -> PromptChain:
         """Chain of a token-id prompt (vLLM uses given token ids as they are)."""
-        pieces = self.id_pieces(tokens)
-
-        def tokens_of(indexes: Iterable[int]) -> list[Sequence[int]]:
-            return [pieces[i] for i in indexes]
-
-        return self.chain(self.root(lora, cache_salt), pieces, tokens_of, lora, cache_salt)
+        return self.chain(self.root(lora, cache_salt), self.id_pieces(tokens),
+                          self.id_spans(tokens), lora, cache_salt)
 
     def uncached_id_blocks(self, tokens: Sequence[int], lora: tuple[str, str] | None = None,
                            cache_salt: str | None = None) -> tuple[int, list[ChainNode],
-                                                                     list[tuple[int, ...]]]:
-        """Blocks that would be hashed now, plus the cached path and pieces to reuse."""
+                                                                     list[Hashable]]:
+        """Blocks that would be hashed now, plus the cached path and piece keys to reuse."""
         pieces = self.id_pieces(tokens)
         path = self.walk(self.root(lora, cache_salt), pieces)
         done = path[-1].num_tokens if path else 0

@@ -37,7 +37,8 @@ DEFAULT_CONNECT_TIMEOUT_S: Final = 5.0
 DEFAULT_FIRST_BYTE_TIMEOUT_S: Final = 600.0  # a long prefill behind a queue can take minutes
 DEFAULT_STREAM_IDLE_TIMEOUT_S: Final = 120.0
 DEFAULT_TOKENIZER_THREADS: Final = 2
-DEFAULT_TOKEN_CACHE_CHUNKS: Final = 65536  # LRU entries of the per-chunk token cache
+DEFAULT_TOKEN_CACHE_CHUNKS: Final = 65536  # prompt chain cache entries (text chunks of 256-1024
+# chars or 256-token id spans, ~1-3 KB each); the per-chunk token cache keeps 1/8 of that
 DEFAULT_STATIC_PROBE_INTERVAL_S: Final = 2.0  # /health probe period for static --replica URLs
 
 

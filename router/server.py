@@ -189,7 +189,7 @@ class RouterService:
                 # hash piece by piece until then, the rest after the request was sent
                 held = self.fleet.holds_key
             root = self.chains.root(lora, spec.cache_salt)
-            return self.chains.chain(root, pieces, lambda idx: [pieces[i] for i in idx], lora,
+            return self.chains.chain(root, pieces, self.chains.id_spans(spec.token_ids), lora,
                                      spec.cache_salt, path=path, held=held,
                                      num_tokens=len(spec.token_ids))
         assert self.tokenizer is not None
@@ -551,7 +551,9 @@ def main(argv: Sequence[str]) -> int:
     tokenizer = None
     if config.tokenizer:
         try:
-            tokenizer = PromptTokenizer(config.tokenizer, config.token_cache_chunks)
+            # the chain cache serves repeated prefixes; the chunk-token cache only helps a chunk
+            # seen after a different prefix, so it is kept smaller
+            tokenizer = PromptTokenizer(config.tokenizer, config.token_cache_chunks // 8)
         except (OSError, ValueError) as exc:
             print(f"prefix-router serve: error: cannot load tokenizer {config.tokenizer!r}: {exc}",
                   flush=True)

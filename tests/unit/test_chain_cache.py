@@ -45,6 +45,8 @@ def test_shared_prefix_reuses_pieces_and_lru_is_bounded() -> None:
     for i in range(100):
         cache.chain_of_ids([i] * 40)
     assert len(cache) == 50
+    huge = [2**70, 1, 2] * 10  # beyond 64 bits: spans keyed by their tuple
+    assert cache.chain_of_ids(huge).keys == hasher.keys(huge)
 
 
 def test_suffix_and_prefix_tokens_continue_the_chain() -> None:
@@ -69,7 +71,7 @@ def test_lazy_chain_stops_after_the_first_unheld_piece_and_finishes_later() -> N
     held = set(full[: 3 * SPAN_BLOCKS + 5])  # replicas hold 3 pieces and a bit of the 4th
     pieces = cache.id_pieces(tokens)
     root = cache.root(None, None)
-    lazy = cache.chain(root, pieces, lambda idx: [pieces[i] for i in idx], None, None,
+    lazy = cache.chain(root, pieces, cache.id_spans(tokens), None, None,
                        held=held.__contains__, num_tokens=len(tokens))
     assert not lazy.complete and lazy.num_tokens == len(tokens)
     assert lazy.keys == full[: 4 * SPAN_BLOCKS]  # up to and including the first un-held block
@@ -78,7 +80,6 @@ def test_lazy_chain_stops_after_the_first_unheld_piece_and_finishes_later() -> N
     assert rest.complete and rest.keys == full and rest.cached_pieces == 4
     # everything held: the lazy walk computes the whole chain
     other = [rng.randrange(150_000) for _ in range(3 * span)]
-    whole = cache.chain(root, cache.id_pieces(other), lambda idx: [cache.id_pieces(other)[i]
-                                                                   for i in idx],
-                        None, None, held=lambda key: True, num_tokens=len(other))
+    whole = cache.chain(root, cache.id_pieces(other), cache.id_spans(other), None, None,
+                        held=lambda key: True, num_tokens=len(other))
     assert whole.complete and whole.keys == hasher.keys(other)
