@@ -31,6 +31,10 @@ DEFAULT_LOAD_FACTOR: Final = 1.25  # bounded-load cap as a multiple of the mean 
 DEFAULT_VNODES: Final = 128  # virtual nodes per replica on the ring
 DEFAULT_SPECULATIVE_TTL_S: Final = 10.0  # seconds a router-side placement counts as a hit
 DEFAULT_QUEUE_SLACK_TOKENS: Final = 2048  # tokens of extra queue accepted to keep affinity/ring home
+DEFAULT_LOAD_HEADROOM: Final = 1  # requests allowed above ceil(load_factor * mean) (small counts)
+DEFAULT_RECOMPUTE_PENALTY: Final = 1.0  # extra weight on recomputed prefix tokens in a load move
+DEFAULT_MIN_HIT_FRACTION: Final = 0.2  # share of the prompt's blocks a replica must hold beyond the ring home
+DEFAULT_MIN_AFFINITY_BLOCKS: Final = 2  # and at least this many blocks, for affinity to count
 DEFAULT_CONSISTENT_HASH_TOKENS: Final = 1024  # tokens keyed by the consistent_hash baseline
 DEFAULT_MAX_BODY_BYTES: Final = 32 * 1024 * 1024  # a 128k-token token-id body is ~1 MB; text ~0.5 MB
 DEFAULT_CONNECT_TIMEOUT_S: Final = 5.0
@@ -68,6 +72,10 @@ class RouterConfig:
     vnodes: int = DEFAULT_VNODES
     speculative_ttl_s: float = DEFAULT_SPECULATIVE_TTL_S
     queue_slack_tokens: int = DEFAULT_QUEUE_SLACK_TOKENS
+    load_headroom: int = DEFAULT_LOAD_HEADROOM
+    recompute_penalty: float = DEFAULT_RECOMPUTE_PENALTY
+    min_hit_fraction: float = DEFAULT_MIN_HIT_FRACTION
+    min_affinity_blocks: int = DEFAULT_MIN_AFFINITY_BLOCKS
     consistent_hash_tokens: int = DEFAULT_CONSISTENT_HASH_TOKENS
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     connect_timeout_s: float = DEFAULT_CONNECT_TIMEOUT_S
@@ -101,7 +109,10 @@ class RouterConfig:
                      "stream_idle_timeout_s", "static_probe_interval_s"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be > 0, got {getattr(self, name)}")
-        for name in ("queue_slack_tokens", "consistent_hash_tokens", "token_cache_chunks"):
+        if not 0.0 <= self.min_hit_fraction <= 1.0:
+            raise ConfigError(f"min_hit_fraction must be in [0, 1], got {self.min_hit_fraction}")
+        for name in ("queue_slack_tokens", "consistent_hash_tokens", "token_cache_chunks",
+                     "load_headroom", "recompute_penalty", "min_affinity_blocks"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)}")
         for url in self.replicas:

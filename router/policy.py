@@ -18,11 +18,24 @@ first byte) and a ``reason`` label:
 * ``no_tokenizer_ring``: the prompt could not be tokenized; ring on the text;
 * ``round_robin``, ``least_loaded``, ``consistent_hash``: the baselines.
 
-The prefix policy's cost of sending a request of N prompt tokens to replica r is
-``queued_prefill_tokens(r) + N - hit_tokens(r)``: the prefill work standing
-between the request and its first token, in tokens (prefill time is close to
-linear in tokens). A replica's load for the bound is its in-flight requests:
-the larger of this router's count and the engine's running + waiting.
+The prefix policy, step by step:
+
+1. hit depth per replica (engine-confirmed plus speculative, capped at vLLM's
+   ``floor((N-1)/B)``); the ring home is the ring owner of the chain's first
+   block beyond the deepest hit;
+2. affinity credit: a replica's depth beyond the home's, counted only when it
+   is at least ``min_hit_fraction`` of the prompt's blocks (and
+   ``min_affinity_blocks``), so a short shared header held by a few replicas
+   does not herd new prefixes onto them; the most credit wins, else the home;
+3. bounded load: a replica whose in-flight requests would exceed
+   ``ceil(load_factor * mean) + load_headroom`` is skipped for the next one in
+   preference order (``load_spill``);
+4. queue versus hit: another replica wins (``load_balance``) only if its
+   queued prefill is shorter than the anchor's by more than the prefix the move
+   recomputes, weighted ``1 + recompute_penalty``, plus ``queue_slack_tokens``.
+
+A replica's load for the bound is its in-flight requests: the larger of this
+router's count and the engine's running + waiting.
 """
 
 from __future__ import annotations
@@ -73,9 +86,14 @@ class ReplicaView:
         return max(self.inflight_requests, self.engine_running + self.engine_waiting)
 
     def queued_prefill_tokens(self, avg_prompt_tokens: float) -> float:
-        """Prefill tokens ahead of a new request: ours, plus engine waiters we did not send."""
-        others = max(0, self.engine_waiting - self.prefilling_requests)
-        return self.inflight_prefill_tokens + others * avg_prompt_tokens
+        """Prefill tokens ahead of a new request: ours, plus waiting requests other routers sent.
+
+        Requests other routers sent are what the engine reports beyond our own
+        in-flight count; only the waiting ones among them add queued prefill. A
+        stale heartbeat that still lists our finished requests adds nothing.
+        """
+        foreign = max(0, self.engine_running + self.engine_waiting - self.inflight_requests)
+        return self.inflight_prefill_tokens + min(foreign, self.engine_waiting) * avg_prompt_tokens
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,8 +101,12 @@ class PolicyParams:
     """Tunables of ``decide`` (from ``RouterConfig``)."""
 
     block_size: int = 16  # tokens
-    load_factor: float = 1.25
-    queue_slack_tokens: int = 2048
+    load_factor: float = 1.25  # bounded load: cap = ceil(load_factor * mean) + load_headroom
+    load_headroom: int = 1  # requests above the multiplicative cap, for small counts
+    queue_slack_tokens: int = 2048  # queue advantage (tokens) a move must exceed beyond the recompute
+    recompute_penalty: float = 1.0  # extra weight on recomputed prefix tokens in a load move
+    min_hit_fraction: float = 0.2  # affinity needs this share of the prompt's blocks beyond the home's
+    min_affinity_blocks: int = 2  # and at least this many blocks
     consistent_hash_blocks: int = 64  # blocks keyed by the consistent_hash baseline
 
 
@@ -218,27 +240,44 @@ def _prefix(
     rank = {rid: i for i, rid in enumerate(order)}
     by_id = {r.replica_id: r for r in replicas}
 
+    # Affinity credit is measured against the ring home, and only a meaningful
+    # advantage counts: a prefix that the home lacks but that is small next to
+    # the prompt (a shared system prompt still spreading through the fleet) must
+    # not pull every new conversation onto the few replicas that cached it first.
+    home_depth = depth[order[0]]
+    min_credit = max(params.min_affinity_blocks,
+                     math.ceil(params.min_hit_fraction * max(cap_blocks, 1)))
+    credit = {rid: (d - home_depth if d - home_depth >= min_credit else 0)
+              for rid, d in depth.items()}
+
+    # Bounded load on in-flight requests, with additive headroom so that small
+    # counts (2-3 requests per replica) do not spill on every arrival.
     total_load = sum(r.load for r in replicas) + 1
-    cap_load = math.ceil(params.load_factor * total_load / len(replicas))
+    cap_load = math.ceil(params.load_factor * total_load / len(replicas)) + params.load_headroom
     over = {r.replica_id: r.load + 1 > cap_load for r in replicas}
-    cost = {
-        r.replica_id: r.queued_prefill_tokens(avg_prompt_tokens)
-        + max(request.num_tokens - depth[r.replica_id] * size, 0)
-        for r in replicas
-    }
+    queued = {r.replica_id: r.queued_prefill_tokens(avg_prompt_tokens) for r in replicas}
+    cost = {rid: queued[rid] + max(request.num_tokens - depth[rid] * size, 0) for rid in order}
 
     def preference(rid: str) -> tuple[int, int]:
-        return (-depth[rid], rank[rid])
+        return (-credit[rid], rank[rid])
 
     preferred = min(order, key=preference)
     allowed = [rid for rid in order if not over[rid]] or list(order)
     spilled = preferred not in allowed
     anchor = min(allowed, key=preference) if spilled else preferred
-    cheapest = min(allowed, key=lambda rid: (cost[rid], preference(rid)))
-    balanced = cost[anchor] > cost[cheapest] + params.queue_slack_tokens
+
+    # Leave the anchor only when the queue saved outweighs the prefill the move
+    # recomputes, counted with a penalty: recomputing a held prefix costs the
+    # fleet GPU time and a second copy of the blocks, not only this request.
+    def move_gain(rid: str) -> float:
+        recomputed = max(depth[anchor] - depth[rid], 0) * size
+        return (queued[anchor] - queued[rid]
+                - recomputed * (1.0 + params.recompute_penalty) - params.queue_slack_tokens)
+
+    cheapest = max(allowed, key=lambda rid: (move_gain(rid), -rank[rid]))
+    balanced = cheapest != anchor and move_gain(cheapest) > 0
     chosen = cheapest if balanced else anchor
 
-    min_depth = min(depth.values())
     if not request.tokenized:
         reason = REASON_LOAD_SPILL if spilled else REASON_NO_TOKENIZER_RING
         if balanced:
@@ -247,7 +286,8 @@ def _prefix(
         reason = REASON_LOAD_SPILL
     elif balanced:
         reason = REASON_LOAD_BALANCE
-    elif depth[chosen] > min_depth:
+    elif credit[chosen] > 0 or (depth[chosen] > 0 and depth[chosen] == max(depth.values())
+                                and depth[chosen] > min(depth.values())):
         reason = REASON_PREFIX_HIT if conf[chosen] >= depth[chosen] else REASON_SPECULATIVE_HIT
     else:
         reason = REASON_COLD_RING
@@ -258,6 +298,7 @@ def _prefix(
         rid: {
             "confirmed_hit_blocks": conf[rid],
             "hit_blocks": depth[rid],
+            "affinity_credit_blocks": credit[rid],
             "affinity": by_id[rid].affinity,
             "load": by_id[rid].load,
             "over_load_cap": over[rid],
@@ -265,6 +306,7 @@ def _prefix(
             "inflight_prefill_tokens": by_id[rid].inflight_prefill_tokens,
             "engine_running": by_id[rid].engine_running,
             "engine_waiting": by_id[rid].engine_waiting,
+            "queued_prefill_tokens": queued[rid],
             "cost_tokens": cost[rid],
             "ring_rank": rank[rid],
         }

@@ -89,6 +89,8 @@ class RouterService:
         self.params = PolicyParams(
             block_size=config.block_size, load_factor=config.load_factor,
             queue_slack_tokens=config.queue_slack_tokens,
+            load_headroom=config.load_headroom, recompute_penalty=config.recompute_penalty,
+            min_hit_fraction=config.min_hit_fraction, min_affinity_blocks=config.min_affinity_blocks,
             consistent_hash_blocks=max(1, config.consistent_hash_tokens // config.block_size))
         self.executor = ThreadPoolExecutor(config.tokenizer_threads, thread_name_prefix="tokenize")
         self.rr_counter = 0

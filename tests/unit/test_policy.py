@@ -49,8 +49,15 @@ ROWS = [
     Row("hash not verified: no credit", {"replica-2": 40}, "cold_ring", no_affinity=("replica-2",)),
     Row("over bounded-load cap spills", {"replica-2": 40, "replica-1": 39}, "load_spill",
         "replica-1", loads={"replica-2": 10, "replica-1": 2, "replica-0": 2, "replica-3": 2}),
-    Row("queued prefill beyond saved prefill -> less loaded", {"replica-2": 8}, "load_balance",
+    Row("queued prefill beyond saved prefill -> less loaded", {"replica-2": 20}, "load_balance",
         None, prefill={"replica-2": 5000}),
+    Row("short shared header on a few replicas does not herd: ring home",
+        {"replica-1": 4, "replica-3": 4}, "cold_ring"),
+    Row("recompute penalty keeps a deep hit over a somewhat longer queue", {"replica-2": 60},
+        "prefix_hit", "replica-2", prefill={"replica-2": 1500}),
+    Row("headroom: two or three in flight per replica is not over the cap", {"replica-2": 40},
+        "prefix_hit", "replica-2",
+        loads={"replica-2": 3, "replica-1": 2, "replica-0": 2, "replica-3": 2}),
     Row("queued prefill smaller than saved prefill -> keep hit", {"replica-2": 60}, "prefix_hit",
         "replica-2", prefill={"replica-2": 600}),
     Row("hit capped at (N-1)//B blocks: equal caps tie -> ring",
@@ -124,7 +131,12 @@ def test_engine_load_merges_with_local() -> None:
     view = ReplicaView("r", inflight_requests=2, prefilling_requests=1, engine_running=3,
                        engine_waiting=4, inflight_prefill_tokens=100)
     assert view.load == 7
-    assert view.queued_prefill_tokens(avg_prompt_tokens=10) == 100 + 3 * 10
+    # 7 in the engine, 2 of them ours: 5 came from other routers, at most 4 of them waiting.
+    assert view.queued_prefill_tokens(avg_prompt_tokens=10) == 100 + 4 * 10
+    stale = ReplicaView("r", inflight_requests=3, prefilling_requests=1, engine_running=2,
+                        engine_waiting=1, inflight_prefill_tokens=100)
+    # A heartbeat listing only our own requests adds no foreign queue.
+    assert stale.queued_prefill_tokens(avg_prompt_tokens=10) == 100
 
 
 def test_baselines() -> None:
