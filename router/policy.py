@@ -34,14 +34,17 @@ The prefix policy, step by step:
    queued prefill is shorter than the anchor's by more than the prefix the move
    recomputes, weighted ``1 + recompute_penalty``, plus ``queue_slack_tokens``.
 
-A replica's load for the bound is its in-flight requests: the larger of this
-router's count and the engine's running + waiting.
+A replica's load for the bound is its in-flight requests: this router's own
+count plus the requests other routers have there (the engine's running +
+waiting at heartbeat time minus this router's count at that same time).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+import time
+from collections import deque
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final
 
@@ -70,6 +73,9 @@ class ReplicaView:
     (``hash_verified == "0"`` or another block size): it then gets no hit credit.
     ``inflight_*`` are this router's own counts (dispatch to completion /
     dispatch to first token); ``engine_*`` come from the worker heartbeat.
+    ``ours_at_heartbeat`` is how many of this router's requests were in flight
+    on the replica when the heartbeat's load was read (``LoadTracker.requests_at``),
+    or None when unknown (then the current count stands in for it).
     """
 
     replica_id: str
@@ -79,21 +85,29 @@ class ReplicaView:
     prefilling_requests: int = 0  # this router's requests not yet at first token
     engine_running: int = 0
     engine_waiting: int = 0
+    ours_at_heartbeat: int | None = None
+
+    @property
+    def foreign_requests(self) -> int:
+        """Requests other routers (or clients going around us) have on the replica.
+
+        The engine's running + waiting at heartbeat time, minus this router's
+        requests in flight at that same moment: a heartbeat a second old still
+        lists requests we have since finished, and comparing it with our
+        current count would invent phantom load.
+        """
+        ours = self.inflight_requests if self.ours_at_heartbeat is None else self.ours_at_heartbeat
+        return max(0, self.engine_running + self.engine_waiting - ours)
 
     @property
     def load(self) -> int:
-        """In-flight requests: max of this router's view and the engine's report."""
-        return max(self.inflight_requests, self.engine_running + self.engine_waiting)
+        """In-flight requests: this router's own, plus other routers' from the heartbeat."""
+        return self.inflight_requests + self.foreign_requests
 
     def queued_prefill_tokens(self, avg_prompt_tokens: float) -> float:
-        """Prefill tokens ahead of a new request: ours, plus waiting requests other routers sent.
-
-        Requests other routers sent are what the engine reports beyond our own
-        in-flight count; only the waiting ones among them add queued prefill. A
-        stale heartbeat that still lists our finished requests adds nothing.
-        """
-        foreign = max(0, self.engine_running + self.engine_waiting - self.inflight_requests)
-        return self.inflight_prefill_tokens + min(foreign, self.engine_waiting) * avg_prompt_tokens
+        """Prefill tokens ahead of a new request: ours, plus other routers' waiting requests."""
+        waiting = min(self.foreign_requests, self.engine_waiting)
+        return self.inflight_prefill_tokens + waiting * avg_prompt_tokens
 
 
 @dataclass(frozen=True, slots=True)
@@ -324,14 +338,19 @@ class LoadTracker:
     error, client disconnect, timeout) can call ``finish`` safely.
     """
 
-    __slots__ = ("_avg_prompt_tokens", "_prefill", "_prefilling", "_requests")
+    __slots__ = ("_avg_prompt_tokens", "_clock", "_history", "_prefill", "_prefilling",
+                 "_requests")
 
     _EWMA_ALPHA: Final = 0.05
+    HISTORY_S: Final = 10.0  # seconds of dispatch/finish times kept for ``requests_at``
 
-    def __init__(self) -> None:
+    def __init__(self, clock: Callable[[], float] = time.time) -> None:
+        self._clock = clock  # wall clock, comparable with heartbeat timestamps
         self._requests: dict[str, int] = {}  # {replica_id: in-flight requests}
         self._prefill: dict[str, int] = {}  # {replica_id: prefill tokens before first token}
         self._prefilling: dict[str, int] = {}  # {replica_id: requests before first token}
+        # {replica_id: deque of (wall time, +1 dispatch | -1 finish)}, oldest first
+        self._history: dict[str, deque[tuple[float, int]]] = {}
         self._avg_prompt_tokens = 0.0
 
     @property
@@ -339,7 +358,34 @@ class LoadTracker:
         """Exponentially weighted mean prompt length (tokens) of dispatched requests."""
         return self._avg_prompt_tokens
 
+    def _record(self, replica_id: str, delta: int) -> None:
+        now = self._clock()
+        history = self._history.get(replica_id)
+        if history is None:
+            history = self._history[replica_id] = deque()
+        history.append((now, delta))
+        horizon = now - self.HISTORY_S
+        while history and history[0][0] < horizon:
+            history.popleft()
+
+    def requests_at(self, replica_id: str, wall_ts: float) -> int | None:
+        """This router's in-flight requests on ``replica_id`` at wall time ``wall_ts``.
+
+        Reconstructed from the dispatch/finish times of the last ``HISTORY_S``
+        seconds; None when ``wall_ts`` is older than that (or in the future).
+        """
+        now = self._clock()
+        if not now - self.HISTORY_S <= wall_ts <= now:
+            return None
+        count = self._requests.get(replica_id, 0)
+        for ts, delta in reversed(self._history.get(replica_id, ())):
+            if ts <= wall_ts:
+                break
+            count -= delta
+        return max(count, 0)
+
     def dispatch(self, replica_id: str, prefill_tokens: int) -> LoadTicket:
+        self._record(replica_id, +1)
         self._requests[replica_id] = self._requests.get(replica_id, 0) + 1
         self._prefill[replica_id] = self._prefill.get(replica_id, 0) + prefill_tokens
         self._prefilling[replica_id] = self._prefilling.get(replica_id, 0) + 1
@@ -355,6 +401,7 @@ class LoadTracker:
         self._prefilling[rid] -= 1
 
     def _release_request(self, ticket: LoadTicket) -> None:
+        self._record(ticket.replica_id, -1)
         self._requests[ticket.replica_id] -= 1
 
     def requests(self, replica_id: str) -> int:

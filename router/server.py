@@ -242,7 +242,9 @@ class RouterService:
                 inflight_requests=self.tracker.requests(r.replica_id),
                 inflight_prefill_tokens=self.tracker.prefill_tokens(r.replica_id),
                 prefilling_requests=self.tracker.prefilling(r.replica_id),
-                engine_running=r.num_running, engine_waiting=r.num_waiting))
+                engine_running=r.num_running, engine_waiting=r.num_waiting,
+                ours_at_heartbeat=(self.tracker.requests_at(r.replica_id, r.heartbeat_ts)
+                                   if r.heartbeat_ts else None)))
         confirmed: dict[str, int] = {}
         combined: dict[str, int] = {}
         if chain and self.config.policy == "prefix":
@@ -255,6 +257,10 @@ class RouterService:
                           rr_counter=self.rr_counter, avg_prompt_tokens=self.tracker.avg_prompt_tokens)
         if not dry_run:
             self.rr_counter += 1
+            if logger.isEnabledFor(logging.DEBUG):
+                logger.debug("route %s -> %s (%s) hit=%d/%d tokens=%d details=%s",
+                             spec.kind, decision.replica_id, decision.reason, decision.hit_blocks,
+                             decision.chain_blocks, num_tokens, decision.details)
         urls = {r.replica_id: r.url for r in eligible}
         targets = [Target(rid, urls[rid]) for rid in (decision.replica_id, *decision.fallbacks)]
         return Routed(decision, num_tokens, chain, targets, tokenized,

@@ -174,3 +174,38 @@ def test_load_tracker_releases_on_every_path() -> None:
     t2.finish()
     assert tracker.snapshot() == {"a": {"requests": 0, "prefill_tokens": 0, "prefilling": 0}}
     assert 500 <= tracker.avg_prompt_tokens <= 1000
+
+
+def test_requests_at_reconstructs_past_inflight() -> None:
+    clock = [100.0]
+    tracker = LoadTracker(clock=lambda: clock[0])
+    tickets = []
+    for t in (100.0, 101.0, 102.0):
+        clock[0] = t
+        tickets.append(tracker.dispatch("r", 10))
+    clock[0] = 103.0
+    tickets[0].finish()
+    clock[0] = 104.0
+    assert tracker.requests("r") == 2
+    assert tracker.requests_at("r", 102.5) == 3
+    assert tracker.requests_at("r", 101.5) == 2
+    assert tracker.requests_at("r", 103.5) == 2
+    assert tracker.requests_at("r", 99.5) == 0
+    assert tracker.requests_at("r", 104.0 - LoadTracker.HISTORY_S - 1) is None
+    assert tracker.requests_at("r", 105.0) is None
+    assert tracker.requests_at("other", 103.0) == 0
+
+
+def test_stale_heartbeat_adds_no_phantom_load() -> None:
+    # The heartbeat saw 5 running when 5 of ours were in flight; 4 have finished since.
+    view = ReplicaView("r", inflight_requests=1, engine_running=5, engine_waiting=2,
+                       ours_at_heartbeat=7, inflight_prefill_tokens=50)
+    assert view.foreign_requests == 0
+    assert view.load == 1
+    assert view.queued_prefill_tokens(avg_prompt_tokens=1000) == 50
+    # Another router's 3 requests show up as foreign load, at most the waiting ones queue.
+    shared = ReplicaView("r", inflight_requests=1, engine_running=6, engine_waiting=2,
+                         ours_at_heartbeat=5, inflight_prefill_tokens=50)
+    assert shared.foreign_requests == 3
+    assert shared.load == 4
+    assert shared.queued_prefill_tokens(avg_prompt_tokens=1000) == 50 + 2 * 1000
