@@ -115,10 +115,10 @@ class PolicyParams:
     """Tunables of ``decide`` (from ``RouterConfig``)."""
 
     block_size: int = 16  # tokens
-    load_factor: float = 1.25  # bounded load: cap = ceil(load_factor * mean) + load_headroom
-    load_headroom: int = 1  # requests above the multiplicative cap, for small counts
-    queue_slack_tokens: int = 2048  # queue advantage (tokens) a move must exceed beyond the recompute
-    recompute_penalty: float = 1.0  # extra weight on recomputed prefix tokens in a load move
+    load_factor: float = 1.5  # bounded load: cap = ceil(load_factor * mean) + load_headroom
+    load_headroom: int = 2  # requests above the multiplicative cap, for small counts
+    queue_slack_tokens: int = 8192  # queue advantage (tokens) a move must exceed beyond the recompute
+    recompute_penalty: float = 50.0  # extra weight on recomputed prefix tokens in a load move
     min_hit_fraction: float = 0.2  # affinity needs this share of the prompt's blocks beyond the home's
     min_affinity_blocks: int = 2  # and at least this many blocks
     consistent_hash_blocks: int = 64  # blocks keyed by the consistent_hash baseline

@@ -18,7 +18,8 @@ from router.ring import HashRing
 IDS = ("replica-0", "replica-1", "replica-2", "replica-3")
 RING = HashRing(IDS, vnodes=64)
 CHAIN = list(range(1000, 1064))  # 64 blocks = 1024 tokens at block size 16
-PARAMS = PolicyParams(block_size=16, load_factor=1.25, queue_slack_tokens=256)
+PARAMS = PolicyParams(block_size=16, load_factor=1.25, load_headroom=1, queue_slack_tokens=256,
+                      recompute_penalty=1.0)
 
 
 def home_of(key: int) -> str:
@@ -209,3 +210,20 @@ def test_stale_heartbeat_adds_no_phantom_load() -> None:
     assert shared.foreign_requests == 3
     assert shared.load == 4
     assert shared.queued_prefill_tokens(avg_prompt_tokens=1000) == 50 + 2 * 1000
+
+
+def test_default_params_keep_a_held_prefix_but_balance_cold_requests() -> None:
+    """Defaults: recomputing a held prefix for a shorter queue is (nearly) never worth it,
+    while a cold request (nothing to recompute) goes to a short queue."""
+    params = PolicyParams(block_size=16)
+    home = home_of(CHAIN[0])
+    busy = [ReplicaView(rid, inflight_requests=1, prefilling_requests=1,
+                        inflight_prefill_tokens=20_000 if rid in (home, "replica-2") else 0)
+            for rid in IDS]
+    request = RouteInput(CHAIN, 1030, ring_key=42)
+    deep = decide("prefix", request, busy, RING, confirmed={"replica-2": 60},
+                  combined={"replica-2": 60}, params=params)
+    assert (deep.replica_id, deep.reason) == ("replica-2", "prefix_hit")
+    cold = decide("prefix", request, busy, RING, params=params)
+    assert cold.reason == "load_balance"
+    assert cold.replica_id not in (home, "replica-2")
