@@ -115,8 +115,8 @@ class PolicyParams:
     """Tunables of ``decide`` (from ``RouterConfig``)."""
 
     block_size: int = 16  # tokens
-    load_factor: float = 1.5  # bounded load: cap = ceil(load_factor * mean) + load_headroom
-    load_headroom: int = 2  # requests above the multiplicative cap, for small counts
+    load_factor: float = 2.0  # bounded load: cap = ceil(load_factor * mean) + load_headroom
+    load_headroom: int = 4  # requests above the multiplicative cap, for small counts
     queue_slack_tokens: int = 8192  # queue advantage (tokens) a move must exceed beyond the recompute
     recompute_penalty: float = 50.0  # extra weight on recomputed prefix tokens in a load move
     min_hit_fraction: float = 0.2  # affinity needs this share of the prompt's blocks beyond the home's

@@ -12,7 +12,7 @@ from router.config import ConfigError, RouterConfig, load_config
 def test_defaults_and_cli(tmp_path: Path) -> None:
     cfg = load_config(["--replica", "http://127.0.0.1:1", "--replica", "http://127.0.0.1:2"], env={})
     assert cfg.replicas == ("http://127.0.0.1:1", "http://127.0.0.1:2")
-    assert cfg.policy == "prefix" and cfg.block_size == 16 and cfg.load_factor == 1.5
+    assert cfg.policy == "prefix" and cfg.block_size == 16 and cfg.load_factor == 2.0
     assert cfg.port == 8000 and cfg.max_body_bytes == 32 * 1024 * 1024
 
 
