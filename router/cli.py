@@ -9,6 +9,7 @@ import argparse
 import json
 import sys
 from collections.abc import Sequence
+from typing import NoReturn
 
 from router.hashing import (
     DEFAULT_BLOCK_SIZE,
@@ -23,6 +24,13 @@ from router.hashing import (
 
 class UsageError(ValueError):
     """Bad command-line input; reported as one line on stderr with exit code 2."""
+
+
+class _OneLineParser(argparse.ArgumentParser):
+    """argparse that reports a usage error as one line on stderr (exit 2), not a usage block."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message}\n")
 
 
 def _parse_mm(spec: str) -> MultiModalItem:
@@ -44,6 +52,8 @@ def _parse_tokens(text: str) -> list[int]:
         value = json.loads(text)
     except json.JSONDecodeError as exc:
         raise UsageError(f"tokens are not valid JSON: {exc.msg} at position {exc.pos}") from exc
+    except (ValueError, RecursionError) as exc:  # e.g. an integer beyond Python's digit limit
+        raise UsageError(f"tokens are not a usable JSON array: {exc}") from exc
     if not isinstance(value, list) or not all(
         isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in value
     ):
@@ -52,7 +62,7 @@ def _parse_tokens(text: str) -> list[int]:
 
 
 def _hash_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _OneLineParser(
         prog="prefix-router hash",
         description="Print vLLM's block hashes of a token-id prompt: one line per full block, "
         "'<hex digest> <64-bit event key>'.",

@@ -126,7 +126,7 @@ def parse_token_ids_completion(body: bytes) -> PromptSpec | None:
     """
     try:
         parsed = _TOKEN_IDS_DECODER.decode(body)
-    except msgspec.DecodeError:
+    except (msgspec.DecodeError, RecursionError):
         return None
     salt = parsed.cache_salt
     if not parsed.prompt or (salt is not None and not 0 < len(salt) <= CACHE_SALT_MAX_CHARS):

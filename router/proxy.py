@@ -210,10 +210,16 @@ class Proxy:
             response.headers[REASON_HEADER] = reason
             response.headers[REQUEST_ID_HEADER] = request_id
             outcome = ProxyOutcome(target.replica_id, upstream.status, first_byte_s)
-            await response.prepare(request)
-            if first:
-                await response.write(first)
-            await self._relay(upstream, response, target, outcome)
+            try:
+                await response.prepare(request)
+                if first:
+                    await response.write(first)
+                await self._relay(upstream, response, target, outcome)
+            except ConnectionResetError:
+                # the client went away between two chunks (aiohttp raises on the write rather
+                # than cancelling the handler): same outcome as a cancelled request
+                logger.info("client closed %s mid-response from %s", request_id, target.replica_id)
+                outcome.status = STATUS_CLIENT_CLOSED
             return response, outcome
         except asyncio.CancelledError:
             logger.info("client closed %s; cancelling upstream on %s", request_id, target.replica_id)

@@ -15,6 +15,7 @@ import json
 import logging
 import os
 import signal
+import sys
 import time
 import uuid
 from collections.abc import Callable, Sequence
@@ -297,7 +298,7 @@ class RouterService:
         body = await request.read()
         try:
             return body, _JSON.decode(body)
-        except msgspec.DecodeError as exc:
+        except (msgspec.DecodeError, RecursionError) as exc:
             raise BadRequest(f"request body is not valid JSON: {exc}") from exc
 
     async def handle_generate(self, kind: str, request: web.Request) -> web.StreamResponse:
@@ -307,7 +308,7 @@ class RouterService:
         if spec is None:
             try:
                 data = _JSON.decode(body)
-            except msgspec.DecodeError as exc:
+            except (msgspec.DecodeError, RecursionError) as exc:
                 raise BadRequest(f"request body is not valid JSON: {exc}") from exc
             try:
                 spec = parse_prompt(kind, data)
@@ -552,7 +553,7 @@ def main(argv: Sequence[str]) -> int:
         config = load_config(argv)
         BlockHasher(config.block_size, config.hash_algo, config.hash_seed)
     except (ConfigError, HashConfigError) as exc:
-        print(f"prefix-router serve: error: {exc}", flush=True)
+        print(f"prefix-router serve: error: {exc}", file=sys.stderr, flush=True)
         return 2
     logging.basicConfig(level=config.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -564,7 +565,7 @@ def main(argv: Sequence[str]) -> int:
             tokenizer = PromptTokenizer(config.tokenizer, config.token_cache_chunks // 8)
         except (OSError, ValueError) as exc:
             print(f"prefix-router serve: error: cannot load tokenizer {config.tokenizer!r}: {exc}",
-                  flush=True)
+                  file=sys.stderr, flush=True)
             return 2
     else:
         logger.warning("no --tokenizer: text prompts are routed by hashing the text "

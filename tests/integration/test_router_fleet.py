@@ -408,6 +408,10 @@ def test_bad_inputs_get_openai_errors_and_router_keeps_serving(router: Router, t
         assert headers.get("x-request-id")
     status, _, raw = router.post("/v1/chat/completions", {"messages": "hi"})
     assert status == 400
+    deep = b'{"model":"emulated-llm","messages":' + b"[" * 100_000 + b"]" * 100_000 + b"}"
+    for path in ("/v1/chat/completions", "/v1/completions", "/debug/route"):
+        status, _, raw = router.post(path, deep)
+        assert status == 400 and json.loads(raw)["error"]["code"] == 400, (path, status, raw[:200])
     status, headers, _ = complete(router, [1, 2, 3])
     assert status == 200
     rid = "my-request-id-1"
