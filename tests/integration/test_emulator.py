@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import subprocess
 import sys
@@ -11,11 +12,14 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import pytest
 import zmq
 
 from tests.helpers import start_process, stop_process, wait_for
 from worker.emulator.app import output_text
+from worker.emulator.config import QWEN3_TOKENIZER_VOCAB_SIZE
+from worker.emulator.tokenizer import default_tokenizer_dir
 from worker.kv_events import BlockRemoved, BlockStored, decode_batch
 
 pytestmark = pytest.mark.timeout(120)
@@ -248,3 +252,101 @@ def test_text_and_chat_prompts_use_the_tokenizer(start_emulator: Any) -> None:
     assert status == 200 and render[1]["token_ids"] == [5, 6]
     status, detok = post(url + "/detokenize", {"tokens": tok["tokens"]})
     assert status == 200 and detok["prompt"] == "Hello world, hello world"
+
+
+async def _metrics(session: aiohttp.ClientSession, url: str) -> str:
+    async with session.get(url + "/metrics") as resp:
+        return await resp.text()
+
+
+async def _until_metric(session: aiohttp.ClientSession, url: str, name: str, value: float,
+                        timeout_s: float) -> float:
+    """Poll /metrics until ``name`` equals ``value``; returns the seconds it took."""
+    loop = asyncio.get_running_loop()
+    start = loop.time()
+    last = None
+    while loop.time() - start < timeout_s:
+        last = metric(await _metrics(session, url), name)
+        if last == value:
+            return loop.time() - start
+        await asyncio.sleep(0.02)
+    raise TimeoutError(f"{name} stayed {last}, expected {value} within {timeout_s}s")
+
+
+async def test_client_disconnect_aborts_the_request(start_emulator: Any) -> None:
+    """vLLM aborts a request whose client went away: running drops to 0, blocks are freed
+    (kept cached, so the same prompt then hits), for non-streamed and streamed requests."""
+    emu = start_emulator("--enable-prompt-tokens-details", "--block-size", "16")
+    url = emu.url
+    prompt = list(range(2000, 2064))  # 4 full blocks
+    body = {"prompt": prompt, "max_tokens": 3000, "ignore_eos": True}  # ~tens of seconds
+    async with aiohttp.ClientSession() as session:
+        # Non-streamed: the client gives up (timeout) while the request is running.
+        post_task = asyncio.ensure_future(session.post(
+            url + "/v1/completions", json=body, timeout=aiohttp.ClientTimeout(total=1.5)))
+        await _until_metric(session, url, "vllm:num_requests_running", 1, timeout_s=10)
+        assert metric(await _metrics(session, url), "vllm:kv_cache_usage_perc") > 0
+        with pytest.raises(asyncio.TimeoutError):
+            await post_task
+        await _until_metric(session, url, "vllm:num_requests_running", 0, timeout_s=3)
+        text = await _metrics(session, url)
+        assert metric(text, "vllm:kv_cache_usage_perc") == 0
+        assert metric(text, "vllm:num_requests_waiting") == 0
+        assert metric(text, "vllm:request_success_total") == 0
+        # Streamed: the client reads one chunk, then cancels.
+        stream_body = {**body, "stream": True}
+        got_chunk = asyncio.Event()
+
+        async def read_stream() -> None:
+            async with session.post(url + "/v1/completions", json=stream_body) as resp:
+                assert resp.status == 200
+                async for _ in resp.content.iter_any():
+                    got_chunk.set()
+
+        stream_task = asyncio.ensure_future(read_stream())
+        await asyncio.wait_for(got_chunk.wait(), timeout=10)
+        assert metric(await _metrics(session, url), "vllm:num_requests_running") == 1
+        stream_task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await stream_task
+        await _until_metric(session, url, "vllm:num_requests_running", 0, timeout_s=3)
+        assert metric(await _metrics(session, url), "vllm:kv_cache_usage_perc") == 0
+        # A request that runs to completion is unaffected; the aborted requests' prompt
+        # blocks stayed cached (vLLM frees blocks on abort without dropping their hashes).
+        async with session.post(url + "/v1/completions",
+                                json={"prompt": prompt, "max_tokens": 5}) as resp:
+            assert resp.status == 200
+            done = await resp.json()
+        assert done["usage"]["completion_tokens"] == 5
+        assert done["usage"]["prompt_tokens_details"]["cached_tokens"] == 48
+        assert done["choices"][0]["text"] == output_text(0, 5)
+        text = await _metrics(session, url)
+        assert metric(text, "vllm:num_requests_running") == 0
+        assert metric(text, "vllm:request_success_total") == 1
+
+
+def test_out_of_vocabulary_token_ids_are_rejected(start_emulator: Any) -> None:
+    emu = start_emulator("--time-scale", "100")
+    url = emu.url
+    top = QWEN3_TOKENIZER_VOCAB_SIZE - 1
+    for bad in (1_000_000_000, 18446744073709551616, QWEN3_TOKENIZER_VOCAB_SIZE):
+        status, body = post(url + "/v1/completions", {"prompt": [bad, 2], "max_tokens": 1})
+        assert status == 400, body
+        assert body["error"] == {"message": f"Token id {bad} is out of vocabulary",
+                                 "type": "BadRequestError", "param": "prompt", "code": 400}
+    # One bad prompt in a batch rejects the request; render endpoints validate too.
+    status, body = post(url + "/v1/completions", {"prompt": [[1, 2], [3, 10**9]]})
+    assert status == 400 and body["error"]["param"] == "prompt"
+    status, body = post(url + "/v1/completions/render", {"prompt": [5, 10**9]})
+    assert status == 400 and body["error"]["message"] == "Token id 1000000000 is out of vocabulary"
+    assert completion(url, [top, 0])["usage"]["prompt_tokens"] == 2
+    assert metric(get(url + "/metrics"), "vllm:request_success_total") == 1
+    # --vocab-size sets the bound; with --tokenizer and no --vocab-size, the bound is that
+    # tokenizer's len() (here the same Qwen3 files, loaded on the first token-id prompt).
+    small = start_emulator("--time-scale", "100", "--vocab-size", "1000")
+    assert post(small.url + "/v1/completions", {"prompt": [999], "max_tokens": 1})[0] == 200
+    assert post(small.url + "/v1/completions", {"prompt": [1000], "max_tokens": 1})[0] == 400
+    custom = start_emulator("--time-scale", "100", "--tokenizer", default_tokenizer_dir())
+    assert post(custom.url + "/v1/completions", {"prompt": [top], "max_tokens": 1})[0] == 200
+    status, body = post(custom.url + "/v1/completions", {"prompt": [top + 1], "max_tokens": 1})
+    assert status == 400 and body["error"]["message"] == f"Token id {top + 1} is out of vocabulary"

@@ -99,6 +99,18 @@ def validate_cache_salt(salt: Any) -> str | None:
     return salt
 
 
+def check_vocab(token_ids: list[int], vocab_size: int) -> None:
+    """Reject a prompt with an id >= ``vocab_size``: ApiError 400, param ``prompt``.
+
+    vLLM 0.33 ``Processor._validate_model_input``: ``max(prompt_ids)`` above the largest
+    valid id raises ``ValueError(f"Token id {max_input_id} is out of vocabulary")``, which the
+    OpenAI server returns as a 400 BadRequestError.
+    """
+    top = max(token_ids)
+    if top >= vocab_size:
+        raise bad_request(f"Token id {top} is out of vocabulary", "prompt")
+
+
 def _is_token_list(value: Any) -> bool:
     return isinstance(value, list) and bool(value) and all(
         type(t) is int for t in value)
@@ -311,7 +323,10 @@ class Replica:
         if self.publisher is not None:
             self.publisher.start()
         self._engine_task = asyncio.get_running_loop().create_task(self._engine_loop())
-        self._runner = web.AppRunner(self.app, access_log=None, handle_signals=False)
+        # handler_cancellation: a client that goes away cancels its handler (aiohttp >= 3.9
+        # defaults to not cancelling), so _generate's finally aborts the request as vLLM does.
+        self._runner = web.AppRunner(self.app, access_log=None, handle_signals=False,
+                                     handler_cancellation=True)
         await self._runner.setup()
         site = web.TCPSite(self._runner, self.config.host, port, reuse_address=True)
         await site.start()
@@ -423,18 +438,31 @@ class Replica:
             raise bad_request("prompt must be a string, a list of token ids, or a non-empty list "
                               "of either", "prompt")
         out: list[list[int]] = []
+        vocab_size: int | None = None
         for item in items:
             if isinstance(item, str):
                 out.append(await self._encode(item, bool(add_special)))
             elif isinstance(item, list) and all(type(t) is int for t in item):
                 if any(t < 0 for t in item):
                     raise bad_request("token ids must be non-negative integers", "prompt")
+                if item:
+                    if vocab_size is None:
+                        vocab_size = await self._vocab_size()
+                    check_vocab(item, vocab_size)
                 out.append(item)
             else:
                 raise bad_request("each prompt must be a string or a list of token ids", "prompt")
             if not out[-1]:
                 raise bad_request("The decoder prompt cannot be empty", "prompt")
         return out
+
+    async def _vocab_size(self) -> int:
+        if self.config.vocab_size is not None:
+            return self.config.vocab_size
+        try:
+            return await self.tokenizer.vocab_size()
+        except TokenizerError as exc:
+            raise ApiError(500, str(exc), "InternalServerError") from exc
 
     async def _encode(self, text: str, add_special: bool) -> list[int]:
         try:

