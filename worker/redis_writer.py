@@ -9,9 +9,18 @@ transaction records the committed ``epoch``/``seq`` in the heartbeat hash (only
 if it exists, so a dead replica is never resurrected), so a restarted worker
 reads back a set and a sequence number that agree.
 
-Redis outage: the failed changes are dropped (the in-memory view is the
-buffer), the writer retries with exponential backoff, and on reconnect asks
-``on_recovered`` for a full rewrite under a new epoch.
+Redis outage or lost state: the failed changes are dropped (the in-memory
+view is the buffer) and the writer marks itself disconnected, whether a change
+transaction or a heartbeat failed. It retries with exponential backoff and, once
+Redis answers, asks ``on_recovered`` for a full rewrite under a new epoch. Redis
+can also come back EMPTY without this worker seeing an error (a restart between
+two writes, a failover to an empty replica, FLUSHALL, or the heartbeat hash
+expiring while the engine was away): after this worker's first heartbeat, a
+heartbeat or change transaction that finds the heartbeat hash gone is treated
+the same way. A rewrite found by a heartbeat is written in the SAME transaction
+as the heartbeat that re-creates the hash, so a router sees the replica
+(re)appear, or its epoch change, only with its complete set in place
+(``router/fleet.py`` ``apply_heartbeat`` reloads the set then).
 """
 
 from __future__ import annotations
@@ -35,11 +44,24 @@ MAX_KEYS_PER_ENTRY: Final = 4096  # block keys per SADD/SREM and per stream entr
 BACKOFF_INITIAL_S: Final = 0.1
 BACKOFF_MAX_S: Final = 5.0
 
-# Record the committed epoch/seq in the heartbeat hash only while it exists.
+# Record the committed epoch/seq in the heartbeat hash only while it exists; returns 1 if it
+# exists, 0 if it is gone.
 _SET_IF_EXISTS: Final = (
     "if redis.call('EXISTS', KEYS[1]) == 1 then "
-    "redis.call('HSET', KEYS[1], ARGV[1], ARGV[2], ARGV[3], ARGV[4]) end return 0"
+    "redis.call('HSET', KEYS[1], ARGV[1], ARGV[2], ARGV[3], ARGV[4]) return 1 end return 0"
 )
+
+# One heartbeat: ARGV[1] TTL in ms, ARGV[2] "1" if the hash must already exist, then field/value
+# pairs. Returns -1 (and writes nothing) when the hash must exist but is gone, else 0.
+_HEARTBEAT: Final = (
+    "if ARGV[2] == '1' and redis.call('EXISTS', KEYS[1]) == 0 then return -1 end "
+    "redis.call('HSET', KEYS[1], unpack(ARGV, 3)) "
+    "redis.call('PEXPIRE', KEYS[1], ARGV[1]) return 0"
+)
+
+_BACK: Final = "Redis is back"
+_LOST: Final = ("Redis lost the replica's state (its heartbeat hash is gone: Redis restarted, "
+                "failed over, was flushed, or the heartbeat expired)")
 
 
 @dataclass(slots=True)
@@ -92,6 +114,10 @@ class RedisWriter:
         self.committed_epoch = 0
         self.committed_seq = NO_SEQ
         self.connected = True
+        # True once this replica's heartbeat hash is known to exist (read back at start or
+        # written by this worker): finding it gone afterwards means Redis lost our state.
+        self.hash_expected = False
+        self._back_reason = _BACK  # logged when the rewrite after a disconnect starts
         self._pending: list[Change] = []
         self._position: tuple[int, int] | None = None  # (epoch, seq) applied but not committed
         self._wake = asyncio.Event()
@@ -137,6 +163,7 @@ class RedisWriter:
             pipe.smembers(self.blocks_key)
             (epoch, seq, mode), members = await pipe.execute()
         keys = [contract.unpack_key(m) for m in members if len(m) == 8]
+        self.hash_expected = epoch not in (None, b"")
         return StoredState(
             epoch=int(epoch) if epoch not in (None, b"") else None,
             seq=int(seq) if seq not in (None, b"") else NO_SEQ,
@@ -150,16 +177,33 @@ class RedisWriter:
         """HSET the heartbeat hash (plus the committed epoch/seq) and refresh its TTL.
 
         Serialised with change transactions so the published seq never runs ahead
-        of the set. Raises ``RedisError``.
+        of the set. When the hash is gone although it existed before (Redis lost
+        the replica's state), or the writer is disconnected and Redis answers
+        again, the full set is rewritten under a new epoch (``on_recovered``) in
+        the same transaction that re-creates the hash. A failure marks the writer
+        disconnected (the flush loop then retries the rewrite). Raises ``RedisError``.
         """
         async with self._lock:
             mapping: dict[Any, Any] = dict(fields)
-            mapping[contract.F_EPOCH] = self.committed_epoch
-            mapping[contract.F_SEQ] = self.committed_seq
-            async with self.client.pipeline(transaction=True) as pipe:
-                pipe.hset(self.replica_key, mapping=mapping)
-                pipe.pexpire(self.replica_key, int(ttl_s * 1000))
-                await pipe.execute()
+            ttl_ms = int(ttl_s * 1000)
+            try:
+                if self.connected:
+                    mapping[contract.F_EPOCH] = self.committed_epoch
+                    mapping[contract.F_SEQ] = self.committed_seq
+                    args: list[Any] = [ttl_ms, "1" if self.hash_expected else "0"]
+                    for name, value in mapping.items():
+                        args += [name, value]
+                    found = await self.client.eval(_HEARTBEAT, 1, self.replica_key, *args)
+                    if int(found) >= 0:
+                        self.hash_expected = True
+                        return
+                    self._lose_state()
+                else:
+                    await self.client.ping()
+                await self._commit(heartbeat=(mapping, ttl_ms))
+            except (RedisError, OSError) as exc:
+                self._disconnect(exc)
+                raise
 
     # -- flushing ----------------------------------------------------------------
 
@@ -173,70 +217,113 @@ class RedisWriter:
                 try:
                     if not self.connected:
                         await self.client.ping()
-                        self._recover()
                     await self.flush()
                     backoff = BACKOFF_INITIAL_S
                 except asyncio.CancelledError:
                     raise
                 except (RedisError, OSError) as exc:
                     self.stats.num_errors += 1
-                    if self.connected:
-                        logger.error("Redis write failed (%s); buffering and retrying", exc)
-                    self.connected = False
+                    self._disconnect(exc)
                     await asyncio.sleep(backoff)
                     backoff = min(backoff * 2, BACKOFF_MAX_S)
             self._idle.set()
 
-    def _recover(self) -> None:
-        logger.warning("Redis is back; rewriting the replica's full block set")
-        self.connected = True
-        self.stats.num_rewrites += 1
-        self._pending = [self.on_recovered()]
-        self._position = None
+    def _disconnect(self, exc: BaseException) -> None:
+        """A write failed: what Redis holds is unknown, rewrite everything once it answers."""
+        if self.connected:
+            logger.error("Redis write failed (%s); buffering and retrying", exc)
+        self.connected = False
+        self._back_reason = _BACK
+        self._idle.clear()
+        self._wake.set()
+
+    def _lose_state(self) -> None:
+        """The heartbeat hash is gone although it existed: Redis lost this replica's state."""
+        logger.warning("%s", _LOST)
+        self.connected = False
+        self._back_reason = _LOST
+        self.hash_expected = False
+        self._idle.clear()
+        self._wake.set()
 
     async def flush(self) -> None:
-        """Write everything queued in one MULTI/EXEC transaction. Raises ``RedisError``.
+        """Write everything queued in one MULTI/EXEC transaction (a full rewrite first if the
+        writer is disconnected). Raises ``RedisError``.
 
-        On failure the queued changes are dropped: the caller must rewrite the set.
+        On failure the queued changes are dropped and the writer is disconnected:
+        the next flush rewrites the set.
         """
+        async with self._lock:
+            try:
+                await self._commit()
+            except (RedisError, OSError) as exc:
+                self._disconnect(exc)
+                raise
+
+    async def _commit(self, heartbeat: tuple[dict[Any, Any], int] | None = None) -> None:
+        """The transaction of ``flush`` (``heartbeat`` None) or of a rewriting heartbeat
+        (``(fields, ttl_ms)``: HSET + PEXPIRE after the set). Call with ``_lock`` held."""
+        recovering = not self.connected
+        if recovering:
+            logger.warning("%s; rewriting the replica's full block set", self._back_reason)
+            self.stats.num_rewrites += 1
+            self._pending = [self.on_recovered()]
+            self._position = None
         changes, self._pending = self._pending, []
         position, self._position = self._position, None
         if changes:
             position = max(position or (0, NO_SEQ), (changes[-1].epoch, changes[-1].seq))
         if position is None:
-            return
-        async with self._lock:
-            pipe = self.client.pipeline(transaction=True)
-            entries = 0
-            num_keys = 0
-            for change in changes:
-                if change.op == OP_CLEARED:
-                    pipe.delete(self.blocks_key)
-                    self._xadd(pipe, OP_CLEARED, change.epoch, b"")
-                    entries += 1
-                    op = OP_STORED
+            if heartbeat is None:
+                return
+            position = (self.committed_epoch, self.committed_seq)
+        pipe = self.client.pipeline(transaction=True)
+        entries = 0
+        num_keys = 0
+        for change in changes:
+            if change.op == OP_CLEARED:
+                pipe.delete(self.blocks_key)
+                self._xadd(pipe, OP_CLEARED, change.epoch, b"")
+                entries += 1
+                op = OP_STORED
+            else:
+                op = change.op
+            for chunk in _split(change.keys):
+                packed = contract.pack_keys(chunk)
+                if op == OP_STORED:
+                    pipe.sadd(self.blocks_key, *_members(packed))
                 else:
-                    op = change.op
-                for chunk in _split(change.keys):
-                    packed = contract.pack_keys(chunk)
-                    if op == OP_STORED:
-                        pipe.sadd(self.blocks_key, *_members(packed))
-                    else:
-                        pipe.srem(self.blocks_key, *_members(packed))
-                    self._xadd(pipe, op, change.epoch, packed)
-                    entries += 1
-                    num_keys += len(chunk)
-            epoch, seq = position
+                    pipe.srem(self.blocks_key, *_members(packed))
+                self._xadd(pipe, op, change.epoch, packed)
+                entries += 1
+                num_keys += len(chunk)
+        epoch, seq = position
+        if heartbeat is not None:
+            mapping, ttl_ms = heartbeat
+            mapping[contract.F_EPOCH] = epoch
+            mapping[contract.F_SEQ] = seq
+            pipe.hset(self.replica_key, mapping=mapping)
+            pipe.pexpire(self.replica_key, ttl_ms)
+        else:
             pipe.eval(_SET_IF_EXISTS, 1, self.replica_key, contract.F_EPOCH, epoch,
                       contract.F_SEQ, seq)
-            try:
-                await pipe.execute()
-            finally:
-                await pipe.reset()
+        try:
+            results = await pipe.execute()
+        finally:
+            await pipe.reset()
+        self.connected = True
         self.committed_epoch, self.committed_seq = epoch, seq
         self.stats.num_transactions += 1
         self.stats.num_entries += entries
         self.stats.num_keys += num_keys
+        if heartbeat is not None:
+            self.hash_expected = True
+        elif not results[-1]:
+            if recovering or not self.hash_expected:
+                # the set is complete under the new epoch; the next heartbeat re-creates the hash
+                self.hash_expected = False
+            else:
+                self._lose_state()
 
     def _xadd(self, pipe: Any, op: str, epoch: int, packed: bytes) -> None:
         pipe.xadd(

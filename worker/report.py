@@ -5,7 +5,9 @@ Wires the pieces together on one asyncio (uvloop) loop:
 plus the ``Heartbeat`` (engine HTTP -> Redis), the hash agreement probe and
 the metrics endpoint. On start it reads back what a previous worker of the
 same replica left in Redis (block set, epoch, seq) and continues from the
-last sequence number through the engine's replay socket.
+last sequence number through the engine's replay socket. When Redis loses the
+replica's state (outage, restart, failover, FLUSHALL, expired heartbeat) the
+writer republishes the full set under a new epoch (``RedisWriter``).
 """
 
 from __future__ import annotations
@@ -93,7 +95,8 @@ class Worker:
         self.heartbeat.wake.set()
 
     def _on_redis_recovered(self) -> Change:
-        change = self.view.rewrite("Redis connection restored")
+        # after an outage, or when Redis came back without this replica's keys
+        change = self.view.rewrite("Redis connection restored or Redis lost the replica's state")
         self._epoch_changed()
         return change
 

@@ -145,3 +145,92 @@ async def test_redis_outage_rewrites_set_under_new_epoch(
         server.stop()
     assert "Redis is back" in output
     assert "rewriting the replica's full block set" in output
+
+
+def snapshot(client: redis.Redis) -> tuple[int, set[int]]:
+    """The heartbeat epoch (-1 when the hash is gone) and the block set, read atomically."""
+    with client.pipeline(transaction=True) as pipe:
+        pipe.hget(contract.replica_key("pr", REPLICA), contract.F_EPOCH)
+        pipe.smembers(contract.blocks_key("pr", REPLICA))
+        value, members = pipe.execute()
+    return (int(value) if value is not None else -1), {contract.unpack_key(m) for m in members}
+
+
+async def republished(client: redis.Redis, expected: set[int], old_epoch: int,
+                      timeout_s: float = 12.0) -> None:
+    """Wait until the heartbeat advertises a newer epoch over ``expected``; while waiting, a
+    heartbeat hash must never advertise an incomplete set (routers would load it)."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    seen: list[tuple[int, int]] = []
+    while loop.time() < deadline:
+        try:
+            got_epoch, got = await asyncio.to_thread(snapshot, client)
+        except redis.RedisError:
+            got_epoch, got = -2, set()
+        if got_epoch >= 0 and got_epoch != old_epoch:
+            assert got == expected, f"heartbeat epoch {got_epoch} advertises {got}, not {expected}"
+        if got_epoch > old_epoch and got == expected:
+            return
+        if not seen or seen[-1] != (got_epoch, len(got)):
+            seen.append((got_epoch, len(got)))
+        await asyncio.sleep(0.02)
+    raise TimeoutError(f"set not republished under a new epoch; (epoch, blocks) seen: {seen}")
+
+
+async def test_redis_restarted_empty_without_traffic_is_republished(
+        emulator: Emulator, publisher: KVEventPublisher) -> None:
+    """Redis restarts EMPTY while no KV events flow: the failed heartbeat marks the writer
+    disconnected and the set comes back under a new epoch with no event to trigger it."""
+    server = RedisServer(port=free_port()).start()  # fixed port: restarted on the same one
+    client = redis.Redis.from_url(server.url)
+    metrics_port = free_port()
+    worker = start_worker(emulator, publisher, server.url, metrics_port)
+
+    def worker_metrics() -> str:
+        return requests.get(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5).text
+
+    try:
+        await until(lambda: epoch(client) > 0, message="first heartbeat")
+        await publisher.publish(stored(1, 2, 3))
+        await until(lambda: blocks(client) == {1, 2, 3}, message="stored")
+        old_epoch = epoch(client)
+        server.stop()
+        await until(lambda: "worker_redis_up 0.0" in worker_metrics(), timeout_s=5,
+                    message="heartbeat write failed")
+        server = RedisServer(port=server.port).start()  # an empty Redis on the same port
+        client = redis.Redis.from_url(server.url)
+        await republished(client, {1, 2, 3}, old_epoch)
+        assert "worker_redis_up 1.0" in await asyncio.to_thread(worker_metrics)
+        ops = [f[b"op"] for _, f in client.xrange(contract.events_key("pr"))]  # type: ignore[union-attr]
+        assert ops[:2] == [b"cleared", b"stored"]
+    finally:
+        output = stop_process(worker)
+        server.stop()
+    assert "Redis is back; rewriting the replica's full block set" in output
+
+
+async def test_redis_lost_state_without_error_is_republished(
+        emulator: Emulator, publisher: KVEventPublisher) -> None:
+    """Redis loses the replica's keys without any failed write (FLUSHALL, a fast restart, a
+    failover to an empty replica): the next heartbeat finds its hash gone and re-creates it
+    in the same transaction as the full set, under a new epoch."""
+    with RedisServer() as server:
+        client = redis.Redis.from_url(server.url)
+        worker = start_worker(emulator, publisher, server.url)
+        try:
+            await until(lambda: epoch(client) > 0, message="first heartbeat")
+            await publisher.publish(stored(7, 8))
+            await until(lambda: blocks(client) == {7, 8}, message="stored")
+            old_epoch = epoch(client)
+            client.flushall()
+            await republished(client, {7, 8}, old_epoch, timeout_s=6.0)
+            # once republished the worker settles: no rewrite loop, the epoch stays put
+            settled = epoch(client)
+            await publisher.publish(stored(9))
+            await until(lambda: blocks(client) == {7, 8, 9}, message="stored after rewrite")
+            assert epoch(client) == settled
+        finally:
+            output = stop_process(worker)
+    assert "Redis lost the replica's state" in output
+    assert output.count("rewriting the replica's full block set") == 1
