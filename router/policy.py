@@ -82,7 +82,6 @@ class ReplicaView:
     affinity: bool = True
     inflight_requests: int = 0
     inflight_prefill_tokens: int = 0  # tokens of this router's requests not yet at first token
-    prefilling_requests: int = 0  # this router's requests not yet at first token
     engine_running: int = 0
     engine_waiting: int = 0
     ours_at_heartbeat: int | None = None

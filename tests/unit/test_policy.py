@@ -72,8 +72,7 @@ def test_prefix_policy_table(row: Row) -> None:
     replicas = [
         ReplicaView(rid, affinity=rid not in row.no_affinity,
                     inflight_requests=row.loads.get(rid, 0),
-                    inflight_prefill_tokens=row.prefill.get(rid, 0),
-                    prefilling_requests=1 if row.prefill.get(rid) else 0)
+                    inflight_prefill_tokens=row.prefill.get(rid, 0))
         for rid in IDS
     ]
     confirmed = row.combined if row.confirmed is None else row.confirmed
@@ -129,12 +128,12 @@ def test_bounded_load_never_exceeds_cap() -> None:
 
 
 def test_engine_load_merges_with_local() -> None:
-    view = ReplicaView("r", inflight_requests=2, prefilling_requests=1, engine_running=3,
+    view = ReplicaView("r", inflight_requests=2, engine_running=3,
                        engine_waiting=4, inflight_prefill_tokens=100)
     assert view.load == 7
     # 7 in the engine, 2 of them ours: 5 came from other routers, at most 4 of them waiting.
     assert view.queued_prefill_tokens(avg_prompt_tokens=10) == 100 + 4 * 10
-    stale = ReplicaView("r", inflight_requests=3, prefilling_requests=1, engine_running=2,
+    stale = ReplicaView("r", inflight_requests=3, engine_running=2,
                         engine_waiting=1, inflight_prefill_tokens=100)
     # A heartbeat listing only our own requests adds no foreign queue.
     assert stale.queued_prefill_tokens(avg_prompt_tokens=10) == 100
@@ -217,7 +216,7 @@ def test_default_params_keep_a_held_prefix_but_balance_cold_requests() -> None:
     while a cold request (nothing to recompute) goes to a short queue."""
     params = PolicyParams(block_size=16)
     home = home_of(CHAIN[0])
-    busy = [ReplicaView(rid, inflight_requests=1, prefilling_requests=1,
+    busy = [ReplicaView(rid, inflight_requests=1,
                         inflight_prefill_tokens=20_000 if rid in (home, "replica-2") else 0)
             for rid in IDS]
     request = RouteInput(CHAIN, 1030, ring_key=42)
