@@ -228,6 +228,19 @@ def text_chunks(text: str) -> list[str]:
     return chunks
 
 
+def _newline_pieces(text: str) -> list[str]:
+    """``text`` cut at every newline boundary of ``text_chunks`` (no minimum length)."""
+    pieces: list[str] = []
+    pos = 0
+    for m in _NEWLINE_BOUNDARY.finditer(text):
+        if m.end() > pos:
+            pieces.append(text[pos:m.end()])
+            pos = m.end()
+    if pos < len(text):
+        pieces.append(text[pos:])
+    return pieces
+
+
 def _normalise_content(content: Any) -> Any:
     """vLLM "string" content format: text parts joined with newlines; other parts dropped."""
     if isinstance(content, list):
@@ -380,17 +393,41 @@ class PromptTokenizer:
             tokens.extend(self._special_suffix)
         return tokens
 
-    def _chunk_tokens(self, chunks: Sequence[str]) -> list[Sequence[int]]:
-        """Tokens of each chunk (``add_special_tokens=False``), through the chunk LRU."""
-        found: list[array[int] | None] = [self.cache.get(c) for c in chunks]
+    def _chunk_tokens(self, chunks: Sequence[str], split_first: bool = False) -> list[Sequence[int]]:
+        """Tokens of each chunk (``add_special_tokens=False``), through the chunk LRU.
+
+        With ``split_first`` the first uncached chunk (where a prompt leaves a cached prefix) is
+        tokenized line by line at the chunker's newline boundaries, each line through the LRU, so
+        the lines it shares with earlier prompts (a document's tail before a new question) are not
+        tokenized again; the boundaries are the chunker's, so the tokens are the same.
+        """
+        found: list[Sequence[int] | None] = [self.cache.get(c) for c in chunks]
         missing = [i for i, ids in enumerate(found) if ids is None]
-        if missing:
-            encoded = self.backend.encode_batch([chunks[i] for i in missing],
-                                                add_special_tokens=False)
-            for i, enc in zip(missing, encoded, strict=True):
-                ids = array("I", enc.ids)
-                found[i] = ids
-                self.cache.put(chunks[i], ids)
+        if not missing:
+            return [ids if ids is not None else () for ids in found]
+        lines = _newline_pieces(chunks[missing[0]]) if split_first else []
+        if len(lines) < 2:
+            lines = []
+        units = [chunks[i] for i in (missing[1:] if lines else missing)]
+        line_ids: list[array[int] | None] = [self.cache.get(line) for line in lines]
+        units.extend(line for line, ids in zip(lines, line_ids, strict=True) if ids is None)
+        encoded: dict[str, array[int]] = {}
+        if len(units) == 1:
+            encoded[units[0]] = array("I", self.backend.encode(units[0], add_special_tokens=False).ids)
+        elif units:
+            for unit, enc in zip(units, self.backend.encode_batch(units, add_special_tokens=False),
+                                 strict=True):
+                encoded[unit] = array("I", enc.ids)
+        for unit, unit_ids in encoded.items():
+            self.cache.put(unit, unit_ids)
+        if lines:
+            joined: array[int] = array("I")
+            for line, cached in zip(lines, line_ids, strict=True):
+                joined.extend(cached if cached is not None else encoded[line])
+            found[missing[0]] = joined
+            missing = missing[1:]
+        for i in missing:
+            found[i] = encoded[chunks[i]]
         return [ids if ids is not None else () for ids in found]
 
     def text_chain(self, text: str, add_special_tokens: bool, chains: ChainCache,
@@ -409,7 +446,7 @@ class PromptTokenizer:
             suffix = self._special_suffix if add_special_tokens else []
 
             def tokens_of(indexes: list[int]) -> list[Sequence[int]]:
-                return self._chunk_tokens([pieces[i] for i in indexes])
+                return self._chunk_tokens([pieces[i] for i in indexes], split_first=True)
         else:
             pieces = [(add_special_tokens, text)]
             prefix = suffix = []

@@ -200,21 +200,33 @@ class Proxy:
                 raise UpstreamError(f"replica {target.replica_id}: {exc}") from exc
             first_byte_s = time.perf_counter() - arrival
             ticket.first_token()
-            response = web.StreamResponse(status=upstream.status, reason=upstream.reason)
+            out_headers: CIMultiDict[str] = CIMultiDict()
             for name, value in upstream.headers.items():
                 if name.lower() not in HOP_BY_HOP:
-                    response.headers.add(name, value)
-            if upstream.content_length is not None:
-                response.content_length = upstream.content_length
-            response.headers[REPLICA_HEADER] = target.replica_id
-            response.headers[REASON_HEADER] = reason
-            response.headers[REQUEST_ID_HEADER] = request_id
+                    out_headers.add(name, value)
+            out_headers[REPLICA_HEADER] = target.replica_id
+            out_headers[REASON_HEADER] = reason
+            out_headers[REQUEST_ID_HEADER] = request_id
             outcome = ProxyOutcome(target.replica_id, upstream.status, first_byte_s)
+            whole = upstream.content_length is not None and len(first) == upstream.content_length
+            response: web.StreamResponse
             try:
-                await response.prepare(request)
-                if first:
-                    await response.write(first)
-                await self._relay(upstream, response, target, outcome)
+                if whole:
+                    # the whole (non-streamed) body came in the first read: one write, headers
+                    # and body together
+                    response = web.Response(status=upstream.status, reason=upstream.reason,
+                                            body=first, headers=out_headers)
+                    await response.prepare(request)
+                    await response.write_eof()
+                else:
+                    response = web.StreamResponse(status=upstream.status, reason=upstream.reason,
+                                                  headers=out_headers)
+                    if upstream.content_length is not None:
+                        response.content_length = upstream.content_length
+                    await response.prepare(request)
+                    if first:
+                        await response.write(first)
+                    await self._relay(upstream, response, target, outcome)
             except ConnectionResetError:
                 # the client went away between two chunks (aiohttp raises on the write rather
                 # than cancelling the handler): same outcome as a cancelled request

@@ -101,6 +101,29 @@ def test_text_chain_equals_full_tokenize_and_hash(tok: PromptTokenizer) -> None:
     assert tok.text_chain(random_text(rng, 5000), True, chains, max_uncached_chars=100) is None
 
 
+def test_shared_document_tail_is_not_tokenized_again(tok: PromptTokenizer) -> None:
+    """Where a prompt leaves the cached prefix, the lines it shares with earlier prompts come from
+    the line cache: only the new question is tokenized, and the tokens stay exact."""
+    hasher = BlockHasher(16)
+    rng = random.Random(11)
+    line_hits = 0
+    for num_lines in range(56, 64):  # the document's last chunk ends at its end or holds a tail
+        chains = ChainCache(hasher, capacity=5000)
+        doc = "".join(f"line {i}: " + " ".join(f"w{rng.randrange(10**5)}" for _ in range(10))
+                      + "\n" for i in range(num_lines))
+        for q in range(4):
+            text = doc + f"Question {q}: what is w{q}?"
+            misses, hits = tok.cache.misses, tok.cache.hits
+            got = tok.text_chain(text, False, chains)
+            assert got is not None
+            assert got.keys == hasher.keys(tok.hf(text, add_special_tokens=False)["input_ids"])
+            if q > 1:  # (the second prompt put the tail's lines in the cache)
+                # at most the first uncached chunk and its one new line are tokenized
+                assert tok.cache.misses - misses <= 2
+                line_hits += tok.cache.hits - hits
+    assert line_hits > 0  # some documents' tails shared a chunk with the question
+
+
 @needs_tokenizer
 def test_chat_chain_uses_render_cache(tok: PromptTokenizer) -> None:
     hasher = BlockHasher(16)
