@@ -13,7 +13,8 @@ Per request (``RequestRecord``): scheduled and actual send time (s after the rep
 TTFT (until the first SSE chunk that carries generated text), end-to-end latency, prompt, cached
 (``usage.prompt_tokens_details.cached_tokens``, present when the engine runs with
 ``--enable-prompt-tokens-details``) and completion tokens, the replica that served it (response
-header ``x-prefix-router-replica``, set by prefix-router), HTTP status and error text.
+header ``x-prefix-router-replica``, set by prefix-router) and the decision's reason
+(``x-prefix-router-reason``), HTTP status and error text.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from loadtest.trace import TokenMapper, TraceRequest, schedule_offsets
 logger = logging.getLogger(__name__)
 
 REPLICA_HEADER = "x-prefix-router-replica"  # set by prefix-router on every proxied response
+REASON_HEADER = "x-prefix-router-reason"  # the routing decision's reason label (prefix-router)
 DEFAULT_MODEL = "emulated-llm"  # the emulator's default served model name
 DEFAULT_MAX_CONCURRENCY = 512  # requests in flight
 DEFAULT_REQUEST_TIMEOUT_S = 600.0  # per request, end to end
@@ -95,6 +97,7 @@ class RequestRecord:
     cached_tokens: int | None = None  # usage.prompt_tokens_details.cached_tokens
     completion_tokens: int | None = None
     replica: str | None = None
+    reason: str | None = None  # prefix-router's decision reason (None behind other routers)
     status: int = 0
     error: str | None = None
 
@@ -160,6 +163,7 @@ async def send_one(session: aiohttp.ClientSession, url: str, body: bytes, record
         async with session.post(url, data=body, headers=headers, timeout=timeout) as resp:
             record.status = resp.status
             record.replica = resp.headers.get(REPLICA_HEADER)
+            record.reason = resp.headers.get(REASON_HEADER)
             if resp.status != 200:
                 text = await resp.text()
                 record.error = f"HTTP {resp.status}: {text[:300]}"

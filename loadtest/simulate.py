@@ -4,8 +4,9 @@ Each replica is an LRU cache of 512-token trace blocks (hash ids). A request hit
 of leading hash ids present on the replica it goes to (hash ids are prefix hashes, so a present id
 implies its whole prefix was cached together), capped at ``floor((N - 1) / block_size) *
 block_size`` tokens (vLLM 0.33 kv_cache_manager: the last prompt token is always recomputed, only
-full blocks hit); then all of its blocks become most recently used and the least recently used
-blocks beyond capacity are evicted. Requests are processed in trace order with no overlap in time,
+full blocks hit); then all of its blocks become most recently used, its tail block least and its
+head most (vLLM's block pool frees a finished request's blocks tail first, so shared heads are
+evicted last), and the least recently used blocks beyond capacity are evicted. Requests are processed in trace order with no overlap in time,
 so in-flight requests never pin blocks; this is why it is a bound, not a prediction.
 
 Placements:
@@ -71,7 +72,7 @@ def simulate(requests: Sequence[TraceRequest], caches: Sequence[LRUBlockCache],
         cache = caches[r]
         hits += hit_tokens(req, cache.lookup(req.hash_ids), block_size)
         total += req.input_length
-        cache.touch(req.hash_ids)
+        cache.touch(req.hash_ids[::-1])  # freed tail first: the head ends most recently used
         per_replica[r] += 1
     return {"token_hit_rate": hits / total if total else 0.0, "hit_tokens": hits,
             "input_tokens": total, "requests_per_replica": per_replica}

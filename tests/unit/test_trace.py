@@ -189,9 +189,10 @@ def test_simulated_bounds_single_cache_and_round_robin() -> None:
     assert bounds["single_cache"]["token_hit_rate"] == pytest.approx(2560 / total)
     # round robin on 2 replicas: each conversation stays on its replica by parity
     assert bounds["round_robin"]["hit_tokens"] == 1024 + 1024
-    # one 512-token block of capacity per replica: only the last-touched block survives
+    # one 512-token block of capacity: only the last-touched block survives, and that is each
+    # request's head (vLLM frees a request's blocks tail first), so requests 1-3 hit block 0
     tiny = simulate_bounds(reqs, replicas=1, capacity_tokens_per_replica=512)
-    assert tiny["single_cache"]["hit_tokens"] == 0
+    assert tiny["single_cache"]["hit_tokens"] == 3 * 512
     # the hit never covers the last prompt token (vLLM recomputes it): 1024 tokens, 2 blocks
     capped = simulate_bounds([_req(0, 0, [0, 1]), _req(1, 0, [0, 1])], 1, None)
     assert capped["single_cache"]["hit_tokens"] == 1008
