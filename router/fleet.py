@@ -60,6 +60,7 @@ class Replica:
     num_running: int = 0
     num_waiting: int = 0
     kv_usage: float = 0.0
+    num_gpu_blocks: int = 0  # KV capacity in blocks from the heartbeat; 0 = not reported
     healthy: bool = True
     heartbeat_ts: float = 0.0
     suspect_until: float = 0.0  # monotonic time until which connection failures bench it
@@ -192,6 +193,7 @@ class Fleet:
         replica.num_running = _int(fields.get(c.F_NUM_RUNNING), 0) or 0
         replica.num_waiting = _int(fields.get(c.F_NUM_WAITING), 0) or 0
         replica.kv_usage = _float(fields.get(c.F_KV_USAGE), 0.0)
+        replica.num_gpu_blocks = max(_int(fields.get(c.F_NUM_GPU_BLOCKS), 0) or 0, 0)
         replica.heartbeat_ts = _float(fields.get(c.F_HEARTBEAT_TS), wall_now)
         replica.healthy = wall_now - replica.heartbeat_ts <= c.HEARTBEAT_TTL_S + 0.5
         epoch = _int(fields.get(c.F_EPOCH), 0) or 0

@@ -9,8 +9,11 @@ first byte) and a ``reason`` label:
 * ``speculative_hit``: the deepest prefix counts keys this router placed there
   in the last few seconds (the engine's events have not confirmed them yet);
 * ``cold_ring``: no replica holds more of the chain than the others; the request
-  goes to the ring home of the chain's first un-held block, so every router
-  instance sends a new prefix to the same replica without coordination;
+  goes to the replica with the least prefill queued, then the one that wrote the
+  fewest KV blocks lately, then the first in ring order of the chain's first
+  un-held block;
+  ``cold_candidates`` limits the choice to the first few ring replicas (1: the
+  ring home only, so every router instance agrees without coordination);
 * ``load_spill``: the preferred replica is above the bounded-load cap
   (``load_factor`` x mean load); the next best under the cap, in ring order;
 * ``load_balance``: the preferred replica's queued prefill exceeds another's
@@ -27,6 +30,13 @@ The prefix policy, step by step:
    is at least ``min_hit_fraction`` of the prompt's blocks (and
    ``min_affinity_blocks``), so a short shared header held by a few replicas
    does not herd new prefixes onto them; the most credit wins, else the home;
+   among the replicas holding at least as much as that winner (all of them for
+   a cold prefix; the first ``cold_candidates`` in ring order unless that is
+   0), the least queued prefill wins, then the fewest recent KV block writes
+   (``recent_write_blocks``): an LRU cache forgets at the rate it writes, so
+   this keeps every replica's cache memory about as long as the others' (the
+   fleet then behaves like one cache of the summed capacity) and evens out
+   prefill work;
 3. bounded load: a replica whose in-flight requests would exceed
    ``ceil(load_factor * mean) + load_headroom`` is skipped for the next one in
    preference order (``load_spill``);
@@ -73,6 +83,8 @@ class ReplicaView:
     (``hash_verified == "0"`` or another block size): it then gets no hit credit.
     ``inflight_*`` are this router's own counts (dispatch to completion /
     dispatch to first token); ``engine_*`` come from the worker heartbeat.
+    ``recent_write_blocks`` is ``LoadTracker.recent_writes``: the prefill
+    blocks this router recently sent there (new KV the engine had to write).
     ``ours_at_heartbeat`` is how many of this router's requests were in flight
     on the replica when the heartbeat's load was read (``LoadTracker.requests_at``),
     or None when unknown (then the current count stands in for it).
@@ -85,6 +97,7 @@ class ReplicaView:
     engine_running: int = 0
     engine_waiting: int = 0
     ours_at_heartbeat: int | None = None
+    recent_write_blocks: float = 0.0  # KV blocks this router sent to be written, decayed
 
     @property
     def foreign_requests(self) -> int:
@@ -121,6 +134,7 @@ class PolicyParams:
     min_hit_fraction: float = 0.2  # affinity needs this share of the prompt's blocks beyond the home's
     min_affinity_blocks: int = 2  # and at least this many blocks
     consistent_hash_blocks: int = 64  # blocks keyed by the consistent_hash baseline
+    cold_candidates: int = 0  # first ring replicas (holding as much) that compete on recent writes; 0 = all
 
 
 @dataclass(frozen=True, slots=True)
@@ -274,7 +288,18 @@ def _prefix(
     def preference(rid: str) -> tuple[int, int]:
         return (-credit[rid], rank[rid])
 
+    # Where several replicas hold as much of the chain as the preferred one (every replica, for a
+    # cold prefix), they compete (the first ``cold_candidates`` in ring order, 0: all) on the
+    # prefill queued there now, then on recent KV writes: the one that wrote the fewest new blocks
+    # keeps its cached prefixes longest (LRU evicts at the write rate). Each holds at least as
+    # much as the preferred replica, so each has its credit.
     preferred = min(order, key=preference)
+    if params.cold_candidates != 1:
+        equals = [rid for rid in order if depth[rid] >= depth[preferred]]
+        if params.cold_candidates > 1:
+            del equals[params.cold_candidates:]
+        preferred = min(equals, key=lambda rid: (queued[rid], by_id[rid].recent_write_blocks,
+                                                 rank[rid]))
     allowed = [rid for rid in order if not over[rid]] or list(order)
     spilled = preferred not in allowed
     anchor = min(allowed, key=preference) if spilled else preferred
@@ -322,6 +347,7 @@ def _prefix(
             "queued_prefill_tokens": queued[rid],
             "cost_tokens": cost[rid],
             "ring_rank": rank[rid],
+            "recent_write_blocks": round(by_id[rid].recent_write_blocks, 1),
         }
         for rid in order
     }
@@ -338,7 +364,7 @@ class LoadTracker:
     """
 
     __slots__ = ("_avg_prompt_tokens", "_clock", "_history", "_prefill", "_prefilling",
-                 "_requests")
+                 "_requests", "_writes", "_written")
 
     _EWMA_ALPHA: Final = 0.05
     HISTORY_S: Final = 10.0  # seconds of dispatch/finish times kept for ``requests_at``
@@ -351,6 +377,8 @@ class LoadTracker:
         # {replica_id: deque of (wall time, +1 dispatch | -1 finish)}, oldest first
         self._history: dict[str, deque[tuple[float, int]]] = {}
         self._avg_prompt_tokens = 0.0
+        self._written = 0.0  # KV blocks sent to be written, all replicas, ever
+        self._writes: dict[str, tuple[float, float]] = {}  # {replica_id: (decayed blocks, _written then)}
 
     @property
     def avg_prompt_tokens(self) -> float:
@@ -402,6 +430,23 @@ class LoadTracker:
     def _release_request(self, ticket: LoadTicket) -> None:
         self._record(ticket.replica_id, -1)
         self._requests[ticket.replica_id] -= 1
+
+    def record_writes(self, replica_id: str, blocks: int, window_blocks: float) -> None:
+        """Count ``blocks`` new KV blocks (the prompt's blocks beyond its predicted hit) sent to
+        ``replica_id``; see ``recent_writes``."""
+        self._written += blocks
+        self._writes[replica_id] = (self.recent_writes(replica_id, window_blocks) + blocks,
+                                    self._written)
+
+    def recent_writes(self, replica_id: str, window_blocks: float) -> float:
+        """KV blocks this router recently had ``replica_id`` write, each weighted
+        ``exp(-x / window_blocks)`` where ``x`` is the blocks written fleet-wide since. Decaying by
+        writes rather than seconds matches an LRU cache, which forgets at the rate it writes."""
+        entry = self._writes.get(replica_id)
+        if entry is None:
+            return 0.0
+        value, at = entry
+        return value * math.exp(-(self._written - at) / window_blocks)
 
     def requests(self, replica_id: str) -> int:
         return self._requests.get(replica_id, 0)

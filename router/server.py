@@ -32,7 +32,7 @@ from aiohttp import web
 from router.chain_cache import ChainCache, PromptChain
 from router.config import ConfigError, RouterConfig, load_config
 from router.errors import REQUEST_ID_HEADER, BadRequest, RouterError, error_middleware
-from router.fleet import Fleet, FleetReader, StaticProber
+from router.fleet import Fleet, FleetReader, Replica, StaticProber
 from router.hashing import BlockHasher, HashConfigError
 from router.metrics import CONTENT_TYPE, RouterMetrics
 from router.policy import Decision, LoadTracker, PolicyParams, ReplicaView, RouteInput, decide
@@ -95,9 +95,11 @@ class RouterService:
             queue_slack_tokens=config.queue_slack_tokens,
             load_headroom=config.load_headroom, recompute_penalty=config.recompute_penalty,
             min_hit_fraction=config.min_hit_fraction, min_affinity_blocks=config.min_affinity_blocks,
-            consistent_hash_blocks=max(1, config.consistent_hash_tokens // config.block_size))
+            consistent_hash_blocks=max(1, config.consistent_hash_tokens // config.block_size),
+            cold_candidates=config.cold_candidates)
         self.executor = ThreadPoolExecutor(config.tokenizer_threads, thread_name_prefix="tokenize")
         self.rr_counter = 0
+        self.write_window_blocks = 1.0  # set per decision by _write_window
         self.reader: FleetReader | None = None
         self.prober: StaticProber | None = None
         self.session: aiohttp.ClientSession | None = None
@@ -237,6 +239,7 @@ class RouterService:
             ring_key = text_key(spec.fallback_text())
         views = []
         affinity_ids = []
+        window = self._write_window(eligible)
         for r in eligible:
             affinity = self.fleet.affinity_problem(r) is None
             if affinity:
@@ -247,7 +250,8 @@ class RouterService:
                 inflight_prefill_tokens=self.tracker.prefill_tokens(r.replica_id),
                 engine_running=r.num_running, engine_waiting=r.num_waiting,
                 ours_at_heartbeat=(self.tracker.requests_at(r.replica_id, r.heartbeat_ts)
-                                   if r.heartbeat_ts else None)))
+                                   if r.heartbeat_ts else None),
+                recent_write_blocks=self.tracker.recent_writes(r.replica_id, window)))
         confirmed: dict[str, int] = {}
         combined: dict[str, int] = {}
         if chain and self.config.policy == "prefix":
@@ -268,6 +272,13 @@ class RouterService:
         targets = [Target(rid, urls[rid]) for rid in (decision.replica_id, *decision.fallbacks)]
         return Routed(decision, num_tokens, chain, targets, tokenized,
                       prompt.complete if prompt is not None else True, lora)
+
+    def _write_window(self, replicas: Sequence[Replica]) -> float:
+        """Blocks over which recent KV writes decay: ``cold_write_window`` x the replicas' summed
+        KV capacity (heartbeat ``num_gpu_blocks``, else ``replica_kv_blocks`` each)."""
+        capacity = sum(r.num_gpu_blocks or self.config.replica_kv_blocks for r in replicas)
+        self.write_window_blocks = max(self.config.cold_write_window * capacity, 1.0)
+        return self.write_window_blocks
 
     def _tokenize_child(self, kind: str, path: str) -> Any:
         child = self._tokenize_children.get((kind, path))
@@ -339,6 +350,9 @@ class RouterService:
         def on_sent(rid: str) -> None:
             self.metrics.child(self.metrics.overhead, endpoint).observe(time.perf_counter() - arrival)
             self._place_speculative(routed, rid, spec, routed.lora)
+            held = decision.details.get(rid, {}).get("hit_blocks", 0)
+            self.tracker.record_writes(rid, max(routed.num_tokens // self.config.block_size - held, 0),
+                                       self.write_window_blocks)
 
         def on_failure(rid: str) -> None:
             self.fleet.mark_failed(rid, time.monotonic())

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import pytest
@@ -224,5 +225,62 @@ def test_default_params_keep_a_held_prefix_but_balance_cold_requests() -> None:
                   combined={"replica-2": 60}, params=params)
     assert (deep.replica_id, deep.reason) == ("replica-2", "prefix_hit")
     cold = decide("prefix", request, busy, RING, params=params)
-    assert cold.reason == "load_balance"
+    assert cold.reason == "cold_ring"  # a cold prefix goes to the shortest queue directly
     assert cold.replica_id not in (home, "replica-2")
+    ring_only = decide("prefix", request, busy, RING,
+                       params=PolicyParams(block_size=16, cold_candidates=1))
+    assert ring_only.reason == "load_balance"  # the ring home only: moved by the queue check
+    assert ring_only.replica_id not in (home, "replica-2")
+
+
+def test_cold_prefix_goes_to_least_written_of_first_ring_candidates() -> None:
+    """Cold: the first ``cold_candidates`` ring replicas compete on recent KV writes."""
+    order = RING.order(CHAIN[0])
+    writes = dict(zip(order, (100.0, 50.0, 10.0, 0.0), strict=True))
+    replicas = [ReplicaView(rid, recent_write_blocks=writes[rid]) for rid in IDS]
+    request = RouteInput(CHAIN, 1030, ring_key=42)
+    d = decide("prefix", request, replicas, RING, params=PARAMS)  # default: every replica competes
+    assert (d.replica_id, d.reason) == (order[3], "cold_ring")
+    assert d.details[order[3]]["recent_write_blocks"] == 0.0
+    three = PolicyParams(block_size=16, cold_candidates=3)
+    # the fourth ring replica wrote least but is outside the first three
+    assert decide("prefix", request, replicas, RING, params=three).replica_id == order[2]
+    ring_only = PolicyParams(block_size=16, cold_candidates=1)
+    assert decide("prefix", request, replicas, RING, params=ring_only).replica_id == order[0]
+
+
+def test_writes_never_pull_a_request_off_its_deepest_holder() -> None:
+    writes = {rid: (1e6 if rid == "replica-2" else 0.0) for rid in IDS}
+    replicas = [ReplicaView(rid, recent_write_blocks=writes[rid]) for rid in IDS]
+    depths = {"replica-2": 40, "replica-1": 10}
+    d = decide("prefix", RouteInput(CHAIN, 1030, 0), replicas, RING, confirmed=depths,
+               combined=depths, params=PARAMS)
+    assert (d.replica_id, d.reason) == ("replica-2", "prefix_hit")
+    # two replicas holding the same depth: the one that wrote less takes it
+    depths = {"replica-2": 40, "replica-1": 40}
+    d = decide("prefix", RouteInput(CHAIN, 1030, 0), replicas, RING, confirmed=depths,
+               combined=depths, params=PARAMS)
+    assert (d.replica_id, d.reason) == ("replica-1", "prefix_hit")
+
+
+def test_recent_writes_decay_with_fleet_writes() -> None:
+    tracker = LoadTracker()
+    assert tracker.recent_writes("a", 100.0) == 0.0
+    tracker.record_writes("a", 100, 100.0)
+    assert tracker.recent_writes("a", 100.0) == pytest.approx(100.0)
+    tracker.record_writes("b", 100, 100.0)  # 100 blocks written elsewhere: one e-folding for a
+    assert tracker.recent_writes("a", 100.0) == pytest.approx(100.0 * math.exp(-1.0))
+    assert tracker.recent_writes("b", 100.0) == pytest.approx(100.0)
+    tracker.record_writes("a", 0, 100.0)
+    assert tracker.recent_writes("a", 100.0) == pytest.approx(100.0 * math.exp(-1.0))
+
+
+def test_cold_prefix_prefers_the_shortest_queue_then_the_fewest_writes() -> None:
+    order = RING.order(CHAIN[0])
+    writes = dict(zip(order, (0.0, 10.0, 20.0, 30.0), strict=True))
+    prefill = dict(zip(order, (4000, 0, 0, 500), strict=True))
+    replicas = [ReplicaView(rid, inflight_requests=1, inflight_prefill_tokens=prefill[rid],
+                            recent_write_blocks=writes[rid]) for rid in IDS]
+    d = decide("prefix", RouteInput(CHAIN, 1030, ring_key=42), replicas, RING, params=PARAMS)
+    # order[1] and order[2] have nothing queued; order[1] wrote less
+    assert (d.replica_id, d.reason) == (order[1], "cold_ring")
