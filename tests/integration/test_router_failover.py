@@ -274,10 +274,16 @@ def test_stream_trimmed_past_the_router_forces_a_resync(tmp_path: Path) -> None:
             assert prometheus_value(router.metrics(), "router_event_stream_gaps_total") == 0
             router.proc.send_signal(signal.SIGSTOP)  # the router falls behind ...
             try:
-                for key in range(100, 110):
-                    event([key])
-                    heartbeat()
-                client.xtrim(c.events_key("pr"), maxlen=1, approximate=False)  # ... and the stream is trimmed past it
+                # ... by more than one read batch (1,000 entries: only then can trimming, far
+                # above that in the contract, have dropped unread entries) ...
+                pipe = client.pipeline(transaction=False)
+                for key in range(100, 1600):
+                    pipe.xadd(c.events_key("pr"), {c.E_REPLICA: rid, c.E_EPOCH: "1",
+                                                   c.E_OP: c.OP_STORED, c.E_KEYS: c.pack_keys([key])})
+                pipe.execute()
+                heartbeat()
+                # ... and the stream is trimmed past it
+                client.xtrim(c.events_key("pr"), maxlen=1100, approximate=False)
             finally:
                 router.proc.send_signal(signal.SIGCONT)
             wait_for(lambda: prometheus_value(router.metrics(),
