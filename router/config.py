@@ -44,6 +44,8 @@ DEFAULT_COLD_CANDIDATES: Final = 0  # replicas, in ring order, a cold prefix may
 # (8 replicas of 512k tokens, LRU freeing tails first; token hit rate, mean over 8 ring seeds, for
 # 1,000/2,000 requests): ring home only 15.1/17.6% (range 13.8-16.4/16.9-18.4), 2 candidates
 # 15.6/18.0%, 3 -> 15.8/18.2%, all -> 16.0/18.2% (every seed; the single-cache bound is 16.0/18.3%)
+DEFAULT_COLD_QUEUE_SLACK_TOKENS: Final = 1024  # a cold prefix treats queues this close to the shortest
+# as equally short and picks among them by recent writes (0: the shortest queue always wins)
 DEFAULT_COLD_WRITE_WINDOW: Final = 0.5  # recent KV writes decay with e-folding at this share of the
 # fleet's KV capacity written (scale-free: the span an LRU cache remembers, not seconds)
 DEFAULT_REPLICA_KV_BLOCKS: Final = 32_000  # KV capacity assumed for replicas that do not report it
@@ -90,6 +92,7 @@ class RouterConfig:
     consistent_hash_tokens: int = DEFAULT_CONSISTENT_HASH_TOKENS
     cold_candidates: int = DEFAULT_COLD_CANDIDATES
     cold_write_window: float = DEFAULT_COLD_WRITE_WINDOW
+    cold_queue_slack_tokens: int = DEFAULT_COLD_QUEUE_SLACK_TOKENS
     replica_kv_blocks: int = DEFAULT_REPLICA_KV_BLOCKS  # static replicas (no heartbeat capacity)
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     connect_timeout_s: float = DEFAULT_CONNECT_TIMEOUT_S
@@ -130,7 +133,8 @@ class RouterConfig:
         if not 0.0 <= self.min_hit_fraction <= 1.0:
             raise ConfigError(f"min_hit_fraction must be in [0, 1], got {self.min_hit_fraction}")
         for name in ("queue_slack_tokens", "consistent_hash_tokens", "token_cache_chunks",
-                     "load_headroom", "recompute_penalty", "min_affinity_blocks", "cold_candidates"):
+                     "load_headroom", "recompute_penalty", "min_affinity_blocks", "cold_candidates",
+                     "cold_queue_slack_tokens"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)}")
         for url in self.replicas:

@@ -8,10 +8,10 @@ first byte) and a ``reason`` label:
 * ``prefix_hit``: the replica holding the deepest engine-confirmed prefix;
 * ``speculative_hit``: the deepest prefix counts keys this router placed there
   in the last few seconds (the engine's events have not confirmed them yet);
-* ``cold_ring``: no replica holds more of the chain than the others; the request
-  goes to the replica with the least prefill queued, then the one that wrote the
-  fewest KV blocks lately, then the first in ring order of the chain's first
-  un-held block;
+* ``cold_ring``: no replica holds more of the chain than the others; of the
+  replicas whose queued prefill is within ``cold_queue_slack_tokens``
+  of the shortest, the request goes to the one that wrote the fewest KV blocks lately,
+  ties to the first in ring order of the chain's first un-held block;
   ``cold_candidates`` limits the choice to the first few ring replicas (1: the
   ring home only, so every router instance agrees without coordination);
 * ``load_spill``: the preferred replica is above the bounded-load cap
@@ -32,8 +32,8 @@ The prefix policy, step by step:
    does not herd new prefixes onto them; the most credit wins, else the home;
    among the replicas holding at least as much as that winner (all of them for
    a cold prefix; the first ``cold_candidates`` in ring order unless that is
-   0), the least queued prefill wins, then the fewest recent KV block writes
-   (``recent_write_blocks``): an LRU cache forgets at the rate it writes, so
+   0) whose queued prefill is within ``cold_queue_slack_tokens`` of the
+   shortest, the fewest recent KV block writes (``recent_write_blocks``) wins: an LRU cache forgets at the rate it writes, so
    this keeps every replica's cache memory about as long as the others' (the
    fleet then behaves like one cache of the summed capacity) and evens out
    prefill work;
@@ -135,6 +135,7 @@ class PolicyParams:
     min_affinity_blocks: int = 2  # and at least this many blocks
     consistent_hash_blocks: int = 64  # blocks keyed by the consistent_hash baseline
     cold_candidates: int = 0  # first ring replicas (holding as much) that compete on recent writes; 0 = all
+    cold_queue_slack_tokens: int = 1024  # queued prefill within this of the shortest counts as short
 
 
 @dataclass(frozen=True, slots=True)
@@ -289,17 +290,18 @@ def _prefix(
         return (-credit[rid], rank[rid])
 
     # Where several replicas hold as much of the chain as the preferred one (every replica, for a
-    # cold prefix), they compete (the first ``cold_candidates`` in ring order, 0: all) on the
-    # prefill queued there now, then on recent KV writes: the one that wrote the fewest new blocks
-    # keeps its cached prefixes longest (LRU evicts at the write rate). Each holds at least as
-    # much as the preferred replica, so each has its credit.
+    # cold prefix), they compete (the first ``cold_candidates`` in ring order, 0: all): of those
+    # whose queued prefill is within ``cold_queue_slack_tokens`` of the shortest, the one that wrote
+    # the fewest new KV blocks recently, which keeps its cached prefixes longest (LRU evicts at
+    # the write rate). Each holds at least as much as the preferred one, so each has its credit.
     preferred = min(order, key=preference)
     if params.cold_candidates != 1:
         equals = [rid for rid in order if depth[rid] >= depth[preferred]]
         if params.cold_candidates > 1:
             del equals[params.cold_candidates:]
-        preferred = min(equals, key=lambda rid: (queued[rid], by_id[rid].recent_write_blocks,
-                                                 rank[rid]))
+        shortest = min(queued[rid] for rid in equals)
+        near = [rid for rid in equals if queued[rid] <= shortest + params.cold_queue_slack_tokens]
+        preferred = min(near, key=lambda rid: (by_id[rid].recent_write_blocks, rank[rid]))
     allowed = [rid for rid in order if not over[rid]] or list(order)
     spilled = preferred not in allowed
     anchor = min(allowed, key=preference) if spilled else preferred

@@ -96,7 +96,8 @@ class RouterService:
             load_headroom=config.load_headroom, recompute_penalty=config.recompute_penalty,
             min_hit_fraction=config.min_hit_fraction, min_affinity_blocks=config.min_affinity_blocks,
             consistent_hash_blocks=max(1, config.consistent_hash_tokens // config.block_size),
-            cold_candidates=config.cold_candidates)
+            cold_candidates=config.cold_candidates,
+            cold_queue_slack_tokens=config.cold_queue_slack_tokens)
         self.executor = ThreadPoolExecutor(config.tokenizer_threads, thread_name_prefix="tokenize")
         self.rr_counter = 0
         self.write_window_blocks = 1.0  # set per decision by _write_window

@@ -275,12 +275,13 @@ def test_recent_writes_decay_with_fleet_writes() -> None:
     assert tracker.recent_writes("a", 100.0) == pytest.approx(100.0 * math.exp(-1.0))
 
 
-def test_cold_prefix_prefers_the_shortest_queue_then_the_fewest_writes() -> None:
+def test_cold_prefix_goes_to_the_fewest_writes_among_the_shortest_queues() -> None:
     order = RING.order(CHAIN[0])
-    writes = dict(zip(order, (0.0, 10.0, 20.0, 30.0), strict=True))
-    prefill = dict(zip(order, (4000, 0, 0, 500), strict=True))
+    writes = dict(zip(order, (0.0, 10.0, 20.0, 5.0), strict=True))
+    prefill = dict(zip(order, (4000, 0, 0, 200), strict=True))
     replicas = [ReplicaView(rid, inflight_requests=1, inflight_prefill_tokens=prefill[rid],
                             recent_write_blocks=writes[rid]) for rid in IDS]
     d = decide("prefix", RouteInput(CHAIN, 1030, ring_key=42), replicas, RING, params=PARAMS)
-    # order[1] and order[2] have nothing queued; order[1] wrote less
-    assert (d.replica_id, d.reason) == (order[1], "cold_ring")
+    # order[1] and order[2] have nothing queued, order[3] is within the cold slack (1024) of nothing
+    # but order[0] (the least written) is not; of the three, order[3] wrote least
+    assert (d.replica_id, d.reason) == (order[3], "cold_ring")
