@@ -76,6 +76,10 @@ class BlockIndex:
         return max((*self._bit_to_id, (self._retired | self._sweep_mask).bit_length() - 1),
                    default=-1) + 1
 
+    def slot_of(self, replica_id: str) -> int | None:
+        """The replica's current slot index, or None if it has none (never seen, or left)."""
+        return self._id_to_bit.get(replica_id)
+
     def bit(self, replica_id: str) -> int:
         """The replica's current slot index, assigning a free one on first use."""
         bit = self._id_to_bit.get(replica_id)
@@ -322,6 +326,19 @@ class SpeculativePlacements:
             else:
                 entries[key] = (entry[0] | flag, expires)
         self._expiry_queue.append((expires, keys))
+
+    def withdraw(self, bit: int, keys: Sequence[int]) -> None:
+        """Undo ``place(bit, keys, ...)``: the replica refused the request, so it holds nothing
+        new (another placement of the same keys there since is withdrawn too)."""
+        flag = 1 << bit
+        entries = self._entries
+        for key in keys:
+            entry = entries.get(key)
+            if entry is not None and entry[0] & flag:
+                if entry[0] ^ flag:
+                    entries[key] = (entry[0] ^ flag, entry[1])
+                else:
+                    del entries[key]
 
     def forget_bit(self, bit: int) -> None:
         """Drop a replica's bit from every entry (replica left the fleet)."""

@@ -440,6 +440,12 @@ class LoadTracker:
         self._writes[replica_id] = (self.recent_writes(replica_id, window_blocks) + blocks,
                                     self._written)
 
+    def withdraw_writes(self, replica_id: str, blocks: int, window_blocks: float) -> None:
+        """Undo ``record_writes`` for a request the replica refused (clamped at 0)."""
+        if replica_id in self._writes:
+            self._writes[replica_id] = (
+                max(self.recent_writes(replica_id, window_blocks) - blocks, 0.0), self._written)
+
     def recent_writes(self, replica_id: str, window_blocks: float) -> float:
         """KV blocks this router recently had ``replica_id`` write, each weighted
         ``exp(-x / window_blocks)`` where ``x`` is the blocks written fleet-wide since. Decaying by

@@ -43,7 +43,7 @@ from router.prompts import (
     parse_prompt,
     parse_token_ids_completion,
 )
-from router.proxy import Proxy, Target
+from router.proxy import STATUS_CLIENT_CLOSED, Proxy, Target
 from router.ring import text_key
 
 logger = logging.getLogger(__name__)
@@ -288,12 +288,14 @@ class RouterService:
         return child
 
     def _place_speculative(self, routed: Routed, replica_id: str, spec: PromptSpec,
-                           lora: tuple[str, str] | None) -> None:
+                           lora: tuple[str, str] | None) -> Sequence[int]:
+        """Record the chain as placed on ``replica_id``; returns the keys recorded now."""
         if self.config.policy != "prefix" or not routed.chain:
-            return
+            return ()
         held = routed.decision.details.get(replica_id, {}).get("confirmed_hit_blocks", 0)
         bit = self.fleet.index.bit(replica_id)
-        self.fleet.speculative.place(bit, routed.chain[held:], time.monotonic())
+        placed = routed.chain[held:]
+        self.fleet.speculative.place(bit, placed, time.monotonic())
         if not routed.complete:
             # hash the rest of a lazily computed chain off the loop, then record it too
             done = len(routed.chain)
@@ -305,6 +307,7 @@ class RouterService:
                     self.fleet.speculative.place(bit, fut.result().keys[done:], time.monotonic())
 
             future.add_done_callback(place_rest)
+        return placed
 
     # -- handlers ----------------------------------------------------------------
 
@@ -348,12 +351,15 @@ class RouterService:
                     gauged.release_prefill_after(per_token * prefill)
             return gauged
 
+        sent: list[tuple[str, int, Sequence[int]]] = []  # (replica, blocks written, keys placed)
+
         def on_sent(rid: str) -> None:
             self.metrics.child(self.metrics.overhead, endpoint).observe(time.perf_counter() - arrival)
-            self._place_speculative(routed, rid, spec, routed.lora)
+            placed = self._place_speculative(routed, rid, spec, routed.lora)
             held = decision.details.get(rid, {}).get("hit_blocks", 0)
-            self.tracker.record_writes(rid, max(routed.num_tokens // self.config.block_size - held, 0),
-                                       self.write_window_blocks)
+            blocks = max(routed.num_tokens // self.config.block_size - held, 0)
+            self.tracker.record_writes(rid, blocks, self.write_window_blocks)
+            sent.append((rid, blocks, placed))
 
         def on_failure(rid: str) -> None:
             self.fleet.mark_failed(rid, time.monotonic())
@@ -386,6 +392,17 @@ class RouterService:
         finally:
             self.metrics.child(self.metrics.requests, replica_id, decision.reason, endpoint,
                                str(status)).inc()
+            # attempts that failed, and an answer refusing the request (4xx/5xx before any
+            # prefill, e.g. a prompt over the context length), left no blocks on the replica
+            refused = status >= 400 and status != STATUS_CLIENT_CLOSED
+            for i, (rid, blocks, placed) in enumerate(sent):
+                served = not refused and rid == replica_id
+                if served and i == len(sent) - 1:
+                    continue
+                self.tracker.withdraw_writes(rid, blocks, self.write_window_blocks)
+                slot = self.fleet.index.slot_of(rid)
+                if placed and slot is not None and not served:  # (a retry re-placed the same keys)
+                    self.fleet.speculative.withdraw(slot, placed)
 
     def _update_inflight(self, replica_id: str) -> None:
         self.metrics.child(self.metrics.inflight, replica_id).set(self.tracker.requests(replica_id))

@@ -202,6 +202,26 @@ def test_long_new_prefix_sticks_and_is_placed_whole(router: Router) -> None:
     wait_for(deep_hit, 10, message="whole shared prefix placed or confirmed")
 
 
+def test_a_refused_request_leaves_no_placement_and_no_writes(router: Router) -> None:
+    """The engine answers 400 (an id beyond its vocabulary) without prefilling anything: the
+    router withdraws the speculative placement and the KV writes it had counted."""
+    rng = random.Random(17)
+    prompt = tokens(rng, 320) + [999_999_999]
+    status, headers, body = complete(router, prompt)
+    assert status == 400, body
+    assert "error" in body
+    d = json.loads(router.post("/debug/route", {"prompt": prompt})[2])
+    assert (d["hit_blocks"], d["reason"]) == (0, "cold_ring"), d
+    assert all(r["recent_write_blocks"] == 0 for r in d["replicas"].values()), d["replicas"]
+    # an accepted request is counted, and placed
+    ok = tokens(rng, 320)
+    status, headers, _ = complete(router, ok)
+    assert status == 200
+    d = json.loads(router.post("/debug/route", {"prompt": ok + [5000]})[2])
+    assert d["replica"] == headers["x-prefix-router-replica"] and d["hit_blocks"] == 20, d
+    assert d["replicas"][d["replica"]]["recent_write_blocks"] > 0
+
+
 def run_conversations(router: Router, rng: random.Random, num_convs: int, turns: int) -> None:
     convs = [tokens(rng, 400) for _ in range(num_convs)]
     for _ in range(turns):
