@@ -12,6 +12,7 @@ import argparse
 import asyncio
 import json
 import logging
+import math
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -94,8 +95,10 @@ def _cmd_replay(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="prefix-loadtest", description=__doc__.split("\n")[0])
-    parser.add_argument("--log-level", default="warning")
+    parser = argparse.ArgumentParser(prog="prefix-loadtest",
+                                     description=" ".join(__doc__.split("\n\n")[0].split()))
+    parser.add_argument("--log-level", default="warning", type=str.lower,
+                        choices=("debug", "info", "warning", "error", "critical"))
     sub = parser.add_subparsers(dest="command", required=True)
 
     p_replay = sub.add_parser("replay", help="replay a Mooncake trace slice against an endpoint")
@@ -113,10 +116,27 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Range checks argparse cannot express; ``parser.error`` exits 2 with one line."""
+    for name in ("speedup", "window", "max_duration", "request_timeout", "progress_interval",
+                 "time_scale"):
+        value = getattr(args, name, None)
+        if value is not None and not (math.isfinite(value) and value > 0):
+            parser.error(f"--{name.replace('_', '-')} must be a positive number, got {value}")
+    for name in ("replicas", "max_concurrency", "num_gpu_blocks", "limit"):
+        value = getattr(args, name, None)
+        if value is not None and value < 1:
+            parser.error(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+    trace = getattr(args, "trace", None)
+    if trace is not None and not Path(trace).is_file():
+        parser.error(f"--trace {trace}: no such file")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``prefix-loadtest`` console script; returns the exit status."""
     parser = build_parser()
     args = parser.parse_args(list(argv) if argv is not None else None)
+    _check_args(parser, args)
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:

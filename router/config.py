@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -104,6 +105,14 @@ class RouterConfig:
     config: str | None = field(default=None, compare=False)  # the YAML file this came from
 
     def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, float) and not math.isfinite(value):
+                raise ConfigError(f"{f.name} must be a finite number, got {value}")
+        if self.redis_url is not None and not self.redis_url.startswith(
+                ("redis://", "rediss://", "unix://")):
+            raise ConfigError(f"redis_url must start with redis://, rediss:// or unix://, "
+                              f"got {self.redis_url!r}")
         if not 0 <= self.port <= 65535:
             raise ConfigError(f"port must be 0..65535, got {self.port}")
         if self.policy not in POLICIES:
@@ -146,7 +155,22 @@ class RouterConfig:
 
 _FIELDS: Final = {f.name: f for f in dataclasses.fields(RouterConfig)}
 _HELP: Final = {
-    "replicas": "static replica base URL (repeatable); id is host:port",
+    "replicas": "static replica base URL (repeatable; env ROUTER_REPLICA(S), comma-separated); "
+                "id is host:port",
+    "redis_url": "redis://, rediss:// or unix:// URL of the fleet's Redis",
+    "model": "served model name of static replicas (default: ask their /v1/models)",
+    "load_factor": "bounded load: no replica above ceil(load_factor x mean) + load_headroom "
+                   "in-flight requests",
+    "min_hit_fraction": "share of the prompt a replica must hold beyond the ring home for affinity",
+    "cold_candidates": "replicas (in ring order) a cold prefix may go to; 0 = all, 1 = ring home",
+    "cold_queue_slack_tokens": "queued prefill within this of the shortest counts as short "
+                               "for cold placement",
+    "cold_write_window": "recent KV writes decay over this share of the fleet's KV capacity",
+    "replica_kv_blocks": "KV capacity (blocks) assumed for replicas that do not report it",
+    "recompute_penalty": "extra weight of recomputed prefix tokens when moving for load",
+    "queue_slack_tokens": "queue advantage (tokens) a load move must exceed beyond the recompute",
+    "speculative_ttl_s": "seconds this router's own placements count as hits",
+    "max_body_bytes": "request body limit (413 beyond)",
     "tokenizer": "tokenizer dir or hub id; without it text prompts are routed by hashing the text",
     "policy": "|".join(POLICIES),
     "config": "YAML file with the same keys (underscored)",
@@ -173,11 +197,16 @@ def _convert(name: str, value: Any, source: str) -> Any:
                 return tuple(str(v) for v in value)
             raise TypeError("expected a list")
         if kind == "int":
-            if isinstance(value, bool):
+            if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
                 raise TypeError("expected an integer")
             return int(value)
         if kind == "float":
-            return float(value)
+            if isinstance(value, bool):
+                raise TypeError("expected a number")
+            number = float(value)
+            if not math.isfinite(number):
+                raise ValueError("expected a finite number")
+            return number
         return str(value)
     except (TypeError, ValueError) as exc:
         raise ConfigError(f"{source}: bad value {value!r} for {name}: {exc}") from exc
@@ -192,7 +221,11 @@ def build_parser() -> argparse.ArgumentParser:
         if name == "replicas":
             parser.add_argument(flag, dest=name, action="append", default=None, help=_HELP[name])
         else:
-            parser.add_argument(flag, dest=name, default=None, help=_HELP.get(name))
+            default = _FIELDS[name].default
+            shown = "" if default is None or default == "" else f"default {default}"
+            text = "; ".join(t for t in (_HELP.get(name), shown) if t) or None
+            parser.add_argument(flag, dest=name, default=None, help=text,
+                                metavar=_kind(name).upper())
     return parser
 
 
@@ -220,6 +253,8 @@ def load_config(argv: Sequence[str], env: Mapping[str, str] | None = None) -> Ro
         values["config"] = str(config_path)
     for name in _FIELDS:
         raw = env.get(ENV_PREFIX + name.upper())
+        if raw is None and name == "replicas":  # the flag is --replica
+            raw = env.get(ENV_PREFIX + "REPLICA")
         if raw is not None and name != "config":
             values[name] = _convert(name, raw, f"env {ENV_PREFIX + name.upper()}")
     for name, value in args.items():

@@ -46,6 +46,9 @@ HOP_BY_HOP: Final = frozenset({
 })
 RETRY_STATUSES: Final = frozenset({502, 503, 504})  # answered before any byte: try the next replica
 STATUS_CLIENT_CLOSED: Final = 499  # nginx's convention for "client closed request"
+# failures that say the replica cannot take connections (it is benched for a few seconds); a
+# connection the replica dropped or a 502/503/504 it answered may be about this one request
+SUSPECT_CAUSES: Final = frozenset({"connect_error", "connect_timeout"})
 
 
 class LoadTicket(Protocol):
@@ -118,7 +121,7 @@ class Proxy:
 
         ``start_ticket(replica_id)`` counts the load at dispatch; the ticket is
         released at the first byte and at the end on every path.
-        ``on_failure(replica_id)`` marks a replica after a connection failure.
+        ``on_failure(replica_id)`` marks a replica that refused or timed out a connection.
         Raises ``UpstreamError`` (502) / ``UpstreamTimeout`` (504) when nothing
         was sent to the client.
         """
@@ -143,7 +146,8 @@ class Proxy:
                     stale_retry_used = True
                     self.metrics.child(self.metrics.retries, "stale_connection").inc()
                     continue
-                on_failure(target.replica_id)
+                if exc.cause in SUSPECT_CAUSES:
+                    on_failure(target.replica_id)
                 self.metrics.child(self.metrics.upstream_errors, target.replica_id, exc.cause).inc()
                 if i + 1 < len(attempts):
                     self.metrics.child(self.metrics.retries, exc.cause).inc()

@@ -549,6 +549,10 @@ async def _request_id_middleware(request: web.Request, handler: Any) -> web.Stre
     return response
 
 
+class StartupError(RuntimeError):
+    """The router could not start serving (reported as one line, exit code 1)."""
+
+
 def _write_ready_file(path: str, url: str) -> None:
     target = Path(path)
     tmp = target.with_name(target.name + ".tmp")
@@ -563,7 +567,11 @@ async def serve(config: RouterConfig, tokenizer: PromptTokenizer | None) -> None
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
     await runner.setup()
     site = web.TCPSite(runner, config.host, config.port, backlog=1024)
-    await site.start()
+    try:
+        await site.start()
+    except OSError as exc:  # port in use, unknown host, no permission
+        await runner.cleanup()
+        raise StartupError(f"cannot listen on {config.host}:{config.port}: {exc}") from exc
     server = getattr(site, "_server", None)
     sockets = getattr(server, "sockets", None) or []
     port = sockets[0].getsockname()[1] if sockets else config.port
@@ -618,5 +626,9 @@ def main(argv: Sequence[str]) -> int:
     gc.freeze()
     gc.set_threshold(GC_GEN0_THRESHOLD, 20, 20)
     with asyncio.Runner(loop_factory=loop_factory) as runner:
-        runner.run(serve(config, tokenizer))
+        try:
+            runner.run(serve(config, tokenizer))
+        except StartupError as exc:
+            print(f"prefix-router serve: error: {exc}", file=sys.stderr, flush=True)
+            return 1
     return 0

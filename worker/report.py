@@ -19,7 +19,7 @@ import signal
 import sys
 import time
 from collections.abc import Sequence
-from typing import Final
+from typing import Any, Final
 
 import aiohttp
 import redis.asyncio as aioredis
@@ -286,8 +286,12 @@ class Worker:
     async def run(self, stop: asyncio.Event) -> None:
         """Run until ``stop`` is set; then flush what is queued and return."""
         config = self.config
-        runner, _ = await start_metrics_server(make_registry(self.snapshot), config.metrics_host,
-                                               config.metrics_port)
+        try:
+            runner, _ = await start_metrics_server(make_registry(self.snapshot),
+                                                   config.metrics_host, config.metrics_port)
+        except OSError as exc:  # port in use, unknown host
+            raise StartupError(f"cannot serve metrics on {config.metrics_host}:"
+                               f"{config.metrics_port}: {exc}") from exc
         state = await self.read_state()
         heartbeat = asyncio.create_task(self.heartbeat.run())
         try:
@@ -337,6 +341,10 @@ async def serve(config: WorkerConfig) -> None:
         await client.aclose()
 
 
+class StartupError(RuntimeError):
+    """The worker could not start (reported as one line, exit code 1)."""
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``prefix-worker report``. Returns the exit code."""
     try:
@@ -349,10 +357,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         import uvloop
 
-        with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
-            runner.run(serve(config))
+        loop_factory: Any = uvloop.new_event_loop
     except ImportError:
-        asyncio.run(serve(config))
+        loop_factory = None
+    with asyncio.Runner(loop_factory=loop_factory) as runner:
+        try:
+            runner.run(serve(config))
+        except StartupError as exc:
+            print(f"prefix-worker report: error: {exc}", file=sys.stderr, flush=True)
+            return 1
     return 0
 
 

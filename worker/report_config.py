@@ -139,5 +139,7 @@ def _validate(config: WorkerConfig) -> None:
         raise ConfigError("--block-size must be positive")
     if not 0 <= config.metrics_port <= 65535:
         raise ConfigError("--metrics-port must be 0..65535")
-    if config.replay_timeout_s <= 0:
-        raise ConfigError("--replay-timeout-s must be positive")
+    if not config.replay_timeout_s > 0 or config.replay_timeout_s == float("inf"):
+        raise ConfigError("--replay-timeout-s must be a positive number of seconds")
+    if config.log_level.lower() not in ("debug", "info", "warning", "error", "critical"):
+        raise ConfigError("--log-level must be one of debug, info, warning, error, critical")

@@ -171,6 +171,54 @@ def test_last_replica_answering_503_is_relayed(tmp_path: Path) -> None:
         stop_process(server)
 
 
+POISON_SERVER = """
+import json, sys
+from aiohttp import web
+async def completions(request):
+    body = json.loads(await request.read())
+    if body.get("prompt") == [13]:  # this request makes the replica drop the connection
+        request.transport.close()
+        return web.Response()
+    return web.json_response({"id": "ok", "object": "text_completion", "choices": []})
+async def health(request):
+    return web.json_response({})
+async def models(request):
+    return web.json_response({"object": "list", "data": [{"id": "fixed", "object": "model"}]})
+app = web.Application()
+app.router.add_post("/v1/completions", completions)
+app.router.add_get("/health", health)
+app.router.add_get("/v1/models", models)
+web.run_app(app, host="127.0.0.1", port=int(sys.argv[1]), print=None)
+"""
+
+
+def test_one_request_dropped_by_every_replica_does_not_bench_the_fleet(tmp_path: Path) -> None:
+    """A dropped connection may be about the request, not the replica: only refused or timed-out
+    connections bench a replica, so the next requests are served at once."""
+    from tests.helpers import free_port
+
+    script = tmp_path / "poison_server.py"
+    script.write_text(POISON_SERVER)
+    ports = [free_port(), free_port()]
+    servers = [start_process([PYTHON, str(script), str(port)]) for port in ports]
+    router = None
+    try:
+        for port in ports:
+            wait_for(lambda port=port: http("GET", f"http://127.0.0.1:{port}/health")[0] == 200, 20)
+        router = Router(tmp_path, [arg for port in ports
+                                   for arg in ("--replica", f"http://127.0.0.1:{port}")])
+        status, _, raw = router.post("/v1/completions", {"model": "fixed", "prompt": [13]})
+        assert status == 502 and "error" in json.loads(raw)
+        for i in range(4):
+            status, _, raw = router.post("/v1/completions", {"model": "fixed", "prompt": [20 + i]})
+            assert status == 200, raw[:300]
+    finally:
+        if router is not None:
+            router.stop()
+        for server in servers:
+            stop_process(server)
+
+
 def _emulated_fleet(redis_url: str, tmp_path: Path, num: int) -> list[Any]:
     ready = tmp_path / "emu-fleet.json"
     procs = [start_process([PYTHON, "-m", "worker.cli", "emulate", "--host", "127.0.0.1",

@@ -206,7 +206,7 @@ def test_a_refused_request_leaves_no_placement_and_no_writes(router: Router) -> 
     """The engine answers 400 (an id beyond its vocabulary) without prefilling anything: the
     router withdraws the speculative placement and the KV writes it had counted."""
     rng = random.Random(17)
-    prompt = tokens(rng, 320) + [999_999_999]
+    prompt = [*tokens(rng, 320), 999_999_999]
     status, headers, body = complete(router, prompt)
     assert status == 400, body
     assert "error" in body
@@ -217,7 +217,7 @@ def test_a_refused_request_leaves_no_placement_and_no_writes(router: Router) -> 
     ok = tokens(rng, 320)
     status, headers, _ = complete(router, ok)
     assert status == 200
-    d = json.loads(router.post("/debug/route", {"prompt": ok + [5000]})[2])
+    d = json.loads(router.post("/debug/route", {"prompt": [*ok, 5000]})[2])
     assert d["replica"] == headers["x-prefix-router-replica"] and d["hit_blocks"] == 20, d
     assert d["replicas"][d["replica"]]["recent_write_blocks"] > 0
 

@@ -830,7 +830,7 @@ class Emulator:
     async def stop(self) -> None:
         for replica in self.replicas:
             await replica.stop()
-        self.zmq_ctx.term()
+        self.zmq_ctx.destroy(linger=0)  # also closes a socket whose bind failed (term() would wait)
 
 
 def write_ready_file(path: str, replicas: list[dict[str, Any]]) -> None:
@@ -850,7 +850,7 @@ async def _serve(config: EmulatorConfig) -> int:
             loop.add_signal_handler(sig, stop.set)
     try:
         await emulator.start()
-    except (OSError, PublisherError) as exc:
+    except (OSError, PublisherError, ConfigError) as exc:
         logger.error("emulator failed to start: %s", exc)
         await emulator.stop()
         return 1

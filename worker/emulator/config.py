@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -103,7 +104,11 @@ def replica_endpoint(endpoint: str, index: int, host: str) -> ResolvedEndpoint:
     if endpoint.startswith(("ipc://", "inproc://")):
         return ResolvedEndpoint(endpoint + (f"_replica{index}" if index else ""), bind)
     parts = urlsplit(endpoint)
-    if parts.scheme != "tcp" or parts.port is None:
+    try:
+        port_number = parts.port
+    except ValueError:  # a port that is not a number
+        port_number = None
+    if parts.scheme != "tcp" or port_number is None:
         raise ConfigError(f"KV events endpoint must be tcp://HOST:PORT, ipc:// or inproc://, got {endpoint!r}")
     netloc_host = parts.netloc.rsplit(":", 1)[0]
     if netloc_host == "*":
@@ -214,7 +219,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--eos-after-tokens", type=int, default=DEFAULT_EOS_AFTER_TOKENS,
                    help="tokens generated before the emulated EOS when a request sets no max_tokens")
     p.add_argument("--ready-file", default=None, help="write the replicas' addresses here when ready")
-    p.add_argument("--log-level", default="info")
+    p.add_argument("--log-level", default="info", type=str.lower,
+                   choices=("debug", "info", "warning", "error", "critical"))
     return p
 
 
@@ -224,6 +230,13 @@ def from_args(argv: Sequence[str], env: Mapping[str, str] | None = None) -> Emul
     a = build_parser().parse_args(list(argv))
     model = a.model or a.model_tag or DEFAULT_MODEL
     served = tuple(a.served_model_name or [model])
+    for name, value in vars(a).items():
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ConfigError(f"--{name.replace('_', '-')} must be a finite number, got {value}")
+    if not 0 <= a.port <= 65535:
+        raise ConfigError(f"--port must be 0..65535, got {a.port}")
+    if a.max_num_seqs < 1 or a.max_num_batched_tokens < 1:
+        raise ConfigError("--max-num-seqs and --max-num-batched-tokens must be >= 1")
     if a.replicas < 1:
         raise ConfigError("--replicas must be >= 1")
     if a.block_size < 1:
@@ -255,7 +268,14 @@ def from_args(argv: Sequence[str], env: Mapping[str, str] | None = None) -> Emul
     max_model_len = a.max_model_len or min(DEFAULT_MAX_MODEL_LEN, pool_tokens)
     if max_model_len > pool_tokens:
         raise ConfigError(f"--max-model-len {max_model_len} exceeds the KV pool ({pool_tokens} tokens)")
-    kv_events = parse_kv_events_config(a.kv_events_config)
+    try:
+        kv_events = parse_kv_events_config(a.kv_events_config)
+    except ValueError as exc:
+        raise ConfigError(f"--kv-events-config: {exc}") from exc
+    if kv_events.enabled:  # endpoints checked now, not when the replicas bind
+        for endpoint in (kv_events.endpoint, kv_events.replay_endpoint):
+            if endpoint:
+                replica_endpoint(endpoint, 0, a.host)
     int_hashes = env.get("VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES", "1").strip().lower() not in (
         "0", "false")
     if a.vocab_size is not None and a.vocab_size < 1:
