@@ -27,6 +27,7 @@ class RouterError(Exception):
     def __init__(self, message: str) -> None:
         super().__init__(message)
         self.message = message
+        self.headers: dict[str, str] = {}  # extra response headers (e.g. the routing decision)
 
 
 class BadRequest(RouterError):
@@ -78,7 +79,9 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
     try:
         return await handler(request)
     except RouterError as exc:
-        return error_response(exc.message, exc.error_type, exc.status, request_id)
+        response = error_response(exc.message, exc.error_type, exc.status, request_id)
+        response.headers.update(exc.headers)
+        return response
     except web.HTTPRequestEntityTooLarge as exc:
         return error_response(f"request body too large: {exc.text}", "RequestEntityTooLargeError",
                               413, request_id)

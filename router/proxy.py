@@ -46,9 +46,9 @@ HOP_BY_HOP: Final = frozenset({
 })
 RETRY_STATUSES: Final = frozenset({502, 503, 504})  # answered before any byte: try the next replica
 STATUS_CLIENT_CLOSED: Final = 499  # nginx's convention for "client closed request"
-# failures that say the replica cannot take connections (it is benched for a few seconds); a
-# connection the replica dropped or a 502/503/504 it answered may be about this one request
-SUSPECT_CAUSES: Final = frozenset({"connect_error", "connect_timeout"})
+# failures that say the replica cannot take connections or does not speak HTTP (it is benched for
+# a few seconds); a connection it dropped or a 502/503/504 it answered may be about one request
+SUSPECT_CAUSES: Final = frozenset({"connect_error", "connect_timeout", "bad_response"})
 
 
 class LoadTicket(Protocol):
@@ -77,10 +77,11 @@ class ProxyOutcome:
 
 
 def upstream_headers(request: web.Request, request_id: str) -> CIMultiDict[str]:
-    """Client headers minus hop-by-hop ones, with the request id set."""
+    """Client headers minus hop-by-hop ones, with the request id set. The body goes upstream
+    decoded (aiohttp decodes a gzip/deflate request body), so its Content-Encoding is dropped."""
     headers: CIMultiDict[str] = CIMultiDict()
     for name, value in request.headers.items():
-        if name.lower() not in HOP_BY_HOP:
+        if name.lower() not in HOP_BY_HOP and name.lower() != "content-encoding":
             headers.add(name, value)
     headers[REQUEST_ID_HEADER] = request_id
     return headers
@@ -196,6 +197,8 @@ class Proxy:
                 raise _Retryable("connect_timeout") from exc
             except aiohttp.ClientPayloadError as exc:
                 raise _Retryable("payload_error") from exc
+            except aiohttp.ClientResponseError as exc:  # not HTTP: a bad status line or headers
+                raise _Retryable("bad_response") from exc
             except TimeoutError as exc:
                 raise UpstreamTimeout(
                     f"replica {target.replica_id} sent no byte within "

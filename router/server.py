@@ -28,6 +28,7 @@ from typing import Any
 import aiohttp
 import msgspec
 from aiohttp import web
+from aiohttp.web_protocol import RequestPayloadError
 
 from router.chain_cache import ChainCache, PromptChain
 from router.config import ConfigError, RouterConfig, load_config
@@ -43,7 +44,7 @@ from router.prompts import (
     parse_prompt,
     parse_token_ids_completion,
 )
-from router.proxy import STATUS_CLIENT_CLOSED, Proxy, Target
+from router.proxy import REASON_HEADER, REPLICA_HEADER, STATUS_CLIENT_CLOSED, Proxy, Target
 from router.ring import text_key
 
 logger = logging.getLogger(__name__)
@@ -312,15 +313,38 @@ class RouterService:
     # -- handlers ----------------------------------------------------------------
 
     async def _read_json(self, request: web.Request) -> tuple[bytes, Any]:
-        body = await request.read()
+        body = await _read_body(request)
         try:
             return body, _JSON.decode(body)
         except (msgspec.DecodeError, RecursionError) as exc:
             raise BadRequest(f"request body is not valid JSON: {exc}") from exc
 
     async def handle_generate(self, kind: str, request: web.Request) -> web.StreamResponse:
+        """Completions and chat: every outcome, the router's own errors included, is counted in
+        ``router_requests_total``; errors after a decision carry the routing headers."""
+        counted = _Counted(request.path)
+        try:
+            return await self._generate(kind, request, counted)
+        except RouterError as exc:
+            counted.status = exc.status
+            if counted.replica_id:
+                exc.headers.setdefault(REPLICA_HEADER, counted.replica_id)
+                exc.headers.setdefault(REASON_HEADER, counted.reason)
+            raise
+        except web.HTTPException as exc:  # 413 from aiohttp's body limit
+            counted.status = exc.status
+            raise
+        except asyncio.CancelledError:
+            counted.status = STATUS_CLIENT_CLOSED
+            raise
+        finally:
+            self.metrics.child(self.metrics.requests, counted.replica_id, counted.reason,
+                               counted.endpoint, str(counted.status)).inc()
+
+    async def _generate(self, kind: str, request: web.Request,
+                        counted: _Counted) -> web.StreamResponse:
         arrival = time.perf_counter()
-        body = await request.read()
+        body = await _read_body(request)
         spec = parse_token_ids_completion(body) if kind == "completion" else None
         if spec is None:
             try:
@@ -337,7 +361,8 @@ class RouterService:
         prefill = max(routed.num_tokens - hit_tokens, 1)
         endpoint = request.path
         status = 500
-        replica_id = decision.replica_id
+        replica_id = counted.replica_id = decision.replica_id
+        counted.reason = decision.reason
 
         def start_ticket(rid: str) -> Any:
             ticket = self.tracker.dispatch(rid, prefill)
@@ -370,6 +395,7 @@ class RouterService:
                 request, endpoint, body, routed.targets, decision.reason, request["request_id"],
                 start_ticket, on_failure, arrival, on_sent)
             status, replica_id = outcome.status, outcome.replica_id
+            counted.status, counted.replica_id = status, replica_id
             if spec.stream and outcome.first_byte_s is not None and status == 200:
                 sample = outcome.first_byte_s / prefill
                 old = self.prefill_s_per_token.get(replica_id)
@@ -390,8 +416,6 @@ class RouterService:
             status = 499
             raise
         finally:
-            self.metrics.child(self.metrics.requests, replica_id, decision.reason, endpoint,
-                               str(status)).inc()
             # attempts that failed, and an answer refusing the request (4xx/5xx before any
             # prefill, e.g. a prompt over the context length), left no blocks on the replica
             refused = status >= 400 and status != STATUS_CLIENT_CLOSED
@@ -547,6 +571,25 @@ async def _request_id_middleware(request: web.Request, handler: Any) -> web.Stre
     if REQUEST_ID_HEADER not in response.headers and not response.prepared:
         response.headers[REQUEST_ID_HEADER] = request_id
     return response
+
+
+@dataclass(slots=True)
+class _Counted:
+    """What ``router_requests_total`` records of one request (filled in as it goes)."""
+
+    endpoint: str
+    replica_id: str = ""  # "" when no replica was chosen (the router answered itself)
+    reason: str = "none"
+    status: int = 500
+
+
+async def _read_body(request: web.Request) -> bytes:
+    """The request body, decoded per its Content-Encoding (aiohttp does that); a body that does
+    not decode is a 400 (413 beyond ``max_body_bytes`` is raised by aiohttp)."""
+    try:
+        return await request.read()
+    except RequestPayloadError as exc:
+        raise BadRequest(f"request body could not be read: {exc}") from exc
 
 
 class StartupError(RuntimeError):

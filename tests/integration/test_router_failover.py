@@ -219,6 +219,68 @@ def test_one_request_dropped_by_every_replica_does_not_bench_the_fleet(tmp_path:
             stop_process(server)
 
 
+GARBLED_SERVER = """
+import asyncio, json, sys
+async def handle(reader, writer):
+    head = await reader.readuntil(b"\\r\\n\\r\\n")
+    line = head.split(b"\\r\\n", 1)[0].decode()
+    length = 0
+    for h in head.split(b"\\r\\n")[1:]:
+        if h.lower().startswith(b"content-length:"):
+            length = int(h.split(b":", 1)[1])
+    if length:
+        await reader.readexactly(length)
+    if "/v1/completions" in line:
+        writer.write(b"NOT HTTP AT ALL\\r\\n\\r\\n")  # a replica that does not speak HTTP
+    else:
+        body = json.dumps({"object": "list", "data": [{"id": "fixed", "object": "model"}]}).encode()
+        writer.write(b"HTTP/1.1 200 OK\\r\\nContent-Type: application/json\\r\\n"
+                     b"Content-Length: " + str(len(body)).encode() + b"\\r\\n\\r\\n" + body)
+    await writer.drain()
+    writer.close()
+async def main():
+    server = await asyncio.start_server(handle, "127.0.0.1", int(sys.argv[1]))
+    async with server:
+        await server.serve_forever()
+asyncio.run(main())
+"""
+
+
+def test_a_replica_answering_garbage_is_retried_elsewhere_and_benched(tmp_path: Path) -> None:
+    from tests.helpers import free_port
+
+    (tmp_path / "garbled.py").write_text(GARBLED_SERVER)
+    (tmp_path / "status_server.py").write_text(STATUS_SERVER)
+    bad_port, good_port = free_port(), free_port()
+    servers = [start_process([PYTHON, str(tmp_path / "garbled.py"), str(bad_port)]),
+               start_process([PYTHON, str(tmp_path / "status_server.py"), str(good_port), "200"])]
+    router = None
+    try:
+        for port in (bad_port, good_port):
+            wait_for(lambda port=port: http("GET", f"http://127.0.0.1:{port}/health")[0] == 200, 20)
+        bad_id, good_id = f"127.0.0.1:{bad_port}", f"127.0.0.1:{good_port}"
+        router = Router(tmp_path, ["--replica", f"http://{bad_id}", "--replica", f"http://{good_id}"])
+        rng = random.Random(8)
+        for _ in range(200):  # a prompt whose first choice is the garbled replica
+            body = {"model": "fixed", "prompt": [rng.randrange(1000, 90_000) for _ in range(40)]}
+            if json.loads(router.post("/debug/route", body)[2])["replica"] == bad_id:
+                break
+        else:
+            raise AssertionError(f"no prompt routed to {bad_id}")
+        status, headers, raw = router.post("/v1/completions", body)
+        assert status == 200 and headers["x-prefix-router-replica"] == good_id, raw[:300]
+        assert (f'router_upstream_errors_total{{kind="bad_response",replica="{bad_id}"}} 1.0'
+                in router.metrics())
+        for _ in range(5):  # benched for a few seconds: everything goes to the good one
+            status, headers, _ = router.post("/v1/completions", body)
+            assert status == 200 and headers["x-prefix-router-replica"] == good_id
+    finally:
+        if router is not None:
+            router.stop()
+        for server in servers:
+            stop_process(server)
+
+
 def _emulated_fleet(redis_url: str, tmp_path: Path, num: int) -> list[Any]:
     ready = tmp_path / "emu-fleet.json"
     procs = [start_process([PYTHON, "-m", "worker.cli", "emulate", "--host", "127.0.0.1",

@@ -7,6 +7,7 @@ token ids of random vocabularies so tests never share cache blocks by accident.
 
 from __future__ import annotations
 
+import gzip
 import json
 import random
 import subprocess
@@ -438,6 +439,18 @@ def test_bad_inputs_get_openai_errors_and_router_keeps_serving(router: Router, t
     status, headers, _ = router.post("/v1/completions", {"prompt": [1, 2, 3], "max_tokens": 1},
                                      headers={"X-Request-Id": rid})
     assert status == 200 and headers["x-request-id"] == rid
+    # the router's own answers are counted too, without a replica
+    metrics = router.metrics()
+    for code in ("400", "404", "413"):
+        assert (f'router_requests_total{{endpoint="/v1/completions",reason="none",replica="",'
+                f'status="{code}"}}') in metrics, code
+    # a gzip-encoded body is decoded and forwarded plain; one that does not decode is a 400
+    packed = gzip.compress(json.dumps({"model": "emulated-llm", "prompt": [1, 2, 3],
+                                       "max_tokens": 1}).encode())
+    status, _, raw = router.post("/v1/completions", packed, headers={"Content-Encoding": "gzip"})
+    assert status == 200, raw[:300]
+    status, _, raw = router.post("/v1/completions", b"notgzip", headers={"Content-Encoding": "gzip"})
+    assert status == 400 and json.loads(raw)["error"]["code"] == 400, raw[:300]
 
 
 def test_no_routable_replica_is_503_and_timeout_is_504(fleet: Fleet, tmp_path: Path) -> None:
@@ -454,9 +467,10 @@ def test_no_routable_replica_is_503_and_timeout_is_504(fleet: Fleet, tmp_path: P
     slow = Router(tmp_path, ["--replica", fleet.replicas[0]["url"], "--first-byte-timeout-s", "0.2"],
                   "slow")
     try:
-        status, _, raw = slow.post("/v1/completions", {"model": "emulated-llm", "max_tokens": 1,
-                                                       "prompt": tokens(random.Random(1), 60_000)})
+        status, headers, raw = slow.post("/v1/completions", {
+            "model": "emulated-llm", "max_tokens": 1, "prompt": tokens(random.Random(1), 60_000)})
         assert status == 504 and json.loads(raw)["error"]["type"] == "GatewayTimeoutError"
+        assert headers["x-prefix-router-replica"] and headers["x-prefix-router-reason"]
         status, _, _ = slow.post("/v1/completions", {"model": "emulated-llm", "max_tokens": 1,
                                                      "prompt": [5, 6, 7]})
         assert status == 200
