@@ -242,10 +242,14 @@ def _newline_pieces(text: str) -> list[str]:
 
 
 def _normalise_content(content: Any) -> Any:
-    """vLLM "string" content format: text parts joined with newlines; other parts dropped."""
+    """vLLM "string" content format: text parts joined with newlines, other parts dropped, and
+    no content (``None``) as ""."""
+    if content is None:
+        return ""
     if isinstance(content, list):
-        texts = [part.get("text", "") for part in content
-                 if isinstance(part, dict) and part.get("type") in ("text", "input_text")]
+        texts = [part if isinstance(part, str) else part.get("text", "") for part in content
+                 if isinstance(part, str) or (isinstance(part, dict) and part.get("type") in
+                                               ("text", "input_text", "output_text", "refusal"))]
         return "\n".join(t for t in texts if isinstance(t, str))
     return content
 
@@ -261,32 +265,51 @@ def _normalise_tool(tool: Any) -> Any:
 
 
 def prepare_messages(messages: Sequence[dict[str, Any]], template: str | None) -> list[dict[str, Any]]:
-    """Messages as vLLM hands them to the chat template (see module docstring)."""
+    """Messages as vLLM hands them to the chat template (vLLM 0.33 chat_utils
+    ``_parse_chat_message_content`` and ``_postprocess_messages``): each becomes ``role`` and
+    string ``content`` (``None`` -> ""), plus for an assistant its ``tool_calls`` (arguments
+    JSON-decoded, ``{}`` when not JSON; an empty list dropped) and ``reasoning`` (also as
+    ``reasoning_content``), for a tool its ``tool_call_id``, and a string ``name``; other keys
+    are not passed. ``developer`` becomes ``system`` when the template does not know it."""
     knows_developer = template is not None and "developer" in template
     out = []
     for message in messages:
-        msg = dict(message)
-        if msg.get("role") == "developer" and not knows_developer:
-            msg["role"] = "system"
-        if "content" in msg:
-            msg["content"] = _normalise_content(msg["content"])
-        calls = msg.get("tool_calls")
-        if isinstance(calls, list):
-            fixed = []
-            for call in calls:
-                call = dict(call) if isinstance(call, dict) else call
-                fn = call.get("function") if isinstance(call, dict) else None
-                if isinstance(fn, dict) and isinstance(fn.get("arguments"), str):
-                    fn = dict(fn)
-                    try:
-                        fn["arguments"] = json.loads(fn["arguments"])
-                    except json.JSONDecodeError:
-                        pass
-                    call["function"] = fn
-                fixed.append(call)
-            msg["tool_calls"] = fixed
+        role = message.get("role")
+        if role == "developer" and not knows_developer:
+            role = "system"
+        msg: dict[str, Any] = {"role": role, "content": _normalise_content(message.get("content"))}
+        if role == "assistant":
+            calls = message.get("tool_calls")
+            if isinstance(calls, list) and calls:
+                msg["tool_calls"] = [_decoded_call(call) for call in calls]
+            elif calls is not None and not isinstance(calls, list):
+                msg["tool_calls"] = calls
+            if message.get("reasoning") is not None:
+                msg["reasoning"] = msg["reasoning_content"] = message["reasoning"]
+        elif role == "tool" and "tool_call_id" in message:
+            msg["tool_call_id"] = message["tool_call_id"]
+        if isinstance(message.get("name"), str):
+            msg["name"] = message["name"]
+        if role == "developer":
+            msg["tools"] = message.get("tools")
         out.append(msg)
     return out
+
+
+def _decoded_call(call: Any) -> Any:
+    """A tool call with its JSON-string ``arguments`` decoded ({} when not JSON or missing)."""
+    if not isinstance(call, dict) or not isinstance(call.get("function"), dict):
+        return call
+    fn = dict(call["function"])
+    arguments = fn.get("arguments")
+    if isinstance(arguments, str):
+        try:
+            fn["arguments"] = json.loads(arguments)
+        except json.JSONDecodeError:
+            fn["arguments"] = {}
+    elif not isinstance(arguments, (dict, list)):
+        fn["arguments"] = {}
+    return {**call, "function": fn}
 
 
 class _LRU:

@@ -214,3 +214,28 @@ def test_token_ids_fast_path_equals_general_parse(body: dict[str, object]) -> No
 ])
 def test_token_ids_fast_path_leaves_everything_else_to_the_general_parse(raw: bytes) -> None:
     assert parse_token_ids_completion(raw) is None
+
+
+@needs_tokenizer
+def test_tool_call_turn_with_null_content_renders_as_vllm(tok: PromptTokenizer) -> None:
+    """vLLM turns ``content: null`` into "" and decodes tool-call arguments; other keys of a
+    message are not passed to the template."""
+    tools = [{"type": "function", "function": {"name": "get_weather", "description": "w",
+                                               "parameters": {"type": "object"}}}]
+    call = {"id": "c1", "type": "function",
+            "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
+    messages = [{"role": "user", "content": "Weather in Paris?", "extra": 1},
+                {"role": "assistant", "content": None, "tool_calls": [call]},
+                {"role": "tool", "tool_call_id": "c1", "content": [{"type": "text", "text": "22C"}]}]
+    text = tok.render_chat(parse_prompt("chat", {"messages": messages, "tools": tools}))
+    expected = tok.hf.apply_chat_template(
+        [{"role": "user", "content": "Weather in Paris?"},
+         {"role": "assistant", "content": "",
+          "tool_calls": [{**call, "function": {"name": "get_weather",
+                                               "arguments": {"city": "Paris"}}}]},
+         {"role": "tool", "content": "22C", "tool_call_id": "c1"}],
+        tools=[{"type": "function", "function": {"name": "get_weather", "description": "w",
+                                                 "parameters": {"type": "object"}}}],
+        tokenize=False, add_generation_prompt=True)
+    assert text == expected
+    assert '"arguments": {"city": "Paris"}' in text

