@@ -654,6 +654,7 @@ def cmd_compare(args: argparse.Namespace,
     for label, reason in {**results["failed"], **skipped}.items():
         print(f"\n{label}: not measured: {reason.splitlines()[0] if reason else ''}")
     print(f"\nresults: {output_dir / 'results.json'}")
+    print(f"records: {output_dir}/records-<policy>.jsonl (one line per request)")
     for plot in results.get("plots", []):
         print(f"plot:    {plot}")
     return 0 if results["policies"] and not results["failed"] else 1
