@@ -88,16 +88,8 @@ def test_killed_replica_leaves_rotation_and_requests_are_retried(redis_url: str,
             stop_process(proc)
 
 
-STATUS_SERVER = """
-import sys
-from aiohttp import web
-STATUS = int(sys.argv[2])
-async def completions(request):
-    await request.read()
-    if STATUS != 200:
-        return web.json_response({"error": {"message": f"replica says {STATUS}", "type": "X",
-                                            "code": STATUS}}, status=STATUS)
-    return web.json_response({"id": "ok", "object": "text_completion", "choices": []})
+# the rest of a fake replica script after its ``completions`` handler (health, models, serving)
+_FAKE_REPLICA_TAIL = """
 async def health(request):
     return web.json_response({})
 async def models(request):
@@ -108,6 +100,26 @@ app.router.add_get("/health", health)
 app.router.add_get("/v1/models", models)
 web.run_app(app, host="127.0.0.1", port=int(sys.argv[1]), print=None)
 """
+
+STATUS_SERVER = """
+import sys
+from aiohttp import web
+STATUS = int(sys.argv[2])
+async def completions(request):
+    await request.read()
+    if STATUS != 200:
+        return web.json_response({"error": {"message": f"replica says {STATUS}", "type": "X",
+                                            "code": STATUS}}, status=STATUS)
+    return web.json_response({"id": "ok", "object": "text_completion", "choices": []})""" + _FAKE_REPLICA_TAIL
+
+
+def prompt_routed_to(router: Router, replica_id: str, rng: random.Random) -> dict[str, Any]:
+    """A completion body whose first choice (per ``/debug/route``) is ``replica_id``."""
+    for _ in range(200):
+        body = {"model": "fixed", "prompt": [rng.randrange(1000, 90_000) for _ in range(40)]}
+        if json.loads(router.post("/debug/route", body)[2])["replica"] == replica_id:
+            return body
+    raise AssertionError(f"no prompt routed to {replica_id}")
 
 
 def test_502_and_504_before_any_byte_are_retried_on_the_next_replica(tmp_path: Path) -> None:
@@ -130,13 +142,7 @@ def test_502_and_504_before_any_byte_are_retried_on_the_next_replica(tmp_path: P
             router = Router(tmp_path, ["--replica", f"http://{bad_id}", "--replica",
                                        f"http://{good_id}"])
             routers.append(router)
-            # a prompt whose first choice is the failing replica
-            for _ in range(200):
-                body = {"model": "fixed", "prompt": [rng.randrange(1000, 90_000) for _ in range(40)]}
-                if json.loads(router.post("/debug/route", body)[2])["replica"] == bad_id:
-                    break
-            else:
-                raise AssertionError(f"no prompt routed to {bad_id}")
+            body = prompt_routed_to(router, bad_id, rng)
             status, headers, raw = router.post("/v1/completions", body)
             assert status == 200, raw[:200]
             assert headers["x-prefix-router-replica"] == good_id
@@ -179,17 +185,7 @@ async def completions(request):
     if body.get("prompt") == [13]:  # this request makes the replica drop the connection
         request.transport.close()
         return web.Response()
-    return web.json_response({"id": "ok", "object": "text_completion", "choices": []})
-async def health(request):
-    return web.json_response({})
-async def models(request):
-    return web.json_response({"object": "list", "data": [{"id": "fixed", "object": "model"}]})
-app = web.Application()
-app.router.add_post("/v1/completions", completions)
-app.router.add_get("/health", health)
-app.router.add_get("/v1/models", models)
-web.run_app(app, host="127.0.0.1", port=int(sys.argv[1]), print=None)
-"""
+    return web.json_response({"id": "ok", "object": "text_completion", "choices": []})""" + _FAKE_REPLICA_TAIL
 
 
 def test_one_request_dropped_by_every_replica_does_not_bench_the_fleet(tmp_path: Path) -> None:
@@ -261,12 +257,7 @@ def test_a_replica_answering_garbage_is_retried_elsewhere_and_benched(tmp_path: 
         bad_id, good_id = f"127.0.0.1:{bad_port}", f"127.0.0.1:{good_port}"
         router = Router(tmp_path, ["--replica", f"http://{bad_id}", "--replica", f"http://{good_id}"])
         rng = random.Random(8)
-        for _ in range(200):  # a prompt whose first choice is the garbled replica
-            body = {"model": "fixed", "prompt": [rng.randrange(1000, 90_000) for _ in range(40)]}
-            if json.loads(router.post("/debug/route", body)[2])["replica"] == bad_id:
-                break
-        else:
-            raise AssertionError(f"no prompt routed to {bad_id}")
+        body = prompt_routed_to(router, bad_id, rng)
         status, headers, raw = router.post("/v1/completions", body)
         assert status == 200 and headers["x-prefix-router-replica"] == good_id, raw[:300]
         assert (f'router_upstream_errors_total{{kind="bad_response",replica="{bad_id}"}} 1.0'
