@@ -192,6 +192,9 @@ def parse_prompt(kind: str, body: Any) -> PromptSpec:
         tools = body.get("tools")
         if not isinstance(kwargs, dict):
             raise PromptError("'chat_template_kwargs' must be an object")
+        reserved = {"chat_template", "tokenize"} & kwargs.keys()  # vLLM resolve_chat_template_kwargs
+        if reserved:
+            raise PromptError(f"Found unexpected chat template kwargs from request: {reserved}")
         if tools is not None and not isinstance(tools, list):
             raise PromptError("'tools' must be a list")
         add_special = body.get("add_special_tokens", False)

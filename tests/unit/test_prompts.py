@@ -190,6 +190,8 @@ def test_completion_forms(tok: PromptTokenizer) -> None:
     ("chat", {"messages": [{"role": "user", "content": "x"}], "tools": {}}, "tools"),
     ("chat", {"messages": [{"role": "user", "content": "x"}], "continue_final_message": True,
               "add_generation_prompt": True}, "both"),
+    ("chat", {"messages": [{"role": "user", "content": "x"}],
+              "chat_template_kwargs": {"tokenize": True}}, "unexpected chat template kwargs"),
 ])
 def test_parse_errors(kind: str, body: object, message: str) -> None:
     with pytest.raises(PromptError, match=message):

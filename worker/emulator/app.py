@@ -482,6 +482,10 @@ class Replica:
         kwargs = data.get("chat_template_kwargs") or {}
         if not isinstance(kwargs, dict):
             raise bad_request("chat_template_kwargs must be an object", "chat_template_kwargs")
+        reserved = {"chat_template", "tokenize"} & kwargs.keys()  # vLLM resolve_chat_template_kwargs
+        if reserved:
+            raise bad_request(f"Found unexpected chat template kwargs from request: {reserved}",
+                              "chat_template_kwargs")
         try:
             ids = await self.tokenizer.apply_chat_template(
                 messages, add_generation_prompt=bool(add_generation_prompt),
