@@ -403,7 +403,9 @@ class Replica:
         max_tokens = data.get("max_completion_tokens") if chat else None
         if max_tokens is None:
             max_tokens = data.get("max_tokens")
-        if max_tokens is not None and (type(max_tokens) is not int or max_tokens < 1):
+        if max_tokens is not None and type(max_tokens) is not int:
+            raise bad_request("max_tokens must be an integer, got " + repr(max_tokens), "max_tokens")
+        if max_tokens is not None and max_tokens < 1:
             raise bad_request("max_tokens must be at least 1, got " + repr(max_tokens), "max_tokens")
         n = data.get("n", 1)
         if n is None:
