@@ -836,7 +836,7 @@ class Emulator:
     async def stop(self) -> None:
         for replica in self.replicas:
             await replica.stop()
-        self.zmq_ctx.destroy(linger=0)  # also closes a socket whose bind failed (term() would wait)
+        self.zmq_ctx.term()
 
 
 def write_ready_file(path: str, replicas: list[dict[str, Any]]) -> None:

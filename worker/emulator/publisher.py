@@ -123,14 +123,14 @@ class KVEventPublisher:
             pub = self._ctx.socket(zmq.PUB)
             pub.setsockopt(zmq.SNDHWM, self.config.hwm)
             pub.setsockopt(zmq.LINGER, 0)
+            self._pub = pub  # (kept before binding, so close() also closes a socket that failed)
             self.endpoint = _attach(pub, self.config.endpoint, self.config.bind)
-            self._pub = pub
             if self.config.replay_endpoint:
                 replay = self._actx.socket(zmq.ROUTER)
                 replay.setsockopt(zmq.SNDHWM, 2 * (self.config.buffer_steps + 1))
                 replay.setsockopt(zmq.LINGER, 0)
-                self.replay_endpoint = _attach(replay, self.config.replay_endpoint, True)
                 self._replay = replay
+                self.replay_endpoint = _attach(replay, self.config.replay_endpoint, True)
                 self._replay_task = asyncio.get_running_loop().create_task(self._serve_replay())
         except zmq.ZMQError as exc:
             self.close()
