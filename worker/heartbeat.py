@@ -59,6 +59,10 @@ class EngineLoad:
     block_size: int | None = None
     hash_algo: str | None = None
     num_gpu_blocks: int | None = None
+    # creation time (unix s) of the prefix-cache counter (prometheus_client's ``_created``
+    # sample): a new value means a new engine process, even when its counters have already
+    # grown past the old ones; None if not exposed
+    counters_created: float | None = None
 
 
 def parse_models(body: Any) -> EngineModels:
@@ -91,7 +95,8 @@ _SAMPLES: Final = {
 }
 
 
-_WANTED_PREFIXES: Final = (*_SAMPLES, "vllm:cache_config_info")
+_CREATED_SAMPLE: Final = "vllm:prefix_cache_queries_created"
+_WANTED_PREFIXES: Final = (*_SAMPLES, "vllm:cache_config_info", _CREATED_SAMPLE)
 
 
 def parse_metrics(text: str) -> EngineLoad:
@@ -102,6 +107,7 @@ def parse_metrics(text: str) -> EngineLoad:
     """
     values: dict[str, float] = {}
     cache_labels: dict[str, str] = {}
+    created: float | None = None
     # only the samples used here go through the (slow, pure-Python) parser: an engine exposes
     # hundreds of histogram lines per heartbeat
     wanted = "\n".join(line for line in text.splitlines() if line.startswith(_WANTED_PREFIXES))
@@ -114,6 +120,8 @@ def parse_metrics(text: str) -> EngineLoad:
                 values[name] = values.get(name, 0.0) + sample.value
             elif sample.name == "vllm:cache_config_info" and not cache_labels:
                 cache_labels = dict(sample.labels)
+            elif sample.name == _CREATED_SAMPLE:
+                created = max(created or 0.0, sample.value)
 
     def label_int(label: str) -> int | None:
         try:
@@ -125,6 +133,7 @@ def parse_metrics(text: str) -> EngineLoad:
         block_size=label_int("block_size"),
         hash_algo=cache_labels.get("prefix_caching_hash_algo") or None,
         num_gpu_blocks=label_int("num_gpu_blocks"),
+        counters_created=created,
         **values,
     )
 

@@ -104,11 +104,18 @@ class Worker:
 
     def _on_engine(self, models: EngineModels, load: EngineLoad) -> None:
         previous = self.heartbeat.previous_load
+        restarted = None
         if previous is not None and load.prefix_cache_queries < previous.prefix_cache_queries:
-            # vLLM counters only go down when the engine restarted; its KV events may not
-            # have told us yet (the new engine's first batches can be lost before the SUB
-            # socket reconnects), so resync now and fetch the new engine's history.
-            self.resync("engine restarted: its prefix cache counters went backwards")
+            restarted = "its prefix cache counters went backwards"
+        elif (previous is not None and previous.counters_created is not None
+              and load.counters_created is not None
+              and load.counters_created != previous.counters_created):
+            restarted = "its prefix cache counters were created anew"
+        if restarted:
+            # vLLM counters only go down (or are re-created) when the engine restarted; its KV
+            # events may not have told us yet (the new engine's first batches can be lost before
+            # the SUB socket reconnects), so resync now and fetch the new engine's history.
+            self.resync(f"engine restarted: {restarted}")
             if self.subscriber is not None:
                 self.subscriber.restart_from_scratch()
         self.lora_paths = dict(models.lora_adapters)

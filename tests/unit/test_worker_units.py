@@ -36,7 +36,9 @@ def test_parse_metrics() -> None:
     assert (load.num_running, load.num_waiting, load.kv_usage) == (3.0, 2.0, 0.25)
     assert (load.prefix_cache_queries, load.prefix_cache_hits) == (1000.0, 400.0)
     assert (load.block_size, load.hash_algo, load.num_gpu_blocks) == (32, "xxhash", 2048)
+    assert load.counters_created == 1.7e9  # a new value means a new engine process
     assert parse_metrics("").block_size is None
+    assert parse_metrics("").counters_created is None
 
 
 def test_parse_models_separates_lora_cards() -> None:
