@@ -502,12 +502,7 @@ class PromptTokenizer:
                 return text
         if cached_only:
             return None
-        try:
-            text = self.render_chat(spec)
-        except PromptError:
-            raise
-        except Exception as exc:  # jinja errors, template raise_exception(...)
-            raise PromptError(f"chat template error: {exc}") from exc
+        text = self.render_chat(spec)
         with self._render_lock:
             self._rendered[key] = text
             while len(self._rendered) > RENDER_CACHE_ENTRIES:
@@ -531,7 +526,10 @@ class PromptTokenizer:
                                max_uncached_chars)
 
     def render_chat(self, spec: PromptSpec) -> str:
-        """The chat template rendered to text (vLLM ``safe_apply_chat_template`` minus tokenizing)."""
+        """The chat template rendered to text (vLLM ``safe_apply_chat_template`` minus tokenizing).
+
+        Raises ``PromptError`` for a missing template or one that fails to render (jinja errors,
+        the template's own ``raise_exception(...)``)."""
         options = dict(spec.chat_options or {})
         kwargs = dict(options.pop("chat_template_kwargs", None) or {})
         template = options.get("chat_template") or self.chat_template
@@ -539,15 +537,18 @@ class PromptTokenizer:
             raise PromptError("the model's tokenizer has no chat template; pass 'chat_template'")
         tools = options.get("tools")
         messages = prepare_messages(spec.messages or [], template)
-        rendered = self.hf.apply_chat_template(
-            messages,
-            tools=[_normalise_tool(t) for t in tools] if tools else None,
-            chat_template=options.get("chat_template"),
-            tokenize=False,
-            add_generation_prompt=bool(options.get("add_generation_prompt", True)),
-            continue_final_message=bool(options.get("continue_final_message", False)),
-            **kwargs,
-        )
+        try:
+            rendered = self.hf.apply_chat_template(
+                messages,
+                tools=[_normalise_tool(t) for t in tools] if tools else None,
+                chat_template=options.get("chat_template"),
+                tokenize=False,
+                add_generation_prompt=bool(options.get("add_generation_prompt", True)),
+                continue_final_message=bool(options.get("continue_final_message", False)),
+                **kwargs,
+            )
+        except Exception as exc:  # jinja errors, template raise_exception(...)
+            raise PromptError(f"chat template error: {exc}") from exc
         if not isinstance(rendered, str):
             raise PromptError("chat template did not render to text")
         return rendered
@@ -558,13 +559,7 @@ class PromptTokenizer:
             return spec.token_ids
         if spec.text is not None:
             return self.encode_text(spec.text, spec.add_special_tokens)
-        try:
-            rendered = self.render_chat(spec)
-        except PromptError:
-            raise
-        except Exception as exc:  # jinja errors, template raise_exception(...)
-            raise PromptError(f"chat template error: {exc}") from exc
-        return self.encode_text(rendered, spec.add_special_tokens)
+        return self.encode_text(self.render_chat(spec), spec.add_special_tokens)
 
 
 def default_tokenizer_dir() -> str | None:
