@@ -229,6 +229,18 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def read_config_file(path: str, error: type[Exception] = ConfigError) -> dict[str, Any]:
+    """The mapping in YAML file ``path`` (an empty file is ``{}``). Raises ``error`` when the
+    file cannot be read or parsed or does not hold a mapping (the worker passes its own)."""
+    try:
+        loaded = yaml.safe_load(Path(path).read_text()) or {}
+    except (OSError, yaml.YAMLError) as exc:
+        raise error(f"cannot read config file {path}: {exc}") from exc
+    if not isinstance(loaded, dict):
+        raise error(f"config file {path} must hold a mapping")
+    return loaded
+
+
 def load_config(argv: Sequence[str], env: Mapping[str, str] | None = None) -> RouterConfig:
     """Parse ``argv`` and merge: CLI flag > ``ROUTER_*`` env var > YAML file > default.
 
@@ -240,13 +252,7 @@ def load_config(argv: Sequence[str], env: Mapping[str, str] | None = None) -> Ro
     values: dict[str, Any] = {}
     config_path = args.get("config") or env.get(ENV_PREFIX + "CONFIG")
     if config_path:
-        try:
-            loaded = yaml.safe_load(Path(config_path).read_text()) or {}
-        except (OSError, yaml.YAMLError) as exc:
-            raise ConfigError(f"cannot read config file {config_path}: {exc}") from exc
-        if not isinstance(loaded, dict):
-            raise ConfigError(f"config file {config_path} must hold a mapping")
-        for key, value in loaded.items():
+        for key, value in read_config_file(config_path).items():
             if key not in _FIELDS or key == "config":
                 raise ConfigError(f"config file {config_path}: unknown key {key!r}")
             values[key] = _convert(key, value, f"config file {config_path}")

@@ -11,12 +11,10 @@ import argparse
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields
-from pathlib import Path
 from typing import Any, Final
 from urllib.parse import urlsplit
 
-import yaml
-
+from router.config import read_config_file
 from router.contract import DEFAULT_REDIS_PREFIX
 from router.hashing import HASH_ALGOS
 
@@ -80,15 +78,7 @@ def load_config(argv: Sequence[str], env: Mapping[str, str] | None = None) -> Wo
     env = os.environ if env is None else env
     args = vars(_parser().parse_args(list(argv)))
     config_path = args.pop("config") or env.get(f"{ENV_PREFIX}CONFIG")
-    from_yaml: dict[str, Any] = {}
-    if config_path:
-        try:
-            loaded = yaml.safe_load(Path(config_path).read_text()) or {}
-        except (OSError, yaml.YAMLError) as exc:
-            raise ConfigError(f"cannot read config file {config_path}: {exc}") from exc
-        if not isinstance(loaded, dict):
-            raise ConfigError(f"config file {config_path} must hold a mapping")
-        from_yaml = loaded
+    from_yaml = read_config_file(config_path, ConfigError) if config_path else {}
     known = {f.name: f for f in fields(WorkerConfig)}
     unknown = set(from_yaml) - set(known)
     if unknown:
