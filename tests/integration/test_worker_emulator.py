@@ -132,6 +132,25 @@ def verified(rds: Redis, value: str = "1") -> bool:
     return rds.heartbeat().get(contract.F_HASH_VERIFIED) == value
 
 
+def start_verified(tmp: Path, rds: Redis, redis_url: str,
+                   procs: list[subprocess.Popen[bytes]]) -> tuple[Emulator, subprocess.Popen[bytes]]:
+    """An emulator and its worker (both in ``procs``), once the worker's hash probe agreed."""
+    emu = start_emulator(tmp)
+    procs.append(emu.proc)
+    worker = start_worker(emu, redis_url)
+    procs.append(worker)
+    wait_for(lambda: verified(rds), 30, message="hash probe verified")
+    return emu, worker
+
+
+def store_prompt(emu: Emulator, rds: Redis, rng: random.Random) -> list[int]:
+    """Complete a new 40-token prompt on ``emu``; returns it once its block keys are in Redis."""
+    tokens = prompt(40, rng)
+    complete(emu, tokens)
+    wait_for(lambda: set(router_keys(tokens)) <= rds.blocks(), 20, message="keys stored")
+    return tokens
+
+
 def settle(rds: Redis, emu_url: str) -> int:
     """Wait until the worker has caught up with every batch the engine published; return the seq."""
     def caught_up() -> bool:
@@ -186,13 +205,8 @@ def test_request_keys_heartbeat_and_eviction(tmp: Path, rds: Redis, redis_url: s
 def test_reset_prefix_cache_clears_and_bumps_epoch(tmp: Path, rds: Redis, redis_url: str,
                                                    procs: list[subprocess.Popen[bytes]]) -> None:
     rng = random.Random(2)
-    emu = start_emulator(tmp)
-    procs.append(emu.proc)
-    procs.append(start_worker(emu, redis_url))
-    wait_for(lambda: verified(rds), 30, message="hash probe verified")
-    tokens = prompt(40, rng)
-    complete(emu, tokens)
-    wait_for(lambda: set(router_keys(tokens)) <= rds.blocks(), 20, message="keys stored")
+    emu, _ = start_verified(tmp, rds, redis_url, procs)
+    store_prompt(emu, rds, rng)
     old_epoch = rds.epoch()
     old_blocks = rds.blocks()
     resp = requests.post(f"{emu.url}/reset_prefix_cache", timeout=10)
@@ -208,13 +222,8 @@ def test_reset_prefix_cache_clears_and_bumps_epoch(tmp: Path, rds: Redis, redis_
 def test_engine_restart_is_detected(tmp: Path, rds: Redis, redis_url: str,
                                     procs: list[subprocess.Popen[bytes]]) -> None:
     rng = random.Random(3)
-    emu = start_emulator(tmp)
-    procs.append(emu.proc)
-    procs.append(start_worker(emu, redis_url))
-    wait_for(lambda: verified(rds), 30, message="hash probe verified")
-    tokens = prompt(40, rng)
-    complete(emu, tokens)
-    wait_for(lambda: set(router_keys(tokens)) <= rds.blocks(), 20, message="keys stored")
+    emu, _ = start_verified(tmp, rds, redis_url, procs)
+    store_prompt(emu, rds, rng)
     stale = rds.blocks()
     old_epoch = rds.epoch()
     procs.remove(emu.proc)
@@ -238,15 +247,11 @@ def test_engine_restart_is_detected(tmp: Path, rds: Redis, redis_url: str,
 def test_killed_worker_restarts_with_a_correct_set(tmp: Path, rds: Redis, redis_url: str,
                                                    procs: list[subprocess.Popen[bytes]]) -> None:
     rng = random.Random(4)
-    emu = start_emulator(tmp)
-    procs.append(emu.proc)
-    worker = start_worker(emu, redis_url)
-    wait_for(lambda: verified(rds), 30, message="hash probe verified")
-    tokens1 = prompt(40, rng)
-    complete(emu, tokens1)
-    wait_for(lambda: set(router_keys(tokens1)) <= rds.blocks(), 20, message="keys stored")
+    emu, worker = start_verified(tmp, rds, redis_url, procs)
+    store_prompt(emu, rds, rng)
     settle(rds, emu.url)
     before = rds.blocks()
+    procs.remove(worker)
     worker.kill()
     worker.wait()
     stop_process(worker)

@@ -103,8 +103,7 @@ async def test_stored_twice_removed_once_stays_resident(
         entries = client.xrange(contract.events_key("pr"))
         ops = [(f[b"op"], list(contract.unpack_keys(f[b"keys"]))) for _, f in entries]  # type: ignore[union-attr]
         assert ops[-3:] == [(b"stored", [11, 12]), (b"removed", [11]), (b"removed", [12])]
-        text = (await asyncio.to_thread(requests.get, f"http://127.0.0.1:{metrics_port}/metrics",
-                                        timeout=5)).text
+        text = await asyncio.to_thread(worker_metrics, metrics_port)
         assert 'worker_events_total{type="BlockStored"} 2.0' in text
         assert 'worker_events_total{type="BlockRemoved"} 3.0' in text
         assert "worker_resident_blocks 0.0" in text
@@ -114,6 +113,22 @@ async def test_stored_twice_removed_once_stays_resident(
         stop_process(worker)
 
 
+def worker_metrics(port: int) -> str:
+    return requests.get(f"http://127.0.0.1:{port}/metrics", timeout=5).text
+
+
+async def store_then_stop_redis(client: redis.Redis, publisher: KVEventPublisher,
+                                server: RedisServer) -> int:
+    """After the worker's first heartbeat, store keys 1-3 and stop Redis; returns the epoch the
+    set had."""
+    await until(lambda: epoch(client) > 0, message="first heartbeat")
+    await publisher.publish(stored(1, 2, 3))
+    await until(lambda: blocks(client) == {1, 2, 3}, message="stored")
+    old_epoch = epoch(client)
+    server.stop()
+    return old_epoch
+
+
 async def test_redis_outage_rewrites_set_under_new_epoch(
         emulator: Emulator, publisher: KVEventPublisher) -> None:
     server = RedisServer().start()
@@ -121,18 +136,12 @@ async def test_redis_outage_rewrites_set_under_new_epoch(
     metrics_port = free_port()
     worker = start_worker(emulator, publisher, server.url, metrics_port)
 
-    def worker_metrics() -> str:
-        return requests.get(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5).text
-
     try:
-        await until(lambda: epoch(client) > 0, message="first heartbeat")
-        await publisher.publish(stored(1, 2, 3))
-        await until(lambda: blocks(client) == {1, 2, 3}, message="stored")
-        old_epoch = epoch(client)
-        server.stop()
+        old_epoch = await store_then_stop_redis(client, publisher, server)
         await publisher.publish(stored(4, 5))
         await publisher.publish(removed(1))
-        await until(lambda: "worker_redis_up 0.0" in worker_metrics(), message="write failed")
+        await until(lambda: "worker_redis_up 0.0" in worker_metrics(metrics_port),
+                    message="write failed")
         server = RedisServer(port=server.port).start()  # an empty Redis on the same port
         client = redis.Redis.from_url(server.url)
         await until(lambda: blocks(client) == {2, 3, 4, 5}, message="rewritten set")
@@ -187,21 +196,14 @@ async def test_redis_restarted_empty_without_traffic_is_republished(
     metrics_port = free_port()
     worker = start_worker(emulator, publisher, server.url, metrics_port)
 
-    def worker_metrics() -> str:
-        return requests.get(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5).text
-
     try:
-        await until(lambda: epoch(client) > 0, message="first heartbeat")
-        await publisher.publish(stored(1, 2, 3))
-        await until(lambda: blocks(client) == {1, 2, 3}, message="stored")
-        old_epoch = epoch(client)
-        server.stop()
-        await until(lambda: "worker_redis_up 0.0" in worker_metrics(), timeout_s=5,
+        old_epoch = await store_then_stop_redis(client, publisher, server)
+        await until(lambda: "worker_redis_up 0.0" in worker_metrics(metrics_port), timeout_s=5,
                     message="heartbeat write failed")
         server = RedisServer(port=server.port).start()  # an empty Redis on the same port
         client = redis.Redis.from_url(server.url)
         await republished(client, {1, 2, 3}, old_epoch)
-        assert "worker_redis_up 1.0" in await asyncio.to_thread(worker_metrics)
+        assert "worker_redis_up 1.0" in await asyncio.to_thread(worker_metrics, metrics_port)
         ops = [f[b"op"] for _, f in client.xrange(contract.events_key("pr"))]  # type: ignore[union-attr]
         assert ops[:2] == [b"cleared", b"stored"]
     finally:
