@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 
 from router.contract import HEARTBEAT_TTL_S
-from tests.helpers import PYTHON, start_process, stop_process, wait_for
+from tests.helpers import FAKE_REPLICA_TAIL, PYTHON, start_process, stop_process, wait_for
 from tests.integration.test_router_fleet import (
     KV_EVENTS,
     Router,
@@ -88,19 +88,6 @@ def test_killed_replica_leaves_rotation_and_requests_are_retried(redis_url: str,
             stop_process(proc)
 
 
-# the rest of a fake replica script after its ``completions`` handler (health, models, serving)
-_FAKE_REPLICA_TAIL = """
-async def health(request):
-    return web.json_response({})
-async def models(request):
-    return web.json_response({"object": "list", "data": [{"id": "fixed", "object": "model"}]})
-app = web.Application()
-app.router.add_post("/v1/completions", completions)
-app.router.add_get("/health", health)
-app.router.add_get("/v1/models", models)
-web.run_app(app, host="127.0.0.1", port=int(sys.argv[1]), print=None)
-"""
-
 STATUS_SERVER = """
 import sys
 from aiohttp import web
@@ -110,7 +97,7 @@ async def completions(request):
     if STATUS != 200:
         return web.json_response({"error": {"message": f"replica says {STATUS}", "type": "X",
                                             "code": STATUS}}, status=STATUS)
-    return web.json_response({"id": "ok", "object": "text_completion", "choices": []})""" + _FAKE_REPLICA_TAIL
+    return web.json_response({"id": "ok", "object": "text_completion", "choices": []})""" + FAKE_REPLICA_TAIL
 
 
 def prompt_routed_to(router: Router, replica_id: str, rng: random.Random) -> dict[str, Any]:
@@ -185,7 +172,7 @@ async def completions(request):
     if body.get("prompt") == [13]:  # this request makes the replica drop the connection
         request.transport.close()
         return web.Response()
-    return web.json_response({"id": "ok", "object": "text_completion", "choices": []})""" + _FAKE_REPLICA_TAIL
+    return web.json_response({"id": "ok", "object": "text_completion", "choices": []})""" + FAKE_REPLICA_TAIL
 
 
 def test_one_request_dropped_by_every_replica_does_not_bench_the_fleet(tmp_path: Path) -> None:

@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 
 from router.prompts import default_tokenizer_dir
-from tests.helpers import PYTHON, start_process, stop_process, wait_for
+from tests.helpers import FAKE_REPLICA_TAIL, PYTHON, start_process, stop_process, wait_for
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -309,7 +309,7 @@ FIXED_SSE_SERVER = """
 import asyncio, sys
 from aiohttp import web
 CHUNKS = [b'data: {"a": 1}\\n', b'\\ndata: {"b"', b': "\\xc3\\xa9"}\\n\\n', b'dat', b'a: [DONE]\\n\\n']
-async def sse(request):
+async def completions(request):
     await request.read()
     resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "X-Upstream": "yes"})
     await resp.prepare(request)
@@ -317,17 +317,7 @@ async def sse(request):
         await resp.write(chunk)
         await asyncio.sleep(0.02)
     await resp.write_eof()
-    return resp
-async def health(request):
-    return web.json_response({})
-async def models(request):
-    return web.json_response({"object": "list", "data": [{"id": "fixed", "object": "model"}]})
-app = web.Application()
-app.router.add_post("/v1/completions", sse)
-app.router.add_get("/health", health)
-app.router.add_get("/v1/models", models)
-web.run_app(app, host="127.0.0.1", port=int(sys.argv[1]), print=None)
-"""
+    return resp""" + FAKE_REPLICA_TAIL
 
 
 def test_sse_relay_is_byte_identical(tmp_path: Path) -> None:
