@@ -149,6 +149,14 @@ def wait_confirmed(router: Router, body: dict[str, Any], replica: str, blocks: i
     return wait_for(confirmed, 15, message=f"{blocks} confirmed blocks on {replica}")
 
 
+
+def assert_no_hit_anywhere(router: Router, body: dict[str, Any]) -> None:
+    """``/debug/route`` predicts no hit, confirmed or speculative, on any replica."""
+    decision = debug_route(router, body)
+    assert all(v["hit_blocks"] == 0 and v["confirmed_hit_blocks"] == 0
+               for v in decision["replicas"].values()), decision["replicas"]
+
+
 def test_lora_blocks_hit_match_cli_and_do_not_cross_hit_base(fleet: LoraFleet,
                                                               prefix_router: Router) -> None:
     rng = random.Random(101)
@@ -182,9 +190,7 @@ def test_lora_blocks_hit_match_cli_and_do_not_cross_hit_base(fleet: LoraFleet,
     assert len(base_keys) == len(lora_keys) and not set(base_keys) & set(lora_keys)
     for rep in fleet.replicas:
         assert not set(base_keys) & fleet.resident_keys(f"replica-{rep['index']}")
-    base = debug_route(prefix_router, base_body)
-    assert all(v["hit_blocks"] == 0 and v["confirmed_hit_blocks"] == 0
-               for v in base["replicas"].values()), base["replicas"]
+    assert_no_hit_anywhere(prefix_router, base_body)
     base_home, _, cached = complete(prefix_router, base_body)
     assert cached == 0
     wait_for(lambda: set(base_keys) <= fleet.resident_keys(base_home), 10,
@@ -215,9 +221,7 @@ def test_cache_salt_separates_blocks_and_same_salt_hits(fleet: LoraFleet, prefix
              message="salted block keys of the CLI in Redis")
 
     # the other salt shares nothing, before it is sent and in the engine
-    other = debug_route(prefix_router, body_b)
-    assert all(v["hit_blocks"] == 0 and v["confirmed_hit_blocks"] == 0
-               for v in other["replicas"].values()), other["replicas"]
+    assert_no_hit_anywhere(prefix_router, body_b)
     home_b, _, cached = complete(prefix_router, body_b)
     assert cached == 0
     wait_for(lambda: set(keys_b) <= fleet.resident_keys(home_b), 10,
