@@ -75,6 +75,7 @@ class Routed:
     tokenized: bool
     complete: bool = True
     lora: tuple[str, str] | None = None
+    write_window_blocks: float = 1.0  # blocks over which recent KV writes decay (``_write_window``)
 
 
 class RouterService:
@@ -101,7 +102,6 @@ class RouterService:
             cold_queue_slack_tokens=config.cold_queue_slack_tokens)
         self.executor = ThreadPoolExecutor(config.tokenizer_threads, thread_name_prefix="tokenize")
         self.rr_counter = 0
-        self.write_window_blocks = 1.0  # set per decision by _write_window
         self.reader: FleetReader | None = None
         self.prober: StaticProber | None = None
         self.session: aiohttp.ClientSession | None = None
@@ -273,14 +273,13 @@ class RouterService:
         urls = {r.replica_id: r.url for r in eligible}
         targets = [Target(rid, urls[rid]) for rid in (decision.replica_id, *decision.fallbacks)]
         return Routed(decision, num_tokens, chain, targets, tokenized,
-                      prompt.complete if prompt is not None else True, lora)
+                      prompt.complete if prompt is not None else True, lora, window)
 
     def _write_window(self, replicas: Sequence[Replica]) -> float:
         """Blocks over which recent KV writes decay: ``cold_write_window`` x the replicas' summed
         KV capacity (heartbeat ``num_gpu_blocks``, else ``replica_kv_blocks`` each)."""
         capacity = sum(r.num_gpu_blocks or self.config.replica_kv_blocks for r in replicas)
-        self.write_window_blocks = max(self.config.cold_write_window * capacity, 1.0)
-        return self.write_window_blocks
+        return max(self.config.cold_write_window * capacity, 1.0)
 
     def _tokenize_child(self, kind: str, path: str) -> Any:
         child = self._tokenize_children.get((kind, path))
@@ -383,7 +382,7 @@ class RouterService:
             placed = self._place_speculative(routed, rid, spec, routed.lora)
             held = decision.details.get(rid, {}).get("hit_blocks", 0)
             blocks = max(routed.num_tokens // self.config.block_size - held, 0)
-            self.tracker.record_writes(rid, blocks, self.write_window_blocks)
+            self.tracker.record_writes(rid, blocks, routed.write_window_blocks)
             sent.append((rid, blocks, placed))
 
         def on_failure(rid: str) -> None:
@@ -423,7 +422,7 @@ class RouterService:
                 served = not refused and rid == replica_id
                 if served and i == len(sent) - 1:
                     continue
-                self.tracker.withdraw_writes(rid, blocks, self.write_window_blocks)
+                self.tracker.withdraw_writes(rid, blocks, routed.write_window_blocks)
                 slot = self.fleet.index.slot_of(rid)
                 if placed and slot is not None and not served:  # (a retry re-placed the same keys)
                     self.fleet.speculative.withdraw(slot, placed)
