@@ -170,7 +170,8 @@ class ChainCache:
         path: list[ChainNode] | None = None,
         held: Callable[[int], bool] | None = None,
         num_tokens: int | None = None,
-    ) -> PromptChain:
+        max_pieces: int | None = None,
+    ) -> PromptChain | None:
         """The chain of the prompt made of ``pieces`` (+ uncached ``suffix_tokens``).
 
         ``tokens_of(indexes)`` returns the tokens of the pieces at those indexes
@@ -182,7 +183,9 @@ class ChainCache:
         is False (no replica can hit beyond it, and it already contains the first
         un-held block the ring needs); the result has ``complete=False`` and a
         later call without ``held`` finishes the chain from the cached pieces.
-        ``tokens_of`` is then called once per piece.
+        ``tokens_of`` is then called once per piece. With ``max_pieces``, lazy mode
+        gives up (returns ``None``) after computing that many pieces without meeting an
+        un-held key; the pieces it computed stay cached, so a later call resumes there.
         """
         if path is None:
             path = self.walk(root, pieces)
@@ -191,7 +194,9 @@ class ChainCache:
         missing = list(range(cached, len(pieces)))
         complete = True
         if missing and held is not None:
-            for i in missing:
+            for n_done, i in enumerate(missing):
+                if max_pieces is not None and n_done >= max_pieces:
+                    return None
                 new = self.extend(node, tokens_of([i])[0], lora, cache_salt)
                 self.put(node, pieces[i], new)
                 path.append(new)
@@ -241,8 +246,10 @@ class ChainCache:
     def chain_of_ids(self, tokens: Sequence[int], lora: tuple[str, str] | None = None,
                      cache_salt: str | None = None) -> PromptChain:
         """Chain of a token-id prompt (vLLM uses given token ids as they are)."""
-        return self.chain(self.root(lora, cache_salt), self.id_pieces(tokens),
-                          self.id_spans(tokens), lora, cache_salt)
+        chain = self.chain(self.root(lora, cache_salt), self.id_pieces(tokens),
+                           self.id_spans(tokens), lora, cache_salt)
+        assert chain is not None  # only lazy mode gives up
+        return chain
 
     def uncached_id_blocks(self, tokens: Sequence[int], lora: tuple[str, str] | None = None,
                            cache_salt: str | None = None) -> tuple[int, list[ChainNode],

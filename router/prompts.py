@@ -486,7 +486,9 @@ class PromptTokenizer:
             uncached = sum(len(p) if isinstance(p, str) else len(p[1]) for p in pieces[len(path):])
             if uncached > max_uncached_chars:
                 return None
-        return chains.chain(root, pieces, tokens_of, lora, cache_salt, suffix, path)
+        chain = chains.chain(root, pieces, tokens_of, lora, cache_salt, suffix, path)
+        assert chain is not None  # only lazy mode gives up
+        return chain
 
     def rendered_chat(self, spec: PromptSpec, cached_only: bool = False) -> str | None:
         """``render_chat`` through an LRU keyed by the request's chat fields.

@@ -19,7 +19,7 @@ import signal
 import sys
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,7 +30,7 @@ import msgspec
 from aiohttp import web
 from aiohttp.web_protocol import RequestPayloadError
 
-from router.chain_cache import ChainCache, PromptChain
+from router.chain_cache import SPAN_BLOCKS, ChainCache, PromptChain
 from router.config import ConfigError, RouterConfig, load_config
 from router.errors import REQUEST_ID_HEADER, BadRequest, RouterError, error_middleware
 from router.fleet import Fleet, FleetReader, Replica, StaticProber
@@ -54,12 +54,13 @@ GC_GEN0_THRESHOLD = 20_000  # allocations between young-generation collections (
 _JSON = msgspec.json.Decoder()
 INLINE_HASH_BLOCKS = 64  # uncached blocks hashed on the event loop (~1.3 us each) before a thread hop
 PREFILL_RATE_EWMA_ALPHA = 0.1  # weight of the newest first-byte-per-prefill-token sample
-# Lazy hashing (hash a long token-id prompt only up to its first un-held block before routing,
-# the rest in the thread pool after sending) is implemented but off: until the rest is hashed,
-# the first request's speculative record covers only its first piece, so a concurrent request
-# with the same new prefix sees a 16-block hit instead of the whole prefix and the cost rule
-# (load_balance) can send it elsewhere. Needs a "pending tail" record before it can be on.
-LAZY_HASHING = False
+# Lazy hashing: a long token-id prompt is hashed before routing only up to the first piece holding
+# a block no replica holds (no replica can hit beyond it); the rest is hashed in the thread pool
+# after the request was sent, then recorded as placed. Until then the request's last hashed key is
+# a *pending tail*: a request whose chain reaches it waits for the rest to be recorded (at most
+# PENDING_TAIL_WAIT_S) and hashes again, so a burst of one new long prefix sees the whole prefix.
+LAZY_HASHING = True
+PENDING_TAIL_WAIT_S = 1.0
 SWEEP_KEYS_PER_STEP = 5_000  # index keys swept per event-loop turn (~1 ms)
 INLINE_TOKENIZE_CHARS = 2048  # uncached characters tokenized on the loop (~0.5 ms) before a thread hop
 
@@ -76,6 +77,15 @@ class Routed:
     complete: bool = True
     lora: tuple[str, str] | None = None
     write_window_blocks: float = 1.0  # blocks over which recent KV writes decay (``_write_window``)
+
+
+@dataclass(slots=True)
+class _Placed:
+    """Keys recorded as placed on one replica for one request (the rest of a lazy chain joins
+    them when hashed); ``withdrawn``: the replica refused the request, place nothing more."""
+
+    keys: list[int]
+    withdrawn: bool = False
 
 
 class RouterService:
@@ -107,6 +117,8 @@ class RouterService:
         self.session: aiohttp.ClientSession | None = None
         self.proxy: Proxy | None = None
         self._tasks: list[asyncio.Task[None]] = []
+        # {last key of a lazily hashed chain: done when the rest of that chain is recorded}
+        self._pending_tails: dict[int, asyncio.Future[None]] = {}
 
     # -- lifecycle ---------------------------------------------------------------
 
@@ -178,38 +190,58 @@ class RouterService:
     # -- routing -----------------------------------------------------------------
 
     def _chain(self, spec: PromptSpec, lora: tuple[str, str] | None,
-               inline: bool, lazy: bool = True) -> PromptChain | None:
+               inline: bool, lazy: bool = False) -> PromptChain | None:
         """Exact prompt length and block-key chain through the chain cache.
 
         ``inline`` (on the event loop): returns ``None`` instead of doing more than
         ``INLINE_HASH_BLOCKS`` of hashing or ``INLINE_TOKENIZE_CHARS`` of
-        tokenizing; the caller then runs it again in the thread pool. Except,
-        with ``lazy`` and the prefix policy, a token-id prompt is hashed inline
-        only up to the first piece holding a block no replica holds (the
-        result has ``complete=False``; see ``_place_speculative``).
+        tokenizing; the caller then runs it again in the thread pool. ``lazy`` (token
+        ids only): hash only up to the first piece holding a block no replica holds
+        (the result has ``complete=False``; see ``_place_speculative``).
         """
         if spec.token_ids is not None:
             uncached, path, pieces = self.chains.uncached_id_blocks(
                 spec.token_ids, lora, spec.cache_salt)
-            held: Callable[[int], bool] | None = None
-            if inline and uncached > INLINE_HASH_BLOCKS:
-                if not (LAZY_HASHING and lazy and self.config.policy == "prefix"):
-                    return None
-                # the policy needs the chain only up to the first block no replica holds:
-                # hash piece by piece until then, the rest after the request was sent
-                held = self.fleet.holds_key
+            lazy = lazy and uncached > INLINE_HASH_BLOCKS
+            if inline and uncached > INLINE_HASH_BLOCKS and not lazy:
+                return None
             root = self.chains.root(lora, spec.cache_salt)
-            return self.chains.chain(root, pieces, self.chains.id_spans(spec.token_ids), lora,
-                                     spec.cache_salt, path=path, held=held,
-                                     num_tokens=len(spec.token_ids))
+            return self.chains.chain(
+                root, pieces, self.chains.id_spans(spec.token_ids), lora, spec.cache_salt,
+                path=path, held=self.fleet.holds_key if lazy else None,
+                num_tokens=len(spec.token_ids),
+                max_pieces=INLINE_HASH_BLOCKS // SPAN_BLOCKS if lazy and inline else None)
         assert self.tokenizer is not None
         return self.tokenizer.prompt_chain(spec, self.chains, lora,
                                            INLINE_TOKENIZE_CHARS if inline else None)
 
-    def _chain_blocking(self, spec: PromptSpec, lora: tuple[str, str] | None) -> PromptChain:
-        chain = self._chain(spec, lora, inline=False)
+    def _chain_blocking(self, spec: PromptSpec, lora: tuple[str, str] | None,
+                        lazy: bool = False) -> PromptChain:
+        chain = self._chain(spec, lora, inline=False, lazy=lazy)
         assert chain is not None
         return chain
+
+    async def _prompt_chain(self, spec: PromptSpec, lora: tuple[str, str] | None,
+                            lazy: bool) -> tuple[PromptChain, str]:
+        """The chain (inline if cheap, else in the thread pool) and the path taken; a lazy chain
+        that reaches another request's pending tail is hashed again once that tail is recorded."""
+        loop = asyncio.get_running_loop()
+        for _ in range(3):
+            path = "inline"
+            inline = self._chain(spec, lora, inline=True, lazy=lazy)
+            if inline is not None:
+                prompt = inline
+            else:
+                path = "thread"
+                prompt = await loop.run_in_executor(
+                    self.executor, self._chain_blocking, spec, lora, lazy)
+            pending = self._pending_tails
+            if not lazy or not pending or pending.keys().isdisjoint(prompt.keys):
+                break
+            keys = set(prompt.keys)
+            await asyncio.wait([fut for key, fut in pending.items() if key in keys],
+                               timeout=PENDING_TAIL_WAIT_S)
+        return prompt, path
 
     async def route(self, spec: PromptSpec, *, dry_run: bool = False) -> Routed:
         """Eligibility, tokens, hit depths and the policy decision for one request."""
@@ -220,13 +252,9 @@ class RouterService:
         prompt: PromptChain | None = None
         if tokenized:
             started = time.perf_counter()
+            lazy = LAZY_HASHING and not dry_run and self.config.policy == "prefix"
             try:
-                prompt = self._chain(spec, lora, inline=True, lazy=not dry_run)
-                path = "inline"
-                if prompt is None:
-                    path = "thread"
-                    prompt = await asyncio.get_running_loop().run_in_executor(
-                        self.executor, self._chain_blocking, spec, lora)
+                prompt, path = await self._prompt_chain(spec, lora, lazy)
             except PromptError as exc:
                 raise BadRequest(str(exc)) from exc
             chain = prompt.keys
@@ -288,24 +316,36 @@ class RouterService:
         return child
 
     def _place_speculative(self, routed: Routed, replica_id: str, spec: PromptSpec,
-                           lora: tuple[str, str] | None) -> Sequence[int]:
-        """Record the chain as placed on ``replica_id``; returns the keys recorded now."""
+                           lora: tuple[str, str] | None) -> _Placed | None:
+        """Record the chain as placed on ``replica_id``; returns what was recorded (a lazy chain's
+        rest is hashed in the thread pool and added when done, unless withdrawn by then)."""
         if self.config.policy != "prefix" or not routed.chain:
-            return ()
+            return None
         held = routed.decision.details.get(replica_id, {}).get("confirmed_hit_blocks", 0)
-        bit = self.fleet.index.bit(replica_id)
-        placed = routed.chain[held:]
-        self.fleet.speculative.place(bit, placed, time.monotonic())
+        slot = self.fleet.index.bit(replica_id)
+        placed = _Placed(routed.chain[held:])
+        self.fleet.speculative.place(slot, placed.keys, time.monotonic())
         if not routed.complete:
-            # hash the rest of a lazily computed chain off the loop, then record it too
+            loop = asyncio.get_running_loop()
             done = len(routed.chain)
-            future = asyncio.get_running_loop().run_in_executor(
-                self.executor, self._chain_blocking, spec, lora)
+            boundary = routed.chain[-1]
+            recorded: asyncio.Future[None] = loop.create_future()
+            self._pending_tails[boundary] = recorded
 
             def place_rest(fut: asyncio.Future[PromptChain]) -> None:
-                if not fut.cancelled() and fut.exception() is None:
-                    self.fleet.speculative.place(bit, fut.result().keys[done:], time.monotonic())
+                if not fut.cancelled() and fut.exception() is None and not placed.withdrawn:
+                    rest = fut.result().keys[done:]
+                    self.fleet.speculative.place(slot, rest, time.monotonic())
+                    placed.keys.extend(rest)
+                if self._pending_tails.get(boundary) is recorded:
+                    del self._pending_tails[boundary]
+                recorded.set_result(None)
 
+            try:
+                future = loop.run_in_executor(self.executor, self._chain_blocking, spec, lora)
+            except RuntimeError:  # the executor is shut down: the router is stopping
+                future = loop.create_future()
+                future.cancel()
             future.add_done_callback(place_rest)
         return placed
 
@@ -375,7 +415,7 @@ class RouterService:
                     gauged.release_prefill_after(per_token * prefill)
             return gauged
 
-        sent: list[tuple[str, int, Sequence[int]]] = []  # (replica, blocks written, keys placed)
+        sent: list[tuple[str, int, _Placed | None]] = []  # (replica, blocks written, keys placed)
 
         def on_sent(rid: str) -> None:
             self.metrics.child(self.metrics.overhead, endpoint).observe(time.perf_counter() - arrival)
@@ -424,8 +464,9 @@ class RouterService:
                     continue
                 self.tracker.withdraw_writes(rid, blocks, routed.write_window_blocks)
                 slot = self.fleet.index.slot_of(rid)
-                if placed and slot is not None and not served:  # (a retry re-placed the same keys)
-                    self.fleet.speculative.withdraw(slot, placed)
+                if placed is not None and slot is not None and not served:
+                    placed.withdrawn = True  # (a retry re-placed the same keys)
+                    self.fleet.speculative.withdraw(slot, placed.keys)
 
     def _update_inflight(self, replica_id: str) -> None:
         self.metrics.child(self.metrics.inflight, replica_id).set(self.tracker.requests(replica_id))

@@ -7,6 +7,7 @@ token ids of random vocabularies so tests never share cache blocks by accident.
 
 from __future__ import annotations
 
+import asyncio
 import gzip
 import json
 import random
@@ -18,6 +19,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import pytest
 
 from router.prompts import default_tokenizer_dir
@@ -201,6 +203,46 @@ def test_long_new_prefix_sticks_and_is_placed_whole(router: Router) -> None:
         d = json.loads(router.post("/debug/route", {"prompt": shared + tokens(rng, 40)})[2])
         return d["chain_blocks"] == (4096 + 40) // 16 and d["hit_blocks"] == 4096 // 16
     wait_for(deep_hit, 10, message="whole shared prefix placed or confirmed")
+
+
+def test_a_burst_of_one_new_long_prefix_sticks(router: Router) -> None:
+    """Concurrent requests sharing a new 16k-token prefix (hashed lazily: only up to the first
+    un-held piece before routing, the rest after sending) all go to one replica, and the whole
+    prefix ends up recorded there. (The pending-tail wait itself is tested in-process in
+    ``tests/unit/test_lazy_hashing.py``, where the thread pool can be held busy.)"""
+    rng = random.Random(19)
+    shared = tokens(rng, 16384)
+    bodies = [json.dumps({"model": "emulated-llm", "prompt": shared + tokens(rng, 40),
+                          "max_tokens": 2}).encode() for _ in range(8)]
+
+    async def burst() -> list[tuple[int, str]]:
+        async with aiohttp.ClientSession() as session:
+            async def one(body: bytes) -> tuple[int, str]:
+                async with session.post(router.url + "/v1/completions", data=body,
+                                        headers={"Content-Type": "application/json"}) as resp:
+                    await resp.read()
+                    return resp.status, resp.headers["x-prefix-router-replica"]
+            return list(await asyncio.gather(*(one(b) for b in bodies)))
+
+    results = asyncio.run(burst())
+    assert all(status == 200 for status, _ in results), results
+    homes = {home for _, home in results}
+    assert len(homes) == 1, results
+    d = json.loads(router.post("/debug/route", {"prompt": shared + tokens(rng, 40)})[2])
+    assert d["replica"] in homes and d["hit_blocks"] == 16384 // 16, d
+
+
+def test_a_refused_long_prompt_leaves_no_placement(router: Router) -> None:
+    """The refused prompt is long enough to be hashed lazily: the rest of its chain, hashed after
+    sending, is not recorded either."""
+    rng = random.Random(23)
+    prompt = [*tokens(rng, 4096), 999_999_999]
+    status, _, body = complete(router, prompt)
+    assert status == 400, body
+    time.sleep(0.3)  # the rest of the chain is hashed in the thread pool meanwhile
+    d = json.loads(router.post("/debug/route", {"prompt": prompt})[2])
+    assert (d["hit_blocks"], d["reason"]) == (0, "cold_ring"), d
+    assert all(r["recent_write_blocks"] == 0 for r in d["replicas"].values()), d["replicas"]
 
 
 def test_a_refused_request_leaves_no_placement_and_no_writes(router: Router) -> None:

@@ -73,7 +73,7 @@ def test_lazy_chain_stops_after_the_first_unheld_piece_and_finishes_later() -> N
     root = cache.root(None, None)
     lazy = cache.chain(root, pieces, cache.id_spans(tokens), None, None,
                        held=held.__contains__, num_tokens=len(tokens))
-    assert not lazy.complete and lazy.num_tokens == len(tokens)
+    assert lazy is not None and not lazy.complete and lazy.num_tokens == len(tokens)
     assert lazy.keys == full[: 4 * SPAN_BLOCKS]  # up to and including the first un-held block
     assert lazy.head == tuple(tokens[:16])
     rest = cache.chain_of_ids(tokens)
@@ -82,4 +82,24 @@ def test_lazy_chain_stops_after_the_first_unheld_piece_and_finishes_later() -> N
     other = [rng.randrange(150_000) for _ in range(3 * span)]
     whole = cache.chain(root, cache.id_pieces(other), cache.id_spans(other), None, None,
                         held=lambda key: True, num_tokens=len(other))
-    assert whole.complete and whole.keys == hasher.keys(other)
+    assert whole is not None and whole.complete and whole.keys == hasher.keys(other)
+
+
+def test_lazy_chain_gives_up_after_max_pieces_and_resumes_from_them() -> None:
+    """A long held prefix that is not in the cache is not hashed on the event loop: the lazy
+    walk gives up after ``max_pieces`` (keeping them), and the next walk starts after them."""
+    hasher = BlockHasher(16)
+    cache = ChainCache(hasher)
+    rng = random.Random(9)
+    tokens = [rng.randrange(150_000) for _ in range(6 * SPAN_BLOCKS * 16 + 7)]
+    full = hasher.keys(tokens)
+    held = set(full[: 5 * SPAN_BLOCKS])
+    root = cache.root(None, None)
+    pieces = cache.id_pieces(tokens)
+    assert cache.chain(root, pieces, cache.id_spans(tokens), None, None, held=held.__contains__,
+                       num_tokens=len(tokens), max_pieces=2) is None
+    assert len(cache.walk(root, pieces)) == 2
+    lazy = cache.chain(root, pieces, cache.id_spans(tokens), None, None, held=held.__contains__,
+                       num_tokens=len(tokens), max_pieces=4)
+    assert lazy is not None and lazy.cached_pieces == 2
+    assert not lazy.complete and lazy.keys == full[: 6 * SPAN_BLOCKS]
