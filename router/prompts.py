@@ -32,13 +32,14 @@ self-check at load time compares both paths on sample texts.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import re
 import threading
 from array import array
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any, Final
@@ -458,13 +459,21 @@ class PromptTokenizer:
 
     def text_chain(self, text: str, add_special_tokens: bool, chains: ChainCache,
                    lora: tuple[str, str] | None = None, cache_salt: str | None = None,
-                   max_uncached_chars: int | None = None) -> PromptChain | None:
+                   max_uncached_chars: int | None = None,
+                   held: Callable[[int], bool] | None = None) -> PromptChain | None:
         """Block-key chain of ``text`` tokenized as ``encode_text`` does, through ``chains``.
 
         Pieces already in ``chains`` after the same prefix are neither tokenized
         nor hashed. Returns ``None`` (having done no tokenizing) when more than
         ``max_uncached_chars`` characters would have to be tokenized: the caller
         then runs this again without the limit off the event loop.
+
+        Lazy mode (``held`` given, chunked tokenizers only): tokenize chunk by chunk
+        only up to the first chunk completing a block for which ``held(key)`` is
+        False (``ChainCache.chain``); the result then has ``complete=False`` and
+        ``num_tokens`` *estimated* from the tokens per character of what was
+        tokenized. With ``max_uncached_chars`` it gives up (``None``) after
+        ``max_uncached_chars // MAX_CHUNK_CHARS`` new chunks, keeping them cached.
         """
         if self.chunking:
             pieces: list[Any] = list(text_chunks(text))
@@ -474,6 +483,7 @@ class PromptTokenizer:
             def tokens_of(indexes: list[int]) -> list[Sequence[int]]:
                 return self._chunk_tokens([pieces[i] for i in indexes], split_first=True)
         else:
+            held = None
             pieces = [(add_special_tokens, text)]
             prefix = suffix = []
 
@@ -482,6 +492,17 @@ class PromptTokenizer:
                         for _ in indexes]
         root = chains.root(lora, cache_salt, prefix)
         path = chains.walk(root, pieces)
+        if held is not None:
+            max_pieces = (None if max_uncached_chars is None
+                          else max(max_uncached_chars // MAX_CHUNK_CHARS, 1))
+            chain = chains.chain(root, pieces, tokens_of, lora, cache_salt, suffix, path,
+                                 held=held, max_pieces=max_pieces)
+            if chain is None or chain.complete:
+                return chain
+            done_chars = sum(len(p) for p in pieces[:chain.cached_pieces + chain.computed_pieces])
+            per_char = chain.num_tokens / max(done_chars, 1)
+            estimate = chain.num_tokens + round((len(text) - done_chars) * per_char) + len(suffix)
+            return dataclasses.replace(chain, num_tokens=estimate)
         if max_uncached_chars is not None and len(path) < len(pieces):
             uncached = sum(len(p) if isinstance(p, str) else len(p[1]) for p in pieces[len(path):])
             if uncached > max_uncached_chars:
@@ -512,8 +533,9 @@ class PromptTokenizer:
         return text
 
     def prompt_chain(self, spec: PromptSpec, chains: ChainCache, lora: tuple[str, str] | None,
-                     max_uncached_chars: int | None = None) -> PromptChain | None:
-        """Block-key chain of a parsed text or chat request (see ``text_chain``).
+                     max_uncached_chars: int | None = None,
+                     held: Callable[[int], bool] | None = None) -> PromptChain | None:
+        """Block-key chain of a parsed text or chat request (see ``text_chain``; ``held``: lazy).
 
         With ``max_uncached_chars`` set this is the event-loop fast path: it
         returns ``None`` rather than render a chat template or tokenize more
@@ -525,7 +547,7 @@ class PromptTokenizer:
             if text is None:
                 return None
         return self.text_chain(text, spec.add_special_tokens, chains, lora, spec.cache_salt,
-                               max_uncached_chars)
+                               max_uncached_chars, held)
 
     def render_chat(self, spec: PromptSpec) -> str:
         """The chat template rendered to text (vLLM ``safe_apply_chat_template`` minus tokenizing).

@@ -54,9 +54,10 @@ GC_GEN0_THRESHOLD = 20_000  # allocations between young-generation collections (
 _JSON = msgspec.json.Decoder()
 INLINE_HASH_BLOCKS = 64  # uncached blocks hashed on the event loop (~1.3 us each) before a thread hop
 PREFILL_RATE_EWMA_ALPHA = 0.1  # weight of the newest first-byte-per-prefill-token sample
-# Lazy hashing: a long token-id prompt is hashed before routing only up to the first piece holding
-# a block no replica holds (no replica can hit beyond it); the rest is hashed in the thread pool
-# after the request was sent, then recorded as placed. Until then the request's last hashed key is
+# Lazy hashing: a long prompt is tokenized and hashed before routing only up to the first piece
+# holding a block no replica holds (no replica can hit beyond it); the rest in the thread pool after
+# the request was sent, then recorded as placed (for text, the prompt length used for routing is
+# estimated from the tokens per character so far until then). Until then the request's last hashed key is
 # a *pending tail*: a request whose chain reaches it waits for the rest to be recorded (at most
 # PENDING_TAIL_WAIT_S) and hashes again, so a burst of one new long prefix sees the whole prefix.
 LAZY_HASHING = True
@@ -195,25 +196,27 @@ class RouterService:
 
         ``inline`` (on the event loop): returns ``None`` instead of doing more than
         ``INLINE_HASH_BLOCKS`` of hashing or ``INLINE_TOKENIZE_CHARS`` of
-        tokenizing; the caller then runs it again in the thread pool. ``lazy`` (token
-        ids only): hash only up to the first piece holding a block no replica holds
-        (the result has ``complete=False``; see ``_place_speculative``).
+        tokenizing; the caller then runs it again in the thread pool. ``lazy``:
+        hash (and tokenize) only up to the first piece holding a block no replica
+        holds (the result has ``complete=False``, and for text an estimated
+        ``num_tokens``; see ``_place_speculative``).
         """
+        held = self.fleet.holds_key if lazy else None
         if spec.token_ids is not None:
             uncached, path, pieces = self.chains.uncached_id_blocks(
                 spec.token_ids, lora, spec.cache_salt)
-            lazy = lazy and uncached > INLINE_HASH_BLOCKS
-            if inline and uncached > INLINE_HASH_BLOCKS and not lazy:
+            if uncached <= INLINE_HASH_BLOCKS:
+                held = None
+            elif inline and held is None:
                 return None
             root = self.chains.root(lora, spec.cache_salt)
             return self.chains.chain(
                 root, pieces, self.chains.id_spans(spec.token_ids), lora, spec.cache_salt,
-                path=path, held=self.fleet.holds_key if lazy else None,
-                num_tokens=len(spec.token_ids),
-                max_pieces=INLINE_HASH_BLOCKS // SPAN_BLOCKS if lazy and inline else None)
+                path=path, held=held, num_tokens=len(spec.token_ids),
+                max_pieces=INLINE_HASH_BLOCKS // SPAN_BLOCKS if held and inline else None)
         assert self.tokenizer is not None
         return self.tokenizer.prompt_chain(spec, self.chains, lora,
-                                           INLINE_TOKENIZE_CHARS if inline else None)
+                                           INLINE_TOKENIZE_CHARS if inline else None, held)
 
     def _chain_blocking(self, spec: PromptSpec, lora: tuple[str, str] | None,
                         lazy: bool = False) -> PromptChain:
@@ -334,6 +337,7 @@ class RouterService:
 
             def place_rest(fut: asyncio.Future[PromptChain]) -> None:
                 if not fut.cancelled() and fut.exception() is None and not placed.withdrawn:
+                    routed.num_tokens = fut.result().num_tokens  # exact (text was estimated)
                     rest = fut.result().keys[done:]
                     self.fleet.speculative.place(slot, rest, time.monotonic())
                     placed.keys.extend(rest)

