@@ -52,6 +52,7 @@ logger = logging.getLogger(__name__)
 
 MIN_CHUNK_CHARS: Final = 256  # smallest cached text chunk
 MAX_CHUNK_CHARS: Final = 1024  # a newline boundary is looked for up to here, else a space one
+LAZY_MIN_UNCACHED_CHARS: Final = 2 * MAX_CHUNK_CHARS  # less new text is tokenized whole, not lazily
 RENDER_CACHE_ENTRIES: Final = 1024  # rendered chat texts kept, by the request's chat fields
 CACHE_SALT_MAX_CHARS: Final = 128  # vLLM validate_cache_salt
 
@@ -468,7 +469,8 @@ class PromptTokenizer:
         ``max_uncached_chars`` characters would have to be tokenized: the caller
         then runs this again without the limit off the event loop.
 
-        Lazy mode (``held`` given, chunked tokenizers only): tokenize chunk by chunk
+        Lazy mode (``held`` given, chunked tokenizers only, more than
+        ``LAZY_MIN_UNCACHED_CHARS`` new characters): tokenize chunk by chunk
         only up to the first chunk completing a block for which ``held(key)`` is
         False (``ChainCache.chain``); the result then has ``complete=False`` and
         ``num_tokens`` *estimated* from the tokens per character of what was
@@ -492,7 +494,8 @@ class PromptTokenizer:
                         for _ in indexes]
         root = chains.root(lora, cache_salt, prefix)
         path = chains.walk(root, pieces)
-        if held is not None:
+        uncached = sum(len(p) if isinstance(p, str) else len(p[1]) for p in pieces[len(path):])
+        if held is not None and uncached > LAZY_MIN_UNCACHED_CHARS:
             max_pieces = (None if max_uncached_chars is None
                           else max(max_uncached_chars // MAX_CHUNK_CHARS, 1))
             chain = chains.chain(root, pieces, tokens_of, lora, cache_salt, suffix, path,
@@ -503,10 +506,8 @@ class PromptTokenizer:
             per_char = chain.num_tokens / max(done_chars, 1)
             estimate = chain.num_tokens + round((len(text) - done_chars) * per_char) + len(suffix)
             return dataclasses.replace(chain, num_tokens=estimate)
-        if max_uncached_chars is not None and len(path) < len(pieces):
-            uncached = sum(len(p) if isinstance(p, str) else len(p[1]) for p in pieces[len(path):])
-            if uncached > max_uncached_chars:
-                return None
+        if max_uncached_chars is not None and uncached > max_uncached_chars:
+            return None
         chain = chains.chain(root, pieces, tokens_of, lora, cache_salt, suffix, path)
         assert chain is not None  # only lazy mode gives up
         return chain
