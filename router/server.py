@@ -55,7 +55,7 @@ _JSON = msgspec.json.Decoder()
 INLINE_HASH_BLOCKS = 64  # uncached blocks hashed on the event loop (~1.3 us each) before a thread hop
 PREFILL_RATE_EWMA_ALPHA = 0.1  # weight of the newest first-byte-per-prefill-token sample
 # Lazy hashing: a long prompt is tokenized and hashed before routing only up to the first piece
-# holding a block no replica holds (no replica can hit beyond it); the rest in the thread pool after
+# holding a block no replica holds (no replica can hit beyond it); the rest in its own thread after
 # the request was sent, then recorded as placed (for text, the prompt length used for routing is
 # estimated from the tokens per character so far until then). Until then the request's last hashed key is
 # a *pending tail*: a request whose chain reaches it waits for the rest to be recorded (at most
@@ -112,6 +112,9 @@ class RouterService:
             cold_candidates=config.cold_candidates,
             cold_queue_slack_tokens=config.cold_queue_slack_tokens)
         self.executor = ThreadPoolExecutor(config.tokenizer_threads, thread_name_prefix="tokenize")
+        # the rest of lazily hashed prompts: one thread, so that under load it never takes the
+        # cores that routing (the event loop and the tokenize threads) needs
+        self.rest_executor = ThreadPoolExecutor(1, thread_name_prefix="tokenize-rest")
         self.rr_counter = 0
         self.reader: FleetReader | None = None
         self.prober: StaticProber | None = None
@@ -164,6 +167,7 @@ class RouterService:
         if self.session is not None:
             await self.session.close()
         self.executor.shutdown(wait=False, cancel_futures=True)
+        self.rest_executor.shutdown(wait=False, cancel_futures=True)
 
     async def _housekeeping(self) -> None:
         """Prune expired speculative placements and refresh gauges once a second."""
@@ -346,7 +350,7 @@ class RouterService:
                 recorded.set_result(None)
 
             try:
-                future = loop.run_in_executor(self.executor, self._chain_blocking, spec, lora)
+                future = loop.run_in_executor(self.rest_executor, self._chain_blocking, spec, lora)
             except RuntimeError:  # the executor is shut down: the router is stopping
                 future = loop.create_future()
                 future.cancel()

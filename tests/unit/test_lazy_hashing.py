@@ -49,8 +49,7 @@ def test_a_request_reaching_a_pending_tail_waits_for_it_and_follows_the_whole_pr
         routed = await service.route(first)
         assert not routed.complete and len(routed.chain) == 16, len(routed.chain)
         home = routed.decision.replica_id
-        for _ in range(service.config.tokenizer_threads):  # the tokenizer threads are busy
-            service.executor.submit(gate.wait)
+        service.rest_executor.submit(gate.wait)  # the thread hashing lazy rests is busy
         placed = service._place_speculative(routed, home, first, None)
         assert placed is not None and len(placed.keys) == 16
         service.tracker.record_writes(home, routed.num_tokens // 16, routed.write_window_blocks)
@@ -68,6 +67,7 @@ def test_a_request_reaching_a_pending_tail_waits_for_it_and_follows_the_whole_pr
     finally:
         gate.set()
         service.executor.shutdown(wait=True)
+        service.rest_executor.shutdown(wait=True)
 
 
 def test_a_withdrawn_lazy_placement_records_nothing_more() -> None:
@@ -82,8 +82,7 @@ def test_a_withdrawn_lazy_placement_records_nothing_more() -> None:
     async def scenario() -> None:
         routed = await service.route(spec)
         home = routed.decision.replica_id
-        for _ in range(service.config.tokenizer_threads):
-            service.executor.submit(gate.wait)
+        service.rest_executor.submit(gate.wait)
         placed = service._place_speculative(routed, home, spec, None)
         assert placed is not None
         slot = service.fleet.index.bit(home)
@@ -103,6 +102,7 @@ def test_a_withdrawn_lazy_placement_records_nothing_more() -> None:
     finally:
         gate.set()
         service.executor.shutdown(wait=True)
+        service.rest_executor.shutdown(wait=True)
 
 
 @needs_tokenizer
@@ -137,3 +137,4 @@ def test_new_text_is_routed_on_its_head_then_recorded_whole_with_its_exact_lengt
         asyncio.run(scenario())
     finally:
         service.executor.shutdown(wait=True)
+        service.rest_executor.shutdown(wait=True)
