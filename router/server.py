@@ -60,8 +60,11 @@ PREFILL_RATE_EWMA_ALPHA = 0.1  # weight of the newest first-byte-per-prefill-tok
 # estimated from the tokens per character so far until then). Until then the request's last hashed key is
 # a *pending tail*: a request whose chain reaches it waits for the rest to be recorded (at most
 # PENDING_TAIL_WAIT_S) and hashes again, so a burst of one new long prefix sees the whole prefix.
+# With MAX_QUEUED_RESTS rests waiting for their thread, prompts are hashed whole before routing
+# again: the backlog (and the delay of the placements it records) stays bounded under overload.
 LAZY_HASHING = True
 PENDING_TAIL_WAIT_S = 1.0
+MAX_QUEUED_RESTS = 4
 SWEEP_KEYS_PER_STEP = 5_000  # index keys swept per event-loop turn (~1 ms)
 INLINE_TOKENIZE_CHARS = 2048  # uncached characters tokenized on the loop (~0.5 ms) before a thread hop
 
@@ -123,6 +126,7 @@ class RouterService:
         self._tasks: list[asyncio.Task[None]] = []
         # {last key of a lazily hashed chain: done when the rest of that chain is recorded}
         self._pending_tails: dict[int, asyncio.Future[None]] = {}
+        self._queued_rests = 0  # rests of lazy chains submitted and not yet recorded
 
     # -- lifecycle ---------------------------------------------------------------
 
@@ -259,7 +263,8 @@ class RouterService:
         prompt: PromptChain | None = None
         if tokenized:
             started = time.perf_counter()
-            lazy = LAZY_HASHING and not dry_run and self.config.policy == "prefix"
+            lazy = (LAZY_HASHING and not dry_run and self.config.policy == "prefix"
+                    and self._queued_rests < MAX_QUEUED_RESTS)
             try:
                 prompt, path = await self._prompt_chain(spec, lora, lazy)
             except PromptError as exc:
@@ -325,7 +330,7 @@ class RouterService:
     def _place_speculative(self, routed: Routed, replica_id: str, spec: PromptSpec,
                            lora: tuple[str, str] | None) -> _Placed | None:
         """Record the chain as placed on ``replica_id``; returns what was recorded (a lazy chain's
-        rest is hashed in the thread pool and added when done, unless withdrawn by then)."""
+        rest is hashed in its own thread and added when done, unless withdrawn by then)."""
         if self.config.policy != "prefix" or not routed.chain:
             return None
         held = routed.decision.details.get(replica_id, {}).get("confirmed_hit_blocks", 0)
@@ -340,6 +345,7 @@ class RouterService:
             self._pending_tails[boundary] = recorded
 
             def place_rest(fut: asyncio.Future[PromptChain]) -> None:
+                self._queued_rests -= 1
                 if not fut.cancelled() and fut.exception() is None and not placed.withdrawn:
                     routed.num_tokens = fut.result().num_tokens  # exact (text was estimated)
                     rest = fut.result().keys[done:]
@@ -349,6 +355,7 @@ class RouterService:
                     del self._pending_tails[boundary]
                 recorded.set_result(None)
 
+            self._queued_rests += 1
             try:
                 future = loop.run_in_executor(self.rest_executor, self._chain_blocking, spec, lora)
             except RuntimeError:  # the executor is shut down: the router is stopping

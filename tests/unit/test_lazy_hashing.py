@@ -13,7 +13,7 @@ import pytest
 from router import contract as c
 from router.config import load_config
 from router.prompts import PromptTokenizer, default_tokenizer_dir, parse_prompt
-from router.server import RouterService
+from router.server import MAX_QUEUED_RESTS, RouterService
 
 MODEL = "m"
 TOKENIZER_DIR = default_tokenizer_dir()
@@ -136,5 +136,33 @@ def test_new_text_is_routed_on_its_head_then_recorded_whole_with_its_exact_lengt
     try:
         asyncio.run(scenario())
     finally:
+        service.executor.shutdown(wait=True)
+        service.rest_executor.shutdown(wait=True)
+
+
+def test_prompts_are_hashed_whole_again_while_rests_are_backlogged() -> None:
+    """Under overload the rests of lazy chains queue for their one thread; from
+    ``MAX_QUEUED_RESTS`` queued on, new prompts are hashed whole before routing (bounded backlog)."""
+    rng = random.Random(8)
+    service = service_with_replicas(2)
+    gate = threading.Event()
+
+    async def scenario() -> None:
+        service.rest_executor.submit(gate.wait)
+        for i in range(MAX_QUEUED_RESTS + 1):
+            prompt = [rng.randrange(1000, 100_000) for _ in range(4096)]
+            spec = parse_prompt("completion", {"model": MODEL, "prompt": prompt})
+            routed = await service.route(spec)
+            assert routed.complete == (i == MAX_QUEUED_RESTS), i
+            service._place_speculative(routed, routed.decision.replica_id, spec, None)
+        assert service._queued_rests == MAX_QUEUED_RESTS
+        gate.set()
+        await asyncio.wait_for(asyncio.gather(*service._pending_tails.values()), 10)
+        assert service._queued_rests == 0
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        gate.set()
         service.executor.shutdown(wait=True)
         service.rest_executor.shutdown(wait=True)
