@@ -237,6 +237,7 @@ class RouterService:
         """The chain (inline if cheap, else in the thread pool) and the path taken; a lazy chain
         that reaches another request's pending tail is hashed again once that tail is recorded."""
         loop = asyncio.get_running_loop()
+        give_up = loop.time() + PENDING_TAIL_WAIT_S
         for _ in range(3):
             path = "inline"
             inline = self._chain(spec, lora, inline=True, lazy=lazy)
@@ -247,11 +248,12 @@ class RouterService:
                 prompt = await loop.run_in_executor(
                     self.executor, self._chain_blocking, spec, lora, lazy)
             pending = self._pending_tails
-            if not lazy or not pending or pending.keys().isdisjoint(prompt.keys):
+            wait_s = give_up - loop.time()
+            if not lazy or not pending or wait_s <= 0 or pending.keys().isdisjoint(prompt.keys):
                 break
             keys = set(prompt.keys)
             await asyncio.wait([fut for key, fut in pending.items() if key in keys],
-                               timeout=PENDING_TAIL_WAIT_S)
+                               timeout=wait_s)
         return prompt, path
 
     async def route(self, spec: PromptSpec, *, dry_run: bool = False) -> Routed:
