@@ -15,11 +15,25 @@ Placements:
   perfect router that turns the fleet's caches into one could reach, ignoring load;
 * ``round_robin``: request ``i`` goes to replica ``i mod replicas``;
 * ``single_cache_unlimited``: one cache without capacity limit (the slice's reuse ceiling).
+
+And the two sticky placements the demo compares (``compare_placements``):
+
+* ``WriteBalancedPlacement``: ``prefix``'s rule without timing: a request whose longest match
+  (at least ``min_match`` trace blocks) is on some replicas goes to one of them, else (a new
+  conversation) anywhere; among those, the replica that wrote the fewest blocks recently
+  (exponential decay over written blocks, e-folding ``window`` x the fleet's capacity), optionally
+  with uniform noise of ``perturb_blocks`` on each replica's count (live timing perturbs the
+  router's choice about that much);
+* ``ConsistentHashPlacement``: the ``consistent_hash`` baseline exactly: the router's ring
+  (``router.ring.HashRing``) over the given replica ids, keyed on the block key at token 1024 of
+  the replayed tokens (``loadtest.trace.TokenMapper``, ``router.hashing.BlockHasher`` defaults).
 """
 
 from __future__ import annotations
 
 import math
+import random
+import statistics
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -100,6 +114,96 @@ def simulate_bounds(requests: Sequence[TraceRequest], replicas: int,
             "single_cache": single, "round_robin": rr, "single_cache_unlimited": unlimited}
 
 
+class WriteBalancedPlacement:
+    """``prefix``'s placement (see the module docstring) over ``caches``; call as ``place``."""
+
+    def __init__(self, caches: Sequence[LRUBlockCache], window: float = 0.5,
+                 perturb_blocks: float = 0.0, seed: int = 0, min_match: int = 2) -> None:
+        capacity = sum(c.capacity_blocks or 0 for c in caches)
+        self.caches = caches
+        self.efold_blocks = max(window * capacity, 1.0)
+        self.perturb_blocks = perturb_blocks
+        self.rng = random.Random(seed)
+        self.min_match = min_match
+        self.writes = [0.0] * len(caches)  # decayed blocks written per replica
+
+    def __call__(self, i: int, req: TraceRequest) -> int:
+        depths = [c.lookup(req.hash_ids) for c in self.caches]
+        best = max(depths)
+        candidates = ([j for j, d in enumerate(depths) if d == best] if best >= self.min_match
+                      else range(len(self.caches)))
+        noise = self.perturb_blocks
+        r = min(candidates, key=lambda j: self.writes[j] + (self.rng.uniform(0, noise) if noise else 0))
+        new = len(req.hash_ids) - depths[r]
+        decay = math.exp(-new / self.efold_blocks)
+        self.writes = [w * decay for w in self.writes]
+        self.writes[r] += new
+        return r
+
+
+class ConsistentHashPlacement:
+    """The ``consistent_hash`` baseline's placement over replicas ``replica_ids`` (the index into
+    ``replica_ids`` is the cache index); ``key_tokens``: the router's ``consistent_hash_tokens``."""
+
+    def __init__(self, replica_ids: Sequence[str], key_tokens: int = 1024,
+                 block_size: int = 16) -> None:
+        from loadtest.trace import TokenMapper
+        from router.hashing import BlockHasher
+        from router.ring import HashRing
+
+        self.ring = HashRing(replica_ids)
+        self.index = {rid: j for j, rid in enumerate(replica_ids)}
+        self.mapper = TokenMapper()
+        self.hasher = BlockHasher(block_size)
+        self.key_tokens = key_tokens
+
+    def __call__(self, i: int, req: TraceRequest) -> int:
+        n = min(req.input_length, self.key_tokens)
+        ids = req.hash_ids[:math.ceil(n / TRACE_BLOCK_TOKENS)]
+        tokens = self.mapper.prompt(ids, min(req.input_length, len(ids) * TRACE_BLOCK_TOKENS))[:n]
+        keys = self.hasher.keys(tokens)
+        key = keys[-1] if keys else self.hasher.keys(tokens + [0] * self.hasher.block_size)[0]
+        return self.index[self.ring.order(key)[0]]
+
+
+def compare_placements(requests: Sequence[TraceRequest], replicas: int, capacity_blocks: int,
+                       ring_seeds: int = 4, perturb_blocks: float = 3.0,
+                       perturb_seeds: int = 8) -> dict[str, Any]:
+    """Token hit rates of the demo's sticky placements on one slice.
+
+    ``consistent_hash``: one entry per ring; ring 0 uses the demo's replica ids
+    (``replica-0``...), ring ``s`` > 0 the ids ``ring{s}-replica-0``... (another fleet's names).
+    ``write_balanced``: exact (no noise), and ``perturb_seeds`` runs with ``perturb_blocks`` of
+    noise (mean, standard deviation, min, max). Raises ``ValueError`` for fewer than 1 replica."""
+    if replicas < 1:
+        raise ValueError("replicas must be at least 1")
+
+    def caches() -> list[LRUBlockCache]:
+        return [LRUBlockCache(capacity_blocks) for _ in range(replicas)]
+
+    def rate(fleet: list[LRUBlockCache], place: Callable[[int, TraceRequest], int]) -> float:
+        return float(simulate(requests, fleet, place)["token_hit_rate"])
+
+    rings = []
+    for seed in range(ring_seeds):
+        ids = [f"replica-{j}" if seed == 0 else f"ring{seed}-replica-{j}" for j in range(replicas)]
+        rings.append(rate(caches(), ConsistentHashPlacement(ids)))
+    fleet = caches()
+    exact = rate(fleet, WriteBalancedPlacement(fleet))
+    noisy = []
+    for s in range(perturb_seeds):
+        fleet = caches()
+        noisy.append(rate(fleet, WriteBalancedPlacement(fleet, perturb_blocks=perturb_blocks, seed=s)))
+
+    def summary(values: list[float]) -> dict[str, float]:
+        return {"mean": statistics.mean(values), "sd": statistics.pstdev(values),
+                "min": min(values), "max": max(values)} if values else {}
+
+    return {"consistent_hash_per_ring": rings, "consistent_hash": summary(rings),
+            "write_balanced": exact, "perturb_blocks": perturb_blocks,
+            "write_balanced_perturbed": summary(noisy)}
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """``python -m loadtest.simulate [--limit N] [--replicas R] [--capacity-tokens T]``: print the
     bounds for a slice of the packaged (or given) trace."""
@@ -116,9 +220,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--replicas", type=int, default=8)
     p.add_argument("--capacity-tokens", type=int, default=512_000,
                    help="KV capacity per replica in tokens (0: unlimited)")
+    p.add_argument("--placements", action="store_true",
+                   help="also simulate consistent_hash (several rings) and prefix's write-balanced "
+                        "placement (exact and perturbed); needs a capacity")
+    p.add_argument("--ring-seeds", type=int, default=4)
+    p.add_argument("--perturb-blocks", type=float, default=3.0)
+    p.add_argument("--perturb-seeds", type=int, default=8)
     args = p.parse_args(argv)
     requests = read_trace(args.trace or packaged_trace_path(), start=args.start, limit=args.limit)
-    print(json.dumps(simulate_bounds(requests, args.replicas, args.capacity_tokens or None), indent=2))
+    out = simulate_bounds(requests, args.replicas, args.capacity_tokens or None)
+    if args.placements:
+        if not args.capacity_tokens:
+            p.error("--placements needs --capacity-tokens > 0")
+        cap = max(1, args.capacity_tokens // TRACE_BLOCK_TOKENS)
+        out["placements"] = compare_placements(requests, args.replicas, cap, args.ring_seeds,
+                                               args.perturb_blocks, args.perturb_seeds)
+    print(json.dumps(out, indent=2))
     return 0
 
 

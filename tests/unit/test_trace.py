@@ -196,3 +196,47 @@ def test_simulated_bounds_single_cache_and_round_robin() -> None:
     # the hit never covers the last prompt token (vLLM recomputes it): 1024 tokens, 2 blocks
     capped = simulate_bounds([_req(0, 0, [0, 1]), _req(1, 0, [0, 1])], 1, None)
     assert capped["single_cache"]["hit_tokens"] == 1008
+
+
+def test_write_balanced_placement_follows_prefixes_and_balances_new_conversations() -> None:
+    from loadtest.simulate import LRUBlockCache, WriteBalancedPlacement, simulate
+
+    caches = [LRUBlockCache(100) for _ in range(2)]
+    place = WriteBalancedPlacement(caches)
+    # two new conversations (only the shared block 0 in common), then their follow-ups
+    reqs = [_req(0, 0, [0, 1, 2]), _req(1, 0, [0, 3]), _req(2, 0, [0, 4, 5, 6]),
+            _req(3, 0, [0, 1, 2, 7]), _req(4, 0, [0, 3, 8])]
+    chosen = []
+    for i, req in enumerate(reqs):
+        r = place(i, req)
+        chosen.append(r)
+        caches[r].touch(req.hash_ids[::-1])
+    # conversation 1 lands where conversation 0 did not write; conversation 2 goes to the replica
+    # with fewer recent writes (replica 1 has written 2 blocks, replica 0 three); follow-ups stick
+    assert chosen[:3] == [0, 1, 1]
+    assert chosen[3:] == [chosen[0], chosen[1]]
+    fresh = [LRUBlockCache(100) for _ in range(2)]
+    assert simulate(reqs, fresh, WriteBalancedPlacement(fresh))["hit_tokens"] > 0
+
+
+def test_consistent_hash_placement_is_the_router_ring_on_the_first_1024_tokens() -> None:
+    from loadtest.simulate import ConsistentHashPlacement, compare_placements
+    from loadtest.trace import TokenMapper
+    from router.hashing import BlockHasher
+    from router.ring import HashRing
+
+    ids = [f"replica-{j}" for j in range(4)]
+    place = ConsistentHashPlacement(ids)
+    ring = HashRing(ids)
+    for hid in range(20):
+        first = _req(0, 0, [0, 100 + hid, 200 + hid], 1400)
+        later = _req(1, 0, [0, 100 + hid, 300 + hid, 400 + hid], 2000)  # same first 1024 tokens
+        key = BlockHasher(16).keys(TokenMapper().prompt([0, 100 + hid], 1024))[63]
+        assert ids[place(0, first)] == ring.order(key)[0] == ids[place(1, later)]
+    reqs = [_req(i, 0, [0, 100 + i % 5, 200 + i], 1400) for i in range(30)]
+    result = compare_placements(reqs, replicas=3, capacity_blocks=4, ring_seeds=2,
+                                perturb_blocks=2.0, perturb_seeds=3)
+    assert len(result["consistent_hash_per_ring"]) == 2
+    assert all(0 < rate < 1 for rate in result["consistent_hash_per_ring"])
+    noisy = result["write_balanced_perturbed"]
+    assert 0 < noisy["min"] <= noisy["mean"] <= noisy["max"] < 1
