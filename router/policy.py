@@ -489,6 +489,13 @@ class LoadTicket:
             self._prefill_done = True
             self.tracker._release_prefill(self)
 
+    def resize_prefill(self, prefill_tokens: int) -> None:
+        """Correct the prefill held (an estimated prompt length became exact); no-op once the
+        prefill was released."""
+        if not self._prefill_done:
+            self.tracker._prefill[self.replica_id] += prefill_tokens - self.prefill_tokens
+            self.prefill_tokens = prefill_tokens
+
     def finish(self) -> None:
         """The request ended, on any path. Releases everything still held."""
         self.first_token()

@@ -90,6 +90,9 @@ class _Placed:
 
     keys: list[int]
     withdrawn: bool = False
+    rest: asyncio.Future[PromptChain] | None = None  # the rest being hashed (cancelled if withdrawn)
+    blocks: int = 0  # KV writes counted for the request on this replica (``record_writes``)
+    ticket: _GaugedTicket | None = None  # its load, corrected when a text's exact length is known
 
 
 class RouterService:
@@ -233,12 +236,15 @@ class RouterService:
         return chain
 
     async def _prompt_chain(self, spec: PromptSpec, lora: tuple[str, str] | None,
-                            lazy: bool) -> tuple[PromptChain, str]:
-        """The chain (inline if cheap, else in the thread pool) and the path taken; a lazy chain
-        that reaches another request's pending tail is hashed again once that tail is recorded."""
+                            lazy: bool, follow_pending: bool) -> tuple[PromptChain, str]:
+        """The chain (inline if cheap, else in the thread pool) and the path taken.
+
+        ``follow_pending``: a chain (lazy or whole) that reaches another request's pending tail is
+        computed again once that tail is recorded, within ``PENDING_TAIL_WAIT_S`` in all.
+        """
         loop = asyncio.get_running_loop()
         give_up = loop.time() + PENDING_TAIL_WAIT_S
-        for _ in range(3):
+        while True:
             path = "inline"
             inline = self._chain(spec, lora, inline=True, lazy=lazy)
             if inline is not None:
@@ -248,13 +254,14 @@ class RouterService:
                 prompt = await loop.run_in_executor(
                     self.executor, self._chain_blocking, spec, lora, lazy)
             pending = self._pending_tails
+            if not follow_pending or not pending or pending.keys().isdisjoint(prompt.keys):
+                return prompt, path
             wait_s = give_up - loop.time()
-            if not lazy or not pending or wait_s <= 0 or pending.keys().isdisjoint(prompt.keys):
-                break
+            if wait_s <= 0:
+                return prompt, path
             keys = set(prompt.keys)
             await asyncio.wait([fut for key, fut in pending.items() if key in keys],
                                timeout=wait_s)
-        return prompt, path
 
     async def route(self, spec: PromptSpec, *, dry_run: bool = False) -> Routed:
         """Eligibility, tokens, hit depths and the policy decision for one request."""
@@ -265,10 +272,10 @@ class RouterService:
         prompt: PromptChain | None = None
         if tokenized:
             started = time.perf_counter()
-            lazy = (LAZY_HASHING and not dry_run and self.config.policy == "prefix"
-                    and self._queued_rests < MAX_QUEUED_RESTS)
+            follow = LAZY_HASHING and not dry_run and self.config.policy == "prefix"
+            lazy = follow and self._queued_rests < MAX_QUEUED_RESTS
             try:
-                prompt, path = await self._prompt_chain(spec, lora, lazy)
+                prompt, path = await self._prompt_chain(spec, lora, lazy, follow)
             except PromptError as exc:
                 raise BadRequest(str(exc)) from exc
             chain = prompt.keys
@@ -349,7 +356,7 @@ class RouterService:
             def place_rest(fut: asyncio.Future[PromptChain]) -> None:
                 self._queued_rests -= 1
                 if not fut.cancelled() and fut.exception() is None and not placed.withdrawn:
-                    routed.num_tokens = fut.result().num_tokens  # exact (text was estimated)
+                    self._correct_length(routed, replica_id, placed, fut.result().num_tokens)
                     rest = fut.result().keys[done:]
                     self.fleet.speculative.place(slot, rest, time.monotonic())
                     placed.keys.extend(rest)
@@ -364,7 +371,26 @@ class RouterService:
                 future = loop.create_future()
                 future.cancel()
             future.add_done_callback(place_rest)
+            placed.rest = future
         return placed
+
+    def _correct_length(self, routed: Routed, replica_id: str, placed: _Placed,
+                        num_tokens: int) -> None:
+        """A lazily tokenized text's exact length is known: correct the estimate in the request's
+        KV writes and in its prefill load (if not released yet)."""
+        if num_tokens == routed.num_tokens:
+            return
+        routed.num_tokens = num_tokens
+        hit_blocks = routed.decision.details.get(replica_id, {}).get("hit_blocks", 0)
+        blocks = max(num_tokens // self.config.block_size - hit_blocks, 0)
+        if blocks > placed.blocks:
+            self.tracker.record_writes(replica_id, blocks - placed.blocks, routed.write_window_blocks)
+        elif blocks < placed.blocks:
+            self.tracker.withdraw_writes(replica_id, placed.blocks - blocks,
+                                         routed.write_window_blocks)
+        placed.blocks = blocks
+        if placed.ticket is not None:
+            placed.ticket.resize_prefill(max(num_tokens - hit_blocks * self.config.block_size, 1))
 
     # -- handlers ----------------------------------------------------------------
 
@@ -423,7 +449,7 @@ class RouterService:
         def start_ticket(rid: str) -> Any:
             ticket = self.tracker.dispatch(rid, prefill)
             self._update_inflight(rid)
-            gauged = _GaugedTicket(ticket, self)
+            gauged = tickets[rid] = _GaugedTicket(ticket, self)
             if not spec.stream:
                 # the first byte of a non-streamed answer comes only at the end: release its
                 # prefill at the time streamed requests to this replica took per prefill token
@@ -433,6 +459,7 @@ class RouterService:
             return gauged
 
         sent: list[tuple[str, int, _Placed | None]] = []  # (replica, blocks written, keys placed)
+        tickets: dict[str, _GaugedTicket] = {}
 
         def on_sent(rid: str) -> None:
             self.metrics.child(self.metrics.overhead, endpoint).observe(time.perf_counter() - arrival)
@@ -440,6 +467,8 @@ class RouterService:
             held = decision.details.get(rid, {}).get("hit_blocks", 0)
             blocks = max(routed.num_tokens // self.config.block_size - held, 0)
             self.tracker.record_writes(rid, blocks, routed.write_window_blocks)
+            if placed is not None:
+                placed.blocks, placed.ticket = blocks, tickets.get(rid)
             sent.append((rid, blocks, placed))
 
         def on_failure(rid: str) -> None:
@@ -479,10 +508,15 @@ class RouterService:
                 served = not refused and rid == replica_id
                 if served and i == len(sent) - 1:
                     continue
+                if placed is not None:
+                    blocks = placed.blocks  # (corrected if a text's exact length came meanwhile)
+                    placed.withdrawn = True
+                    if placed.rest is not None:
+                        placed.rest.cancel()  # not hashed yet: never will be
                 self.tracker.withdraw_writes(rid, blocks, routed.write_window_blocks)
                 slot = self.fleet.index.slot_of(rid)
                 if placed is not None and slot is not None and not served:
-                    placed.withdrawn = True  # (a retry re-placed the same keys)
+                    # (a retry re-placed the same keys)
                     self.fleet.speculative.withdraw(slot, placed.keys)
 
     def _update_inflight(self, replica_id: str) -> None:
@@ -598,6 +632,10 @@ class _GaugedTicket:
 
     def release_prefill_after(self, delay_s: float) -> None:
         self._timer = asyncio.get_running_loop().call_later(delay_s, self._estimated_first_token)
+
+    def resize_prefill(self, prefill_tokens: int) -> None:
+        self._ticket.resize_prefill(prefill_tokens)
+        self._service._update_inflight(self.replica_id)
 
     def _estimated_first_token(self) -> None:
         self._timer = None

@@ -183,8 +183,10 @@ class Worker:
         try:
             await asyncio.wait_for(catcher.done.wait(), PROBE_TIMEOUT_S)
         except TimeoutError:
-            logger.error("hash probe: no BlockStored for the probe prompt within %.0fs "
-                         "(are KV events enabled on the engine?)", PROBE_TIMEOUT_S)
+            logger.error("hash probe: no BlockStored for the probe prompt within %.0fs (are KV "
+                         "events enabled on the engine, and does it bind its endpoint, e.g. "
+                         "tcp://*:5557? vLLM connects instead for a concrete host, and so does "
+                         "this worker, so no events flow)", PROBE_TIMEOUT_S)
             return
         verdict = judge(catcher, hasher)
         self.num_probes += 1

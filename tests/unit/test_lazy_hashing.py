@@ -13,7 +13,7 @@ import pytest
 from router import contract as c
 from router.config import load_config
 from router.prompts import PromptTokenizer, default_tokenizer_dir, parse_prompt
-from router.server import MAX_QUEUED_RESTS, RouterService
+from router.server import MAX_QUEUED_RESTS, PENDING_TAIL_WAIT_S, RouterService, _GaugedTicket
 
 MODEL = "m"
 TOKENIZER_DIR = default_tokenizer_dir()
@@ -86,11 +86,15 @@ def test_a_withdrawn_lazy_placement_records_nothing_more() -> None:
         placed = service._place_speculative(routed, home, spec, None)
         assert placed is not None
         slot = service.fleet.index.bit(home)
+        # what RouterService._generate does when the replica refused the request
         placed.withdrawn = True
+        assert placed.rest is not None
+        placed.rest.cancel()
         service.fleet.speculative.withdraw(slot, placed.keys)
         (recorded,) = service._pending_tails.values()
+        await asyncio.wait_for(recorded, 5)  # the rest was never hashed: the thread is still busy
+        assert service._queued_rests == 0
         gate.set()
-        await asyncio.wait_for(recorded, 5)
         assert not service._pending_tails
         assert len(placed.keys) == 16
         assert not any(key in service.fleet.speculative for key in routed.chain)
@@ -126,10 +130,18 @@ def test_new_text_is_routed_on_its_head_then_recorded_whole_with_its_exact_lengt
         home = routed.decision.replica_id
         placed = service._place_speculative(routed, home, spec, None)
         assert placed is not None
+        # what RouterService._generate does at dispatch: the load and the KV writes, estimated
+        placed.ticket = _GaugedTicket(service.tracker.dispatch(home, routed.num_tokens), service)
+        placed.blocks = routed.num_tokens // 16
+        service.tracker.record_writes(home, placed.blocks, routed.write_window_blocks)
         (recorded,) = service._pending_tails.values()
         await asyncio.wait_for(recorded, 30)
         assert routed.num_tokens == exact
         assert len(placed.keys) == exact // 16
+        assert service.tracker.prefill_tokens(home) == exact  # the estimate was corrected
+        assert placed.blocks == exact // 16
+        assert service.tracker.recent_writes(home, routed.write_window_blocks) == pytest.approx(
+            exact // 16, rel=0.01)
         dry = await service.route(spec, dry_run=True)
         assert (dry.decision.replica_id, dry.decision.hit_blocks) == (home, (exact - 1) // 16)
 
@@ -159,6 +171,58 @@ def test_prompts_are_hashed_whole_again_while_rests_are_backlogged() -> None:
         gate.set()
         await asyncio.wait_for(asyncio.gather(*service._pending_tails.values()), 10)
         assert service._queued_rests == 0
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        gate.set()
+        service.executor.shutdown(wait=True)
+        service.rest_executor.shutdown(wait=True)
+
+
+def test_a_whole_chain_follows_pending_tails_too_and_the_wait_is_bounded() -> None:
+    """With the rest backlog full, a request is hashed whole, and still waits for the pending tail
+    its chain reaches (else it would see the 16-block head only and place the prefix a second
+    time); the wait is bounded by ``PENDING_TAIL_WAIT_S`` in all."""
+    rng = random.Random(10)
+    shared = [rng.randrange(1000, 100_000) for _ in range(16384)]
+    first = parse_prompt("completion", {"model": MODEL, "prompt": shared + [7] * 40})
+    service = service_with_replicas(4)
+    gate = threading.Event()
+
+    async def scenario() -> None:
+        routed = await service.route(first)
+        home = routed.decision.replica_id
+        service.rest_executor.submit(gate.wait)
+        service._place_speculative(routed, home, first, None)
+        service.tracker.record_writes(home, routed.num_tokens // 16, routed.write_window_blocks)
+        for _ in range(MAX_QUEUED_RESTS - 1):  # other new prompts fill the backlog
+            other = parse_prompt("completion", {"model": MODEL, "prompt": [
+                rng.randrange(1000, 100_000) for _ in range(4096)]})
+            more = await service.route(other)
+            service._place_speculative(more, more.decision.replica_id, other, None)
+        assert service._queued_rests == MAX_QUEUED_RESTS
+        second = parse_prompt("completion", {"model": MODEL, "prompt": shared + [9] * 40})
+        waiting = asyncio.create_task(service.route(second))
+        await asyncio.sleep(0.2)
+        assert not waiting.done()
+        gate.set()
+        again = await waiting
+        assert again.complete
+        assert (again.decision.replica_id, again.decision.hit_blocks) == (home, 16384 // 16)
+        # a tail that is never recorded holds a request up for PENDING_TAIL_WAIT_S at most
+        third = parse_prompt("completion", {"model": MODEL, "prompt": [
+            rng.randrange(1000, 100_000) for _ in range(8192)]})
+        routed3 = await service.route(third)
+        blocker = threading.Event()
+        service.rest_executor.submit(blocker.wait)
+        service._place_speculative(routed3, routed3.decision.replica_id, third, None)
+        started = time.monotonic()
+        try:
+            await service.route(parse_prompt("completion", {"model": MODEL, "prompt": third.token_ids}))
+        finally:
+            blocker.set()
+        assert time.monotonic() - started < 2 * PENDING_TAIL_WAIT_S
 
     try:
         asyncio.run(scenario())
