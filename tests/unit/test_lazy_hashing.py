@@ -7,13 +7,22 @@ import asyncio
 import random
 import threading
 import time
+from collections.abc import Callable, Coroutine
+from typing import Any
 
 import pytest
 
 from router import contract as c
 from router.config import load_config
-from router.prompts import PromptTokenizer, default_tokenizer_dir, parse_prompt
-from router.server import MAX_QUEUED_RESTS, PENDING_TAIL_WAIT_S, RouterService, _GaugedTicket
+from router.prompts import PromptSpec, PromptTokenizer, default_tokenizer_dir, parse_prompt
+from router.server import (
+    MAX_QUEUED_RESTS,
+    PENDING_TAIL_WAIT_S,
+    Routed,
+    RouterService,
+    _GaugedTicket,
+    _Placed,
+)
 
 MODEL = "m"
 TOKENIZER_DIR = default_tokenizer_dir()
@@ -32,6 +41,31 @@ def service_with_replicas(n: int, tokenizer: PromptTokenizer | None = None) -> R
     return service
 
 
+def run_scenario(service: RouterService, scenario: Callable[[], Coroutine[Any, Any, None]],
+                 *gates: threading.Event) -> None:
+    """Run ``scenario`` on a fresh event loop; then open ``gates`` and stop the thread pools."""
+    try:
+        asyncio.run(scenario())
+    finally:
+        for gate in gates:
+            gate.set()
+        service.executor.shutdown(wait=True)
+        service.rest_executor.shutdown(wait=True)
+
+
+async def route_and_place(service: RouterService, spec: PromptSpec,
+                          gate: threading.Event | None = None) -> tuple[Routed, str, _Placed]:
+    """Route ``spec`` and record it as placed on its replica, as dispatch does; with ``gate``,
+    the thread hashing lazy rests is held busy until the gate opens."""
+    routed = await service.route(spec)
+    home = routed.decision.replica_id
+    if gate is not None:
+        service.rest_executor.submit(gate.wait)
+    placed = service._place_speculative(routed, home, spec, None)
+    assert placed is not None
+    return routed, home, placed
+
+
 def test_a_request_reaching_a_pending_tail_waits_for_it_and_follows_the_whole_prefix() -> None:
     """The first request of a new 16k-token prefix is routed on its first piece; while the rest
     of its chain waits for the (busy) thread pool, a second request with the same prefix waits
@@ -46,12 +80,9 @@ def test_a_request_reaching_a_pending_tail_waits_for_it_and_follows_the_whole_pr
     gate = threading.Event()
 
     async def scenario() -> None:
-        routed = await service.route(first)
+        routed, home, placed = await route_and_place(service, first, gate)
         assert not routed.complete and len(routed.chain) == 16, len(routed.chain)
-        home = routed.decision.replica_id
-        service.rest_executor.submit(gate.wait)  # the thread hashing lazy rests is busy
-        placed = service._place_speculative(routed, home, first, None)
-        assert placed is not None and len(placed.keys) == 16
+        assert len(placed.keys) == 16
         service.tracker.record_writes(home, routed.num_tokens // 16, routed.write_window_blocks)
         waiting = asyncio.create_task(service.route(second))
         await asyncio.sleep(0.2)
@@ -62,12 +93,7 @@ def test_a_request_reaching_a_pending_tail_waits_for_it_and_follows_the_whole_pr
         assert again.complete
         assert (again.decision.replica_id, again.decision.hit_blocks) == (home, 16384 // 16)
 
-    try:
-        asyncio.run(scenario())
-    finally:
-        gate.set()
-        service.executor.shutdown(wait=True)
-        service.rest_executor.shutdown(wait=True)
+    run_scenario(service, scenario, gate)
 
 
 def test_a_withdrawn_lazy_placement_records_nothing_more() -> None:
@@ -80,11 +106,7 @@ def test_a_withdrawn_lazy_placement_records_nothing_more() -> None:
     gate = threading.Event()
 
     async def scenario() -> None:
-        routed = await service.route(spec)
-        home = routed.decision.replica_id
-        service.rest_executor.submit(gate.wait)
-        placed = service._place_speculative(routed, home, spec, None)
-        assert placed is not None
+        routed, home, placed = await route_and_place(service, spec, gate)
         slot = service.fleet.index.bit(home)
         # what RouterService._generate does when the replica refused the request
         placed.withdrawn = True
@@ -101,12 +123,7 @@ def test_a_withdrawn_lazy_placement_records_nothing_more() -> None:
         dry = await service.route(spec, dry_run=True)
         assert dry.decision.hit_blocks == 0
 
-    try:
-        asyncio.run(scenario())
-    finally:
-        gate.set()
-        service.executor.shutdown(wait=True)
-        service.rest_executor.shutdown(wait=True)
+    run_scenario(service, scenario, gate)
 
 
 @needs_tokenizer
@@ -145,11 +162,7 @@ def test_new_text_is_routed_on_its_head_then_recorded_whole_with_its_exact_lengt
         dry = await service.route(spec, dry_run=True)
         assert (dry.decision.replica_id, dry.decision.hit_blocks) == (home, (exact - 1) // 16)
 
-    try:
-        asyncio.run(scenario())
-    finally:
-        service.executor.shutdown(wait=True)
-        service.rest_executor.shutdown(wait=True)
+    run_scenario(service, scenario)
 
 
 def test_prompts_are_hashed_whole_again_while_rests_are_backlogged() -> None:
@@ -172,12 +185,7 @@ def test_prompts_are_hashed_whole_again_while_rests_are_backlogged() -> None:
         await asyncio.wait_for(asyncio.gather(*service._pending_tails.values()), 10)
         assert service._queued_rests == 0
 
-    try:
-        asyncio.run(scenario())
-    finally:
-        gate.set()
-        service.executor.shutdown(wait=True)
-        service.rest_executor.shutdown(wait=True)
+    run_scenario(service, scenario, gate)
 
 
 def test_a_whole_chain_follows_pending_tails_too_and_the_wait_is_bounded() -> None:
@@ -191,10 +199,7 @@ def test_a_whole_chain_follows_pending_tails_too_and_the_wait_is_bounded() -> No
     gate = threading.Event()
 
     async def scenario() -> None:
-        routed = await service.route(first)
-        home = routed.decision.replica_id
-        service.rest_executor.submit(gate.wait)
-        service._place_speculative(routed, home, first, None)
+        routed, home, _ = await route_and_place(service, first, gate)
         service.tracker.record_writes(home, routed.num_tokens // 16, routed.write_window_blocks)
         for _ in range(MAX_QUEUED_RESTS - 1):  # other new prompts fill the backlog
             other = parse_prompt("completion", {"model": MODEL, "prompt": [
@@ -224,9 +229,4 @@ def test_a_whole_chain_follows_pending_tails_too_and_the_wait_is_bounded() -> No
             blocker.set()
         assert time.monotonic() - started < 2 * PENDING_TAIL_WAIT_S
 
-    try:
-        asyncio.run(scenario())
-    finally:
-        gate.set()
-        service.executor.shutdown(wait=True)
-        service.rest_executor.shutdown(wait=True)
+    run_scenario(service, scenario, gate)
