@@ -143,27 +143,40 @@ class WriteBalancedPlacement:
 
 class ConsistentHashPlacement:
     """The ``consistent_hash`` baseline's placement over replicas ``replica_ids`` (the index into
-    ``replica_ids`` is the cache index); ``key_tokens``: the router's ``consistent_hash_tokens``."""
+    ``replica_ids`` is the cache index): ``router.policy.decide`` itself, given the block keys of
+    the replayed tokens' first ``key_tokens`` (the router's ``consistent_hash_tokens``; the keys
+    beyond them do not change its choice) and, for a prompt shorter than a block, the ring key the
+    router computes from its head."""
 
     def __init__(self, replica_ids: Sequence[str], key_tokens: int = 1024,
                  block_size: int = 16) -> None:
         from loadtest.trace import TokenMapper
         from router.hashing import BlockHasher
+        from router.policy import PolicyParams, ReplicaView
         from router.ring import HashRing
 
         self.ring = HashRing(replica_ids)
+        self.views = [ReplicaView(rid) for rid in replica_ids]
         self.index = {rid: j for j, rid in enumerate(replica_ids)}
+        self.params = PolicyParams(block_size=block_size,
+                                   consistent_hash_blocks=max(1, key_tokens // block_size))
         self.mapper = TokenMapper()
         self.hasher = BlockHasher(block_size)
         self.key_tokens = key_tokens
 
     def __call__(self, i: int, req: TraceRequest) -> int:
+        import json
+
+        from router.policy import RouteInput, decide
+        from router.ring import text_key
+
         n = min(req.input_length, self.key_tokens)
         ids = req.hash_ids[:math.ceil(n / TRACE_BLOCK_TOKENS)]
         tokens = self.mapper.prompt(ids, min(req.input_length, len(ids) * TRACE_BLOCK_TOKENS))[:n]
-        keys = self.hasher.keys(tokens)
-        key = keys[-1] if keys else self.hasher.keys(tokens + [0] * self.hasher.block_size)[0]
-        return self.index[self.ring.order(key)[0]]
+        head = tokens[:self.hasher.block_size]
+        request = RouteInput(self.hasher.keys(tokens), req.input_length, text_key(json.dumps(head)))
+        decision = decide("consistent_hash", request, self.views, self.ring, params=self.params)
+        return self.index[decision.replica_id]
 
 
 def compare_placements(requests: Sequence[TraceRequest], replicas: int, capacity_blocks: int,
