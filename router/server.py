@@ -85,8 +85,9 @@ class Routed:
 
 @dataclass(slots=True)
 class _Placed:
-    """Keys recorded as placed on one replica for one request (the rest of a lazy chain joins
-    them when hashed); ``withdrawn``: the replica refused the request, place nothing more."""
+    """One dispatch of a request to a replica: the keys recorded as placed there (none outside
+    the prefix policy; the rest of a lazy chain joins them when hashed) and the KV writes counted;
+    ``withdrawn``: the replica refused the request, place nothing more."""
 
     keys: list[int]
     withdrawn: bool = False
@@ -224,7 +225,7 @@ class RouterService:
             return self.chains.chain(
                 root, pieces, self.chains.id_spans(spec.token_ids), lora, spec.cache_salt,
                 path=path, held=held, num_tokens=len(spec.token_ids),
-                max_pieces=INLINE_HASH_BLOCKS // SPAN_BLOCKS if held and inline else None)
+                max_pieces=INLINE_HASH_BLOCKS // SPAN_BLOCKS if held is not None and inline else None)
         assert self.tokenizer is not None
         return self.tokenizer.prompt_chain(spec, self.chains, lora,
                                            INLINE_TOKENIZE_CHARS if inline else None, held)
@@ -374,6 +375,12 @@ class RouterService:
             placed.rest = future
         return placed
 
+    def _write_blocks(self, routed: Routed, replica_id: str) -> int:
+        """New KV blocks the request makes ``replica_id`` write: its full blocks beyond the hit
+        predicted there."""
+        hit_blocks = routed.decision.details.get(replica_id, {}).get("hit_blocks", 0)
+        return max(routed.num_tokens // self.config.block_size - hit_blocks, 0)
+
     def _correct_length(self, routed: Routed, replica_id: str, placed: _Placed,
                         num_tokens: int) -> None:
         """A lazily tokenized text's exact length is known: correct the estimate in the request's
@@ -381,8 +388,7 @@ class RouterService:
         if num_tokens == routed.num_tokens:
             return
         routed.num_tokens = num_tokens
-        hit_blocks = routed.decision.details.get(replica_id, {}).get("hit_blocks", 0)
-        blocks = max(num_tokens // self.config.block_size - hit_blocks, 0)
+        blocks = self._write_blocks(routed, replica_id)
         if blocks > placed.blocks:
             self.tracker.record_writes(replica_id, blocks - placed.blocks, routed.write_window_blocks)
         elif blocks < placed.blocks:
@@ -390,6 +396,7 @@ class RouterService:
                                          routed.write_window_blocks)
         placed.blocks = blocks
         if placed.ticket is not None:
+            hit_blocks = routed.decision.details.get(replica_id, {}).get("hit_blocks", 0)
             placed.ticket.resize_prefill(max(num_tokens - hit_blocks * self.config.block_size, 1))
 
     # -- handlers ----------------------------------------------------------------
@@ -458,18 +465,15 @@ class RouterService:
                     gauged.release_prefill_after(per_token * prefill)
             return gauged
 
-        sent: list[tuple[str, int, _Placed | None]] = []  # (replica, blocks written, keys placed)
+        sent: list[tuple[str, _Placed]] = []  # (replica, what was placed and written there)
         tickets: dict[str, _GaugedTicket] = {}
 
         def on_sent(rid: str) -> None:
             self.metrics.child(self.metrics.overhead, endpoint).observe(time.perf_counter() - arrival)
-            placed = self._place_speculative(routed, rid, spec, routed.lora)
-            held = decision.details.get(rid, {}).get("hit_blocks", 0)
-            blocks = max(routed.num_tokens // self.config.block_size - held, 0)
-            self.tracker.record_writes(rid, blocks, routed.write_window_blocks)
-            if placed is not None:
-                placed.blocks, placed.ticket = blocks, tickets.get(rid)
-            sent.append((rid, blocks, placed))
+            placed = self._place_speculative(routed, rid, spec, routed.lora) or _Placed([])
+            placed.blocks, placed.ticket = self._write_blocks(routed, rid), tickets.get(rid)
+            self.tracker.record_writes(rid, placed.blocks, routed.write_window_blocks)
+            sent.append((rid, placed))
 
         def on_failure(rid: str) -> None:
             self.fleet.mark_failed(rid, time.monotonic())
@@ -504,18 +508,16 @@ class RouterService:
             # attempts that failed, and an answer refusing the request (4xx/5xx before any
             # prefill, e.g. a prompt over the context length), left no blocks on the replica
             refused = status >= 400 and status != STATUS_CLIENT_CLOSED
-            for i, (rid, blocks, placed) in enumerate(sent):
+            for i, (rid, placed) in enumerate(sent):
                 served = not refused and rid == replica_id
                 if served and i == len(sent) - 1:
                     continue
-                if placed is not None:
-                    blocks = placed.blocks  # (corrected if a text's exact length came meanwhile)
-                    placed.withdrawn = True
-                    if placed.rest is not None:
-                        placed.rest.cancel()  # not hashed yet: never will be
-                self.tracker.withdraw_writes(rid, blocks, routed.write_window_blocks)
+                placed.withdrawn = True
+                if placed.rest is not None:
+                    placed.rest.cancel()  # not hashed yet: never will be
+                self.tracker.withdraw_writes(rid, placed.blocks, routed.write_window_blocks)
                 slot = self.fleet.index.slot_of(rid)
-                if placed is not None and slot is not None and not served:
+                if placed.keys and slot is not None and not served:
                     # (a retry re-placed the same keys)
                     self.fleet.speculative.withdraw(slot, placed.keys)
 
