@@ -115,7 +115,12 @@ def simulate_bounds(requests: Sequence[TraceRequest], replicas: int,
 
 
 class WriteBalancedPlacement:
-    """``prefix``'s placement (see the module docstring) over ``caches``; call as ``place``."""
+    """``prefix``'s placement (see the module docstring) over ``caches``; call as ``place``.
+
+    ``place(i, req)`` returns the index into ``caches`` and counts the request's new trace blocks
+    (512 tokens each) as written there. The rule is ``router.policy``'s cold placement without
+    timing (its queue-slack filter and load bounds need live load, which a placement-only
+    simulation does not have); ``window`` is the router's ``cold_write_window``."""
 
     def __init__(self, caches: Sequence[LRUBlockCache], window: float = 0.5,
                  perturb_blocks: float = 0.0, seed: int = 0, min_match: int = 2) -> None:
