@@ -1,4 +1,5 @@
-"""``prefix-router`` command line: ``hash`` (debug hash agreement) and ``serve`` (the router).
+"""``prefix-router`` command line: ``hash`` (debug hash agreement), ``capacity`` (KV arithmetic of a
+model), ``audit`` (prompt-template audit of a request file) and ``serve`` (the router).
 
 CLI edge: parses arguments, prints results, maps errors to exit codes.
 """
@@ -6,11 +7,14 @@ CLI edge: parses arguments, prints results, maps errors to exit codes.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 from typing import NoReturn
 
+from router import capacity
 from router.hashing import (
     DEFAULT_BLOCK_SIZE,
     DEFAULT_HASH_ALGO,
@@ -98,10 +102,119 @@ def run_hash(argv: Sequence[str]) -> int:
     return 0
 
 
+def _capacity_parser() -> argparse.ArgumentParser:
+    parser = _OneLineParser(
+        prog="prefix-router capacity",
+        description="KV bytes per token, KV blocks per replica, the HBM a shared prefix holds and "
+        "the prefill a hit saves, from a model directory's config.json and/or shape flags "
+        "(flags override the config).")
+    parser.add_argument("model_dir", nargs="?", default=None,
+                        help="directory with config.json (and *.safetensors for the weight size)")
+    shape = parser.add_argument_group("model shape (instead of, or over, config.json)")
+    shape.add_argument("--params", type=float, default=None,
+                       help="parameters active per token, e.g. 14e9")
+    shape.add_argument("--layers", type=int, default=None)
+    shape.add_argument("--q-heads", type=int, default=None)
+    shape.add_argument("--kv-heads", type=int, default=None)
+    shape.add_argument("--head-dim", type=int, default=None)
+    shape.add_argument("--dtype", default=None, help="weight dtype (default: config, else bf16)")
+    shape.add_argument("--kv-cache-dtype", default="auto",
+                       help="vLLM --kv-cache-dtype: auto (the model dtype), fp8, bf16, ...")
+    shape.add_argument("--weights-gb", type=float, default=None,
+                       help="weight bytes on the replica in GB (default: safetensors files, "
+                       "else params x dtype)")
+    gpu = parser.add_argument_group("GPU and workload")
+    gpu.add_argument("--gpu-memory-gb", type=float, default=capacity.DEFAULT_GPU_MEMORY_GB)
+    gpu.add_argument("--gpu-memory-utilization", type=float,
+                     default=capacity.DEFAULT_GPU_MEMORY_UTILIZATION)
+    gpu.add_argument("--tensor-parallel-size", type=int, default=1)
+    gpu.add_argument("--tflops", type=float, default=capacity.DEFAULT_TFLOPS,
+                     help="sustained TFLOP/s per GPU on large prefills")
+    gpu.add_argument("--block-size", type=int, default=DEFAULT_BLOCK_SIZE)
+    gpu.add_argument("--prefix-tokens", type=int, default=capacity.DEFAULT_PREFIX_TOKENS,
+                     help="length of the shared prefix (system prompt, document)")
+    gpu.add_argument("--suffix-tokens", type=int, default=capacity.DEFAULT_SUFFIX_TOKENS,
+                     help="new tokens after it (the question)")
+    parser.add_argument("--json", action="store_true", help="print the plan as JSON")
+    return parser
+
+
+def _safetensors_bytes(model_dir: Path) -> float | None:
+    """Weight bytes of a model directory: the safetensors index's ``total_size``, else the sum
+    of its ``*.safetensors`` file sizes (tensor data plus small headers); ``None`` if neither."""
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        total = json.loads(index.read_text()).get("metadata", {}).get("total_size")
+        if isinstance(total, int | float) and total > 0:
+            return float(total)
+    files = list(model_dir.glob("*.safetensors"))
+    return float(sum(f.stat().st_size for f in files)) if files else None
+
+
+def _capacity_shape(args: argparse.Namespace) -> capacity.ModelShape:
+    weights = args.weights_gb * 1e9 if args.weights_gb is not None else None
+    source = "--weights-gb" if weights is not None else None
+    if args.model_dir is not None:
+        model_dir = Path(args.model_dir)
+        if not (model_dir / "config.json").is_file():
+            raise UsageError(f"{model_dir} has no config.json")
+        from transformers import AutoConfig  # heavy import, only for a model directory
+
+        try:
+            config = AutoConfig.from_pretrained(str(model_dir), local_files_only=True)
+        except (OSError, ValueError, KeyError) as exc:
+            raise UsageError(f"cannot read {model_dir / 'config.json'}: {exc}") from exc
+        if weights is None:
+            weights = _safetensors_bytes(model_dir)
+            source = "safetensors files" if weights is not None else None
+        shape = capacity.model_shape_from_config(
+            config, weight_bytes=weights, weight_source=source, kv_dtype=args.kv_cache_dtype,
+            params=args.params)
+        overrides = {name: value for name, value in (
+            ("num_layers", args.layers), ("num_q_heads", args.q_heads),
+            ("num_kv_heads", args.kv_heads), ("head_dim", args.head_dim)) if value is not None}
+        if args.dtype is not None:
+            overrides["weight_dtype_bytes"] = capacity.dtype_bytes(args.dtype)
+        return dataclasses.replace(shape, **overrides) if overrides else shape
+    missing = [flag for flag, value in (("--params", args.params), ("--layers", args.layers),
+                                        ("--q-heads", args.q_heads), ("--kv-heads", args.kv_heads),
+                                        ("--head-dim", args.head_dim)) if value is None]
+    if missing:
+        raise UsageError(f"give MODEL_DIR or all of {', '.join(missing)}")
+    weight_dtype = capacity.dtype_bytes(args.dtype or "bfloat16")
+    kv_dtype = (weight_dtype if args.kv_cache_dtype == "auto"
+                else capacity.dtype_bytes(args.kv_cache_dtype))
+    return capacity.ModelShape(
+        params=args.params, num_layers=args.layers, num_q_heads=args.q_heads,
+        num_kv_heads=args.kv_heads, head_dim=args.head_dim, kv_dtype_bytes=kv_dtype,
+        weight_dtype_bytes=weight_dtype, weight_bytes=weights,
+        weight_source=source or "params x dtype bytes", name=f"{args.params / 1e9:g}B (flags)")
+
+
+def run_capacity(argv: Sequence[str]) -> int:
+    """The ``capacity`` subcommand. Returns the process exit code."""
+    args = _capacity_parser().parse_args(argv)
+    try:
+        shape = _capacity_shape(args)
+        gpu = capacity.GpuBudget(args.gpu_memory_gb, args.gpu_memory_utilization,
+                                 args.tensor_parallel_size, args.tflops, args.block_size)
+        result = capacity.plan(shape, gpu, args.prefix_tokens, args.suffix_tokens)
+    except (UsageError, capacity.CapacityError) as exc:
+        print(f"prefix-router capacity: error: {exc}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps(result.as_dict(), indent=2))
+    else:
+        print(capacity.format_plan(result))
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``prefix-router``."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    commands = {"hash": "print vLLM block hashes of a token prompt", "serve": "run the router"}
+    commands = {"hash": "print vLLM block hashes of a token prompt",
+                "capacity": "KV capacity and prefix-hit arithmetic of a model on a GPU",
+                "serve": "run the router"}
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in commands:
         lines = "\n".join(f"  {name:8s} {text}" for name, text in commands.items())
         stream = sys.stdout if argv and argv[0] in ("-h", "--help") else sys.stderr
@@ -110,6 +223,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     command, rest = argv[0], argv[1:]
     if command == "hash":
         return run_hash(rest)
+    if command == "capacity":
+        return run_capacity(rest)
     from router.server import main as serve_main  # heavy imports only when serving
 
     return serve_main(rest)
