@@ -35,9 +35,11 @@ class RouterMetrics:
             "router_predicted_hit_tokens_total", "Prompt tokens predicted to hit the chosen "
             "replica's prefix cache", ["replica"], registry=registry)
         self.ttft = Histogram(
-            "router_ttft_seconds", "Time from request arrival to the first response byte from the "
-            "replica, split by whether the router predicted a prefix hit", ["predicted"],
-            buckets=_TTFT_BUCKETS, registry=registry)
+            "router_ttft_seconds", "Streamed requests: time from request arrival to the first "
+            "response byte from the replica, per model, split by prefix-cache hit (cache=hit: "
+            "cached_tokens > 0) as the engine reported it in usage.prompt_tokens_details "
+            "(source=engine) or, when it did not, as the router predicted it (source=predicted)",
+            ["model", "cache", "source"], buckets=_TTFT_BUCKETS, registry=registry)
         self.overhead = Histogram(
             "router_overhead_seconds", "Router time from request arrival to upstream send "
             "(parse, tokenize, hash, route)", ["endpoint"], buckets=_LATENCY_BUCKETS,

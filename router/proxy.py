@@ -35,6 +35,7 @@ from multidict import CIMultiDict
 from router.config import RouterConfig
 from router.errors import REQUEST_ID_HEADER, UpstreamError, UpstreamTimeout, error_body
 from router.metrics import RouterMetrics
+from router.usage import keep_tail
 
 logger = logging.getLogger(__name__)
 
@@ -74,6 +75,7 @@ class ProxyOutcome:
     replica_id: str
     status: int
     first_byte_s: float | None = None
+    tail: bytes = b""  # an SSE stream's last ``router.usage.TAIL_BYTES`` (its usage event)
 
 
 def upstream_headers(request: web.Request, request_id: str) -> CIMultiDict[str]:
@@ -233,6 +235,8 @@ class Proxy:
                     await response.prepare(request)
                     if first:
                         await response.write(first)
+                    if upstream.content_type == "text/event-stream":
+                        outcome.tail = keep_tail(b"", first)
                     await self._relay(upstream, response, target, outcome)
             except ConnectionResetError:
                 # the client went away between two chunks (aiohttp raises on the write rather
@@ -274,5 +278,7 @@ class Proxy:
                 return
             if not chunk:
                 break
+            if is_sse:
+                outcome.tail = keep_tail(outcome.tail, chunk)
             await response.write(chunk)
         await response.write_eof()

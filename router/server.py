@@ -44,8 +44,16 @@ from router.prompts import (
     parse_prompt,
     parse_token_ids_completion,
 )
-from router.proxy import REASON_HEADER, REPLICA_HEADER, STATUS_CLIENT_CLOSED, Proxy, Target
+from router.proxy import (
+    REASON_HEADER,
+    REPLICA_HEADER,
+    STATUS_CLIENT_CLOSED,
+    Proxy,
+    ProxyOutcome,
+    Target,
+)
 from router.ring import text_key
+from router.usage import cached_tokens_from_sse_tail
 
 logger = logging.getLogger(__name__)
 
@@ -490,10 +498,9 @@ class RouterService:
                 old = self.prefill_s_per_token.get(replica_id)
                 self.prefill_s_per_token[replica_id] = sample if old is None else (
                     old + PREFILL_RATE_EWMA_ALPHA * (sample - old))
-            if outcome.first_byte_s is not None:
-                self.metrics.child(self.metrics.ttft,
-                                   "hit" if decision.predicted_hit else "miss").observe(
-                    outcome.first_byte_s)
+            if spec.stream and outcome.first_byte_s is not None and status == 200:
+                # a non-streamed answer's first byte is the whole answer: not a TTFT
+                self._observe_ttft(spec, decision, outcome)
             self.metrics.child(self.metrics.prompt_tokens, replica_id).inc(routed.num_tokens)
             self.metrics.child(self.metrics.predicted_hit_tokens, replica_id).inc(
                 hit_tokens if replica_id == decision.replica_id else 0)
@@ -520,6 +527,18 @@ class RouterService:
                 if placed.keys and slot is not None and not served:
                     # (a retry re-placed the same keys)
                     self.fleet.speculative.withdraw(slot, placed.keys)
+
+    def _observe_ttft(self, spec: PromptSpec, decision: Decision, outcome: ProxyOutcome) -> None:
+        """``router_ttft_seconds`` of a streamed answer, split by the engine's own cached_tokens
+        when its last event reported usage, else by the router's prediction."""
+        cached = cached_tokens_from_sse_tail(outcome.tail)
+        if cached is not None:
+            cache, source = ("hit" if cached > 0 else "miss"), "engine"
+        else:
+            cache, source = ("hit" if decision.predicted_hit else "miss"), "predicted"
+        assert outcome.first_byte_s is not None
+        self.metrics.child(self.metrics.ttft, spec.model or "", cache, source).observe(
+            outcome.first_byte_s)
 
     def _update_inflight(self, replica_id: str) -> None:
         self.metrics.child(self.metrics.inflight, replica_id).set(self.tracker.requests(replica_id))

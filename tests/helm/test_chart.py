@@ -466,11 +466,17 @@ def test_grafana_dashboard_panels(chart: helm.Chart) -> None:
     hit_rate = ("sum by (model_name) (rate(vllm:prefix_cache_hits_total[5m])) / "
                 "sum by (model_name) (rate(vllm:prefix_cache_queries_total[5m]))")
     assert exprs["Token prefix-cache hit rate per model"] == [hit_rate]
-    hit_panel = next(p for p in dashboard["panels"] if p["title"] == "TTFT, predicted hit")
-    miss_panel = next(p for p in dashboard["panels"] if p["title"] == "TTFT, predicted miss")
-    assert hit_panel["gridPos"]["y"] == miss_panel["gridPos"]["y"], "hits and misses side by side"
-    assert all('router_ttft_seconds_bucket{predicted="hit"}' in e for e in exprs["TTFT, predicted hit"])
-    assert all('router_ttft_seconds_bucket{predicted="miss"}' in e for e in exprs["TTFT, predicted miss"])
+    by_title = {p["title"]: p for p in dashboard["panels"]}
+    for source, hit, miss in (
+            ("engine", "TTFT, prefix hit (engine cached_tokens > 0)",
+             "TTFT, prefix miss (engine cached_tokens = 0)"),
+            ("predicted", "TTFT, predicted hit (no engine report)",
+             "TTFT, predicted miss (no engine report)")):
+        assert by_title[hit]["gridPos"]["y"] == by_title[miss]["gridPos"]["y"], "side by side"
+        for title, cache in ((hit, "hit"), (miss, "miss")):
+            assert exprs[title] and all(
+                f'router_ttft_seconds_bucket{{cache="{cache}",source="{source}"}}' in e
+                and "sum by (le, model)" in e for e in exprs[title])
     assert "sum by (pod) (vllm:num_requests_running)" in exprs["Engine load per replica"]
     assert exprs["Router in-flight requests per replica"] == ["sum by (replica) (router_inflight_requests)"]
     assert exprs["Routing reasons"] == ["sum by (reason) (rate(router_requests_total[5m]))"]

@@ -1,0 +1,61 @@
+"""What the engine itself reported about a request's prefix hit, read from the end of its answer. Pure.
+
+vLLM reports ``usage.prompt_tokens_details.cached_tokens`` (local plus external
+prefix-cache hit tokens, set when the request was scheduled) only when the
+server runs with ``--enable-prompt-tokens-details``; a stream carries usage only
+in its last data event, and only with ``stream_options.include_usage`` (or the
+server's ``--enable-force-include-usage``). The proxy keeps the last
+``TAIL_BYTES`` of a relayed stream; ``cached_tokens_from_sse_tail`` finds the
+usage event in them. (vLLM 0.33 ``protocol.UsageInfo``, ``PromptTokenUsageInfo``.)
+"""
+
+from __future__ import annotations
+
+from typing import Final
+
+import msgspec
+
+TAIL_BYTES: Final = 4096  # bytes of a stream's end kept: the usage event is ~200-400 bytes
+
+_DECODER: Final = msgspec.json.Decoder()
+_MARKER: Final = b'"prompt_tokens_details"'
+
+
+def cached_tokens_from_sse_tail(tail: bytes) -> int | None:
+    """``cached_tokens`` of the last SSE data event in ``tail`` that carries usage, or ``None``
+    when no event in it reports them (no usage, ``prompt_tokens_details`` null, or the event
+    cut off by the tail's start)."""
+    at = tail.rfind(_MARKER)
+    while at >= 0:
+        start = tail.rfind(b"data:", 0, at)
+        end = tail.find(b"\n", at)
+        if start >= 0:
+            event = tail[start + 5: end if end >= 0 else len(tail)]
+            try:
+                data = _DECODER.decode(event)
+            except msgspec.DecodeError:
+                data = None
+            found = _cached_tokens(data)
+            if found is not None:
+                return found
+        at = tail.rfind(_MARKER, 0, start if start >= 0 else at)
+    return None
+
+
+def _cached_tokens(data: object) -> int | None:
+    if not isinstance(data, dict):
+        return None
+    usage = data.get("usage")
+    details = usage.get("prompt_tokens_details") if isinstance(usage, dict) else None
+    cached = details.get("cached_tokens") if isinstance(details, dict) else None
+    if isinstance(cached, int) and not isinstance(cached, bool) and cached >= 0:
+        return cached
+    return None
+
+
+def keep_tail(tail: bytes, chunk: bytes) -> bytes:
+    """The last ``TAIL_BYTES`` of ``tail + chunk``."""
+    if len(chunk) >= TAIL_BYTES:
+        return chunk[-TAIL_BYTES:]
+    joined = tail + chunk
+    return joined[-TAIL_BYTES:] if len(joined) > TAIL_BYTES else joined
