@@ -209,11 +209,39 @@ def run_capacity(argv: Sequence[str]) -> int:
     return 0
 
 
+def run_auth(argv: Sequence[str]) -> int:
+    """The ``auth`` subcommand: ``add-key TENANT`` prints a new random API key (to give the
+    tenant) and its key-file line (to store); ``hash-key`` prints the stored form of a key read
+    from stdin. Returns the process exit code."""
+    from router.auth import hash_key, new_key
+
+    parser = _OneLineParser(prog="prefix-router auth",
+                            description="API keys for the router's --api-keys file.")
+    sub = parser.add_subparsers(dest="action", required=True)
+    add = sub.add_parser("add-key", help="make a key for TENANT; prints the key, then the line "
+                         "to append to the --api-keys file")
+    add.add_argument("tenant")
+    sub.add_parser("hash-key", help="print the stored form (sha256:HEX) of the key on stdin")
+    args = parser.parse_args(argv)
+    if args.action == "add-key":
+        key = new_key()
+        print(f"api key (give it to the tenant, it is not stored): {key}")
+        print(f"{args.tenant} {hash_key(key)}")
+        return 0
+    key = sys.stdin.read().strip()
+    if not key:
+        print("prefix-router auth: error: no key on stdin", file=sys.stderr)
+        return 2
+    print(hash_key(key))
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``prefix-router``."""
     argv = list(sys.argv[1:] if argv is None else argv)
     commands = {"hash": "print vLLM block hashes of a token prompt",
                 "capacity": "KV capacity and prefix-hit arithmetic of a model on a GPU",
+                "auth": "make or hash API keys for --api-keys",
                 "serve": "run the router"}
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in commands:
         lines = "\n".join(f"  {name:8s} {text}" for name, text in commands.items())
@@ -225,6 +253,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return run_hash(rest)
     if command == "capacity":
         return run_capacity(rest)
+    if command == "auth":
+        return run_auth(rest)
     from router.server import main as serve_main  # heavy imports only when serving
 
     return serve_main(rest)

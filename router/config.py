@@ -102,6 +102,13 @@ class RouterConfig:
     tokenizer_threads: int = DEFAULT_TOKENIZER_THREADS
     token_cache_chunks: int = DEFAULT_TOKEN_CACHE_CHUNKS
     static_probe_interval_s: float = DEFAULT_STATIC_PROBE_INTERVAL_S
+    # tenant isolation (router/auth.py): API keys on, per-tenant cache_salt injected
+    api_keys: str | None = None  # key-hash file, or a directory of one file per tenant (a Secret)
+    cache_salt_secret_file: str | None = None  # HMAC secret of the tenant salts (same on all routers)
+    client_cache_salt: str = "override"  # a client's own cache_salt: override | reject
+    admin_tenants: tuple[str, ...] = ()  # tenants that may call restricted endpoints
+    debug_access: str = "admin"  # /debug/* with keys on: admin tenants | any tenant (own salt)
+    metrics_access: str = "open"  # /metrics with keys on: open | admin tenants
     config: str | None = field(default=None, compare=False)  # the YAML file this came from
 
     def __post_init__(self) -> None:
@@ -149,6 +156,15 @@ class RouterConfig:
         for url in self.replicas:
             if not url.startswith(("http://", "https://")):
                 raise ConfigError(f"replica URL must start with http:// or https://, got {url!r}")
+        for name, allowed in (("client_cache_salt", ("override", "reject")),
+                              ("debug_access", ("admin", "tenant")),
+                              ("metrics_access", ("open", "admin"))):
+            if getattr(self, name) not in allowed:
+                raise ConfigError(f"{name} must be one of {', '.join(allowed)}, "
+                                  f"got {getattr(self, name)!r}")
+        if self.api_keys and not self.cache_salt_secret_file:
+            raise ConfigError("api_keys needs cache_salt_secret_file (every router process "
+                              "must derive the same per-tenant cache salts)")
         if not self.redis_url and not self.replicas:
             raise ConfigError("need --redis-url (worker-reported fleet) or at least one --replica URL")
 
@@ -174,6 +190,14 @@ _HELP: Final = {
     "tokenizer": "tokenizer dir or hub id; without it text prompts are routed by hashing the text",
     "policy": "|".join(POLICIES),
     "config": "YAML file with the same keys (underscored)",
+    "api_keys": "turn on API-key auth: file of 'TENANT sha256:HEX' lines, or a directory "
+                "(a mounted Secret) of one file per tenant with 'sha256:HEX' lines",
+    "cache_salt_secret_file": "file with the secret the per-tenant cache_salt is derived from "
+                              "(HMAC-SHA256); required with api_keys",
+    "client_cache_salt": "a cache_salt the client sent: override (replaced) | reject (400)",
+    "admin_tenants": "tenants allowed on restricted endpoints (repeatable / comma-separated)",
+    "debug_access": "/debug/* with api_keys: admin (admin tenants) | tenant (any key)",
+    "metrics_access": "/metrics with api_keys: open | admin (admin tenants' keys)",
 }
 
 

@@ -82,8 +82,12 @@ def upstream_headers(request: web.Request, request_id: str) -> CIMultiDict[str]:
     """Client headers minus hop-by-hop ones, with the request id set. The body goes upstream
     decoded (aiohttp decodes a gzip/deflate request body), so its Content-Encoding is dropped."""
     headers: CIMultiDict[str] = CIMultiDict()
+    # a key the router checked itself (router/auth.py) is the client's secret: it stays here
+    authenticated = request.get("tenant") is not None
     for name, value in request.headers.items():
-        if name.lower() not in HOP_BY_HOP and name.lower() != "content-encoding":
+        lower = name.lower()
+        if lower not in HOP_BY_HOP and lower != "content-encoding" and not (
+                authenticated and lower == "authorization"):
             headers.add(name, value)
     headers[REQUEST_ID_HEADER] = request_id
     return headers

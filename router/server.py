@@ -30,6 +30,7 @@ import msgspec
 from aiohttp import web
 from aiohttp.web_protocol import RequestPayloadError
 
+from router.auth import AuthConfigError, TenantAuth, auth_middleware, load_tenant_auth
 from router.chain_cache import SPAN_BLOCKS, ChainCache, PromptChain
 from router.config import ConfigError, RouterConfig, load_config
 from router.errors import REQUEST_ID_HEADER, BadRequest, RouterError, error_middleware
@@ -139,12 +140,19 @@ class RouterService:
         # {last key of a lazily hashed chain: done when the rest of that chain is recorded}
         self._pending_tails: dict[int, asyncio.Future[None]] = {}
         self._queued_rests = 0  # rests of lazy chains submitted and not yet recorded
+        self.auth: TenantAuth | None = None
+        if config.api_keys:
+            self.auth = load_tenant_auth(
+                config.api_keys, config.cache_salt_secret_file, config.client_cache_salt,
+                config.admin_tenants, config.debug_access, config.metrics_access)
 
     # -- lifecycle ---------------------------------------------------------------
 
     def build_app(self) -> web.Application:
-        app = web.Application(middlewares=[_request_id_middleware, error_middleware],
-                              client_max_size=self.config.max_body_bytes)
+        middlewares = [_request_id_middleware, error_middleware]
+        if self.auth is not None:
+            middlewares.append(auth_middleware(self.auth))
+        app = web.Application(middlewares=middlewares, client_max_size=self.config.max_body_bytes)
         app.router.add_post("/v1/completions", functools.partial(self.handle_generate, "completion"))
         app.router.add_post("/v1/chat/completions", functools.partial(self.handle_generate, "chat"))
         app.router.add_get("/v1/models", self.handle_models)
@@ -411,8 +419,12 @@ class RouterService:
 
     async def _read_json(self, request: web.Request) -> tuple[bytes, Any]:
         body = await _read_body(request)
+        return body, self._decode_json(body)
+
+    @staticmethod
+    def _decode_json(body: bytes) -> Any:
         try:
-            return body, _JSON.decode(body)
+            return _JSON.decode(body)
         except (msgspec.DecodeError, RecursionError) as exc:
             raise BadRequest(f"request body is not valid JSON: {exc}") from exc
 
@@ -442,6 +454,8 @@ class RouterService:
                         counted: _Counted) -> web.StreamResponse:
         arrival = time.perf_counter()
         body = await _read_body(request)
+        if self.auth is not None:
+            body = self.auth.salted_body(request, body)  # the tenant's cache_salt
         spec = parse_token_ids_completion(body) if kind == "completion" else None
         if spec is None:
             try:
@@ -616,8 +630,12 @@ class RouterService:
         return web.Response(body=self.metrics.render(), headers={"Content-Type": CONTENT_TYPE})
 
     async def handle_debug_route(self, request: web.Request) -> web.Response:
-        """The decision for a completions or chat body, without sending it."""
-        _, data = await self._read_json(request)
+        """The decision for a completions or chat body, without sending it (with API keys on,
+        under the caller's tenant salt: a tenant sees only its own prefixes)."""
+        body = await _read_body(request)
+        if self.auth is not None:
+            body = self.auth.salted_body(request, body)
+        data = self._decode_json(body)
         kind = "chat" if isinstance(data, dict) and "messages" in data else "completion"
         try:
             spec = parse_prompt(kind, data)
@@ -753,7 +771,9 @@ def main(argv: Sequence[str]) -> int:
     try:
         config = load_config(argv)
         BlockHasher(config.block_size, config.hash_algo, config.hash_seed)
-    except (ConfigError, HashConfigError) as exc:
+        if config.api_keys:
+            load_tenant_auth(config.api_keys, config.cache_salt_secret_file)
+    except (ConfigError, HashConfigError, AuthConfigError) as exc:
         print(f"prefix-router serve: error: {exc}", file=sys.stderr, flush=True)
         return 2
     logging.basicConfig(level=config.log_level.upper(),

@@ -532,3 +532,31 @@ def test_invalid_values_fail_with_a_clear_message(chart: helm.Chart, values: dic
     with pytest.raises(helm.HelmError) as info:
         chart.render(values, name=RELEASE, namespace=NAMESPACE)
     assert message in str(info.value)
+
+
+AUTH_VALUES: dict[str, Any] = {"router": {
+    "extraConfig": {"api_keys": "/etc/prefix-router/auth/api-keys",
+                    "cache_salt_secret_file": "/etc/prefix-router/auth/cache-salt-secret",
+                    "client_cache_salt": "reject", "admin_tenants": ["ops"],
+                    "debug_access": "admin", "metrics_access": "admin"},
+    "extraVolumes": [{"name": "auth", "secret": {"secretName": "prefix-router-auth"}}],
+    "extraVolumeMounts": [{"name": "auth", "mountPath": "/etc/prefix-router/auth",
+                           "readOnly": True}]}}
+
+
+def test_tenant_auth_values_reach_the_router(chart: helm.Chart, tmp_path: Path) -> None:
+    """The values documented in values.yaml for API keys and tenant salts mount the Secret and
+    give the router a config its own loader accepts."""
+    config_mod = pytest.importorskip("router.config")
+    objects = render(chart, AUTH_VALUES)
+    pod = one(objects, "Deployment", "-router")["spec"]["template"]["spec"]
+    assert {"name": "auth", "secret": {"secretName": "prefix-router-auth"}} in pod["volumes"]
+    mounts = containers(objects, "Deployment", "-router")["router"]["volumeMounts"]
+    assert any(m["mountPath"] == "/etc/prefix-router/auth" and m["readOnly"] for m in mounts)
+    path = tmp_path / "router.yaml"
+    path.write_text(one(objects, "ConfigMap", "-router")["data"]["router.yaml"])
+    cfg = config_mod.load_config(["--config", str(path)], env={})
+    assert cfg.api_keys == "/etc/prefix-router/auth/api-keys"
+    assert cfg.cache_salt_secret_file == "/etc/prefix-router/auth/cache-salt-secret"
+    assert (cfg.client_cache_salt, cfg.admin_tenants) == ("reject", ("ops",))
+    assert (cfg.debug_access, cfg.metrics_access) == ("admin", "admin")

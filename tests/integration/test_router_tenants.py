@@ -1,0 +1,185 @@
+"""Tenant isolation through real processes: Redis, one emulator replica (so every request
+lands on the same engine cache), its worker, and routers with API keys on.
+
+Tenant A's secret system prompt must give tenant B 0 cached tokens on the engine and 0
+predicted hit blocks in ``/debug/route``, while A's own repeats (through another of A's keys,
+too) still hit; keys are checked (401 in the OpenAI shape), a client's own ``cache_salt`` is
+overridden or rejected per policy, and ``/metrics`` can be restricted to admin tenants.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from router.auth import hash_key, new_key, tenant_salt
+from tests.helpers import PYTHON, start_process, stop_process, wait_for
+from tests.integration.test_router_fleet import KV_EVENTS, Router, http, read_json_file
+
+pytestmark = pytest.mark.timeout(120)
+
+MODEL = "emulated-llm"
+SECRET = b"0123456789abcdef-test-secret"
+KEYS = {"a1": new_key(), "a2": new_key(), "b": new_key(), "ops": new_key()}
+TENANT_OF = {"a1": "tenant-a", "a2": "tenant-a", "b": "tenant-b", "ops": "ops"}
+
+
+class OneReplica:
+    """Emulator (one replica) and its worker."""
+
+    def __init__(self, tmp: Path, redis_url: str) -> None:
+        self.redis_url = redis_url
+        ready = tmp / "emulator.json"
+        self.procs: list[subprocess.Popen[bytes]] = [start_process([
+            PYTHON, "-m", "worker.cli", "emulate", "--host", "127.0.0.1", "--port", "0",
+            "--kv-events-config", KV_EVENTS, "--time-scale", "20",
+            "--enable-prompt-tokens-details", "--ready-file", str(ready)],
+            env={"PYTHONHASHSEED": "0"})]
+        info = wait_for(lambda: read_json_file(ready) or self.procs[0].poll() is not None, 60,
+                        message="emulator ready file")
+        if not isinstance(info, dict):
+            raise RuntimeError(self.stop())
+        rep = info["replicas"][0]
+        self.url = rep["url"]
+        self.procs.append(start_process([
+            PYTHON, "-m", "worker.cli", "report", "--engine-url", rep["url"],
+            "--kv-events-endpoint", rep["kv_events_endpoint"],
+            "--kv-replay-endpoint", rep["kv_replay_endpoint"], "--redis-url", redis_url,
+            "--replica-id", "replica-0", "--advertise-url", rep["url"], "--hash-seed", "0",
+            "--metrics-port", "0"]))
+
+    def stop(self) -> str:
+        return "\n".join(stop_process(p) for p in reversed(self.procs))
+
+
+@pytest.fixture(scope="module")
+def replica(redis_server: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[OneReplica]:
+    import redis
+
+    with redis.Redis.from_url(redis_server.url) as client:
+        client.flushall()  # the session's Redis: no other module's replicas
+    one = OneReplica(tmp_path_factory.mktemp("tenants"), redis_server.url)
+    yield one
+    one.stop()
+
+
+def write_auth_files(tmp: Path, as_directory: bool) -> tuple[Path, Path]:
+    secret = tmp / "salt-secret"
+    secret.write_bytes(SECRET + b"\n")
+    if as_directory:  # a Kubernetes Secret volume: one file per tenant
+        keys = tmp / "api-keys"
+        keys.mkdir()
+        for name, key in KEYS.items():
+            path = keys / TENANT_OF[name]
+            path.write_text((path.read_text() if path.exists() else "") + hash_key(key) + "\n")
+    else:
+        keys = tmp / "api-keys.txt"
+        keys.write_text("# tenant key-hash\n" + "".join(
+            f"{TENANT_OF[name]} {hash_key(key)}\n" for name, key in KEYS.items()))
+    return keys, secret
+
+
+def start_router(replica: OneReplica, tmp: Path, *extra: str, as_directory: bool = False) -> Router:
+    keys, secret = write_auth_files(tmp, as_directory)
+    router = Router(tmp, ["--redis-url", replica.redis_url, "--hash-seed", "0",
+                          "--api-keys", str(keys), "--cache-salt-secret-file", str(secret),
+                          "--admin-tenants", "ops", *extra])
+
+    def routable() -> bool:
+        reps = router.ready()["replicas"]
+        return len(reps) == 1 and reps[0]["routable"] and reps[0]["affinity"]
+
+    wait_for(routable, 30, message="replica routable with affinity")
+    return router
+
+
+def call(router: Router, who: str | None, path: str, body: Any = None,
+         method: str = "POST") -> tuple[int, dict[str, str], Any]:
+    headers = {"Authorization": f"Bearer {KEYS[who]}"} if who else {}
+    status, resp_headers, raw = http(method, router.url + path, body, headers=headers)
+    try:
+        return status, resp_headers, json.loads(raw)
+    except ValueError:
+        return status, resp_headers, raw
+
+
+def complete(router: Router, who: str, prompt: list[int], **fields: Any) -> dict[str, Any]:
+    status, _, body = call(router, who, "/v1/completions",
+                           {"model": MODEL, "prompt": prompt, "max_tokens": 1, **fields})
+    assert status == 200, body
+    return body  # type: ignore[no-any-return]
+
+
+def cached(body: dict[str, Any]) -> int:
+    return int(body["usage"]["prompt_tokens_details"]["cached_tokens"])
+
+
+def secret_prompt(seed: int) -> list[int]:
+    return random.Random(seed).sample(range(1000, 100000), 320)  # 20 blocks
+
+
+def test_keys_are_required_and_checked(replica: OneReplica, tmp_path: Path) -> None:
+    router = start_router(replica, tmp_path)
+    try:
+        status, headers, body = call(router, None, "/v1/completions",
+                                     {"model": MODEL, "prompt": [1, 2, 3]})
+        assert status == 401 and headers.get("www-authenticate") == "Bearer"
+        assert body["error"]["type"] == "AuthenticationError" and body["error"]["code"] == 401
+        status, _, raw = http("POST", router.url + "/v1/completions", {"model": MODEL},
+                              headers={"Authorization": "Bearer sk-wrong"})
+        assert status == 401 and b"Incorrect API key" in raw
+        assert call(router, None, "/health", method="GET")[0] == 200
+        assert call(router, None, "/ready", method="GET")[0] == 200
+        assert call(router, None, "/metrics", method="GET")[0] == 200  # open unless restricted
+        # /debug/* is for admin tenants by default
+        assert call(router, "b", "/debug/route", {"model": MODEL, "prompt": [1]})[0] == 403
+        assert call(router, "ops", "/debug/route", {"model": MODEL, "prompt": [1]})[0] == 200
+        assert call(router, "b", "/v1/models", method="GET")[0] == 200
+    finally:
+        router.stop()
+
+
+def test_tenant_b_never_hits_or_sees_tenant_a_prefix(replica: OneReplica, tmp_path: Path) -> None:
+    router = start_router(replica, tmp_path, "--debug-access", "tenant", as_directory=True)
+    try:
+        prompt = secret_prompt(1)
+        assert cached(complete(router, "a1", prompt)) == 0
+        second = complete(router, "a1", prompt)
+        assert cached(second) == 304  # 19 full blocks: A's repeat hits
+        assert cached(complete(router, "a2", prompt)) == 304  # same tenant, another key
+
+        def confirmed_for_a() -> bool:
+            _, _, route = call(router, "a1", "/debug/route", {"model": MODEL, "prompt": prompt})
+            return route["replicas"]["replica-0"]["confirmed_hit_blocks"] == 19
+        wait_for(confirmed_for_a, 15, message="A's blocks in the router's index")
+        _, _, route_b = call(router, "b", "/debug/route", {"model": MODEL, "prompt": prompt})
+        assert route_b["hit_blocks"] == 0
+        assert route_b["replicas"]["replica-0"]["confirmed_hit_blocks"] == 0
+        # B sending A's salt itself does not help: the router overrides it
+        a_salt = tenant_salt(SECRET, "tenant-a")
+        assert cached(complete(router, "b", prompt, cache_salt=a_salt)) == 0
+        assert cached(complete(router, "b", prompt)) == 304  # B's own repeat hits B's copy
+    finally:
+        router.stop()
+
+
+def test_client_salt_rejected_and_metrics_restricted(replica: OneReplica, tmp_path: Path) -> None:
+    router = start_router(replica, tmp_path, "--client-cache-salt", "reject",
+                          "--metrics-access", "admin")
+    try:
+        status, _, body = call(router, "b", "/v1/completions",
+                               {"model": MODEL, "prompt": [5] * 40, "cache_salt": "mine"})
+        assert status == 400 and "cache_salt" in body["error"]["message"]
+        assert cached(complete(router, "b", secret_prompt(2))) == 0
+        assert call(router, None, "/metrics", method="GET")[0] == 401
+        assert call(router, "b", "/metrics", method="GET")[0] == 403
+        status, _, text = call(router, "ops", "/metrics", method="GET")
+        assert status == 200 and b'status="400"' in text
+    finally:
+        router.stop()
