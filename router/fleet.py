@@ -295,13 +295,14 @@ class FleetReader:
         self._keep_missing_until = 0.0
 
     async def run(self) -> None:
-        import redis.asyncio as aioredis
         from redis.exceptions import RedisError
+
+        from router.redis_client import redis_client
 
         backoff = 0.1
         while True:
-            client = aioredis.from_url(self.config.redis_url or "", password=self.config.redis_password,
-                                       socket_connect_timeout=2.0, socket_timeout=5.0)
+            client = redis_client(self.config.redis_url or "", self.config.redis_password,
+                                  socket_connect_timeout=2.0, socket_timeout=5.0)
             try:
                 await self._resync(client)
                 self._set_connected(True)

@@ -27,6 +27,7 @@ from redis.exceptions import RedisError
 
 from router.contract import OP_CLEARED
 from router.hashing import BlockHasher, HashConfigError
+from router.redis_client import redis_client
 from worker.block_keys import KEY_MODE_RECOMPUTED, EngineKeys, RecomputedKeys
 from worker.heartbeat import EngineClient, EngineLoad, EngineModels, EngineUnreachable, Heartbeat
 from worker.kv_events import BlockStored, KVEventBatch
@@ -341,8 +342,8 @@ async def serve(config: WorkerConfig) -> None:
     for sig in (signal.SIGINT, signal.SIGTERM):
         with contextlib.suppress(NotImplementedError):
             loop.add_signal_handler(sig, stop.set)
-    client = aioredis.Redis.from_url(config.redis_url, password=config.redis_password,
-                                     socket_timeout=5.0, socket_connect_timeout=2.0)
+    client = redis_client(config.redis_url, config.redis_password,
+                          socket_timeout=5.0, socket_connect_timeout=2.0)
     try:
         async with aiohttp.ClientSession() as session:
             await Worker(config, client, session).run(stop)
