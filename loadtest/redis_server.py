@@ -47,9 +47,13 @@ def free_port(host: str = "127.0.0.1") -> int:
         return int(sock.getsockname()[1])
 
 
-def _ping(host: str, port: int) -> bool:
+def _ping(host: str, port: int, password: str | None = None) -> bool:
     try:
         with socket.create_connection((host, port), timeout=0.5) as sock:
+            if password is not None:
+                sock.sendall(f"AUTH {password}\r\n".encode())
+                if not sock.recv(16).startswith(b"+OK"):
+                    return False
             sock.sendall(b"PING\r\n")
             return sock.recv(16).startswith(b"+PONG")
     except OSError:
@@ -61,11 +65,13 @@ class RedisServer:
 
     ``url`` is ``redis://127.0.0.1:{port}/0``. Use as a context manager or call
     ``start``/``stop``. ``start`` raises ``RedisServerError`` if the server does
-    not answer PING within ``STARTUP_TIMEOUT_S``.
+    not answer PING within ``STARTUP_TIMEOUT_S``. ``password``: ``requirepass``, given
+    on the server's standard input (``redis-server -``), never on its command line.
     """
 
-    def __init__(self, port: int = 0, host: str = "127.0.0.1") -> None:
+    def __init__(self, port: int = 0, host: str = "127.0.0.1", password: str | None = None) -> None:
         self.host = host
+        self.password = password
         self.port = port or free_port(host)
         self._proc: subprocess.Popen[bytes] | None = None
         self._dir: tempfile.TemporaryDirectory[str] | None = None
@@ -76,18 +82,23 @@ class RedisServer:
 
     def start(self) -> RedisServer:
         self._dir = tempfile.TemporaryDirectory(prefix="prefix-router-redis-")
+        stdin_config = [] if self.password is None else ["-"]  # "-" must come first
         cmd = [
-            redis_server_binary(), "--port", str(self.port), "--bind", self.host,
+            redis_server_binary(), *stdin_config, "--port", str(self.port), "--bind", self.host,
             "--save", "", "--appendonly", "no", "--dir", self._dir.name,
             "--protected-mode", "no", "--loglevel", "warning",
         ]
-        self._proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        self._proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                                      stdin=subprocess.PIPE if stdin_config else None)
+        if self._proc.stdin is not None:
+            self._proc.stdin.write(f"requirepass {self.password}\n".encode())
+            self._proc.stdin.close()
         deadline = time.monotonic() + STARTUP_TIMEOUT_S
         while time.monotonic() < deadline:
             if self._proc.poll() is not None:
                 err = self._proc.stderr.read().decode(errors="replace") if self._proc.stderr else ""
                 raise RedisServerError(f"redis-server exited with {self._proc.returncode}: {err}")
-            if _ping(self.host, self.port):
+            if _ping(self.host, self.port, self.password):
                 return self
             time.sleep(0.05)
         self.stop()

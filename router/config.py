@@ -22,9 +22,12 @@ import yaml
 
 from router.contract import DEFAULT_REDIS_PREFIX
 from router.hashing import DEFAULT_BLOCK_SIZE, DEFAULT_HASH_ALGO, HASH_ALGOS
+from router.redis_client import RedisUrlError, parse_redis_url
+from router.secrets import SecretError, resolve_redis_password
 
 POLICIES: Final = ("prefix", "round_robin", "least_loaded", "consistent_hash")
 LOG_LEVELS: Final = ("debug", "info", "warning", "error", "critical")
+LOG_FORMATS: Final = ("text", "json")
 ENV_PREFIX: Final = "ROUTER_"
 
 DEFAULT_PORT: Final = 8000
@@ -71,7 +74,8 @@ class RouterConfig:
     host: str = "127.0.0.1"
     port: int = DEFAULT_PORT
     redis_url: str | None = None
-    redis_password: str | None = None
+    redis_password: str | None = field(default=None, repr=False)  # resolved from the file/env
+    redis_password_file: str | None = None  # file holding the password (a mounted Secret)
     redis_prefix: str = DEFAULT_REDIS_PREFIX
     replicas: tuple[str, ...] = ()  # static replica base URLs (no worker needed)
     model: str | None = None  # served model name of static replicas (default: ask their /v1/models)
@@ -82,6 +86,8 @@ class RouterConfig:
     policy: str = "prefix"
     load_factor: float = DEFAULT_LOAD_FACTOR
     log_level: str = "info"
+    log_format: str = "text"  # text or json (one JSON object per line, with the request id)
+    otlp_traces_endpoint: str | None = None  # OTLP/HTTP traces endpoint; None: no tracing
     ready_file: str | None = None
     vnodes: int = DEFAULT_VNODES
     speculative_ttl_s: float = DEFAULT_SPECULATIVE_TTL_S
@@ -116,10 +122,18 @@ class RouterConfig:
             value = getattr(self, f.name)
             if isinstance(value, float) and not math.isfinite(value):
                 raise ConfigError(f"{f.name} must be a finite number, got {value}")
-        if self.redis_url is not None and not self.redis_url.startswith(
-                ("redis://", "rediss://", "unix://")):
-            raise ConfigError(f"redis_url must start with redis://, rediss:// or unix://, "
-                              f"got {self.redis_url!r}")
+        if self.redis_url is not None:
+            try:
+                parse_redis_url(self.redis_url)
+            except RedisUrlError as exc:
+                raise ConfigError(f"redis_url: {exc}") from exc
+        if self.log_format not in LOG_FORMATS:
+            raise ConfigError(f"log_format must be one of {', '.join(LOG_FORMATS)}, "
+                              f"got {self.log_format!r}")
+        if self.otlp_traces_endpoint is not None and not self.otlp_traces_endpoint.startswith(
+                ("http://", "https://")):
+            raise ConfigError(f"otlp_traces_endpoint must be an http(s) URL (OTLP/HTTP), "
+                              f"got {self.otlp_traces_endpoint!r}")
         if not 0 <= self.port <= 65535:
             raise ConfigError(f"port must be 0..65535, got {self.port}")
         if self.policy not in POLICIES:
@@ -173,7 +187,16 @@ _FIELDS: Final = {f.name: f for f in dataclasses.fields(RouterConfig)}
 _HELP: Final = {
     "replicas": "static replica base URL (repeatable; env ROUTER_REPLICA(S), comma-separated); "
                 "id is host:port",
-    "redis_url": "redis://, rediss:// or unix:// URL of the fleet's Redis",
+    "redis_url": "the fleet's Redis: redis[s]://HOST:PORT/DB, unix:///PATH, "
+                 "redis[s]+cluster://HOST:PORT[,HOST:PORT...] or "
+                 "redis[s]+sentinel://HOST:PORT[,...]/SERVICE[/DB]",
+    "redis_password": "DEPRECATED on the command line (visible in ps); use --redis-password-file "
+                      "or ROUTER_REDIS_PASSWORD / REDIS_PASSWORD",
+    "redis_password_file": "file holding the Redis password (e.g. a mounted Secret)",
+    "log_format": "|".join(LOG_FORMATS) + "; json: one object per line with the request id",
+    "otlp_traces_endpoint": "OTLP/HTTP endpoint for OpenTelemetry traces, e.g. "
+                            "http://otel-collector:4318/v1/traces (needs prefix-router[tracing]); "
+                            "default: no tracing",
     "model": "served model name of static replicas (default: ask their /v1/models)",
     "load_factor": "bounded load: no replica above ceil(load_factor x mean) + load_headroom "
                    "in-flight requests",
@@ -292,4 +315,8 @@ def load_config(argv: Sequence[str], env: Mapping[str, str] | None = None) -> Ro
             values[name] = _convert(name, value, f"--{name.replace('_', '-')}")
     if "log_level" in values and isinstance(values["log_level"], str):
         values["log_level"] = values["log_level"].lower()
+    try:
+        values["redis_password"] = resolve_redis_password(values, argv, env)
+    except SecretError as exc:
+        raise ConfigError(str(exc)) from exc
     return RouterConfig(**values)

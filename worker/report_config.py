@@ -10,13 +10,15 @@ from __future__ import annotations
 import argparse
 import os
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import Any, Final
 from urllib.parse import urlsplit
 
-from router.config import read_config_file
+from router.config import LOG_FORMATS, read_config_file
 from router.contract import DEFAULT_REDIS_PREFIX
 from router.hashing import HASH_ALGOS
+from router.redis_client import RedisUrlError, parse_redis_url
+from router.secrets import SecretError, resolve_redis_password
 
 ENV_PREFIX: Final = "WORKER_"
 DEFAULT_METRICS_HOST: Final = "127.0.0.1"  # set 0.0.0.0 in a pod so Prometheus can scrape
@@ -39,7 +41,8 @@ class WorkerConfig:
     kv_replay_endpoint: str | None = None  # the engine's replay ROUTER socket; None: no replay
     kv_events_topic: str = ""  # vLLM KVEventsConfig.topic
     advertise_url: str = ""  # URL routers send traffic to; default engine_url
-    redis_password: str | None = None
+    redis_password: str | None = field(default=None, repr=False)  # resolved from the file/env
+    redis_password_file: str | None = None  # file holding the password (a mounted Secret)
     redis_prefix: str = DEFAULT_REDIS_PREFIX
     hash_seed: str | None = None  # the routers' PYTHONHASHSEED setting (None: unset)
     block_size: int | None = None  # routers' block size if it differs from the engine's declared one
@@ -48,6 +51,7 @@ class WorkerConfig:
     metrics_port: int = DEFAULT_METRICS_PORT
     replay_timeout_s: float = DEFAULT_REPLAY_TIMEOUT_S
     log_level: str = "info"
+    log_format: str = "text"  # text or json (one JSON object per line)
 
     @property
     def url(self) -> str:
@@ -55,6 +59,14 @@ class WorkerConfig:
 
 
 _REQUIRED: Final = ("engine_url", "kv_events_endpoint", "redis_url", "replica_id")
+_HELP: Final = {
+    "redis_url": "redis[s]://HOST:PORT/DB, unix:///PATH, redis[s]+cluster://HOST:PORT[,...] or "
+                 "redis[s]+sentinel://HOST:PORT[,...]/SERVICE[/DB]; ",
+    "redis_password": "DEPRECATED (visible in ps): use --redis-password-file or "
+                      f"{ENV_PREFIX}REDIS_PASSWORD / REDIS_PASSWORD; ",
+    "redis_password_file": "file holding the Redis password (e.g. a mounted Secret); ",
+    "log_format": "text or json (one object per line); ",
+}
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -68,7 +80,7 @@ def _parser() -> argparse.ArgumentParser:
         flag = "--" + f.name.replace("_", "-")
         kind = int if f.name in ("block_size", "metrics_port") else float if f.name.endswith("_s") else str
         parser.add_argument(flag, type=kind, default=None, dest=f.name,
-                            help=f"env {ENV_PREFIX}{f.name.upper()}")
+                            help=_HELP.get(f.name, "") + f"env {ENV_PREFIX}{f.name.upper()}")
     parser.add_argument("--config", default=None, help=f"YAML file (env {ENV_PREFIX}CONFIG)")
     return parser
 
@@ -102,11 +114,16 @@ def load_config(argv: Sequence[str], env: Mapping[str, str] | None = None) -> Wo
                 values[name] = int(values[name])
         if "replay_timeout_s" in values:
             values["replay_timeout_s"] = float(values["replay_timeout_s"])
-        for name in ("hash_seed", "kv_replay_endpoint", "redis_password", "hash_algo"):
+        for name in ("hash_seed", "kv_replay_endpoint", "redis_password", "redis_password_file",
+                     "hash_algo"):
             if name in values:
                 values[name] = str(values[name]) or None
     except (TypeError, ValueError) as exc:
         raise ConfigError(f"bad numeric setting: {exc}") from exc
+    try:
+        values["redis_password"] = resolve_redis_password(values, argv, env)
+    except SecretError as exc:
+        raise ConfigError(str(exc)) from exc
     config = WorkerConfig(**values)
     _validate(config)
     return config
@@ -121,8 +138,12 @@ def _validate(config: WorkerConfig) -> None:
         value = getattr(config, name)
         if value and "://" not in value:
             raise ConfigError(f"--{name.replace('_', '-')} must be a ZMQ endpoint like tcp://host:port")
-    if urlsplit(config.redis_url).scheme not in ("redis", "rediss", "unix"):
-        raise ConfigError(f"--redis-url must be redis://, rediss:// or unix://, got {config.redis_url!r}")
+    try:
+        parse_redis_url(config.redis_url)
+    except RedisUrlError as exc:
+        raise ConfigError(f"--redis-url: {exc}") from exc
+    if config.log_format not in LOG_FORMATS:
+        raise ConfigError(f"--log-format must be one of {', '.join(LOG_FORMATS)}")
     if config.hash_algo is not None and config.hash_algo not in HASH_ALGOS:
         raise ConfigError(f"--hash-algo must be one of {', '.join(HASH_ALGOS)}")
     if config.block_size is not None and config.block_size < 1:

@@ -322,27 +322,90 @@ def test_external_redis_password_and_tls() -> None:
     ca_path = "/etc/prefix-router/redis-tls/ca.crt"
     assert cfg["redis_url"] == f"rediss://redis.example.com:6380/2?ssl_ca_certs={ca_path}"
     assert "redis_password" not in cfg, "the password never lands in a ConfigMap"
-    secret_ref = {"secretKeyRef": {"name": "redis-auth", "key": "password"}}
     router = containers(objects, "Deployment", "-router")["router"]
     worker = containers(objects, "StatefulSet", "-fleet")["worker"]
-    assert env_of(router)["ROUTER_REDIS_PASSWORD"] == secret_ref
-    assert env_of(worker)["WORKER_REDIS_PASSWORD"] == secret_ref
+    assert cfg["redis_password_file"] == env_of(worker)["WORKER_REDIS_PASSWORD_FILE"] == PASSWORD_FILE
     for kind, suffix, container in (("Deployment", "-router", router), ("StatefulSet", "-fleet", worker)):
         mounts = {m["name"]: m["mountPath"] for m in container["volumeMounts"]}
         assert mounts["redis-tls"] + "/ca.crt" == ca_path
         volumes = {v["name"]: v for v in one(objects, kind, suffix)["spec"]["template"]["spec"]["volumes"]}
         assert volumes["redis-tls"]["secret"]["secretName"] == "redis-ca"
+        assert_password_mounted(objects, kind, suffix, container, "redis-auth", "password")
+
+
+PASSWORD_FILE = "/etc/prefix-router/redis-auth/redis-password"
+
+
+def assert_password_mounted(objects: list[dict[str, Any]], kind: str, suffix: str,
+                            container: dict[str, Any], secret: str, key: str) -> None:
+    """The Redis password reaches ``container`` as PASSWORD_FILE from Secret ``secret``/``key``,
+    and neither as an environment value nor on its command line."""
+    mounts = {m["name"]: m for m in container["volumeMounts"]}
+    assert mounts["redis-auth"]["mountPath"] + "/redis-password" == PASSWORD_FILE
+    assert mounts["redis-auth"]["readOnly"] is True
+    volumes = {v["name"]: v for v in one(objects, kind, suffix)["spec"]["template"]["spec"]["volumes"]}
+    assert volumes["redis-auth"]["secret"]["secretName"] == secret
+    assert volumes["redis-auth"]["secret"]["items"] == [{"key": key, "path": "redis-password"}]
+    words = " ".join(container.get("command", []) + container.get("args", []))
+    assert "requirepass $(" not in words.replace("requirepass $(cat", "")
+    assert not any(e["name"].endswith("REDIS_PASSWORD") for e in container.get("env", []))
 
 
 def test_bundled_redis_with_password() -> None:
     with helm.Chart.load(CHART_DIR) as loaded:
         objects = render(loaded, {"redis": {"auth": {"existingSecret": "redis-auth"}}})
     redis = containers(objects, "StatefulSet", "-redis")["redis"]
-    assert flag(redis["args"], "--requirepass") == "$(REDIS_PASSWORD)"
+    assert "--requirepass" not in redis["args"], "a password argument shows in ps"
     assert flag(redis["args"], "--maxmemory-policy") == "noeviction"
     ref = {"secretKeyRef": {"name": "redis-auth", "key": "redis-password"}}
-    assert env_of(redis)["REDIS_PASSWORD"] == ref
-    assert env_of(containers(objects, "Deployment", "-router")["router"])["ROUTER_REDIS_PASSWORD"] == ref
+    assert env_of(redis)["REDISCLI_AUTH"] == ref  # the readiness probe's redis-cli
+    for kind, suffix, container in (
+            ("StatefulSet", "-redis", redis),
+            ("Deployment", "-router", containers(objects, "Deployment", "-router")["router"]),
+            ("StatefulSet", "-fleet", containers(objects, "StatefulSet", "-fleet")["worker"])):
+        assert_password_mounted(objects, kind, suffix, container, "redis-auth", "redis-password")
+    assert router_config(objects)["redis_password_file"] == PASSWORD_FILE
+
+
+def test_bundled_redis_command_runs_and_requires_the_password(tmp_path: Path) -> None:
+    """Run the rendered bundled-Redis command (sh script and arguments) with a real redis-server:
+    it must start, refuse clients without the password, and carry the password on no command line."""
+    import shutil
+    import subprocess
+
+    import redis as redis_lib
+
+    from loadtest.redis_server import free_port, redis_server_binary
+    from tests.helpers import wait_for
+
+    with helm.Chart.load(CHART_DIR) as loaded:
+        objects = render(loaded, {"redis": {"auth": {"existingSecret": "redis-auth"}}})
+    container = containers(objects, "StatefulSet", "-redis")["redis"]
+    secret = tmp_path / "redis-password"
+    secret.write_text("pw-9d1e\n")
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "redis-server").symlink_to(redis_server_binary())
+    port = free_port()
+    command = [c.replace(PASSWORD_FILE, str(secret)) for c in container["command"]]
+    args = [str(port) if a == "6379" else str(tmp_path) if a == "/data" else a
+            for a in container["args"]] + ["--bind", "127.0.0.1"]
+    assert shutil.which("sh")
+    proc = subprocess.Popen(command + args, env={"PATH": f"{bin_dir}:/usr/bin:/bin"},
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        client = redis_lib.Redis(port=port, password="pw-9d1e", socket_connect_timeout=1)
+        wait_for(lambda: proc.poll() is not None or client.ping(), 10, message="redis up")
+        assert client.ping()
+        with pytest.raises(redis_lib.AuthenticationError):
+            redis_lib.Redis(port=port).ping()
+        assert client.config_get("maxmemory-policy") == {"maxmemory-policy": "noeviction"}
+        cmdline = Path(f"/proc/{proc.pid}/cmdline").read_bytes()
+        assert b"redis-server" in cmdline, "exec: redis-server is the container's process"
+        assert b"pw-9d1e" not in cmdline
+    finally:
+        proc.terminate()
+        proc.wait(10)
 
 
 def test_vllm_engine_arguments_and_gpus(chart: helm.Chart) -> None:
@@ -392,7 +455,10 @@ def test_rendered_config_is_accepted_by_the_router(
     config_mod = pytest.importorskip("router.config")
     name, _, objects = rendered
     path = tmp_path / "router.yaml"
-    path.write_text(one(objects, "ConfigMap", "-router")["data"]["router.yaml"])
+    secret = tmp_path / "redis-password"  # what the Secret volume holds in the pod
+    secret.write_text("pw\n")
+    path.write_text(one(objects, "ConfigMap", "-router")["data"]["router.yaml"].replace(
+        PASSWORD_FILE, str(secret)))
     args = containers(objects, "Deployment", "-router")["router"]["args"]
     assert args[:3] == ["serve", "--config", "/etc/prefix-router/router.yaml"]
     cfg = config_mod.load_config(["--config", str(path)], env={})

@@ -205,14 +205,36 @@ Redis: the URL every client uses, and the password/TLS wiring.
 {{- end }}
 {{- end }}
 
-{{/* Env entry with the Redis password from the Secret; call with (dict "root" $ "name" "ROUTER_REDIS_PASSWORD"). */}}
-{{- define "prefix-router.redisPasswordEnv" -}}
-{{- if .root.Values.redis.auth.existingSecret -}}
-- name: {{ .name }}
-  valueFrom:
-    secretKeyRef:
-      name: {{ .root.Values.redis.auth.existingSecret }}
-      key: {{ .root.Values.redis.auth.existingSecretPasswordKey }}
+{{/* The Redis password reaches every process as a file from the Secret (a mounted volume),
+never on a command line: the router's redis_password_file, the worker's
+WORKER_REDIS_PASSWORD_FILE, the bundled Redis's requirepass on its stdin. */}}
+{{- define "prefix-router.redisAuthDir" -}}
+/etc/prefix-router/redis-auth
+{{- end }}
+
+{{- define "prefix-router.redisPasswordFile" -}}
+{{- if .Values.redis.auth.existingSecret -}}
+{{ include "prefix-router.redisAuthDir" . }}/redis-password
+{{- end }}
+{{- end }}
+
+{{- define "prefix-router.redisAuthVolumeMount" -}}
+{{- if .Values.redis.auth.existingSecret -}}
+- name: redis-auth
+  mountPath: {{ include "prefix-router.redisAuthDir" . }}
+  readOnly: true
+{{- end }}
+{{- end }}
+
+{{- define "prefix-router.redisAuthVolume" -}}
+{{- if .Values.redis.auth.existingSecret -}}
+- name: redis-auth
+  secret:
+    secretName: {{ .Values.redis.auth.existingSecret }}
+    defaultMode: 0440
+    items:
+      - key: {{ .Values.redis.auth.existingSecretPasswordKey }}
+        path: redis-password
 {{- end }}
 {{- end }}
 
