@@ -30,6 +30,7 @@ from loadtest.replay import (
     write_records,
 )
 from loadtest.trace import read_trace
+from router.version import version_line
 
 logger = logging.getLogger(__name__)
 
@@ -99,6 +100,7 @@ def build_parser() -> argparse.ArgumentParser:
                                      description=" ".join(__doc__.split("\n\n")[0].split()))
     parser.add_argument("--log-level", default="warning", type=str.lower,
                         choices=("debug", "info", "warning", "error", "critical"))
+    parser.add_argument("--version", action="version", version=version_line("prefix-loadtest"))
     sub = parser.add_subparsers(dest="command", required=True)
 
     p_replay = sub.add_parser("replay", help="replay a Mooncake trace slice against an endpoint")

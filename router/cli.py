@@ -24,6 +24,7 @@ from router.hashing import (
     MultiModalItem,
     block_key,
 )
+from router.version import version_line
 
 
 class UsageError(ValueError):
@@ -80,6 +81,7 @@ def _hash_parser() -> argparse.ArgumentParser:
     parser.add_argument("--mm", action="append", default=[], metavar="ID:OFFSET:LENGTH",
                         help="multimodal item (repeatable), in prompt order")
     parser.add_argument("--tokens", default=None, help="JSON array of token ids (default: stdin)")
+    parser.add_argument("--version", action="version", version=version_line("prefix-router"))
     return parser
 
 
@@ -239,6 +241,9 @@ def run_auth(argv: Sequence[str]) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``prefix-router``."""
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] in (["--version"], ["-V"]):
+        print(version_line("prefix-router"))
+        return 0
     commands = {"hash": "print vLLM block hashes of a token prompt",
                 "capacity": "KV capacity and prefix-hit arithmetic of a model on a GPU",
                 "auth": "make or hash API keys for --api-keys",
@@ -246,7 +251,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in commands:
         lines = "\n".join(f"  {name:8s} {text}" for name, text in commands.items())
         stream = sys.stdout if argv and argv[0] in ("-h", "--help") else sys.stderr
-        print(f"usage: prefix-router {{{','.join(commands)}}} ...\n\ncommands:\n{lines}", file=stream)
+        print(f"usage: prefix-router [--version] {{{','.join(commands)}}} ...\n\ncommands:\n{lines}",
+              file=stream)
         return 0 if stream is sys.stdout else 2
     command, rest = argv[0], argv[1:]
     if command == "hash":

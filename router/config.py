@@ -24,6 +24,7 @@ from router.contract import DEFAULT_REDIS_PREFIX
 from router.hashing import DEFAULT_BLOCK_SIZE, DEFAULT_HASH_ALGO, HASH_ALGOS
 from router.redis_client import RedisUrlError, parse_redis_url
 from router.secrets import SecretError, resolve_redis_password
+from router.version import version_line
 
 POLICIES: Final = ("prefix", "round_robin", "least_loaded", "consistent_hash")
 LOG_LEVELS: Final = ("debug", "info", "warning", "error", "critical")
@@ -263,6 +264,7 @@ def build_parser() -> argparse.ArgumentParser:
     """The ``prefix-router serve`` argument parser; every flag defaults to ``None`` (= not given)."""
     parser = argparse.ArgumentParser(prog="prefix-router serve",
                                      description="Prefix-aware, load-aware router for vLLM replicas.")
+    parser.add_argument("--version", action="version", version=version_line("prefix-router"))
     for name in _FIELDS:
         flag = "--" + ("replica" if name == "replicas" else name.replace("_", "-"))
         if name == "replicas":

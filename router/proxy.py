@@ -36,6 +36,7 @@ from router.config import RouterConfig
 from router.errors import REQUEST_ID_HEADER, UpstreamError, UpstreamTimeout, error_body
 from router.metrics import RouterMetrics
 from router.usage import keep_tail
+from router.tracing import Tracing
 
 logger = logging.getLogger(__name__)
 
@@ -104,10 +105,11 @@ class Proxy:
     """Forwards requests to replicas over one pooled ``aiohttp.ClientSession``."""
 
     def __init__(self, session: aiohttp.ClientSession, config: RouterConfig,
-                 metrics: RouterMetrics) -> None:
+                 metrics: RouterMetrics, tracing: Tracing | None = None) -> None:
         self.session = session
         self.config = config
         self.metrics = metrics
+        self.tracing = tracing or Tracing(None)
         self._timeout = aiohttp.ClientTimeout(total=None, connect=None,
                                               sock_connect=config.connect_timeout_s, sock_read=None)
 
@@ -143,9 +145,16 @@ class Proxy:
             try:
                 if on_sent is not None:
                     on_sent(target.replica_id)
-                result = await self._attempt(request, path, body, headers, target, reason,
-                                             request_id, ticket, arrival,
-                                             retry_status=i + 1 < len(attempts))
+                # one CLIENT span per attempt; its context goes upstream as traceparent
+                with self.tracing.client_span("upstream", headers, {
+                        "prefix_router.replica": target.replica_id,
+                        "server.address": target.url, "url.path": path,
+                        "prefix_router.attempt": i + 1}) as span:
+                    result = await self._attempt(request, path, body, headers, target, reason,
+                                                 request_id, ticket, arrival,
+                                                 retry_status=i + 1 < len(attempts))
+                    if span is not None:
+                        span.set_attribute("http.response.status_code", result[1].status)
             except _Retryable as exc:
                 ticket.finish()
                 last_error = f"replica {target.replica_id}: {exc.cause}"

@@ -36,6 +36,7 @@ from router.config import ConfigError, RouterConfig, load_config
 from router.errors import REQUEST_ID_HEADER, BadRequest, RouterError, error_middleware
 from router.fleet import Fleet, FleetReader, Replica, StaticProber
 from router.hashing import BlockHasher, HashConfigError
+from router.logs import REQUEST_ID, configure_logging
 from router.metrics import CONTENT_TYPE, RouterMetrics
 from router.policy import Decision, LoadTracker, PolicyParams, ReplicaView, RouteInput, decide
 from router.prompts import (
@@ -55,6 +56,7 @@ from router.proxy import (
 )
 from router.ring import text_key
 from router.usage import cached_tokens_from_sse_tail
+from router.tracing import Tracing, TracingUnavailable, otlp_tracing
 
 logger = logging.getLogger(__name__)
 
@@ -108,8 +110,10 @@ class _Placed:
 class RouterService:
     """Per-process router state and HTTP handlers."""
 
-    def __init__(self, config: RouterConfig, tokenizer: PromptTokenizer | None) -> None:
+    def __init__(self, config: RouterConfig, tokenizer: PromptTokenizer | None,
+                 tracing: Tracing | None = None) -> None:
         self.config = config
+        self.tracing = tracing or Tracing(None)
         self.hasher = BlockHasher(config.block_size, config.hash_algo, config.hash_seed)
         self.tokenizer = tokenizer
         self.chains = ChainCache(self.hasher, config.token_cache_chunks)
@@ -152,6 +156,8 @@ class RouterService:
         middlewares = [_request_id_middleware, error_middleware]
         if self.auth is not None:
             middlewares.append(auth_middleware(self.auth))
+        if self.tracing.enabled:  # outside the error middleware: it sees the status sent
+            middlewares.insert(1, self._tracing_middleware)
         app = web.Application(middlewares=middlewares, client_max_size=self.config.max_body_bytes)
         app.router.add_post("/v1/completions", functools.partial(self.handle_generate, "completion"))
         app.router.add_post("/v1/chat/completions", functools.partial(self.handle_generate, "chat"))
@@ -166,10 +172,21 @@ class RouterService:
         app.on_cleanup.append(self._on_cleanup)
         return app
 
+    @web.middleware
+    async def _tracing_middleware(self, request: web.Request, handler: Any) -> web.StreamResponse:
+        """The request's server span (only installed with tracing on)."""
+        attributes = {"http.request.method": request.method, "url.path": request.path,
+                      "prefix_router.request_id": request["request_id"]}
+        with self.tracing.server_span(f"{request.method} {request.path}", request.headers,
+                                      attributes) as span:
+            response = await handler(request)
+            span.set_attribute("http.response.status_code", response.status)
+            return response
+
     async def _on_startup(self, app: web.Application) -> None:
         connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=30.0, enable_cleanup_closed=True)
         self.session = aiohttp.ClientSession(connector=connector, auto_decompress=False)
-        self.proxy = Proxy(self.session, self.config, self.metrics)
+        self.proxy = Proxy(self.session, self.config, self.metrics, self.tracing)
         if self.config.replicas:
             self.prober = StaticProber(self.fleet, self.session, self.config.static_probe_interval_s)
             await self.prober.probe_once()
@@ -291,10 +308,16 @@ class RouterService:
             started = time.perf_counter()
             follow = LAZY_HASHING and not dry_run and self.config.policy == "prefix"
             lazy = follow and self._queued_rests < MAX_QUEUED_RESTS
-            try:
-                prompt, path = await self._prompt_chain(spec, lora, lazy, follow)
-            except PromptError as exc:
-                raise BadRequest(str(exc)) from exc
+            with self.tracing.span("tokenize_hash") as span:
+                try:
+                    prompt, path = await self._prompt_chain(spec, lora, lazy, follow)
+                except PromptError as exc:
+                    raise BadRequest(str(exc)) from exc
+                if span is not None:
+                    span.set_attributes({"prefix_router.num_tokens": prompt.num_tokens,
+                                         "prefix_router.chain_blocks": len(prompt.keys),
+                                         "prefix_router.complete": prompt.complete,
+                                         "prefix_router.path": path})
             chain = prompt.keys
             self._tokenize_child(spec.kind, path).observe(time.perf_counter() - started)
         elif not dry_run:
@@ -327,9 +350,18 @@ class RouterService:
             confirmed, combined = self.fleet.index.hit_depths(
                 chain, mask, self.fleet.speculative, now)
         request = RouteInput(chain, num_tokens, ring_key, tokenized=tokenized)
-        decision = decide(self.config.policy, request, views, self.fleet.ring(self.fleet.routable(now)),
-                          confirmed=confirmed, combined=combined, params=self.params,
-                          rr_counter=self.rr_counter, avg_prompt_tokens=self.tracker.avg_prompt_tokens)
+        with self.tracing.span("route") as span:
+            decision = decide(self.config.policy, request, views,
+                              self.fleet.ring(self.fleet.routable(now)),
+                              confirmed=confirmed, combined=combined, params=self.params,
+                              rr_counter=self.rr_counter,
+                              avg_prompt_tokens=self.tracker.avg_prompt_tokens)
+            if span is not None:
+                span.set_attributes({"prefix_router.policy": self.config.policy,
+                                     "prefix_router.replica": decision.replica_id,
+                                     "prefix_router.reason": decision.reason,
+                                     "prefix_router.hit_blocks": decision.hit_blocks,
+                                     "prefix_router.num_eligible": len(eligible)})
         if not dry_run:
             self.rr_counter += 1
             if logger.isEnabledFor(logging.DEBUG):
@@ -697,10 +729,12 @@ class _GaugedTicket:
         self._service._update_inflight(self.replica_id)
 
 
+
 @web.middleware
 async def _request_id_middleware(request: web.Request, handler: Any) -> web.StreamResponse:
     request_id = request.headers.get(REQUEST_ID_HEADER) or uuid.uuid4().hex
     request["request_id"] = request_id
+    REQUEST_ID.set(request_id)  # for every log line while serving it (the handler's own task)
     response = await handler(request)
     if REQUEST_ID_HEADER not in response.headers and not response.prepared:
         response.headers[REQUEST_ID_HEADER] = request_id
@@ -737,9 +771,10 @@ def _write_ready_file(path: str, url: str) -> None:
     os.replace(tmp, target)
 
 
-async def serve(config: RouterConfig, tokenizer: PromptTokenizer | None) -> None:
+async def serve(config: RouterConfig, tokenizer: PromptTokenizer | None,
+                tracing: Tracing | None = None) -> None:
     """Run the router until SIGINT/SIGTERM."""
-    service = RouterService(config, tokenizer)
+    service = RouterService(config, tokenizer, tracing)
     app = service.build_app()
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
     await runner.setup()
@@ -776,8 +811,12 @@ def main(argv: Sequence[str]) -> int:
     except (ConfigError, HashConfigError, AuthConfigError) as exc:
         print(f"prefix-router serve: error: {exc}", file=sys.stderr, flush=True)
         return 2
-    logging.basicConfig(level=config.log_level.upper(),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    configure_logging(config.log_level, config.log_format)
+    try:
+        tracing = otlp_tracing(config.otlp_traces_endpoint)
+    except TracingUnavailable as exc:
+        print(f"prefix-router serve: error: {exc}", file=sys.stderr, flush=True)
+        return 2
     tokenizer = None
     if config.tokenizer:
         try:
@@ -806,8 +845,10 @@ def main(argv: Sequence[str]) -> int:
     gc.set_threshold(GC_GEN0_THRESHOLD, 20, 20)
     with asyncio.Runner(loop_factory=loop_factory) as runner:
         try:
-            runner.run(serve(config, tokenizer))
+            runner.run(serve(config, tokenizer, tracing))
         except StartupError as exc:
             print(f"prefix-router serve: error: {exc}", file=sys.stderr, flush=True)
             return 1
+        finally:
+            tracing.shutdown()  # flush the last spans
     return 0

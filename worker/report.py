@@ -27,6 +27,7 @@ from redis.exceptions import RedisError
 
 from router.contract import OP_CLEARED
 from router.hashing import BlockHasher, HashConfigError
+from router.logs import configure_logging
 from router.redis_client import redis_client
 from worker.block_keys import KEY_MODE_RECOMPUTED, EngineKeys, RecomputedKeys
 from worker.heartbeat import EngineClient, EngineLoad, EngineModels, EngineUnreachable, Heartbeat
@@ -362,8 +363,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"prefix-worker report: error: {exc}", file=sys.stderr)
         return 2
-    logging.basicConfig(level=config.log_level.upper(),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    configure_logging(config.log_level, config.log_format)
     try:
         import uvloop
 

@@ -19,6 +19,7 @@ from router.contract import DEFAULT_REDIS_PREFIX
 from router.hashing import HASH_ALGOS
 from router.redis_client import RedisUrlError, parse_redis_url
 from router.secrets import SecretError, resolve_redis_password
+from router.version import version_line
 
 ENV_PREFIX: Final = "WORKER_"
 DEFAULT_METRICS_HOST: Final = "127.0.0.1"  # set 0.0.0.0 in a pod so Prometheus can scrape
@@ -82,6 +83,7 @@ def _parser() -> argparse.ArgumentParser:
         parser.add_argument(flag, type=kind, default=None, dest=f.name,
                             help=_HELP.get(f.name, "") + f"env {ENV_PREFIX}{f.name.upper()}")
     parser.add_argument("--config", default=None, help=f"YAML file (env {ENV_PREFIX}CONFIG)")
+    parser.add_argument("--version", action="version", version=version_line("prefix-worker"))
     return parser
 
 
