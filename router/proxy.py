@@ -35,8 +35,8 @@ from multidict import CIMultiDict
 from router.config import RouterConfig
 from router.errors import REQUEST_ID_HEADER, UpstreamError, UpstreamTimeout, error_body
 from router.metrics import RouterMetrics
-from router.usage import keep_tail
 from router.tracing import Tracing
+from router.usage import keep_tail
 
 logger = logging.getLogger(__name__)
 

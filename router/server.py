@@ -55,8 +55,8 @@ from router.proxy import (
     Target,
 )
 from router.ring import text_key
-from router.usage import cached_tokens_from_sse_tail
 from router.tracing import Tracing, TracingUnavailable, otlp_tracing
+from router.usage import cached_tokens_from_sse_tail
 
 logger = logging.getLogger(__name__)
 
