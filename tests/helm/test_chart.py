@@ -32,7 +32,9 @@ FULLNAME = "rel-prefix-router"
 KUBE_VERSION = "1.33.0"
 # Custom resources: kubernetes-validate ships only the core API schemas, so these
 # kinds are skipped explicitly (and only these; any other missing schema fails).
-CRD_KINDS = frozenset({("monitoring.coreos.com/v1", "ServiceMonitor")})
+CRD_KINDS = frozenset({("monitoring.coreos.com/v1", "ServiceMonitor"),
+                       ("gateway.networking.k8s.io/v1", "HTTPRoute")})
+PRODUCTION_EXAMPLE = CHART_DIR / "examples" / "production-16.yaml"
 
 # (value-set name, values, rendered objects)
 Rendered = tuple[str, dict[str, Any], list[dict[str, Any]]]
@@ -41,6 +43,36 @@ BUNDLED_REDIS_URL = f"redis://{FULLNAME}-redis.{NAMESPACE}.svc:6379/0"
 
 VALUE_SETS: dict[str, dict[str, Any]] = {
     "defaults": {},
+    "production-16": yaml.safe_load(PRODUCTION_EXAMPLE.read_text()),
+    "edge-netpol-tracing": {
+        "router": {
+            "ingress": {"enabled": True, "className": "nginx",
+                        "hosts": [{"host": "llm.example.com"}, {"host": "", "paths": [
+                            {"path": "/v1", "pathType": "Prefix"}]}],
+                        "tls": [{"secretName": "llm-tls", "hosts": ["llm.example.com"]}]},
+            "httpRoute": {"enabled": True, "parentRefs": [{"name": "gw", "namespace": "gateway"}],
+                          "hostnames": ["llm.example.com"], "timeouts": {"request": "600s"}},
+            "autoscaling": {"enabled": True, "targetCPUUtilizationPercentage": None,
+                            "inflightRequests": {"enabled": True, "targetAverageValue": 100}},
+            "priorityClassName": "llm-routing", "logFormat": "json",
+        },
+        "fleet": {"priorityClassName": "llm-serving", "pdb": {"maxUnavailable": 2}},
+        "redis": {"bundled": {"priorityClassName": "llm-state"}},
+        "networkPolicy": {"enabled": True, "metricsFrom": [
+            {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}}]},
+        "tracing": {"otlpTracesEndpoint": "http://otel-collector.obs.svc:4318/v1/traces"},
+    },
+    "redis-cluster": {
+        "redis": {"external": {"cluster": {"nodes": ["rc-0.rc:6379", "rc-1.rc:6379", "rc-2.rc:6379"]},
+                               "tls": {"enabled": True, "caSecret": "redis-ca"}},
+                  "auth": {"existingSecret": "redis-auth"}},
+        "networkPolicy": {"enabled": True},
+        "fleet": {"pdb": {"enabled": False}},
+    },
+    "redis-sentinel": {
+        "redis": {"external": {"sentinel": {"nodes": ["s-0.s:26379", "s-1.s:26379"],
+                                            "masterName": "mymaster", "db": 3}}},
+    },
     "external-redis-tls": {
         "redis": {
             "external": {"url": "rediss://redis.example.com:6380/2", "tls": {"caSecret": "redis-ca"}},
@@ -203,8 +235,18 @@ def test_strict_validation_can_fail() -> None:
 def test_expected_objects_per_value_set(rendered: Rendered) -> None:
     _, values, objects = rendered
     kinds = sorted((o["kind"], o["metadata"]["name"]) for o in objects)
-    external = bool(values.get("redis", {}).get("external"))
+    external = external_redis_url(values) is not None
     router = values.get("router", {})
+    assert (("Ingress", f"{FULLNAME}-router") in kinds) is router.get("ingress", {}).get("enabled", False)
+    assert (("HTTPRoute", f"{FULLNAME}-router") in kinds) is router.get("httpRoute", {}).get("enabled", False)
+    assert (("PodDisruptionBudget", f"{FULLNAME}-fleet") in kinds) is values.get("fleet", {}).get(
+        "pdb", {}).get("enabled", True), "the fleet PDB is on by default"
+    policies = {name for kind, name in kinds if kind == "NetworkPolicy"}
+    if values.get("networkPolicy", {}).get("enabled"):
+        want = {f"{FULLNAME}-fleet", f"{FULLNAME}-router"} | ({f"{FULLNAME}-redis"} if not external else set())
+        assert policies == want
+    else:
+        assert policies == set()
     assert (("StatefulSet", f"{FULLNAME}-redis") in kinds) is not external
     assert (("Service", f"{FULLNAME}-redis") in kinds) is not external
     assert (("HorizontalPodAutoscaler", f"{FULLNAME}-router") in kinds) is router.get("autoscaling", {}).get("enabled", False)
@@ -219,6 +261,22 @@ def test_expected_objects_per_value_set(rendered: Rendered) -> None:
 
 
 # ----------------------------------------------------------------- invariants
+
+
+def external_redis_url(values: dict[str, Any]) -> str | None:
+    """The external Redis URL ``values`` ask for (before the CA option), None for the bundled one:
+    written here from the values' meaning, independently of the chart's helper."""
+    ext = values.get("redis", {}).get("external", {})
+    tls = "s" if ext.get("tls", {}).get("enabled") else ""
+    if ext.get("url"):
+        return str(ext["url"])
+    if ext.get("cluster", {}).get("nodes"):
+        return f"redis{tls}+cluster://" + ",".join(ext["cluster"]["nodes"])
+    sentinel = ext.get("sentinel", {})
+    if sentinel.get("nodes"):
+        return (f"redis{tls}+sentinel://" + ",".join(sentinel["nodes"])
+                + f"/{sentinel['masterName']}/{sentinel.get('db', 0)}")
+    return None
 
 
 def engine_settings(engine: dict[str, Any]) -> tuple[int, str, str | None]:
@@ -303,7 +361,7 @@ def test_worker_sidecar_follows_its_own_engine(
         f"http://$(POD_NAME).{headless['metadata']['name']}.{NAMESPACE}.svc:{engine_port}")
 
     # the worker reports to the chart's Redis, the same one the routers read
-    external = values.get("redis", {}).get("external", {}).get("url")
+    external = external_redis_url(values)
     cfg = router_config(objects)
     assert wenv["WORKER_REDIS_URL"] == cfg["redis_url"]
     assert wenv["WORKER_REDIS_PREFIX"] == cfg["redis_prefix"] == "pr"
@@ -590,9 +648,18 @@ def test_scrape_annotations(chart: helm.Chart) -> None:
         ({"redis": {"external": {"url": "http://redis:6379"}}}, "at '/redis/external/url'"),
         ({"router": {"autoscaling": {"enabled": True, "targetCPUUtilizationPercentage": None}}},
          "router.autoscaling needs targetCPUUtilizationPercentage"),
+        ({"redis": {"external": {"url": "redis://r:6379/0", "cluster": {"nodes": ["a:6379"]}}}},
+         "set one of redis.external.url, redis.external.cluster.nodes and redis.external.sentinel.nodes"),
+        ({"redis": {"external": {"sentinel": {"nodes": ["s:26379"]}}}},
+         "redis.external.sentinel.nodes needs redis.external.sentinel.masterName"),
+        ({"redis": {"external": {"cluster": {"nodes": ["a:6379/0"]}}}}, "at '/redis/external/cluster/nodes/0'"),
+        ({"router": {"httpRoute": {"enabled": True}}}, "router.httpRoute.enabled needs router.httpRoute.parentRefs"),
+        ({"router": {"logFormat": "xml"}}, "at '/router/logFormat': value must be one of"),
+        ({"tracing": {"otlpTracesEndpoint": "otel:4317"}}, "at '/tracing/otlpTracesEndpoint'"),
     ],
     ids=["block-size-0", "unknown-algo", "xxhash-no-seed", "xxhash-cbor-empty-seed", "seed-not-integer",
-         "misspelt-key", "unknown-engine", "redis-url-scheme", "hpa-no-metric"],
+         "misspelt-key", "unknown-engine", "redis-url-scheme", "hpa-no-metric", "redis-two-forms",
+         "sentinel-no-master", "cluster-node-path", "httproute-no-parent", "log-format", "otlp-scheme"],
 )
 def test_invalid_values_fail_with_a_clear_message(chart: helm.Chart, values: dict[str, Any], message: str) -> None:
     with pytest.raises(helm.HelmError) as info:
@@ -626,3 +693,216 @@ def test_tenant_auth_values_reach_the_router(chart: helm.Chart, tmp_path: Path) 
     assert cfg.cache_salt_secret_file == "/etc/prefix-router/auth/cache-salt-secret"
     assert (cfg.client_cache_salt, cfg.admin_tenants) == ("reject", ("ops",))
     assert (cfg.debug_access, cfg.metrics_access) == ("admin", "admin")
+
+
+# ------------------------------------------- the production objects (issue 19)
+
+
+def pod_labels(objects: list[dict[str, Any]], kind: str, suffix: str) -> dict[str, str]:
+    labels: dict[str, str] = one(objects, kind, suffix)["spec"]["template"]["metadata"]["labels"]
+    return labels
+
+
+def selects(selector: dict[str, Any], labels: dict[str, str]) -> bool:
+    """Whether a matchLabels selector selects pods with ``labels``."""
+    return all(labels.get(k) == v for k, v in selector["matchLabels"].items())
+
+
+def container_port_names(objects: list[dict[str, Any]], kind: str, suffix: str) -> set[str]:
+    pod = one(objects, kind, suffix)["spec"]["template"]["spec"]
+    return {p["name"] for c in pod["containers"] for p in c.get("ports", [])}
+
+
+def test_ingress_and_httproute_reach_the_router_service(chart: helm.Chart) -> None:
+    values = VALUE_SETS["edge-netpol-tracing"]
+    objects = render(chart, values)
+    service = one(objects, "Service", FULLNAME)
+    assert selects({"matchLabels": service["spec"]["selector"]},
+                   pod_labels(objects, "Deployment", "-router"))
+    port = service["spec"]["ports"][0]
+    ingress = one(objects, "Ingress", "-router")["spec"]
+    assert ingress["ingressClassName"] == "nginx"
+    assert ingress["tls"] == [{"secretName": "llm-tls", "hosts": ["llm.example.com"]}]
+    rules = ingress["rules"]
+    assert [r.get("host") for r in rules] == ["llm.example.com", None]
+    paths = [p for r in rules for p in r["http"]["paths"]]
+    assert [(p["path"], p["pathType"]) for p in paths] == [("/", "Prefix"), ("/v1", "Prefix")]
+    for p in paths:
+        assert p["backend"]["service"] == {"name": FULLNAME, "port": {"name": port["name"]}}
+    route = one(objects, "HTTPRoute", "-router")
+    assert route["apiVersion"] == "gateway.networking.k8s.io/v1"
+    spec = route["spec"]
+    assert spec["parentRefs"] == [{"name": "gw", "namespace": "gateway"}]
+    assert spec["hostnames"] == ["llm.example.com"]
+    (rule,) = spec["rules"]
+    assert rule["backendRefs"] == [{"name": FULLNAME, "port": port["port"]}]
+    assert rule["matches"] == [{"path": {"type": "PathPrefix", "value": "/"}}]
+    assert rule["timeouts"] == {"request": "600s"}
+
+
+@pytest.mark.parametrize("value_set", ["edge-netpol-tracing", "redis-cluster", "production-16"])
+def test_network_policies_let_only_the_router_reach_engines_and_only_clients_reach_redis(
+        chart: helm.Chart, value_set: str) -> None:
+    values = VALUE_SETS[value_set]
+    objects = render(chart, values)
+    router_pods = pod_labels(objects, "Deployment", "-router")
+    fleet_pods = pod_labels(objects, "StatefulSet", "-fleet")
+    policies = {o["metadata"]["name"].removeprefix(FULLNAME + "-"): o["spec"]
+                for o in objects if o["kind"] == "NetworkPolicy"}
+    # each policy selects exactly its component's pods
+    assert selects(policies["fleet"]["podSelector"], fleet_pods)
+    assert not selects(policies["fleet"]["podSelector"], router_pods)
+    assert selects(policies["router"]["podSelector"], router_pods)
+    for spec in policies.values():
+        assert spec["policyTypes"] == ["Ingress"]
+    # the engine port: the router pods only (plus the named metrics scrapers)
+    fleet_ports = container_port_names(objects, "StatefulSet", "-fleet")
+    engine_rule, *metrics_rules = policies["fleet"]["ingress"]
+    (peer,) = engine_rule["from"]
+    assert set(peer) == {"podSelector"} and selects(peer["podSelector"], router_pods)
+    assert not selects(peer["podSelector"], fleet_pods)
+    assert [p["port"] for p in engine_rule["ports"]] == ["http"] and "http" in fleet_ports
+    scrapers = values.get("networkPolicy", {}).get("metricsFrom", [])
+    assert [r["from"] for r in metrics_rules] == ([scrapers] if scrapers else [])
+    for rule in metrics_rules:
+        assert {p["port"] for p in rule["ports"]} == {"http", "worker-metrics"} <= fleet_ports
+    # the router: its port, from networkPolicy.router.from (default everyone)
+    (router_rule,) = policies["router"]["ingress"]
+    assert router_rule["ports"] == [{"port": "http", "protocol": "TCP"}]
+    assert router_rule.get("from", []) == values["networkPolicy"].get("router", {}).get("from", [])
+    # the bundled Redis: router and fleet pods (the worker sidecars), nothing else
+    if external_redis_url(values) is None:
+        redis_pods = pod_labels(objects, "StatefulSet", "-redis")
+        assert selects(policies["redis"]["podSelector"], redis_pods)
+        (rule,) = policies["redis"]["ingress"]
+        peers = [p["podSelector"] for p in rule["from"]]
+        assert len(peers) == 2
+        assert any(selects(p, router_pods) for p in peers) and any(selects(p, fleet_pods) for p in peers)
+        assert not any(selects(p, redis_pods) for p in peers)
+        assert rule["ports"] == [{"port": "redis", "protocol": "TCP"}]
+        assert "redis" in container_port_names(objects, "StatefulSet", "-redis")
+    else:
+        assert "redis" not in policies
+
+
+def test_fleet_pdb_covers_the_engines_only(chart: helm.Chart) -> None:
+    objects = render(chart, {})
+    pdb = one(objects, "PodDisruptionBudget", "-fleet")["spec"]
+    assert pdb == {"maxUnavailable": 1, "selector": pdb["selector"]}
+    assert selects(pdb["selector"], pod_labels(objects, "StatefulSet", "-fleet"))
+    assert not selects(pdb["selector"], pod_labels(objects, "Deployment", "-router"))
+    objects = render(chart, {"fleet": {"pdb": {"minAvailable": "75%"}}})
+    assert one(objects, "PodDisruptionBudget", "-fleet")["spec"]["minAvailable"] == "75%"
+    assert "maxUnavailable" not in one(objects, "PodDisruptionBudget", "-fleet")["spec"]
+
+
+def test_router_hpa_scales_on_cpu_and_in_flight_requests(chart: helm.Chart) -> None:
+    objects = render(chart, VALUE_SETS["production-16"])
+    hpa = one(objects, "HorizontalPodAutoscaler", "-router")["spec"]
+    assert hpa["scaleTargetRef"] == {"apiVersion": "apps/v1", "kind": "Deployment",
+                                     "name": f"{FULLNAME}-router"}
+    assert (hpa["minReplicas"], hpa["maxReplicas"]) == (4, 16)
+    by_type = {m["type"]: m for m in hpa["metrics"]}
+    assert by_type["Resource"]["resource"] == {
+        "name": "cpu", "target": {"type": "Utilization", "averageUtilization": 60}}
+    assert by_type["Pods"]["pods"] == {"metric": {"name": "prefix_router_inflight_requests"},
+                                       "target": {"type": "AverageValue", "averageValue": "256"}}
+    # the in-flight metric alone is enough to autoscale
+    objects = render(chart, VALUE_SETS["edge-netpol-tracing"])
+    metrics = one(objects, "HorizontalPodAutoscaler", "-router")["spec"]["metrics"]
+    assert [m["type"] for m in metrics] == ["Pods"]
+
+
+def test_topology_spread_selects_its_own_pods(chart: helm.Chart) -> None:
+    for values in ({}, VALUE_SETS["production-16"]):
+        objects = render(chart, values)
+        for kind, suffix, component in (("Deployment", "-router", "router"),
+                                        ("StatefulSet", "-fleet", "fleet")):
+            pod = one(objects, kind, suffix)["spec"]["template"]["spec"]
+            constraints = pod["topologySpreadConstraints"]
+            want = values.get(component, {}).get("topologySpreadConstraints")
+            assert [c["topologyKey"] for c in constraints] == (
+                [c["topologyKey"] for c in want] if want else
+                ["kubernetes.io/hostname" if component == "router" else "topology.kubernetes.io/zone"])
+            for c in constraints:
+                assert selects(c["labelSelector"], pod_labels(objects, kind, suffix))
+                other = pod_labels(objects, "StatefulSet" if component == "router" else "Deployment",
+                                   "-fleet" if component == "router" else "-router")
+                assert not selects(c["labelSelector"], other)
+    own = {"matchLabels": {"team": "llm"}}
+    objects = render(chart, {"router": {"topologySpreadConstraints": [
+        {"maxSkew": 2, "topologyKey": "zone", "whenUnsatisfiable": "DoNotSchedule", "labelSelector": own}]}})
+    (c,) = one(objects, "Deployment", "-router")["spec"]["template"]["spec"]["topologySpreadConstraints"]
+    assert c["labelSelector"] == own and c["maxSkew"] == 2
+
+
+def test_priority_classes(chart: helm.Chart) -> None:
+    objects = render(chart, VALUE_SETS["edge-netpol-tracing"])
+    for kind, suffix, name in (("Deployment", "-router", "llm-routing"),
+                               ("StatefulSet", "-fleet", "llm-serving"),
+                               ("StatefulSet", "-redis", "llm-state")):
+        assert one(objects, kind, suffix)["spec"]["template"]["spec"]["priorityClassName"] == name
+    for obj in render(chart, {}):
+        if obj["kind"] in ("Deployment", "StatefulSet"):
+            assert "priorityClassName" not in obj["spec"]["template"]["spec"]
+
+
+@pytest.mark.parametrize("value_set", ["redis-cluster", "redis-sentinel", "production-16"])
+def test_external_cluster_and_sentinel_urls(chart: helm.Chart, value_set: str) -> None:
+    """The URL rendered from cluster seeds or a Sentinel set is what the values ask for, the
+    one the router and worker parse, with no bundled Redis and the CA mounted for TLS."""
+    from router.redis_client import parse_redis_url
+
+    values = VALUE_SETS[value_set]
+    objects = render(chart, values)
+    cfg = router_config(objects)
+    worker = containers(objects, "StatefulSet", "-fleet")["worker"]
+    assert env_of(worker)["WORKER_REDIS_URL"] == cfg["redis_url"]
+    want = external_redis_url(values)
+    assert want is not None
+    ext = values["redis"]["external"]
+    if ext.get("tls", {}).get("caSecret"):
+        assert cfg["redis_url"] == f"{want}?ssl_ca_certs=/etc/prefix-router/redis-tls/ca.crt"
+        router = containers(objects, "Deployment", "-router")["router"]
+        assert {m["name"] for m in router["volumeMounts"]} >= {"redis-tls"}
+    else:
+        assert cfg["redis_url"] == want
+    target = parse_redis_url(cfg["redis_url"])
+    if "cluster" in ext:
+        assert target.mode == "cluster" and target.tls is bool(ext.get("tls", {}).get("enabled"))
+        assert [f"{h}:{p}" for h, p in target.hosts] == ext["cluster"]["nodes"]
+    else:
+        assert target.mode == "sentinel" and target.service == ext["sentinel"]["masterName"]
+        assert [f"{h}:{p}" for h, p in target.hosts] == ext["sentinel"]["nodes"]
+        assert target.db == ext["sentinel"].get("db", 0)
+    assert not [o for o in objects if o["metadata"]["name"] == f"{FULLNAME}-redis"]
+
+
+def test_tracing_and_json_logs(chart: helm.Chart) -> None:
+    endpoint = VALUE_SETS["edge-netpol-tracing"]["tracing"]["otlpTracesEndpoint"]
+    objects = render(chart, VALUE_SETS["edge-netpol-tracing"])
+    cfg = router_config(objects)
+    assert (cfg["otlp_traces_endpoint"], cfg["log_format"]) == (endpoint, "json")
+    engine = containers(objects, "StatefulSet", "-fleet")["engine"]
+    assert flag(engine["args"], "--otlp-traces-endpoint") == endpoint  # vLLM joins the traces
+    defaults = render(chart, {})
+    assert "otlp_traces_endpoint" not in router_config(defaults)
+    assert "--otlp-traces-endpoint" not in containers(defaults, "StatefulSet", "-fleet")["engine"]["args"]
+    emulated = render(chart, {**VALUE_SETS["edge-netpol-tracing"], "fleet": {"engine": "emulator"}})
+    assert "--otlp-traces-endpoint" not in containers(emulated, "StatefulSet", "-fleet")["engine"]["args"]
+
+
+def test_production_example_is_a_16_replica_gpu_fleet(chart: helm.Chart) -> None:
+    values = VALUE_SETS["production-16"]
+    objects = render(chart, values)
+    sts = one(objects, "StatefulSet", "-fleet")
+    assert sts["spec"]["replicas"] == 16
+    engine = containers(objects, "StatefulSet", "-fleet")["engine"]
+    assert engine["command"] == ["vllm", "serve"]
+    assert engine["resources"]["limits"]["nvidia.com/gpu"] == 1
+    assert one(objects, "PodDisruptionBudget", "-fleet")["spec"]["maxUnavailable"] == 1
+    assert one(objects, "PodDisruptionBudget", "-router")["spec"]["maxUnavailable"] == 1
+    kinds = {o["kind"] for o in objects}
+    assert kinds >= {"Ingress", "NetworkPolicy", "HorizontalPodAutoscaler", "ServiceMonitor"}
+    assert router_config(objects)["redis_url"].startswith("redis+sentinel://")
+    assert router_config(objects)["log_format"] == "json"

@@ -132,10 +132,21 @@ float64, so format them as integers. */}}
 {{- if not (has .Values.fleet.engine (list "vllm" "emulator")) }}
 {{- fail (printf "fleet.engine must be vllm or emulator, got %q" (toString .Values.fleet.engine)) }}
 {{- end }}
-{{- with .Values.redis.external.url }}
-{{- if not (or (hasPrefix "redis://" .) (hasPrefix "rediss://" .)) }}
-{{- fail (printf "redis.external.url must start with redis:// or rediss:// (TLS), got %q" .) }}
+{{- $ext := .Values.redis.external }}
+{{- with $ext.url }}
+{{- if not (regexMatch "^rediss?(\\+cluster|\\+sentinel)?://" .) }}
+{{- fail (printf "redis.external.url must start with redis://, rediss:// (TLS), redis[s]+cluster:// or redis[s]+sentinel://, got %q" .) }}
 {{- end }}
+{{- end }}
+{{- $forms := 0 }}
+{{- if $ext.url }}{{ $forms = add1 $forms }}{{ end }}
+{{- if $ext.cluster.nodes }}{{ $forms = add1 $forms }}{{ end }}
+{{- if $ext.sentinel.nodes }}{{ $forms = add1 $forms }}{{ end }}
+{{- if gt $forms 1 }}
+{{- fail "set one of redis.external.url, redis.external.cluster.nodes and redis.external.sentinel.nodes" }}
+{{- end }}
+{{- if and $ext.sentinel.nodes (not $ext.sentinel.masterName) }}
+{{- fail "redis.external.sentinel.nodes needs redis.external.sentinel.masterName (the Sentinel master's name)" }}
 {{- end }}
 {{- end }}
 
@@ -183,8 +194,28 @@ model itself for vLLM, else the Qwen3 files the image ships for the emulator
 Redis: the URL every client uses, and the password/TLS wiring.
 --------------------------------------------------------------------------- */}}
 
+{{/* The external Redis URL from redis.external: url as given, or rendered from the Cluster
+seeds (redis[s]+cluster://a:p,b:p) or the Sentinel set (redis[s]+sentinel://s1:p,s2:p/MASTER/DB);
+empty for the bundled Redis. */}}
+{{- define "prefix-router.redisExternalUrl" -}}
+{{- $ext := .Values.redis.external }}
+{{- $s := ternary "s" "" (and (kindIs "bool" $ext.tls.enabled) $ext.tls.enabled) }}
+{{- if $ext.url }}
+{{- $ext.url }}
+{{- else if $ext.cluster.nodes }}
+{{- printf "redis%s+cluster://%s" $s (join "," $ext.cluster.nodes) }}
+{{- else if $ext.sentinel.nodes }}
+{{- printf "redis%s+sentinel://%s/%s/%d" $s (join "," $ext.sentinel.nodes) $ext.sentinel.masterName (int $ext.sentinel.db) }}
+{{- end }}
+{{- end }}
+
 {{- define "prefix-router.redisBundled" -}}
-{{- if not .Values.redis.external.url }}true{{ end }}
+{{- if not (include "prefix-router.redisExternalUrl" .) }}true{{ end }}
+{{- end }}
+
+{{/* "true" when the external Redis is reached over TLS (rediss... URL). */}}
+{{- define "prefix-router.redisTls" -}}
+{{- if hasPrefix "rediss" (include "prefix-router.redisExternalUrl" .) }}true{{ end }}
 {{- end }}
 
 {{- define "prefix-router.redisTlsCaPath" -}}
@@ -193,9 +224,9 @@ Redis: the URL every client uses, and the password/TLS wiring.
 
 {{- define "prefix-router.redisUrl" -}}
 {{- include "prefix-router.validate" . }}
-{{- if .Values.redis.external.url }}
-{{- $url := .Values.redis.external.url }}
-{{- if and (hasPrefix "rediss://" $url) .Values.redis.external.tls.caSecret }}
+{{- $url := include "prefix-router.redisExternalUrl" . }}
+{{- if $url }}
+{{- if and (include "prefix-router.redisTls" .) .Values.redis.external.tls.caSecret }}
 {{- printf "%s%sssl_ca_certs=%s" $url (ternary "&" "?" (contains "?" $url)) (include "prefix-router.redisTlsCaPath" .) }}
 {{- else }}
 {{- $url }}
@@ -239,7 +270,7 @@ WORKER_REDIS_PASSWORD_FILE, the bundled Redis's requirepass on its stdin. */}}
 {{- end }}
 
 {{- define "prefix-router.redisTlsVolumeMount" -}}
-{{- if and .Values.redis.external.url (hasPrefix "rediss://" .Values.redis.external.url) .Values.redis.external.tls.caSecret -}}
+{{- if and (include "prefix-router.redisTls" .) .Values.redis.external.tls.caSecret -}}
 - name: redis-tls
   mountPath: /etc/prefix-router/redis-tls
   readOnly: true
@@ -247,7 +278,7 @@ WORKER_REDIS_PASSWORD_FILE, the bundled Redis's requirepass on its stdin. */}}
 {{- end }}
 
 {{- define "prefix-router.redisTlsVolume" -}}
-{{- if and .Values.redis.external.url (hasPrefix "rediss://" .Values.redis.external.url) .Values.redis.external.tls.caSecret -}}
+{{- if and (include "prefix-router.redisTls" .) .Values.redis.external.tls.caSecret -}}
 - name: redis-tls
   secret:
     secretName: {{ .Values.redis.external.tls.caSecret }}
@@ -264,5 +295,18 @@ WORKER_REDIS_PASSWORD_FILE, the bundled Redis's requirepass on its stdin. */}}
     secretKeyRef:
       name: {{ .Values.model.hfToken.existingSecret }}
       key: {{ .Values.model.hfToken.key }}
+{{- end }}
+{{- end }}
+
+{{/* topologySpreadConstraints of a component; a constraint without a labelSelector gets the
+component's own pod labels. Call with (dict "root" $ "component" "router" "constraints" LIST). */}}
+{{- define "prefix-router.topologySpread" -}}
+{{- $selector := dict "matchLabels" (include "prefix-router.componentSelectorLabels" (dict "root" .root "component" .component) | fromYaml) }}
+{{- range .constraints }}
+{{- if hasKey . "labelSelector" }}
+- {{- toYaml . | nindent 2 }}
+{{- else }}
+- {{- toYaml (set (deepCopy .) "labelSelector" $selector) | nindent 2 }}
+{{- end }}
 {{- end }}
 {{- end }}
