@@ -64,7 +64,7 @@ from loadtest.trace import TraceRequest, read_trace
 
 logger = logging.getLogger(__name__)
 
-OWN_POLICIES = ("prefix", "round_robin", "least_loaded", "consistent_hash")
+OWN_POLICIES = ("prefix", "ttft", "round_robin", "least_loaded", "consistent_hash")
 PEER_SPECS = (RouterSpec(SGLANG, "cache_aware"), RouterSpec(VLLM_ROUTER, "cache_aware"),
               RouterSpec(VLLM_ROUTER, "kv_aware"))
 DEFAULT_SAMPLE_INTERVAL_S = 1.0  # gauge sampling for busy time; 8 scrapes per second at most

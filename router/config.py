@@ -22,11 +22,13 @@ import yaml
 
 from router.contract import DEFAULT_REDIS_PREFIX
 from router.hashing import DEFAULT_BLOCK_SIZE, DEFAULT_HASH_ALGO, HASH_ALGOS
+from router.policy import DEFAULT_EVICTED_REUSE
 from router.redis_client import RedisUrlError, parse_redis_url
 from router.secrets import SecretError, resolve_redis_password
+from router.ttft import DEFAULT_PRIOR_TOKENS_PER_S
 from router.version import version_line
 
-POLICIES: Final = ("prefix", "round_robin", "least_loaded", "consistent_hash")
+POLICIES: Final = ("prefix", "ttft", "round_robin", "least_loaded", "consistent_hash")
 LOG_LEVELS: Final = ("debug", "info", "warning", "error", "critical")
 LOG_FORMATS: Final = ("text", "json")
 ENV_PREFIX: Final = "ROUTER_"
@@ -53,6 +55,10 @@ DEFAULT_COLD_QUEUE_SLACK_TOKENS: Final = 1024  # a cold prefix treats queues thi
 # as equally short and picks among them by recent writes (0: the shortest queue always wins)
 DEFAULT_COLD_WRITE_WINDOW: Final = 0.5  # recent KV writes decay with e-folding at this share of the
 # fleet's KV capacity written (scale-free: the span an LRU cache remembers, not seconds)
+DEFAULT_TTFT_PRIOR_TOKENS_PER_S: Final = DEFAULT_PRIOR_TOKENS_PER_S  # ttft policy: prefill work
+# tokens/s a replica is assumed to do before its first few dozen requests taught the router its rate
+DEFAULT_TTFT_EVICTED_REUSE: Final = DEFAULT_EVICTED_REUSE  # ttft policy: chance that a block a new
+# prefix evicts (from a replica writing its fair share of KV) would have been hit again
 DEFAULT_REPLICA_KV_BLOCKS: Final = 32_000  # KV capacity assumed for replicas that do not report it
 DEFAULT_MAX_BODY_BYTES: Final = 32 * 1024 * 1024  # a 128k-token token-id body is ~1 MB; text ~0.5 MB
 DEFAULT_CONNECT_TIMEOUT_S: Final = 5.0
@@ -102,6 +108,8 @@ class RouterConfig:
     cold_write_window: float = DEFAULT_COLD_WRITE_WINDOW
     cold_queue_slack_tokens: int = DEFAULT_COLD_QUEUE_SLACK_TOKENS
     replica_kv_blocks: int = DEFAULT_REPLICA_KV_BLOCKS  # static replicas (no heartbeat capacity)
+    ttft_prior_tokens_per_s: float = DEFAULT_TTFT_PRIOR_TOKENS_PER_S
+    ttft_evicted_reuse: float = DEFAULT_TTFT_EVICTED_REUSE
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     connect_timeout_s: float = DEFAULT_CONNECT_TIMEOUT_S
     first_byte_timeout_s: float = DEFAULT_FIRST_BYTE_TIMEOUT_S
@@ -153,6 +161,10 @@ class RouterConfig:
             raise ConfigError(f"max_body_bytes must be >= 1024, got {self.max_body_bytes}")
         if self.replica_kv_blocks < 1:
             raise ConfigError(f"replica_kv_blocks must be >= 1, got {self.replica_kv_blocks}")
+        if self.ttft_prior_tokens_per_s <= 0:
+            raise ConfigError(f"ttft_prior_tokens_per_s must be > 0, got {self.ttft_prior_tokens_per_s}")
+        if not 0.0 <= self.ttft_evicted_reuse <= 1.0:
+            raise ConfigError(f"ttft_evicted_reuse must be in [0, 1], got {self.ttft_evicted_reuse}")
         if self.cold_write_window <= 0:
             raise ConfigError(f"cold_write_window must be > 0, got {self.cold_write_window}")
         if self.tokenizer_threads < 1:
@@ -209,6 +221,9 @@ _HELP: Final = {
     "replica_kv_blocks": "KV capacity (blocks) assumed for replicas that do not report it",
     "recompute_penalty": "extra weight of recomputed prefix tokens when moving for load",
     "queue_slack_tokens": "queue advantage (tokens) a load move must exceed beyond the recompute",
+    "ttft_prior_tokens_per_s": "ttft policy: prefill tokens/s assumed per replica until learned",
+    "ttft_evicted_reuse": "ttft policy: hit chance (0-1) of a KV block a new prefix evicts, at a "
+                          "fair write share",
     "speculative_ttl_s": "seconds this router's own placements count as hits",
     "max_body_bytes": "request body limit (413 beyond)",
     "tokenizer": "tokenizer dir or hub id; without it text prompts are routed by hashing the text",

@@ -16,6 +16,8 @@ CONTENT_TYPE = CONTENT_TYPE_LATEST
 _LATENCY_BUCKETS = (0.0005, 0.001, 0.002, 0.003, 0.005, 0.0075, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0)
 _TTFT_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0,
                  20.0, 40.0, 80.0)  # vLLM's TTFT buckets, trimmed
+_ERROR_BUCKETS = (-5.0, -1.0, -0.5, -0.25, -0.1, -0.05, -0.025, -0.01, -0.005, 0.0, 0.005, 0.01,
+                  0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 5.0)  # seconds, signed: late > 0, early < 0
 
 
 class RouterMetrics:
@@ -40,6 +42,11 @@ class RouterMetrics:
             "cached_tokens > 0) as the engine reported it in usage.prompt_tokens_details "
             "(source=engine) or, when it did not, as the router predicted it (source=predicted)",
             ["model", "cache", "source"], buckets=_TTFT_BUCKETS, registry=registry)
+        self.ttft_prediction_error = Histogram(
+            "router_ttft_prediction_error_seconds", "Observed minus predicted time from dispatch "
+            "to first token of streamed requests, per replica (ttft policy only): how well the "
+            "learned prefill model fits the fleet", ["replica"], buckets=_ERROR_BUCKETS,
+            registry=registry)
         self.overhead = Histogram(
             "router_overhead_seconds", "Router time from request arrival to upstream send "
             "(parse, tokenize, hash, route)", ["endpoint"], buckets=_LATENCY_BUCKETS,

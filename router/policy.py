@@ -19,6 +19,9 @@ first byte) and a ``reason`` label:
 * ``load_balance``: the preferred replica's queued prefill exceeds another's
   by more than the prefill its hit saves (plus ``queue_slack_tokens``);
 * ``no_tokenizer_ring``: the prompt could not be tokenized; ring on the text;
+* ``ttft_wait``, ``ttft_prefill``, ``ttft_evict``: the ``ttft`` policy chose the replica with
+  the lowest predicted cost in seconds, and this term (queue wait, own prefill, or the
+  recompute its KV writes cause others) made the difference to the runner-up;
 * ``round_robin``, ``least_loaded``, ``consistent_hash``: the baselines.
 
 The prefix policy, step by step:
@@ -44,6 +47,24 @@ The prefix policy, step by step:
    queued prefill is shorter than the anchor's by more than the prefix the move
    recomputes, weighted ``1 + recompute_penalty``, plus ``queue_slack_tokens``.
 
+The ttft policy (``_ttft``) replaces steps 2-4 with one cost in seconds per replica, the
+lowest wins (ties: ring order of the chain's first un-held block):
+
+* wait: the prefill tokens queued ahead there (``queued_prefill_tokens``) times that
+  replica's learned seconds per work token (``ReplicaView.s_per_token``; ``router.ttft``);
+* prefill: its fitted overhead plus the request's own work there, the tokens beyond that
+  replica's hit with the attention they do against the cached context
+  (``router.ttft.prefill_work_tokens``);
+* evict: the cost to others. The request's new KV blocks evict as many from the replica's LRU
+  tail; the chance that a tail block is hit again grows with how fast that replica's cache turns
+  over, i.e. its share of the router's recent KV writes (``recent_write_blocks``). So
+  ``evicted_reuse x new blocks x block_size x s_per_token x (write share x replicas)``: the
+  expected seconds of recompute the placement causes, ``evicted_reuse`` at a fair write share.
+  This is the prefix policy's write balance, in the same unit as the rest;
+* bounded load (the same cap as step 3, ``load_factor`` with a fixed headroom of
+  ``TTFT_LOAD_HEADROOM`` requests) stays as a safety cap: a replica over it is skipped
+  (``load_spill``).
+
 A replica's load for the bound is its in-flight requests: this router's own
 count plus the requests other routers have there (the engine's running +
 waiting at heartbeat time minus this router's count at that same time).
@@ -60,6 +81,7 @@ from typing import Any, Final
 
 from router.hashing import max_hit_blocks
 from router.ring import HashRing
+from router.ttft import DEFAULT_PRIOR_TOKENS_PER_S, prefill_work_tokens
 
 REASON_PREFIX_HIT: Final = "prefix_hit"
 REASON_SPECULATIVE_HIT: Final = "speculative_hit"
@@ -70,9 +92,18 @@ REASON_NO_TOKENIZER_RING: Final = "no_tokenizer_ring"
 REASON_ROUND_ROBIN: Final = "round_robin"
 REASON_LEAST_LOADED: Final = "least_loaded"
 REASON_CONSISTENT_HASH: Final = "consistent_hash"
+REASON_TTFT_WAIT: Final = "ttft_wait"
+REASON_TTFT_PREFILL: Final = "ttft_prefill"
+REASON_TTFT_EVICT: Final = "ttft_evict"
 REASONS: Final = (REASON_PREFIX_HIT, REASON_SPECULATIVE_HIT, REASON_COLD_RING, REASON_LOAD_SPILL,
                   REASON_LOAD_BALANCE, REASON_NO_TOKENIZER_RING, REASON_ROUND_ROBIN,
-                  REASON_LEAST_LOADED, REASON_CONSISTENT_HASH)
+                  REASON_LEAST_LOADED, REASON_CONSISTENT_HASH, REASON_TTFT_WAIT,
+                  REASON_TTFT_PREFILL, REASON_TTFT_EVICT)
+INDEX_POLICIES: Final = frozenset({"prefix", "ttft"})  # policies that use hit depths and placements
+TTFT_LOAD_HEADROOM: Final = 4  # requests above ceil(load_factor * mean) for the ttft policy's cap:
+# a safety cap, not a knob (the prefix policy's default headroom)
+DEFAULT_EVICTED_REUSE: Final = 0.5  # chance that a block evicted from a replica writing its fair
+# share of KV would have been hit again (dimensionless)
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,6 +129,8 @@ class ReplicaView:
     engine_waiting: int = 0
     ours_at_heartbeat: int | None = None
     recent_write_blocks: float = 0.0  # KV blocks this router sent to be written, decayed
+    s_per_token: float = 0.0  # learned seconds per prefill work token (0: the prior; ttft policy)
+    overhead_s: float = 0.0  # learned TTFT seconds that do not grow with work (ttft policy)
 
     @property
     def foreign_requests(self) -> int:
@@ -136,6 +169,8 @@ class PolicyParams:
     consistent_hash_blocks: int = 64  # blocks keyed by the consistent_hash baseline
     cold_candidates: int = 0  # first ring replicas (holding as much) that compete on recent writes; 0 = all
     cold_queue_slack_tokens: int = 1024  # queued prefill within this of the shortest counts as short
+    ttft_prior_tokens_per_s: float = DEFAULT_PRIOR_TOKENS_PER_S  # ttft: prefill rate before learning
+    evicted_reuse: float = DEFAULT_EVICTED_REUSE  # ttft: hit chance of an evicted block, fair share
 
 
 @dataclass(frozen=True, slots=True)
@@ -203,6 +238,8 @@ def decide(
         return _consistent_hash(request, replicas, ring, params)
     if policy == "prefix":
         return _prefix(request, replicas, ring, confirmed, combined, params, avg_prompt_tokens)
+    if policy == "ttft":
+        return _ttft(request, replicas, ring, confirmed, combined, params, avg_prompt_tokens)
     raise ValueError(f"unknown policy {policy!r}")
 
 
@@ -241,6 +278,56 @@ def _consistent_hash(request: RouteInput, replicas: Sequence[ReplicaView], ring:
     return Decision(order[0], REASON_CONSISTENT_HASH, tuple(order[1:]), 0, len(chain))
 
 
+def _hit_depths(request: RouteInput, replicas: Sequence[ReplicaView], ring: HashRing,
+                confirmed: Mapping[str, int], combined: Mapping[str, int],
+                block_size: int) -> tuple[dict[str, int], dict[str, int], list[str]]:
+    """Per replica: hit depth (confirmed + speculative) and confirmed depth in blocks, both capped
+    at vLLM's ``floor((N-1)/B)`` and 0 without affinity; and the eligible replicas in ring order of
+    the chain's first block beyond the deepest hit (of ``request.ring_key`` without a chain)."""
+    cap_blocks = max_hit_blocks(request.num_tokens, block_size)
+    depth: dict[str, int] = {}
+    conf: dict[str, int] = {}
+    for r in replicas:
+        d = combined.get(r.replica_id, 0) if r.affinity else 0
+        depth[r.replica_id] = min(d, cap_blocks)
+        conf[r.replica_id] = min(confirmed.get(r.replica_id, 0) if r.affinity else 0, cap_blocks)
+    raw_best = max((combined.get(r.replica_id, 0) if r.affinity else 0) for r in replicas)
+    chain = request.chain
+    if chain:
+        ring_key = chain[raw_best] if raw_best < len(chain) else chain[-1]
+    else:
+        ring_key = request.ring_key
+    return depth, conf, _ring_order(ring, ring_key, replicas)
+
+
+def _over_load_cap(replicas: Sequence[ReplicaView], load_factor: float,
+                   headroom: int) -> dict[str, bool]:
+    """Bounded load on in-flight requests: ``{replica_id: one more request would exceed
+    ceil(load_factor * mean) + headroom}``, the mean counting the new request. The additive
+    headroom keeps small counts (2-3 requests per replica) from spilling on every arrival."""
+    total_load = sum(r.load for r in replicas) + 1
+    cap_load = math.ceil(load_factor * total_load / len(replicas)) + headroom
+    return {r.replica_id: r.load + 1 > cap_load for r in replicas}
+
+
+def _view_details(r: ReplicaView, confirmed_blocks: int, hit_blocks: int, over: bool,
+                  ring_rank: int) -> dict[str, Any]:
+    """What ``Decision.details`` shows of every candidate, whatever the index policy."""
+    return {
+        "confirmed_hit_blocks": confirmed_blocks,
+        "hit_blocks": hit_blocks,
+        "affinity": r.affinity,
+        "load": r.load,
+        "over_load_cap": over,
+        "inflight_requests": r.inflight_requests,
+        "inflight_prefill_tokens": r.inflight_prefill_tokens,
+        "engine_running": r.engine_running,
+        "engine_waiting": r.engine_waiting,
+        "ring_rank": ring_rank,
+        "recent_write_blocks": round(r.recent_write_blocks, 1),
+    }
+
+
 def _prefix(
     request: RouteInput,
     replicas: Sequence[ReplicaView],
@@ -253,18 +340,7 @@ def _prefix(
     chain = request.chain
     size = params.block_size
     cap_blocks = max_hit_blocks(request.num_tokens, size)
-    depth: dict[str, int] = {}
-    conf: dict[str, int] = {}
-    for r in replicas:
-        d = combined.get(r.replica_id, 0) if r.affinity else 0
-        depth[r.replica_id] = min(d, cap_blocks)
-        conf[r.replica_id] = min(confirmed.get(r.replica_id, 0) if r.affinity else 0, cap_blocks)
-    raw_best = max((combined.get(r.replica_id, 0) if r.affinity else 0) for r in replicas)
-    if chain:
-        ring_key = chain[raw_best] if raw_best < len(chain) else chain[-1]
-    else:
-        ring_key = request.ring_key
-    order = _ring_order(ring, ring_key, replicas)
+    depth, conf, order = _hit_depths(request, replicas, ring, confirmed, combined, size)
     rank = {rid: i for i, rid in enumerate(order)}
     by_id = {r.replica_id: r for r in replicas}
 
@@ -278,11 +354,7 @@ def _prefix(
     credit = {rid: (d - home_depth if d - home_depth >= min_credit else 0)
               for rid, d in depth.items()}
 
-    # Bounded load on in-flight requests, with additive headroom so that small
-    # counts (2-3 requests per replica) do not spill on every arrival.
-    total_load = sum(r.load for r in replicas) + 1
-    cap_load = math.ceil(params.load_factor * total_load / len(replicas)) + params.load_headroom
-    over = {r.replica_id: r.load + 1 > cap_load for r in replicas}
+    over = _over_load_cap(replicas, params.load_factor, params.load_headroom)
     queued = {r.replica_id: r.queued_prefill_tokens(avg_prompt_tokens) for r in replicas}
     cost = {rid: queued[rid] + max(request.num_tokens - depth[rid] * size, 0) for rid in order}
 
@@ -336,24 +408,88 @@ def _prefix(
                   key=lambda rid: (over[rid], cost[rid], preference(rid)))
     details = {
         rid: {
-            "confirmed_hit_blocks": conf[rid],
-            "hit_blocks": depth[rid],
+            **_view_details(by_id[rid], conf[rid], depth[rid], over[rid], rank[rid]),
             "affinity_credit_blocks": credit[rid],
-            "affinity": by_id[rid].affinity,
-            "load": by_id[rid].load,
-            "over_load_cap": over[rid],
-            "inflight_requests": by_id[rid].inflight_requests,
-            "inflight_prefill_tokens": by_id[rid].inflight_prefill_tokens,
-            "engine_running": by_id[rid].engine_running,
-            "engine_waiting": by_id[rid].engine_waiting,
             "queued_prefill_tokens": queued[rid],
             "cost_tokens": cost[rid],
-            "ring_rank": rank[rid],
-            "recent_write_blocks": round(by_id[rid].recent_write_blocks, 1),
         }
         for rid in order
     }
     return Decision(chosen, reason, tuple(rest), depth[chosen], len(chain), details)
+
+
+def _ttft(
+    request: RouteInput,
+    replicas: Sequence[ReplicaView],
+    ring: HashRing,
+    confirmed: Mapping[str, int],
+    combined: Mapping[str, int],
+    params: PolicyParams,
+    avg_prompt_tokens: float,
+) -> Decision:
+    """The replica with the lowest predicted cost in seconds (see the module docstring).
+
+    ``details[replica_id]`` holds, besides the hit depths and loads, ``wait_s``, ``prefill_s``,
+    ``evict_s``, ``ttft_s`` (wait + prefill: the predicted TTFT), ``total_s`` (+ evict: what is
+    minimised) and ``work_tokens`` (queued + own prefill work, what the rate learner fits).
+    """
+    size = params.block_size
+    depth, conf, order = _hit_depths(request, replicas, ring, confirmed, combined, size)
+    rank = {rid: i for i, rid in enumerate(order)}
+    by_id = {r.replica_id: r for r in replicas}
+    over = _over_load_cap(replicas, params.load_factor, TTFT_LOAD_HEADROOM)
+    prior_s_per_token = 1.0 / params.ttft_prior_tokens_per_s
+    total_writes = sum(r.recent_write_blocks for r in replicas)
+    prompt_blocks = request.num_tokens // size
+    terms: dict[str, dict[str, float]] = {}
+    for rid in order:
+        r = by_id[rid]
+        s_per_token = r.s_per_token or prior_s_per_token
+        hit_tokens = depth[rid] * size
+        queued = r.queued_prefill_tokens(avg_prompt_tokens)
+        own = prefill_work_tokens(request.num_tokens - hit_tokens, hit_tokens)
+        share = (r.recent_write_blocks * len(replicas) / total_writes if total_writes > 0
+                 else 1.0)
+        new_blocks = max(prompt_blocks - depth[rid], 0)
+        wait_s = queued * s_per_token
+        prefill_s = r.overhead_s + own * s_per_token
+        evict_s = params.evicted_reuse * new_blocks * size * s_per_token * share
+        terms[rid] = {"wait_s": wait_s, "prefill_s": prefill_s, "evict_s": evict_s,
+                      "ttft_s": wait_s + prefill_s, "total_s": wait_s + prefill_s + evict_s,
+                      "work_tokens": queued + own, "queued_prefill_tokens": queued,
+                      "write_share": share, "tokens_per_s": 1.0 / s_per_token}
+
+    def cost(rid: str) -> tuple[float, int]:
+        return (terms[rid]["total_s"], rank[rid])
+
+    allowed = [rid for rid in order if not over[rid]] or list(order)
+    if not request.tokenized:
+        # no chain, so no hit to weigh: the ring on the text is the only affinity there is
+        chosen = allowed[0]
+        reason = REASON_NO_TOKENIZER_RING if chosen == order[0] else REASON_LOAD_SPILL
+    else:
+        chosen = min(allowed, key=cost)
+        # the runner-up is the best replica that costs more (replicas costing the same differ
+        # only in ring order, which broke the tie)
+        others = [rid for rid in order if terms[rid]["total_s"] != terms[chosen]["total_s"]]
+        if chosen != min(order, key=cost):
+            reason = REASON_LOAD_SPILL
+        elif not others:
+            reason = REASON_COLD_RING  # nothing tells them apart: ring order decided
+        else:
+            runner_up = terms[min(others, key=cost)]
+            gains = {term: runner_up[term] - terms[chosen][term]
+                     for term in ("wait_s", "prefill_s", "evict_s")}
+            reason = {"wait_s": REASON_TTFT_WAIT, "prefill_s": REASON_TTFT_PREFILL,
+                      "evict_s": REASON_TTFT_EVICT}[max(gains, key=lambda t: gains[t])]
+
+    rest = sorted((rid for rid in order if rid != chosen), key=lambda rid: (over[rid], cost(rid)))
+    details = {
+        rid: {**_view_details(by_id[rid], conf[rid], depth[rid], over[rid], rank[rid]),
+              **{k: round(v, 6) for k, v in terms[rid].items()}}
+        for rid in order
+    }
+    return Decision(chosen, reason, tuple(rest), depth[chosen], len(request.chain), details)
 
 
 class LoadTracker:

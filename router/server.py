@@ -38,7 +38,15 @@ from router.fleet import Fleet, FleetReader, Replica, StaticProber
 from router.hashing import BlockHasher, HashConfigError
 from router.logs import REQUEST_ID, configure_logging
 from router.metrics import CONTENT_TYPE, RouterMetrics
-from router.policy import Decision, LoadTracker, PolicyParams, ReplicaView, RouteInput, decide
+from router.policy import (
+    INDEX_POLICIES,
+    Decision,
+    LoadTracker,
+    PolicyParams,
+    ReplicaView,
+    RouteInput,
+    decide,
+)
 from router.prompts import (
     PromptError,
     PromptSpec,
@@ -56,6 +64,7 @@ from router.proxy import (
 )
 from router.ring import text_key
 from router.tracing import Tracing, TracingUnavailable, otlp_tracing
+from router.ttft import PrefillRateLearner
 from router.usage import cached_tokens_from_sse_tail
 
 logger = logging.getLogger(__name__)
@@ -130,7 +139,12 @@ class RouterService:
             min_hit_fraction=config.min_hit_fraction, min_affinity_blocks=config.min_affinity_blocks,
             consistent_hash_blocks=max(1, config.consistent_hash_tokens // config.block_size),
             cold_candidates=config.cold_candidates,
-            cold_queue_slack_tokens=config.cold_queue_slack_tokens)
+            cold_queue_slack_tokens=config.cold_queue_slack_tokens,
+            ttft_prior_tokens_per_s=config.ttft_prior_tokens_per_s,
+            evicted_reuse=config.ttft_evicted_reuse)
+        # the ttft policy's prefill rate per replica, fitted from streamed first-token times
+        self.learner = PrefillRateLearner(config.ttft_prior_tokens_per_s)
+        self._uses_index = config.policy in INDEX_POLICIES
         self.executor = ThreadPoolExecutor(config.tokenizer_threads, thread_name_prefix="tokenize")
         # the rest of lazily hashed prompts: one thread, so that under load it never takes the
         # cores that routing (the event loop and the tokenize threads) needs
@@ -306,7 +320,7 @@ class RouterService:
         prompt: PromptChain | None = None
         if tokenized:
             started = time.perf_counter()
-            follow = LAZY_HASHING and not dry_run and self.config.policy == "prefix"
+            follow = LAZY_HASHING and not dry_run and self._uses_index
             lazy = follow and self._queued_rests < MAX_QUEUED_RESTS
             with self.tracing.span("tokenize_hash") as span:
                 try:
@@ -335,6 +349,7 @@ class RouterService:
             affinity = self.fleet.affinity_problem(r) is None
             if affinity:
                 affinity_ids.append(r.replica_id)
+            rate = self.learner.estimate(r.replica_id)
             views.append(ReplicaView(
                 r.replica_id, affinity=affinity,
                 inflight_requests=self.tracker.requests(r.replica_id),
@@ -342,10 +357,11 @@ class RouterService:
                 engine_running=r.num_running, engine_waiting=r.num_waiting,
                 ours_at_heartbeat=(self.tracker.requests_at(r.replica_id, r.heartbeat_ts)
                                    if r.heartbeat_ts else None),
-                recent_write_blocks=self.tracker.recent_writes(r.replica_id, window)))
+                recent_write_blocks=self.tracker.recent_writes(r.replica_id, window),
+                s_per_token=rate.s_per_token, overhead_s=rate.overhead_s))
         confirmed: dict[str, int] = {}
         combined: dict[str, int] = {}
-        if chain and self.config.policy == "prefix":
+        if chain and self._uses_index:
             mask = self.fleet.index.mask_of(r.replica_id for r in eligible)
             confirmed, combined = self.fleet.index.hit_depths(
                 chain, mask, self.fleet.speculative, now)
@@ -389,7 +405,7 @@ class RouterService:
                            lora: tuple[str, str] | None) -> _Placed | None:
         """Record the chain as placed on ``replica_id``; returns what was recorded (a lazy chain's
         rest is hashed in its own thread and added when done, unless withdrawn by then)."""
-        if self.config.policy != "prefix" or not routed.chain:
+        if not self._uses_index or not routed.chain:
             return None
         held = routed.decision.details.get(replica_id, {}).get("confirmed_hit_blocks", 0)
         slot = self.fleet.index.bit(replica_id)
@@ -521,8 +537,10 @@ class RouterService:
 
         sent: list[tuple[str, _Placed]] = []  # (replica, what was placed and written there)
         tickets: dict[str, _GaugedTicket] = {}
+        sent_at: dict[str, float] = {}  # {replica_id: perf_counter at its (last) dispatch}
 
         def on_sent(rid: str) -> None:
+            sent_at[rid] = time.perf_counter()
             self.metrics.child(self.metrics.overhead, endpoint).observe(time.perf_counter() - arrival)
             placed = self._place_speculative(routed, rid, spec, routed.lora) or _Placed([])
             placed.blocks, placed.ticket = self._write_blocks(routed, rid), tickets.get(rid)
@@ -547,6 +565,8 @@ class RouterService:
             if spec.stream and outcome.first_byte_s is not None and status == 200:
                 # a non-streamed answer's first byte is the whole answer: not a TTFT
                 self._observe_ttft(spec, decision, outcome)
+                self._observe_first_token(decision, replica_id,
+                                          arrival + outcome.first_byte_s - sent_at[replica_id])
             self.metrics.child(self.metrics.prompt_tokens, replica_id).inc(routed.num_tokens)
             self.metrics.child(self.metrics.predicted_hit_tokens, replica_id).inc(
                 hit_tokens if replica_id == decision.replica_id else 0)
@@ -585,6 +605,16 @@ class RouterService:
         assert outcome.first_byte_s is not None
         self.metrics.child(self.metrics.ttft, spec.model or "", cache, source).observe(
             outcome.first_byte_s)
+
+    def _observe_first_token(self, decision: Decision, replica_id: str, ttft_s: float) -> None:
+        """A streamed request's first byte came ``ttft_s`` after its dispatch to ``replica_id``:
+        teach the prefill-rate learner, and record how far off the ttft policy's prediction was."""
+        predicted = decision.details.get(replica_id, {})
+        if "work_tokens" not in predicted:  # another policy: nothing predicted
+            return
+        self.learner.observe(replica_id, predicted["work_tokens"], ttft_s)
+        self.metrics.child(self.metrics.ttft_prediction_error, replica_id).observe(
+            ttft_s - predicted["ttft_s"])
 
     def _update_inflight(self, replica_id: str) -> None:
         self.metrics.child(self.metrics.inflight, replica_id).set(self.tracker.requests(replica_id))
@@ -682,6 +712,10 @@ class RouterService:
             "hit_blocks": d.hit_blocks, "hit_tokens": d.hit_blocks * self.config.block_size,
             "fallbacks": list(d.fallbacks), "replicas": d.details,
             "load": self.tracker.snapshot(),
+            "prefill_rates": {
+                rid: {"tokens_per_s": round(est.tokens_per_s, 1),
+                      "overhead_s": round(est.overhead_s, 6), "samples": est.num_samples}
+                for rid in d.details for est in (self.learner.estimate(rid),)},
         })
 
 

@@ -1,0 +1,111 @@
+"""The ttft policy against real replicas of different speed: two emulator processes, one with a
+quarter of the other's TFLOP/s, behind one router (static replica URLs). The router learns each
+replica's prefill rate from streamed first-token times, and the slow one gets less cold work."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+
+from tests.helpers import PYTHON, start_process, stop_process, wait_for
+from tests.integration.test_router_fleet import Router, http, prometheus_value, read_json_file
+
+pytestmark = pytest.mark.timeout(180)
+
+TIME_SCALE = 5.0  # a cold 3k-token prefill: ~25 ms wall at 400 TFLOP/s, ~100 ms at 100
+
+
+class Emulator:
+    def __init__(self, tmp: Path, name: str, gpu_tflops: float) -> None:
+        ready = tmp / f"{name}.json"
+        self.proc = start_process([
+            PYTHON, "-m", "worker.cli", "emulate", "--host", "127.0.0.1", "--port", "0",
+            "--replicas", "1", "--time-scale", str(TIME_SCALE), "--gpu-tflops", str(gpu_tflops),
+            "--ready-file", str(ready)], env={"PYTHONHASHSEED": "0"})
+        info = wait_for(lambda: read_json_file(ready), 60, message=f"{name} ready file")
+        self.url: str = info["replicas"][0]["url"]
+        self.replica_id = self.url.removeprefix("http://")  # static replica ids are host:port
+
+
+@pytest.fixture
+def two_speeds(tmp_path: Path) -> Iterator[tuple[Emulator, Emulator, Router]]:
+    fast = Emulator(tmp_path, "fast", 400.0)
+    try:
+        slow = Emulator(tmp_path, "slow", 100.0)
+    except BaseException:
+        stop_process(fast.proc)
+        raise
+    router = None
+    try:
+        router = Router(tmp_path, ["--replica", fast.url, "--replica", slow.url, "--policy", "ttft",
+                                   "--hash-seed", "0"])
+        wait_for(lambda: sum(r["routable"] for r in router.ready()["replicas"]) == 2, 30,
+                 message="both replicas routable")
+        yield fast, slow, router
+    finally:
+        if router is not None:
+            router.stop()
+        stop_process(slow.proc)
+        stop_process(fast.proc)
+
+
+async def _send(url: str, prompts: list[list[int]], concurrency: int) -> list[str]:
+    """Streamed completions, ``concurrency`` at a time; returns the replica that served each."""
+    gate = asyncio.Semaphore(concurrency)
+    async with aiohttp.ClientSession() as session:
+        async def one(prompt: list[int]) -> str:
+            async with gate, session.post(url + "/v1/completions", json={
+                    "model": "emulated-llm", "prompt": prompt, "max_tokens": 2,
+                    "stream": True}) as resp:
+                await resp.read()
+                assert resp.status == 200
+                return resp.headers["x-prefix-router-replica"]
+        return await asyncio.gather(*(one(p) for p in prompts))
+
+
+def test_learned_rates_separate_and_the_slow_replica_gets_less_cold_work(
+        two_speeds: tuple[Emulator, Emulator, Router]) -> None:
+    fast, slow, router = two_speeds
+    rng = random.Random(16)
+    prompts = [[rng.randrange(1000, 100_000) for _ in range(rng.randrange(1500, 4500))]
+               for _ in range(48)]  # all cold: no prompt shares a block with another
+    served = asyncio.run(_send(router.url, prompts, concurrency=3))
+
+    status, _, body = router.post("/debug/route", {"model": "emulated-llm", "prompt": prompts[0]})
+    assert status == 200
+    debug: dict[str, Any] = json.loads(body)
+    rates = debug["prefill_rates"]
+    assert rates[fast.replica_id]["samples"] >= 4 and rates[slow.replica_id]["samples"] >= 4
+    ratio = rates[fast.replica_id]["tokens_per_s"] / rates[slow.replica_id]["tokens_per_s"]
+    assert 2.0 < ratio < 8.0, rates  # the emulators differ 4x in TFLOP/s
+    # every candidate's prediction is shown in seconds
+    for rid in (fast.replica_id, slow.replica_id):
+        shown = debug["replicas"][rid]
+        assert shown["ttft_s"] == pytest.approx(shown["wait_s"] + shown["prefill_s"], abs=1e-5)
+    assert debug["replicas"][slow.replica_id]["prefill_s"] > debug["replicas"][fast.replica_id][
+        "prefill_s"]
+
+    num_slow = served.count(slow.replica_id)
+    assert served.count(fast.replica_id) + num_slow == len(prompts)
+    assert num_slow <= len(prompts) // 4, served
+    assert num_slow >= 1  # it was tried (and so measured), not starved from the start
+
+    metrics = router.metrics()
+    observed = prometheus_value(metrics, "router_ttft_prediction_error_seconds_count")
+    assert observed == len(prompts)
+    # after learning, the predictions of the last requests were close: most errors under 50 ms
+    within = sum(float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines()
+                 if line.startswith("router_ttft_prediction_error_seconds_bucket")
+                 and 'le="0.05"' in line)
+    below = sum(float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines()
+                if line.startswith("router_ttft_prediction_error_seconds_bucket")
+                and 'le="-0.05"' in line)
+    assert within - below >= len(prompts) // 2
+    assert http("GET", router.url + "/health")[0] == 200
