@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from loadtest.compare import add_compare_parsers
-from loadtest.data import packaged_trace_path
+from loadtest.data import PACKAGED_ARRIVALS, packaged_trace_path
 from loadtest.replay import (
     DEFAULT_MAX_CONCURRENCY,
     DEFAULT_MODEL,
@@ -53,6 +53,11 @@ def _add_slice_args(parser: argparse.ArgumentParser, default_limit: int | None) 
     parser.add_argument("--burst", action="store_true",
                         help="send each ~3 s timestamp step as one burst instead of spreading "
                              "its requests evenly over the step")
+    parser.add_argument("--arrivals", default=None, metavar="NAME|CSV",
+                        help="send the trace's prompts on another trace's arrival times: "
+                             f"{', '.join(PACKAGED_ARRIVALS)} (packaged: the Azure LLM "
+                             "conversation trace, bursty) or an Azure-format CSV; divided by "
+                             "--speedup")
     parser.add_argument("--max-output-tokens", type=int, default=None,
                         help="cap the trace's output lengths (default: no cap)")
     parser.add_argument("--max-concurrency", type=int, default=DEFAULT_MAX_CONCURRENCY,
@@ -75,7 +80,7 @@ def _replay_config(args: argparse.Namespace, target: str, model: str) -> ReplayC
         request_timeout_s=args.request_timeout, max_output_tokens=args.max_output_tokens,
         token_seed=args.token_seed, keepalive=not args.no_keepalive,
         prompt_format=getattr(args, "prompt_format", "token_ids"),
-        progress_interval_s=args.progress_interval)
+        progress_interval_s=args.progress_interval, arrivals=args.arrivals)
 
 
 def _cmd_replay(args: argparse.Namespace) -> int:
@@ -132,6 +137,10 @@ def _check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> No
     trace = getattr(args, "trace", None)
     if trace is not None and not Path(trace).is_file():
         parser.error(f"--trace {trace}: no such file")
+    arrivals = getattr(args, "arrivals", None)
+    if arrivals is not None and arrivals not in PACKAGED_ARRIVALS and not Path(arrivals).is_file():
+        parser.error(f"--arrivals {arrivals}: neither {' nor '.join(PACKAGED_ARRIVALS)} "
+                     "nor a file")
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -33,7 +33,14 @@ import aiohttp
 import msgspec
 import numpy as np
 
-from loadtest.trace import TokenMapper, TraceRequest, schedule_offsets
+from loadtest.data import PACKAGED_ARRIVALS, packaged_arrivals_path
+from loadtest.trace import (
+    TokenMapper,
+    TraceRequest,
+    arrival_offsets,
+    read_arrival_times,
+    schedule_offsets,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -51,7 +58,10 @@ class ReplayConfig:
     """How to replay. ``target`` is the base URL (``http://127.0.0.1:8000``); ``max_duration_s``
     stops sending new requests after that many seconds and cancels what is still in flight
     ``drain_timeout_s`` later; ``max_output_tokens`` caps the trace's output lengths (None: no cap);
-    ``keepalive`` reuses client connections (False: one fresh TCP connection per request)."""
+    ``keepalive`` reuses client connections (False: one fresh TCP connection per request);
+    ``arrivals`` sends the requests on another trace's arrival times instead of their own (a
+    packaged name such as ``azure-conv``, or an Azure-format CSV path; ``spread`` then does not
+    apply)."""
 
     target: str
     model: str = DEFAULT_MODEL
@@ -67,6 +77,7 @@ class ReplayConfig:
     prompt_format: str = "token_ids"  # or "text": words of exactly the same token count
     progress_interval_s: float = DEFAULT_PROGRESS_INTERVAL_S
     extra_headers: dict[str, str] = field(default_factory=dict)
+    arrivals: str | None = None
 
     def __post_init__(self) -> None:
         if self.speedup <= 0:
@@ -225,12 +236,22 @@ def progress_line(records: Sequence[RequestRecord], elapsed_s: float, total: int
             f"in flight {sent - len(done)}, errors {errors}, TTFT p50 {p50_text}")
 
 
+def send_offsets(requests: Sequence[TraceRequest], config: ReplayConfig) -> list[float]:
+    """Each request's send time (seconds after the start): the trace's own schedule, or the
+    ``config.arrivals`` times (``ValueError`` if there are fewer of them than requests)."""
+    if config.arrivals is None:
+        return schedule_offsets(requests, config.speedup, config.spread)
+    path = (packaged_arrivals_path(config.arrivals) if config.arrivals in PACKAGED_ARRIVALS
+            else config.arrivals)
+    return arrival_offsets(len(requests), read_arrival_times(path), config.speedup)
+
+
 async def replay(requests: Sequence[TraceRequest], config: ReplayConfig,
                  progress: Callable[[str], None] | None = None) -> list[RequestRecord]:
     """Replay ``requests`` against ``config.target`` and return one record per request, in slice
     order (requests never sent because ``max_duration_s`` ran out carry ``error='not sent'``).
     ``progress`` receives a status line every ``progress_interval_s``."""
-    offsets = schedule_offsets(requests, config.speedup, config.spread)
+    offsets = send_offsets(requests, config)
     mapper = TokenMapper(seed=config.token_seed)
     make_prompt: Callable[[TraceRequest], list[int] | str] = mapper.request_prompt
     if config.prompt_format == "text":

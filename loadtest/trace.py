@@ -1,4 +1,5 @@
-"""Mooncake trace reading, hash-id -> token-id mapping and the replay schedule. Pure except ``read_trace``.
+"""Mooncake trace reading, hash-id -> token-id mapping and the replay schedule. Pure except
+``read_trace`` and ``read_arrival_times``.
 
 The Mooncake FAST'25 traces (``kvcache-ai/Mooncake``, ``FAST25-release/traces``)
 are JSON Lines, one request per line, sorted by arrival::
@@ -22,11 +23,13 @@ token of a real tokenizer (Qwen3's start at 151643) can appear.
 
 from __future__ import annotations
 
+import csv
 import hashlib
 import itertools
 import json
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
+from datetime import datetime
 from functools import lru_cache
 from pathlib import Path
 
@@ -214,3 +217,40 @@ def schedule_offsets(requests: Sequence[TraceRequest], speedup: float = 1.0,
             t += k * (next_stamp[stamp] - stamp) / count[stamp]
         offsets.append((t - t0) / 1000.0 / speedup)
     return offsets
+
+
+def read_arrival_times(path: str | Path) -> list[float]:
+    """Arrival times (seconds after the first row) of an Azure LLM inference trace CSV
+    (``TIMESTAMP,ContextTokens,GeneratedTokens``, a UTF-8 BOM, wall-clock timestamps with 7
+    fractional digits, sorted; Patel et al., ISCA 2024). Only the timestamps are used: the Azure
+    traces carry no prefix information. Raises ``TraceFormatError`` for a bad row or a timestamp
+    that goes backwards."""
+    times: list[float] = []
+    with open(path, encoding="utf-8-sig", newline="") as f:
+        for line_no, row in enumerate(csv.reader(f), start=1):
+            if line_no == 1 or not row:
+                continue  # the header
+            try:
+                times.append(datetime.fromisoformat(row[0]).timestamp())
+            except ValueError as exc:
+                raise TraceFormatError(f"{path}:{line_no}: bad TIMESTAMP {row[0]!r}") from exc
+            if len(times) > 1 and times[-1] < times[-2]:
+                raise TraceFormatError(f"{path}:{line_no}: timestamp goes backwards")
+    return [t - times[0] for t in times] if times else []
+
+
+def arrival_offsets(num_requests: int, arrival_s: Sequence[float],
+                    speedup: float = 1.0) -> list[float]:
+    """Send times for ``num_requests`` requests on another trace's arrival times: the first
+    ``num_requests`` of ``arrival_s`` (seconds, non-decreasing), shifted to start at 0 and divided
+    by ``speedup``. The i-th request of the slice goes at the i-th arrival, so the prompts keep
+    their order and only the timing (with its bursts and lulls) is borrowed. Raises
+    ``ValueError`` for a non-positive speedup or fewer arrivals than requests."""
+    if speedup <= 0:
+        raise ValueError("speedup must be positive")
+    if num_requests > len(arrival_s):
+        raise ValueError(f"{num_requests} requests but only {len(arrival_s)} arrival times")
+    if num_requests == 0:
+        return []
+    t0 = arrival_s[0]
+    return [(t - t0) / speedup for t in arrival_s[:num_requests]]

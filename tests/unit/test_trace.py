@@ -7,12 +7,16 @@ from pathlib import Path
 
 import pytest
 
+from loadtest.data import packaged_arrivals_path, packaged_trace_path
+from loadtest.replay import ReplayConfig, send_offsets
 from loadtest.trace import (
     TRACE_BLOCK_TOKENS,
     TokenMapper,
     TraceFormatError,
     TraceRequest,
+    arrival_offsets,
     parse_trace_line,
+    read_arrival_times,
     read_trace,
     schedule_offsets,
     select_requests,
@@ -240,3 +244,47 @@ def test_consistent_hash_placement_is_the_router_ring_on_the_first_1024_tokens()
     assert all(0 < rate < 1 for rate in result["consistent_hash_per_ring"])
     noisy = result["write_balanced_perturbed"]
     assert 0 < noisy["min"] <= noisy["mean"] <= noisy["max"] < 1
+
+
+def test_packaged_azure_arrivals_are_the_trace_head_and_burstier_than_mooncake() -> None:
+    times = read_arrival_times(packaged_arrivals_path("azure-conv"))
+    assert len(times) == 3000
+    assert times[0] == 0.0 and times == sorted(times)
+    # first rows of AzureLLMInferenceTrace_conv.csv: 18:15:46.6805900, then 18:15:50.9951690
+    assert times[1] == pytest.approx(4.314579, abs=1e-6)
+    assert 600 < times[-1] < 660  # 3,000 requests in about 10.5 minutes (4.8 requests/s)
+    requests = read_trace(packaged_trace_path(), limit=2000)
+    own = send_offsets(requests, ReplayConfig(target="http://unused", speedup=10.0))
+    borrowed = send_offsets(requests, ReplayConfig(target="http://unused", speedup=10.0,
+                                                   arrivals="azure-conv"))
+    assert borrowed == pytest.approx([t / 10.0 for t in times[:2000]])
+
+    def busiest_second(offsets: list[float]) -> int:
+        per_s: dict[int, int] = {}
+        for t in offsets:
+            per_s[int(t * 10.0)] = per_s.get(int(t * 10.0), 0) + 1  # trace seconds
+        return max(per_s.values())
+
+    # the same 2,000 prompts arrive 1.6x faster and in sharper bursts
+    assert own[-1] / borrowed[-1] > 1.5
+    assert busiest_second(borrowed) >= 1.5 * busiest_second(own)
+
+
+def test_arrival_offsets_and_bad_arrival_files(tmp_path: Path) -> None:
+    assert arrival_offsets(3, [5.0, 5.5, 7.0, 9.0], speedup=2.0) == [0.0, 0.25, 1.0]
+    assert arrival_offsets(0, []) == []
+    with pytest.raises(ValueError):
+        arrival_offsets(5, [0.0, 1.0])
+    with pytest.raises(ValueError):
+        arrival_offsets(1, [0.0], speedup=0)
+    bad = tmp_path / "bad.csv"
+    bad.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\nyesterday,1,2\n")
+    with pytest.raises(TraceFormatError):
+        read_arrival_times(bad)
+    back = tmp_path / "back.csv"
+    back.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n"
+                    "2023-11-16 18:15:46.6805900,1,2\n2023-11-16 18:15:40.0000000,1,2\n")
+    with pytest.raises(TraceFormatError):
+        read_arrival_times(back)
+    with pytest.raises(ValueError):
+        packaged_arrivals_path("azure-nope")
