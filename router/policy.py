@@ -55,7 +55,13 @@ lowest wins (ties: ring order of the chain's first un-held block):
 * prefill: its fitted overhead plus the request's own work there, the tokens beyond that
   replica's hit with the attention they do against the cached context
   (``router.ttft.prefill_work_tokens``);
-* evict: the cost to others. The request's new KV blocks evict as many from the replica's LRU
+* delay (a cost to others): the request's own prefill there delays the requests that arrive
+  behind it before the queue drains: in expectation ``L`` of them per second of work, ``L`` the
+  fleet's mean number of requests waiting for a first token (an M/M/1 queue holds
+  ``rho / (1 - rho)`` on average, the busy period each added second of work stretches). So
+  ``prefill_s x L``: an idle fleet routes on this request's TTFT alone, a busy one keeps
+  requests where their prefix is, since recomputing it elsewhere makes everyone wait;
+* evict (a cost to others): the request's new KV blocks evict as many from the replica's LRU
   tail; the chance that a tail block is hit again grows with how fast that replica's cache turns
   over, i.e. its share of the router's recent KV writes (``recent_write_blocks``). So
   ``evicted_reuse x new blocks x block_size x s_per_token x (write share x replicas)``: the
@@ -129,6 +135,7 @@ class ReplicaView:
     engine_waiting: int = 0
     ours_at_heartbeat: int | None = None
     recent_write_blocks: float = 0.0  # KV blocks this router sent to be written, decayed
+    prefilling_requests: int = 0  # this router's requests there not yet at first token
     s_per_token: float = 0.0  # learned seconds per prefill work token (0: the prior; ttft policy)
     overhead_s: float = 0.0  # learned TTFT seconds that do not grow with work (ttft policy)
 
@@ -153,6 +160,11 @@ class ReplicaView:
         """Prefill tokens ahead of a new request: ours, plus other routers' waiting requests."""
         waiting = min(self.foreign_requests, self.engine_waiting)
         return self.inflight_prefill_tokens + waiting * avg_prompt_tokens
+
+    @property
+    def queued_requests(self) -> int:
+        """Requests waiting for their first token there: ours, plus other routers' waiting ones."""
+        return self.prefilling_requests + min(self.foreign_requests, self.engine_waiting)
 
 
 @dataclass(frozen=True, slots=True)
@@ -430,8 +442,9 @@ def _ttft(
     """The replica with the lowest predicted cost in seconds (see the module docstring).
 
     ``details[replica_id]`` holds, besides the hit depths and loads, ``wait_s``, ``prefill_s``,
-    ``evict_s``, ``ttft_s`` (wait + prefill: the predicted TTFT), ``total_s`` (+ evict: what is
-    minimised) and ``work_tokens`` (queued + own prefill work, what the rate learner fits).
+    ``delay_s``, ``evict_s``, ``ttft_s`` (wait + prefill: the predicted TTFT), ``total_s`` (+
+    delay + evict: what is minimised) and ``work_tokens`` (queued + own prefill work, what the
+    rate learner fits).
     """
     size = params.block_size
     depth, conf, order = _hit_depths(request, replicas, ring, confirmed, combined, size)
@@ -440,6 +453,7 @@ def _ttft(
     over = _over_load_cap(replicas, params.load_factor, TTFT_LOAD_HEADROOM)
     prior_s_per_token = 1.0 / params.ttft_prior_tokens_per_s
     total_writes = sum(r.recent_write_blocks for r in replicas)
+    waiting_behind = sum(r.queued_requests for r in replicas) / len(replicas)  # L
     prompt_blocks = request.num_tokens // size
     terms: dict[str, dict[str, float]] = {}
     for rid in order:
@@ -454,8 +468,10 @@ def _ttft(
         wait_s = queued * s_per_token
         prefill_s = r.overhead_s + own * s_per_token
         evict_s = params.evicted_reuse * new_blocks * size * s_per_token * share
-        terms[rid] = {"wait_s": wait_s, "prefill_s": prefill_s, "evict_s": evict_s,
-                      "ttft_s": wait_s + prefill_s, "total_s": wait_s + prefill_s + evict_s,
+        delay_s = own * s_per_token * waiting_behind
+        terms[rid] = {"wait_s": wait_s, "prefill_s": prefill_s, "delay_s": delay_s,
+                      "evict_s": evict_s, "ttft_s": wait_s + prefill_s,
+                      "total_s": wait_s + prefill_s + delay_s + evict_s,
                       "work_tokens": queued + own, "queued_prefill_tokens": queued,
                       "write_share": share, "tokens_per_s": 1.0 / s_per_token}
 
@@ -479,7 +495,9 @@ def _ttft(
         else:
             runner_up = terms[min(others, key=cost)]
             gains = {term: runner_up[term] - terms[chosen][term]
-                     for term in ("wait_s", "prefill_s", "evict_s")}
+                     for term in ("wait_s", "prefill_s", "delay_s", "evict_s")}
+            # the delay others suffer is the same work as the own prefill, weighted by the queue
+            gains["prefill_s"] += gains.pop("delay_s")
             reason = {"wait_s": REASON_TTFT_WAIT, "prefill_s": REASON_TTFT_PREFILL,
                       "evict_s": REASON_TTFT_EVICT}[max(gains, key=lambda t: gains[t])]
 

@@ -354,6 +354,7 @@ class RouterService:
                 r.replica_id, affinity=affinity,
                 inflight_requests=self.tracker.requests(r.replica_id),
                 inflight_prefill_tokens=self.tracker.prefill_tokens(r.replica_id),
+                prefilling_requests=self.tracker.prefilling(r.replica_id),
                 engine_running=r.num_running, engine_waiting=r.num_waiting,
                 ours_at_heartbeat=(self.tracker.requests_at(r.replica_id, r.heartbeat_ts)
                                    if r.heartbeat_ts else None),

@@ -130,6 +130,13 @@ ROWS = [
     Row("hot prefix behind a long queue moves to an idle replica (ring order among them)",
         next(r for r in RING.order(CHAIN[60]) if r != HOT), "ttft_wait", combined={HOT: 60},
         views={HOT: {"inflight_prefill_tokens": 8000}}),
+    Row("idle fleet: a hit behind 8k queued tokens moves to a 3k queue",
+        next(r for r in RING.order(CHAIN[60]) if r != HOT), "ttft_wait", combined={HOT: 60},
+        views={rid: {"inflight_prefill_tokens": 8000 if rid == HOT else 3000} for rid in IDS}),
+    Row("busy fleet (8 waiting per replica): the same hit stays, recomputing delays the rest",
+        HOT, "ttft_prefill", combined={HOT: 60},
+        views={rid: {"inflight_prefill_tokens": 8000 if rid == HOT else 3000,
+                     "prefilling_requests": 8} for rid in IDS}),
     Row("cold burst: this router's speculative placement draws the rest", HOT, "ttft_prefill",
         combined={HOT: 64}, confirmed={}),
     Row("cold prompt avoids the replica that wrote the most KV lately", next(
@@ -165,7 +172,8 @@ def test_ttft_policy_table(row: Row) -> None:
     assert (decision.replica_id, decision.reason) == (row.expect, row.expect_reason)
     assert sorted((decision.replica_id, *decision.fallbacks)) == sorted(IDS)
     for rid, d in decision.details.items():
-        assert d["total_s"] == pytest.approx(d["wait_s"] + d["prefill_s"] + d["evict_s"], abs=1e-5)
+        assert d["total_s"] == pytest.approx(
+            d["wait_s"] + d["prefill_s"] + d["delay_s"] + d["evict_s"], abs=1e-5)
         assert d["ttft_s"] == pytest.approx(d["wait_s"] + d["prefill_s"], abs=1e-5)
         view = next(r for r in replicas if r.replica_id == rid)
         assert d["wait_s"] == pytest.approx(
@@ -185,6 +193,7 @@ def test_ttft_details_give_the_seconds_of_each_term() -> None:
                                            abs=1e-6)
     assert d["tokens_per_s"] == pytest.approx(200_000)
     assert d["work_tokens"] == pytest.approx(400 + prefill_work_tokens(70, 960), abs=1e-3)
+    assert d["delay_s"] == 0.0  # nobody is waiting in this fleet: no one is delayed
     cold = decision.details[others[0].replica_id]
     # a fair write share (no writes yet: every replica counts as fair): evicted_reuse x new tokens
     assert cold["evict_s"] == pytest.approx(PARAMS.evicted_reuse * 64 * 16 * SPT, abs=1e-6)
@@ -206,3 +215,15 @@ def test_ttft_spreads_a_cold_stream_by_writes() -> None:
         chosen.append(d.replica_id)
     counts = [chosen.count(rid) for rid in IDS]
     assert max(counts) - min(counts) <= 2
+
+
+def test_ttft_delay_term_counts_the_fleet_queue() -> None:
+    """Own work x seconds per token x the fleet's mean waiting requests (ours + other routers')."""
+    views = [ReplicaView(IDS[0], prefilling_requests=3),
+             ReplicaView(IDS[1], engine_waiting=5, engine_running=1),  # other routers' 6, 5 waiting
+             ReplicaView(IDS[2]), ReplicaView(IDS[3])]
+    d = decide("ttft", RouteInput(CHAIN, 1030, 0), views, RING, params=PARAMS).details
+    waiting = (3 + 5) / 4
+    for rid in IDS:
+        assert d[rid]["delay_s"] == pytest.approx(prefill_work_tokens(1030, 0) * SPT * waiting,
+                                                  abs=1e-6)
