@@ -504,7 +504,7 @@ def _ttft(
     rest = sorted((rid for rid in order if rid != chosen), key=lambda rid: (over[rid], cost(rid)))
     details = {
         rid: {**_view_details(by_id[rid], conf[rid], depth[rid], over[rid], rank[rid]),
-              **{k: round(v, 6) for k, v in terms[rid].items()}}
+              **terms[rid]}
         for rid in order
     }
     return Decision(chosen, reason, tuple(rest), depth[chosen], len(request.chain), details)

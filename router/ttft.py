@@ -22,8 +22,10 @@ requests.
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from dataclasses import dataclass
+from statistics import median
 from typing import Final
 
 import numpy as np
@@ -74,14 +76,15 @@ class RateEstimate:
 class PrefillRateLearner:
     """Per-replica ``RateEstimate`` fitted online from (work tokens, observed TTFT) samples.
 
-    ``observe`` adds a sample and refits that replica (about 50 us); ``estimate`` returns the
+    ``observe`` adds a sample and refits that replica (about 100 us); ``estimate`` returns the
     current fit. A replica with fewer than ``MIN_SAMPLES`` samples is taken to be typical of the
     fleet (the median fit of the replicas that have one) or, before any replica has one, the prior
     (``prior_tokens_per_s``, no overhead): a pessimistic guess would starve a new replica of the
-    very requests that would teach the router its rate. The slope is the median of the pairwise slopes of the last ``WINDOW`` samples (pairs
-    whose work differs by at least ``MIN_WORK_SPREAD``), clamped to 1/100..100x the prior; with no
-    such pair (every sample the same size) it is the median of ``ttft / work``. The overhead is
-    the median residual, at least 0. Raises ``ValueError`` for a non-positive prior.
+    very requests that would teach the router its rate. The slope is the (upper) median of the
+    pairwise slopes of the last ``WINDOW`` samples (pairs whose work differs by at least
+    ``MIN_WORK_SPREAD``), clamped to 1/100..100x the prior; with no such pair (every sample the
+    same size) it is the median of ``ttft / work``. The overhead is the median residual, at least
+    0. Raises ``ValueError`` for a non-positive prior.
     """
 
     __slots__ = ("_fits", "_prior", "_samples", "_typical")
@@ -111,14 +114,15 @@ class PrefillRateLearner:
         if not self._fits:
             self._typical = self._prior
             return
-        fits = list(self._fits.values())
-        self._typical = RateEstimate(float(np.median([f.s_per_token for f in fits])),
-                                     float(np.median([f.overhead_s for f in fits])), 0)
+        fits = self._fits.values()
+        self._typical = RateEstimate(median(f.s_per_token for f in fits),
+                                     median(f.overhead_s for f in fits), 0)
 
     def observe(self, replica_id: str, work_tokens: float, ttft_s: float) -> None:
         """One request's predicted work and its observed dispatch-to-first-token seconds.
         Samples with non-positive or non-finite values are ignored."""
-        if not (work_tokens > 0 and ttft_s > 0 and np.isfinite(work_tokens) and np.isfinite(ttft_s)):
+        if not (work_tokens > 0 and ttft_s > 0 and math.isfinite(work_tokens)
+                and math.isfinite(ttft_s)):
             return
         samples = self._samples.get(replica_id)
         if samples is None:
@@ -129,17 +133,17 @@ class PrefillRateLearner:
             self._update_typical()
 
     def _fit(self, samples: deque[tuple[float, float]]) -> RateEstimate:
-        data = np.asarray(samples)
-        work, ttft = data[:, 0], data[:, 1]
+        work = np.fromiter((w for w, _ in samples), float, len(samples))
+        ttft = np.fromiter((t for _, t in samples), float, len(samples))
         dw = work[None, :] - work[:, None]
-        dt = ttft[None, :] - ttft[:, None]
-        larger = np.maximum(work[None, :], work[:, None])
-        usable = np.triu(np.abs(dw) > MIN_WORK_SPREAD * larger, k=1)
+        usable = np.triu(np.abs(dw) > MIN_WORK_SPREAD * np.maximum(work[None, :], work[:, None]),
+                         k=1)
         if usable.any():
-            slope = float(np.median(dt[usable] / dw[usable]))
+            slopes = (ttft[None, :] - ttft[:, None])[usable] / dw[usable]
+            slope = float(np.partition(slopes, len(slopes) // 2)[len(slopes) // 2])
         else:
-            slope = float(np.median(ttft / work))
+            slope = median(t / w for w, t in samples)
         prior = self._prior.s_per_token
         slope = min(max(slope, prior / 100.0), prior * 100.0)
-        overhead = max(float(np.median(ttft - slope * work)), 0.0)
+        overhead = max(median(t - slope * w for w, t in samples), 0.0)
         return RateEstimate(slope, overhead, len(samples))
