@@ -4,6 +4,7 @@ emulated fleet, and run the demo (the project's main benchmark). Does I/O (it is
     prefix-loadtest replay --trace FILE --target URL [--speedup X] [--start I] [--limit N] ...
     prefix-loadtest compare [--policies prefix,round_robin,...] [--replicas 8] ...
     prefix-loadtest demo [--output-dir DIR] [--peers auto|yes|no] ...
+    prefix-loadtest ab [--trace FILE | --requests FILE] [--on URL --off URL] ...
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from loadtest.ab import add_ab_parser
 from loadtest.compare import add_compare_parsers
 from loadtest.data import PACKAGED_ARRIVALS, packaged_trace_path
 from loadtest.replay import (
@@ -119,6 +121,7 @@ def build_parser() -> argparse.ArgumentParser:
     p_replay.set_defaults(func=_cmd_replay)
 
     add_compare_parsers(sub, _add_slice_args, _replay_config)
+    add_ab_parser(sub)
 
     return parser
 

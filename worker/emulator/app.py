@@ -163,7 +163,8 @@ class Replica:
         self.tokenizer = tokenizer
         self.pool = BlockPool(config.num_gpu_blocks,
                               enable_kv_cache_events=config.kv_events.enabled)
-        self.kv = KVCacheManager(self.pool, config.block_size)
+        self.kv = KVCacheManager(self.pool, config.block_size,
+                                 enable_caching=config.enable_prefix_caching)
         self.latency = LatencyModel(config.model_profile, config.gpu_profile,
                                     config.step_overhead_s)
         self.scheduler = Scheduler(
@@ -177,7 +178,7 @@ class Replica:
             {"block_size": str(config.block_size),
              "prefix_caching_hash_algo": config.hash_algo,
              "num_gpu_blocks": str(config.num_gpu_blocks),
-             "enable_prefix_caching": "True",
+             "enable_prefix_caching": str(config.enable_prefix_caching),
              "cache_dtype": "auto",
              "gpu_memory_utilization": "0.9",
              "engine": "0"},

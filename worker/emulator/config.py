@@ -140,6 +140,7 @@ class EmulatorConfig:
     # Token ids >= vocab_size are rejected (400). None: len() of the --tokenizer, read on first use.
     vocab_size: int | None = QWEN3_TOKENIZER_VOCAB_SIZE
     enable_prompt_tokens_details: bool = False
+    enable_prefix_caching: bool = True  # vLLM default; off: no hits, no block hashes cached
     lora_modules: tuple[tuple[str, str], ...] = ()  # (name, path), ids 1.. in this order
     time_scale: float = 1.0
     model_profile: ModelProfile = field(default_factory=ModelProfile)
@@ -201,6 +202,9 @@ def build_parser() -> argparse.ArgumentParser:
                    f"them (default: {QWEN3_TOKENIZER_VOCAB_SIZE}, the default Qwen3 tokenizer's "
                    "size; with --tokenizer, that tokenizer's size)")
     p.add_argument("--enable-prompt-tokens-details", action="store_true")
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                   help="vLLM's switch (on by default); --no-enable-prefix-caching: no prefix "
+                   "hits, no blocks cached, so no BlockStored/BlockRemoved events")
     p.add_argument("--lora-modules", nargs="+", action="extend", default=[], metavar="NAME=PATH")
     p.add_argument("--time-scale", type=float, default=1.0, help="run N times faster than real time")
     # model profile
@@ -294,6 +298,7 @@ def from_args(argv: Sequence[str], env: Mapping[str, str] | None = None) -> Emul
         max_num_batched_tokens=a.max_num_batched_tokens, max_num_seqs=a.max_num_seqs,
         max_model_len=max_model_len, tokenizer=a.tokenizer, vocab_size=vocab_size,
         enable_prompt_tokens_details=a.enable_prompt_tokens_details, lora_modules=loras,
+        enable_prefix_caching=a.enable_prefix_caching,
         time_scale=a.time_scale, model_profile=model_profile, gpu_profile=gpu,
         step_overhead_s=a.step_overhead_ms / 1000.0, eos_after_tokens=max(1, a.eos_after_tokens),
         ready_file=a.ready_file, log_level=a.log_level,

@@ -297,6 +297,8 @@ class KVCacheManager:
         return hits, len(hits) * self.block_size
 
     def record_lookup(self, num_tokens: int, num_hits: int, preempted: bool) -> None:
+        if not self.enable_caching:
+            return  # vLLM looks nothing up (and counts no queries) with prefix caching off
         if preempted:
             self.stats.preempted_queries += num_tokens
             self.stats.preempted_hits += num_hits
