@@ -78,23 +78,19 @@ def file_prompts(path: Path, limit: int | None = DEFAULT_LIMIT,
                  model: str = "emulated-llm") -> list[Prompt]:
     """JSONL of OpenAI request bodies: ``messages`` -> chat, ``prompt`` -> completions; a body
     without ``model`` gets ``model``. Raises ``ABError`` naming the bad line."""
+    from router.cli import UsageError, read_request_file
+
+    try:
+        requests = read_request_file(path, limit)
+    except UsageError as exc:
+        raise ABError(str(exc)) from exc
     out: list[Prompt] = []
-    with path.open() as lines:
-        for number, line in enumerate(lines, 1):
-            if limit is not None and len(out) >= limit:
-                break
-            if not line.strip():
-                continue
-            try:
-                body = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise ABError(f"{path}:{number}: not JSON: {exc.msg}") from exc
-            if not isinstance(body, dict) or not ("messages" in body or "prompt" in body):
-                raise ABError(f"{path}:{number}: expected an OpenAI body with 'prompt' or "
-                              f"'messages'")
-            body.setdefault("model", model)
-            kind = "/v1/chat/completions" if "messages" in body else "/v1/completions"
-            out.append(Prompt(kind, body, f"{path.name}:{number}"))
+    for number, (kind, body) in enumerate(requests, 1):
+        if kind == "trace":
+            raise ABError(f"{path}: request {number} is a Mooncake trace line: use --trace")
+        body.setdefault("model", model)
+        out.append(Prompt("/v1/chat/completions" if kind == "chat" else "/v1/completions", body,
+                          f"{path.name} request {number}"))
     return out
 
 

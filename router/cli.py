@@ -12,7 +12,7 @@ import json
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import NoReturn
+from typing import Any, NoReturn
 
 from router import capacity
 from router.hashing import (
@@ -211,6 +211,97 @@ def run_capacity(argv: Sequence[str]) -> int:
     return 0
 
 
+def _audit_parser() -> argparse.ArgumentParser:
+    parser = _OneLineParser(
+        prog="prefix-router audit",
+        description="The router's template audit over a file of requests: prefix families, "
+        "near-miss prompts (variable content inside the first blocks), block-boundary waste and "
+        "each family's hit rate with one ideal (unbounded) prefix cache.")
+    parser.add_argument("file", help="JSONL: a Mooncake trace (the replay's input) or OpenAI "
+                        "request bodies (completions 'prompt' or chat 'messages')")
+    parser.add_argument("--tokenizer", default=None,
+                        help="tokenizer dir for text and decoding (default: the bundled Qwen3)")
+    parser.add_argument("--block-size", type=int, default=DEFAULT_BLOCK_SIZE)
+    parser.add_argument("--top", type=int, default=10, help="families to list")
+    parser.add_argument("--limit", type=int, default=None, help="read at most N requests")
+    parser.add_argument("--head-tokens", type=int, default=1024)
+    parser.add_argument("--json", action="store_true", help="print the report as JSON")
+    return parser
+
+
+def read_request_file(path: Path, limit: int | None) -> list[tuple[str, Any]]:
+    """A JSONL file of requests as ``[(kind, parsed)]``: ``("trace", line)`` for a Mooncake trace
+    line (``hash_ids``), ``("completion" | "chat", body)`` for an OpenAI body (``prompt`` /
+    ``messages``). Raises ``UsageError`` naming the first bad line, ``OSError`` if unreadable."""
+    out: list[tuple[str, Any]] = []
+    with path.open() as lines:
+        for number, line in enumerate(lines, 1):
+            if limit is not None and len(out) >= limit:
+                break
+            if not line.strip():
+                continue
+            try:
+                data = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise UsageError(f"{path}:{number}: not JSON: {exc.msg}") from exc
+            if isinstance(data, dict) and "hash_ids" in data:
+                out.append(("trace", data))
+            elif isinstance(data, dict) and ("messages" in data or "prompt" in data):
+                out.append(("chat" if "messages" in data else "completion", data))
+            else:
+                raise UsageError(f"{path}:{number}: neither a Mooncake trace line nor an OpenAI "
+                                 f"body with 'prompt' or 'messages'")
+    return out
+
+
+def run_audit(argv: Sequence[str]) -> int:
+    """The ``audit`` subcommand. Returns the process exit code."""
+    from router.audit import PrefixAudit, format_report
+    from router.prompts import PromptError, PromptTokenizer, default_tokenizer_dir, parse_prompt
+
+    args = _audit_parser().parse_args(argv)
+    try:
+        requests = read_request_file(Path(args.file), args.limit)
+        hasher = BlockHasher(args.block_size)
+        source = args.tokenizer or default_tokenizer_dir()
+        tokenizer = PromptTokenizer(source) if source else None
+        audit = PrefixAudit(args.block_size, tokenizer.backend.decode if tokenizer else None,
+                            head_tokens=args.head_tokens)
+        mapper = None
+        cache: set[int] = set()  # one ideal prefix cache: every block key seen so far
+        for kind, data in requests:
+            salt = None
+            if kind == "trace":
+                if mapper is None:
+                    from loadtest.trace import TokenMapper, parse_trace_line  # the replay's mapping
+
+                    mapper = TokenMapper()
+                tokens = mapper.request_prompt(parse_trace_line(json.dumps(data), 0))
+            else:
+                spec = parse_prompt(kind, data)
+                if spec.token_ids is not None:
+                    tokens = spec.token_ids
+                elif tokenizer is None:
+                    raise UsageError("text prompts need --tokenizer")
+                else:
+                    tokens = tokenizer.prompt_tokens(spec)
+                salt = spec.cache_salt
+            keys = hasher.keys(tokens, cache_salt=salt)
+            hit = 0
+            for key in keys[:(len(tokens) - 1) // args.block_size]:
+                if key not in cache:
+                    break
+                hit += 1
+            cache.update(keys)
+            audit.observe(tokens, len(tokens), hit * args.block_size, tenant=salt)
+    except (UsageError, HashConfigError, PromptError, OSError, ValueError) as exc:
+        print(f"prefix-router audit: error: {exc}", file=sys.stderr)
+        return 2
+    report = audit.report(args.top)
+    print(json.dumps(report, indent=2, ensure_ascii=False) if args.json else format_report(report))
+    return 0
+
+
 def run_auth(argv: Sequence[str]) -> int:
     """The ``auth`` subcommand: ``add-key TENANT`` prints a new random API key (to give the
     tenant) and its key-file line (to store); ``hash-key`` prints the stored form of a key read
@@ -246,6 +337,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     commands = {"hash": "print vLLM block hashes of a token prompt",
                 "capacity": "KV capacity and prefix-hit arithmetic of a model on a GPU",
+                "audit": "prompt-template audit of a file of requests",
                 "auth": "make or hash API keys for --api-keys",
                 "serve": "run the router"}
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in commands:
@@ -261,6 +353,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return run_capacity(rest)
     if command == "auth":
         return run_auth(rest)
+    if command == "audit":
+        return run_audit(rest)
     from router.server import main as serve_main  # heavy imports only when serving
 
     return serve_main(rest)

@@ -124,6 +124,10 @@ class RouterConfig:
     admin_tenants: tuple[str, ...] = ()  # tenants that may call restricted endpoints
     debug_access: str = "admin"  # /debug/* with keys on: admin tenants | any tenant (own salt)
     metrics_access: str = "open"  # /metrics with keys on: open | admin tenants
+    # template audit (router/audit.py, GET /debug/prefixes); 0 families: off
+    audit_families: int = 256
+    audit_head_tokens: int = 1024  # tokens of each prompt's head the audit compares
+    audit_top_k: int = 10  # families exported as metrics and listed by default
     config: str | None = field(default=None, compare=False)  # the YAML file this came from
 
     def __post_init__(self) -> None:
@@ -177,7 +181,7 @@ class RouterConfig:
             raise ConfigError(f"min_hit_fraction must be in [0, 1], got {self.min_hit_fraction}")
         for name in ("queue_slack_tokens", "consistent_hash_tokens", "token_cache_chunks",
                      "load_headroom", "recompute_penalty", "min_affinity_blocks", "cold_candidates",
-                     "cold_queue_slack_tokens"):
+                     "cold_queue_slack_tokens", "audit_families", "audit_top_k"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)}")
         for url in self.replicas:
@@ -189,6 +193,8 @@ class RouterConfig:
             if getattr(self, name) not in allowed:
                 raise ConfigError(f"{name} must be one of {', '.join(allowed)}, "
                                   f"got {getattr(self, name)!r}")
+        if self.audit_head_tokens < 16:
+            raise ConfigError(f"audit_head_tokens must be >= 16, got {self.audit_head_tokens}")
         if self.api_keys and not self.cache_salt_secret_file:
             raise ConfigError("api_keys needs cache_salt_secret_file (every router process "
                               "must derive the same per-tenant cache salts)")
@@ -237,6 +243,9 @@ _HELP: Final = {
     "admin_tenants": "tenants allowed on restricted endpoints (repeatable / comma-separated)",
     "debug_access": "/debug/* with api_keys: admin (admin tenants) | tenant (any key)",
     "metrics_access": "/metrics with api_keys: open | admin (admin tenants' keys)",
+    "audit_families": "prefix families the template audit keeps (GET /debug/prefixes); 0: off",
+    "audit_head_tokens": "tokens of each prompt's head the template audit compares",
+    "audit_top_k": "families listed by /debug/prefixes and exported as metrics",
 }
 
 

@@ -9,7 +9,9 @@ from __future__ import annotations
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
+from prometheus_client.registry import Collector
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 
@@ -104,6 +106,12 @@ class RouterMetrics:
             "router_replica_affinity", "1 when a replica gets prefix-hit credit (hash verified, "
             "same block size and hash settings)", ["replica"], registry=registry)
 
+    def watch_audit(self, audit: Any, top_k: int) -> None:
+        """Export the template audit (``router.audit.PrefixAudit``): per-family gauges for the
+        ``top_k`` families by traffic only (bounded cardinality: at most ``top_k`` label values,
+        each an 8-hex family id that ``GET /debug/prefixes`` explains)."""
+        self.registry.register(_AuditCollector(audit, top_k))
+
     def child(self, metric: Any, *values: str) -> Any:
         """``metric.labels(*values)``, memoised: the request path calls this several times per
         request and prometheus_client's ``labels`` takes a lock and validates every call."""
@@ -115,3 +123,43 @@ class RouterMetrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class _AuditCollector(Collector):
+    """``router_prefix_*`` from a ``PrefixAudit`` at scrape time."""
+
+    def __init__(self, audit: Any, top_k: int) -> None:
+        self.audit = audit
+        self.top_k = top_k
+
+    def describe(self) -> list[Any]:
+        return []  # collected at scrape time only
+
+    def collect(self) -> Any:
+        report = self.audit.report(self.top_k)
+        requests = GaugeMetricFamily(
+            "router_prefix_family_requests", "Requests of a prefix family (top K by traffic; "
+            "GET /debug/prefixes names them)", labels=["family"])
+        hit_rate = GaugeMetricFamily(
+            "router_prefix_family_hit_ratio", "Token prefix-cache hit rate of a prefix family, "
+            "from the engine's cached_tokens where reported (source=engine), else predicted",
+            labels=["family", "source"])
+        near_miss = GaugeMetricFamily(
+            "router_prefix_family_near_miss_requests", "Requests of a prefix family that differ "
+            "from it inside their first blocks and share a long span after (no prefix hit)",
+            labels=["family"])
+        for row in report["families"]:
+            requests.add_metric([row["family"]], row["requests"])
+            hit_rate.add_metric([row["family"], row["hit_rate_source"]], row["hit_rate"])
+            near_miss.add_metric([row["family"]], row["near_miss_requests"])
+        yield requests
+        yield hit_rate
+        yield near_miss
+        total = CounterMetricFamily("router_prefix_near_miss_requests", "Requests the template "
+                                    "audit found to be near misses of a prefix family")
+        total.add_metric([], report["near_miss_requests"])
+        yield total
+        dropped = CounterMetricFamily("router_prefix_audit_dropped_requests", "Requests the "
+                                      "template audit skipped because its queue was full")
+        dropped.add_metric([], report["dropped_requests"])
+        yield dropped

@@ -36,7 +36,7 @@ from router.config import RouterConfig
 from router.errors import REQUEST_ID_HEADER, UpstreamError, UpstreamTimeout, error_body
 from router.metrics import RouterMetrics
 from router.tracing import Tracing
-from router.usage import keep_tail
+from router.usage import TAIL_BYTES, keep_tail
 
 logger = logging.getLogger(__name__)
 
@@ -76,7 +76,7 @@ class ProxyOutcome:
     replica_id: str
     status: int
     first_byte_s: float | None = None
-    tail: bytes = b""  # an SSE stream's last ``router.usage.TAIL_BYTES`` (its usage event)
+    tail: bytes = b""  # the answer's last ``router.usage.TAIL_BYTES`` (SSE, or a one-read body)
 
 
 def upstream_headers(request: web.Request, request_id: str) -> CIMultiDict[str]:
@@ -236,6 +236,7 @@ class Proxy:
                 if whole:
                     # the whole (non-streamed) body came in the first read: one write, headers
                     # and body together
+                    outcome.tail = first[-TAIL_BYTES:]  # the usage, for the template audit
                     response = web.Response(status=upstream.status, reason=upstream.reason,
                                             body=first, headers=out_headers)
                     await response.prepare(request)

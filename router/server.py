@@ -30,7 +30,15 @@ import msgspec
 from aiohttp import web
 from aiohttp.web_protocol import RequestPayloadError
 
-from router.auth import AuthConfigError, TenantAuth, auth_middleware, load_tenant_auth
+from router.audit import PrefixAudit, prompt_head
+from router.auth import (
+    ADMIN_KEY,
+    TENANT_KEY,
+    AuthConfigError,
+    TenantAuth,
+    auth_middleware,
+    load_tenant_auth,
+)
 from router.chain_cache import SPAN_BLOCKS, ChainCache, PromptChain
 from router.config import ConfigError, RouterConfig, load_config
 from router.errors import REQUEST_ID_HEADER, BadRequest, RouterError, error_middleware
@@ -65,7 +73,7 @@ from router.proxy import (
 from router.ring import text_key
 from router.tracing import Tracing, TracingUnavailable, otlp_tracing
 from router.ttft import PrefillRateLearner
-from router.usage import cached_tokens_from_sse_tail
+from router.usage import cached_tokens_from_sse_tail, cached_tokens_from_tail
 
 logger = logging.getLogger(__name__)
 
@@ -86,6 +94,7 @@ LAZY_HASHING = True
 PENDING_TAIL_WAIT_S = 1.0
 MAX_QUEUED_RESTS = 4
 SWEEP_KEYS_PER_STEP = 5_000  # index keys swept per event-loop turn (~1 ms)
+AUDIT_QUEUE = 64  # template-audit observations waiting at most (more are dropped and counted)
 INLINE_TOKENIZE_CHARS = 2048  # uncached characters tokenized on the loop (~0.5 ms) before a thread hop
 
 
@@ -158,6 +167,15 @@ class RouterService:
         # {last key of a lazily hashed chain: done when the rest of that chain is recorded}
         self._pending_tails: dict[int, asyncio.Future[None]] = {}
         self._queued_rests = 0  # rests of lazy chains submitted and not yet recorded
+        self.audit: PrefixAudit | None = None
+        if config.audit_families:
+            decode = tokenizer.backend.decode if tokenizer is not None else None
+            self.audit = PrefixAudit(config.block_size, decode, config.audit_families,
+                                     config.audit_head_tokens)
+            self.metrics.watch_audit(self.audit, config.audit_top_k)
+        # the audit's own thread: it never competes with routing for the tokenizer pool
+        self.audit_executor = ThreadPoolExecutor(1, thread_name_prefix="audit")
+        self._audit_queued = 0  # observations submitted and not yet done
         self.auth: TenantAuth | None = None
         if config.api_keys:
             self.auth = load_tenant_auth(
@@ -182,6 +200,7 @@ class RouterService:
         app.router.add_get("/ready", self.handle_ready)
         app.router.add_get("/metrics", self.handle_metrics)
         app.router.add_post("/debug/route", self.handle_debug_route)
+        app.router.add_get("/debug/prefixes", self.handle_debug_prefixes)
         app.on_startup.append(self._on_startup)
         app.on_cleanup.append(self._on_cleanup)
         return app
@@ -223,6 +242,7 @@ class RouterService:
             await self.session.close()
         self.executor.shutdown(wait=False, cancel_futures=True)
         self.rest_executor.shutdown(wait=False, cancel_futures=True)
+        self.audit_executor.shutdown(wait=False, cancel_futures=True)
 
     async def _housekeeping(self) -> None:
         """Prune expired speculative placements and refresh gauges once a second."""
@@ -568,9 +588,12 @@ class RouterService:
                 self._observe_ttft(spec, decision, outcome)
                 self._observe_first_token(decision, replica_id,
                                           arrival + outcome.first_byte_s - sent_at[replica_id])
+            predicted_hit = hit_tokens if replica_id == decision.replica_id else 0
             self.metrics.child(self.metrics.prompt_tokens, replica_id).inc(routed.num_tokens)
-            self.metrics.child(self.metrics.predicted_hit_tokens, replica_id).inc(
-                hit_tokens if replica_id == decision.replica_id else 0)
+            self.metrics.child(self.metrics.predicted_hit_tokens, replica_id).inc(predicted_hit)
+            if status == 200:
+                self._audit_request(spec, routed.num_tokens, predicted_hit, outcome,
+                                    request.get(TENANT_KEY))
             return response
         except RouterError as exc:
             status = exc.status
@@ -616,6 +639,37 @@ class RouterService:
         self.learner.observe(replica_id, predicted["work_tokens"], ttft_s)
         self.metrics.child(self.metrics.ttft_prediction_error, replica_id).observe(
             ttft_s - predicted["ttft_s"])
+
+    def _audit_request(self, spec: PromptSpec, num_tokens: int, predicted_hit_tokens: int,
+                       outcome: ProxyOutcome, tenant: str | None) -> None:
+        """Hand a served request to the template audit on its own thread (dropped, and counted,
+        when ``AUDIT_QUEUE`` observations are already waiting)."""
+        audit = self.audit
+        if audit is None:
+            return
+        if self._audit_queued >= AUDIT_QUEUE:
+            audit.dropped += 1
+            return
+        cached = cached_tokens_from_tail(outcome.tail)
+        head = self.config.audit_head_tokens
+
+        def observe() -> None:
+            tokens = prompt_head(spec, self.tokenizer, head)
+            if tokens is not None:
+                audit.observe(tokens, num_tokens, predicted_hit_tokens, cached, tenant)
+
+        def done(fut: asyncio.Future[None]) -> None:
+            self._audit_queued -= 1
+            if not fut.cancelled() and fut.exception() is not None:
+                logger.warning("template audit failed on a request: %r", fut.exception())
+
+        self._audit_queued += 1
+        try:
+            future = asyncio.get_running_loop().run_in_executor(self.audit_executor, observe)
+        except RuntimeError:  # the executor is shut down: the router is stopping
+            self._audit_queued -= 1
+            return
+        future.add_done_callback(done)
 
     def _update_inflight(self, replica_id: str) -> None:
         self.metrics.child(self.metrics.inflight, replica_id).set(self.tracker.requests(replica_id))
@@ -718,6 +772,21 @@ class RouterService:
                       "overhead_s": round(est.overhead_s, 6), "samples": est.num_samples}
                 for rid in d.details for est in (self.learner.estimate(rid),)},
         })
+
+
+    async def handle_debug_prefixes(self, request: web.Request) -> web.Response:
+        """The template audit: top prefix families (``?top=K``), near misses, block-boundary
+        waste, hit rate per family. With API keys on, a tenant that is not an admin sees only its
+        own families."""
+        if self.audit is None:
+            return web.json_response({"enabled": False, "families": []})
+        try:
+            top = int(request.query.get("top", self.config.audit_top_k))
+        except ValueError as exc:
+            raise BadRequest("'top' must be an integer") from exc
+        everyone = self.auth is None or bool(request.get(ADMIN_KEY))
+        body = self.audit.report(top, tenant=request.get(TENANT_KEY), all_tenants=everyone)
+        return web.json_response({"enabled": True, **body})
 
 
 class _GaugedTicket:

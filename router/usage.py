@@ -11,6 +11,7 @@ usage event in them. (vLLM 0.33 ``protocol.UsageInfo``, ``PromptTokenUsageInfo``
 
 from __future__ import annotations
 
+import re
 from typing import Final
 
 import msgspec
@@ -40,6 +41,21 @@ def cached_tokens_from_sse_tail(tail: bytes) -> int | None:
                 return found
         at = tail.rfind(_MARKER, 0, start if start >= 0 else at)
     return None
+
+
+_JSON_DETAILS: Final = re.compile(
+    rb'"prompt_tokens_details"\s*:\s*\{[^{}]*?"cached_tokens"\s*:\s*(\d+)')
+
+
+def cached_tokens_from_tail(tail: bytes) -> int | None:
+    """``cached_tokens`` from the end of an answer: an SSE stream's last usage event, or a JSON
+    body's ``usage.prompt_tokens_details`` (the last one in ``tail``; a JSON string cannot hold
+    the unescaped quotes the pattern needs, so generated text never matches)."""
+    found = cached_tokens_from_sse_tail(tail)
+    if found is not None or tail.lstrip().startswith(b"data:"):
+        return found
+    matches = list(_JSON_DETAILS.finditer(tail))
+    return int(matches[-1].group(1)) if matches else None
 
 
 def _cached_tokens(data: object) -> int | None:

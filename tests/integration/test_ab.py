@@ -61,5 +61,5 @@ def test_caching_off_engine_reporting_hits_is_flagged() -> None:
 def test_bad_request_file(tmp_path: Path) -> None:
     path = tmp_path / "bad.jsonl"
     path.write_text('{"prompt": [1, 2]}\n{"input": "x"}\n')
-    with pytest.raises(ABError, match=r"bad\.jsonl:2: expected an OpenAI body"):
+    with pytest.raises(ABError, match=r"bad\.jsonl:2: neither a Mooncake trace line nor an OpenAI body"):
         file_prompts(path)
