@@ -165,6 +165,13 @@ def test_tenant_b_never_hits_or_sees_tenant_a_prefix(replica: OneReplica, tmp_pa
         a_salt = tenant_salt(SECRET, "tenant-a")
         assert cached(complete(router, "b", prompt, cache_salt=a_salt)) == 0
         assert cached(complete(router, "b", prompt)) == 304  # B's own repeat hits B's copy
+        # the template audit keeps tenants apart too: B's view holds none of A's prompts
+        wait_for(lambda: call(router, "ops", "/debug/prefixes", method="GET")[2][
+            "observed_requests"] == 5, 15, message="the audit observed all five requests")
+        _, _, mine = call(router, "b", "/debug/prefixes", method="GET")
+        assert {f["tenant"] for f in mine["families"]} == {"tenant-b"}
+        _, _, everyone = call(router, "ops", "/debug/prefixes", method="GET")
+        assert {f["tenant"] for f in everyone["families"]} == {"tenant-a", "tenant-b"}
     finally:
         router.stop()
 
