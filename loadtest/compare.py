@@ -22,7 +22,19 @@ read. Per policy (``results.json``, the table and the plots):
 * ``router_cpu_s_per_request``: CPU seconds (user + system, psutil) the router process and its
   children used during the replay, per replayed request;
 * ``cpu_s``: the same for every component (redis, emulator, workers, router, replayer) and the
-  machine's busy share of all cores, to show whether the machine itself was the bottleneck.
+  machine's busy share of all cores, to show whether the machine itself was the bottleneck;
+  ``emulator_cpu_s_per_request`` the emulator's share per replayed request;
+* ``emulator_lag_p50_s/p99_s/max_s``: how far the emulated engines ran behind their own clock
+  (``emulator_engine_lag_seconds``, wall seconds per engine step, all replicas, over the replay);
+* ``trusted`` / ``untrusted_reason``: the run's verdict (``verdict``): an emulator that fell
+  behind, a machine with no CPU headroom or a replayer that could not send on time make every
+  latency in the row include waits for a core that a real fleet would not have.
+
+With ``repeat`` > 1 every policy runs that many times, interleaved (A B C A B C ...), each on a
+fresh fleet; ``policies`` then holds per figure the median over the rounds with ``range``
+[min, max], ``rounds`` each round's own figures, and ``ranking`` whether the order of the
+policies by TTFT p50 held in every round. The emulator runs at a higher OS priority than
+everything else where allowed (``loadtest.fleet.EMULATOR_NICE``; ``priority`` says what happened).
 """
 
 from __future__ import annotations
@@ -35,6 +47,7 @@ import json
 import logging
 import math
 import signal
+import statistics
 import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -69,6 +82,16 @@ PEER_SPECS = (RouterSpec(SGLANG, "cache_aware"), RouterSpec(VLLM_ROUTER, "cache_
               RouterSpec(VLLM_ROUTER, "kv_aware"))
 DEFAULT_SAMPLE_INTERVAL_S = 1.0  # gauge sampling for busy time; 8 scrapes per second at most
 
+# The verdict's thresholds. Quiet-machine demo runs show an emulator lag p99 of a few ms; the
+# TTFT p50 the demo compares is about 50 ms, so a typical step delayed by more than 20 ms moves
+# the figures by more than the gaps between policies. A machine over 90% busy has no headroom:
+# every process, the router stack included, queues for a core. A replayer that sends more than
+# 250 ms late no longer offers the trace's arrival pattern.
+TRUST_LAG_P99_S = 0.020
+TRUST_LAG_MAX_S = 1.0
+TRUST_MACHINE_BUSY = 0.90
+TRUST_SEND_LAG_S = 0.25
+
 M_QUERIES = "vllm:prefix_cache_queries_total"
 M_HITS = "vllm:prefix_cache_hits_total"
 M_SUCCESS = "vllm:request_success_total"
@@ -78,6 +101,8 @@ M_RUNNING = "vllm:num_requests_running"
 M_WAITING = "vllm:num_requests_waiting"
 M_PREEMPTIONS = "vllm:num_preemptions_total"
 COUNTERS = (M_QUERIES, M_HITS, M_SUCCESS, M_PROMPT, M_PROMPT_CACHED, M_PREEMPTIONS)
+M_LAG = "emulator_engine_lag_seconds"
+M_LAG_MAX = "emulator_engine_lag_max_seconds"
 
 # vllm-router's kv_aware documents this as its tested setup (PEERS.md); the fleet for that peer
 # runs with it so its hashes can match the engine's events.
@@ -96,6 +121,7 @@ class CompareConfig:
     output_dir: Path
     sample_interval_s: float = DEFAULT_SAMPLE_INTERVAL_S
     plots: bool = True
+    repeat: int = 1  # rounds of every run, interleaved, each on a fresh fleet
 
 
 def parse_metrics(text: str, names: Sequence[str]) -> dict[str, float]:
@@ -107,6 +133,106 @@ def parse_metrics(text: str, names: Sequence[str]) -> dict[str, float]:
             if sample.name in wanted:
                 out[sample.name] += float(sample.value)
     return out
+
+
+@dataclass
+class LagHistogram:
+    """``emulator_engine_lag_seconds`` summed over replicas: cumulative count per bucket upper
+    bound (seconds, ``inf`` last), and the largest ``emulator_engine_lag_max_seconds``."""
+
+    buckets: dict[float, float] = field(default_factory=dict)
+    max_s: float = 0.0
+
+    @classmethod
+    def parse(cls, text: str) -> LagHistogram:
+        out = cls()
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                if sample.name == M_LAG + "_bucket":
+                    le = float(sample.labels["le"])
+                    out.buckets[le] = out.buckets.get(le, 0.0) + float(sample.value)
+                elif sample.name == M_LAG_MAX:
+                    out.max_s = max(out.max_s, float(sample.value))
+        return out
+
+    def merged(self, other: LagHistogram) -> LagHistogram:
+        keys = set(self.buckets) | set(other.buckets)
+        return LagHistogram({k: self.buckets.get(k, 0.0) + other.buckets.get(k, 0.0)
+                             for k in keys}, max(self.max_s, other.max_s))
+
+    def minus(self, earlier: LagHistogram) -> LagHistogram:
+        """The observations made since ``earlier`` (the max is the later one's: a run's fleet is
+        fresh, so its max covers the run and its short start-up)."""
+        return LagHistogram({k: v - earlier.buckets.get(k, 0.0) for k, v in self.buckets.items()},
+                            self.max_s)
+
+    @property
+    def count(self) -> float:
+        return self.buckets.get(math.inf, 0.0)
+
+    def quantile(self, q: float) -> float | None:
+        """Prometheus ``histogram_quantile``: linear within the bucket holding rank q x count;
+        None without observations; the last finite bound if the rank is in the +Inf bucket."""
+        total = self.count
+        if total <= 0:
+            return None
+        rank = q * total
+        lower, below = 0.0, 0.0
+        for le in sorted(self.buckets):
+            cum = self.buckets[le]
+            if cum >= rank:
+                if math.isinf(le):
+                    return lower
+                width = cum - below
+                return lower + (le - lower) * ((rank - below) / width if width > 0 else 1.0)
+            lower, below = le, cum
+        return lower
+
+
+def _capped(value: float | None, cap: float) -> float | None:
+    return None if value is None else min(value, cap)
+
+
+def verdict(m: dict[str, Any]) -> tuple[bool, str | None]:
+    """Whether one run's latencies can be trusted: (trusted, reason or None).
+
+    Untrusted when the emulated engines fell behind their own clock (lag p99 over
+    ``TRUST_LAG_P99_S`` or max over ``TRUST_LAG_MAX_S``), when the machine was more than
+    ``TRUST_MACHINE_BUSY`` busy, or when the replayer sent more than ``TRUST_SEND_LAG_S`` late.
+    A run without lag figures (an emulator that exports none) is untrusted too.
+    """
+    reasons = []
+    p99, lag_max = m.get("emulator_lag_p99_s"), m.get("emulator_lag_max_s")
+    if p99 is None or lag_max is None:
+        reasons.append("the emulator reported no lag figures")
+    else:
+        if p99 > TRUST_LAG_P99_S:
+            reasons.append(f"emulator lag p99 {p99 * 1000:.0f} ms > {TRUST_LAG_P99_S * 1000:.0f} ms")
+        if lag_max > TRUST_LAG_MAX_S:
+            reasons.append(f"emulator lag max {lag_max:.2f} s > {TRUST_LAG_MAX_S:.2f} s")
+    busy = (m.get("cpu_s") or {}).get("machine_util")
+    if busy is not None and busy > TRUST_MACHINE_BUSY:
+        reasons.append(f"machine {busy:.0%} busy > {TRUST_MACHINE_BUSY:.0%}")
+    send_lag = m.get("max_send_lag_s")
+    if send_lag is not None and send_lag > TRUST_SEND_LAG_S:
+        reasons.append(f"replayer sent up to {send_lag:.2f} s late > {TRUST_SEND_LAG_S:.2f} s")
+    return (not reasons, "; ".join(reasons) or None)
+
+
+async def scrape_lag(urls: Sequence[str]) -> LagHistogram:
+    """The lag histogram of every replica at ``urls``, merged (raises ``aiohttp.ClientError``)."""
+    async with aiohttp.ClientSession() as session:
+        async def one(url: str) -> LagHistogram:
+            async with session.get(url + "/metrics",
+                                   timeout=aiohttp.ClientTimeout(total=10)) as resp:
+                resp.raise_for_status()
+                return LagHistogram.parse(await resp.text())
+
+        pages = await asyncio.gather(*(one(u) for u in urls))
+    merged = LagHistogram()
+    for page in pages:
+        merged = merged.merged(page)
+    return merged
 
 
 async def scrape(session: aiohttp.ClientSession, url: str, names: Sequence[str]) -> dict[str, float]:
@@ -215,6 +341,7 @@ async def _measure(fleet: Fleet, requests: Sequence[TraceRequest], config: Compa
                    progress: Callable[[str], None]) -> tuple[list[RequestRecord], dict[str, Any]]:
     urls = [r.url for r in fleet.replicas]
     before = await scrape_all(urls, COUNTERS)
+    lag_before = await scrape_lag(urls)
     cpu_before = cpu_sample(fleet.pids)
     sampler = BusySampler(urls, config.sample_interval_s)
     sampler_task = asyncio.create_task(sampler.run())
@@ -231,6 +358,7 @@ async def _measure(fleet: Fleet, requests: Sequence[TraceRequest], config: Compa
             await sampler_task
     cpu_after = cpu_sample(fleet.pids)
     after = await scrape_all(urls, COUNTERS)
+    lag = (await scrape_lag(urls)).minus(lag_before)
     router_view = (await scrape_router(fleet.router_url)
                    if fleet.config.router.kind == OURS else None)
     delta = [{k: a[k] - b[k] for k in COUNTERS} for a, b in zip(after, before, strict=True)]
@@ -267,8 +395,15 @@ async def _measure(fleet: Fleet, requests: Sequence[TraceRequest], config: Compa
         "max_send_lag_s": summary["max_send_lag_s"],
         "busy_samples": sampler.num_samples,
         "cpu_s": {k: round(v, 3) for k, v in cpu.items()},
+        "emulator_cpu_s_per_request": cpu.get("emulator", 0.0) / max(1, summary["num_sent"]),
+        # (interpolation inside a bucket may pass the largest lag seen: capped there)
+        "emulator_lag_p50_s": _capped(lag.quantile(0.5), lag.max_s),
+        "emulator_lag_p99_s": _capped(lag.quantile(0.99), lag.max_s),
+        "emulator_lag_max_s": lag.max_s if lag.count else None,
+        "emulator_steps": int(lag.count),
         "router_view": router_view,
     }
+    metrics["trusted"], metrics["untrusted_reason"] = verdict(metrics)
     return records, metrics
 
 
@@ -290,6 +425,7 @@ def run_policy(spec: RouterSpec, requests: Sequence[TraceRequest], config: Compa
     metrics["fleet"] = {"hash_algo": fleet_config.hash_algo,
                         "python_hash_seed": fleet_config.python_hash_seed,
                         "int_block_hashes": fleet_config.int_block_hashes}
+    metrics["priority"] = fleet.priority
     return PolicyResult(spec.label, metrics, records)
 
 
@@ -314,17 +450,32 @@ TABLE_COLUMNS = (
     ("reqs", "num_requests", "d", 1.0),
     ("errs", "num_errors", "d", 1.0),
     ("router ms CPU/req", "router_cpu_s_per_request", ".2f", 1000.0),
+    ("trusted", "trusted", "t", 1.0),
 )
+RANGED = ("token_hit_rate", "ttft_p50_s", "ttft_p99_s")  # shown as median (min-max)
+
+
+def _cell(m: dict[str, Any], key: str, spec: str, scale: float) -> str:
+    if spec == "d":
+        return str(m.get(key, "-"))
+    if spec == "t":
+        return "-" if key not in m else ("yes" if m[key] else "NO")
+    text = _fmt(m.get(key), spec, scale)
+    span = (m.get("range") or {}).get(key)
+    if span and key in RANGED:
+        text += f" ({_fmt(span[0], spec, scale)}-{_fmt(span[1], spec, scale)})"
+    return text
 
 
 def format_table(policies: dict[str, dict[str, Any]]) -> str:
-    """A fixed-width text table, one row per policy."""
+    """A fixed-width text table, one row per policy; with repeats, the medians, and the range
+    over the rounds beside the hit rate and TTFT figures."""
     rows = [[name for name, *_ in TABLE_COLUMNS]]
     for label, m in policies.items():
         row = [label]
         for _name, key, spec, scale in TABLE_COLUMNS[1:]:
             assert key is not None
-            row.append(_fmt(m.get(key), spec, scale) if spec != "d" else str(m.get(key, "-")))
+            row.append(_cell(m, key, spec, scale))
         rows.append(row)
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     lines = ["  ".join(cell.ljust(w) if i == 0 else cell.rjust(w)
@@ -335,14 +486,19 @@ def format_table(policies: dict[str, dict[str, Any]]) -> str:
 
 
 def format_cpu_table(policies: dict[str, dict[str, Any]]) -> str:
-    """CPU seconds per component during each replay, and the machine's busy share of its cores."""
+    """CPU seconds per component during each replay (with repeats: of the median round), the
+    machine's busy share of its cores, the emulator's CPU per request and its lag."""
     comps = ["redis", "emulator", "workers", "router", "replayer"]
-    header = ["policy", *[f"{c} s" for c in comps], "wall s", "machine busy"]
+    header = ["policy", *[f"{c} s" for c in comps], "wall s", "machine busy",
+              "emulator ms/req", "emulator lag p50 / p99 / max s"]
     rows = [header]
     for label, m in policies.items():
         cpu = m.get("cpu_s", {})
+        lag = " / ".join(_fmt(m.get(k), ".3f") for k in
+                         ("emulator_lag_p50_s", "emulator_lag_p99_s", "emulator_lag_max_s"))
         rows.append([label, *[_fmt(cpu.get(c), ".1f") for c in comps], _fmt(cpu.get("wall_s"), ".1f"),
-                     _fmt(cpu.get("machine_util"), ".0%")])
+                     _fmt(cpu.get("machine_util"), ".0%"),
+                     _fmt(m.get("emulator_cpu_s_per_request"), ".1f", 1000.0), lag])
     widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
     lines = ["  ".join(c.ljust(w) if i == 0 else c.rjust(w)
                        for i, (c, w) in enumerate(zip(r, widths, strict=True))) for r in rows]
@@ -442,36 +598,51 @@ def _sigterm_as_interrupt() -> Iterator[None]:
         signal.signal(signal.SIGTERM, previous)
 
 
+def _records_name(label: str, round_no: int, repeat: int) -> str:
+    base = label.replace(":", "-")
+    return f"records-{base}.jsonl" if repeat == 1 else f"records-{base}-r{round_no}.jsonl"
+
+
 def run_compare(config: CompareConfig, requests: Sequence[TraceRequest],
                 trace_info: dict[str, Any], progress: Callable[[str], None],
                 bounds: dict[str, Any] | None = None,
                 argv: Sequence[str] | None = None) -> dict[str, Any]:
-    """Run every configured policy on a fresh fleet, write ``results.json``, per-policy records
-    (``records-<label>.jsonl``) and plots into ``config.output_dir``; return the results dict.
-    A run whose fleet fails is reported under ``failed`` and the others still run."""
+    """Run every configured policy on a fresh fleet, ``config.repeat`` rounds interleaved, write
+    ``results.json``, per-run records (``records-<label>.jsonl``, ``-r<round>`` with repeats)
+    and plots into ``config.output_dir``; return the results dict. A run whose fleet fails is
+    reported under ``failed`` and the others still run."""
     out = config.output_dir
     out.mkdir(parents=True, exist_ok=True)
-    policies: dict[str, dict[str, Any]] = {}
-    records: dict[str, list[RequestRecord]] = {}
+    repeat = max(1, config.repeat)
+    rounds: list[dict[str, dict[str, Any]]] = [{} for _ in range(repeat)]
+    round_records: list[dict[str, list[RequestRecord]]] = [{} for _ in range(repeat)]
     failed: dict[str, str] = {}
     started = time.monotonic()
+    total = repeat * len(config.runs)
     with _sigterm_as_interrupt():
-        for n, spec in enumerate(config.runs, 1):
-            progress(f"=== run {n}/{len(config.runs)}: {spec.label} "
-                     f"({time.monotonic() - started:.0f} s elapsed) ===")
-            try:
-                result = run_policy(spec, requests, config, progress)
-            except (FleetError, OSError, aiohttp.ClientError) as exc:
-                logger.error("run %s failed: %s", spec.label, exc)
-                progress(f"[{spec.label}] FAILED: {str(exc)[:2000]}")
-                failed[spec.label] = str(exc)[:4000]
-                continue
-            policies[spec.label] = result.metrics
-            records[spec.label] = result.records
-            write_records(result.records, out / f"records-{spec.label.replace(':', '-')}.jsonl")
-            progress(f"[{spec.label}] hit rate {_fmt(result.metrics['token_hit_rate'], '.1%')}, "
-                     f"TTFT p50 {_fmt(result.metrics['ttft_p50_s'], '.3f')} s, "
-                     f"errors {result.metrics['num_errors']}")
+        n = 0
+        for r in range(repeat):
+            for spec in config.runs:
+                n += 1
+                tag = spec.label if repeat == 1 else f"{spec.label} round {r + 1}/{repeat}"
+                progress(f"=== run {n}/{total}: {tag} "
+                         f"({time.monotonic() - started:.0f} s elapsed) ===")
+                try:
+                    result = run_policy(spec, requests, config, progress)
+                except (FleetError, OSError, aiohttp.ClientError) as exc:
+                    logger.error("run %s failed: %s", tag, exc)
+                    progress(f"[{spec.label}] FAILED: {str(exc)[:2000]}")
+                    failed[tag] = str(exc)[:4000]
+                    continue
+                rounds[r][spec.label] = result.metrics
+                round_records[r][spec.label] = result.records
+                write_records(result.records, out / _records_name(spec.label, r + 1, repeat))
+                m = result.metrics
+                progress(f"[{spec.label}] hit rate {_fmt(m['token_hit_rate'], '.1%')}, "
+                         f"TTFT p50 {_fmt(m['ttft_p50_s'], '.3f')} s, errors {m['num_errors']}, "
+                         f"emulator lag p99 {_fmt(m['emulator_lag_p99_s'], '.3f')} s, "
+                         + ("trusted" if m["trusted"] else f"NOT TRUSTED: {m['untrusted_reason']}"))
+    policies, records = aggregate_rounds(rounds, round_records)
     fleet_cfg = config.fleet
     results: dict[str, Any] = {
         "created": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
@@ -485,14 +656,76 @@ def run_compare(config: CompareConfig, requests: Sequence[TraceRequest],
                   "router_args": list(fleet_cfg.router_args)},
         "replay": {k: v for k, v in asdict(config.replay).items() if k != "target"},
         "bounds": bounds,
+        "repeat": repeat,
         "policies": policies,
+        "ranking": ranking(rounds),
+        "trust_thresholds": {"emulator_lag_p99_s": TRUST_LAG_P99_S,
+                             "emulator_lag_max_s": TRUST_LAG_MAX_S,
+                             "machine_busy": TRUST_MACHINE_BUSY,
+                             "max_send_lag_s": TRUST_SEND_LAG_S},
         "failed": failed,
         "duration_s": round(time.monotonic() - started, 1),
     }
+    if repeat > 1:
+        results["rounds"] = rounds
     (out / "results.json").write_text(json.dumps(results, indent=2) + "\n")
     if config.plots and policies:
         results["plots"] = [str(p) for p in write_plots(policies, records, out, bounds)]
     return results
+
+
+# Figures aggregated over rounds: the median, with the range beside it.
+AGGREGATED = ("token_hit_rate", "ttft_p50_s", "ttft_p90_s", "ttft_p99_s", "e2e_p50_s",
+              "throughput_rps", "imbalance", "imbalance_work", "router_cpu_s_per_request",
+              "emulator_cpu_s_per_request", "emulator_lag_p50_s", "emulator_lag_p99_s",
+              "emulator_lag_max_s", "client_token_hit_rate", "max_send_lag_s")
+
+
+def aggregate_rounds(rounds: Sequence[dict[str, dict[str, Any]]],
+                     round_records: Sequence[dict[str, list[RequestRecord]]],
+                     ) -> tuple[dict[str, dict[str, Any]], dict[str, list[RequestRecord]]]:
+    """Per label, one metrics dict: with one round, that round's; with several, the round whose
+    TTFT p50 is the median (its per-replica figures and records feed the plots), with every
+    ``AGGREGATED`` figure replaced by its median over the rounds, ``range`` [min, max] per
+    figure, ``rounds`` the number of rounds, and ``trusted`` only if every round was (the
+    reasons of the untrusted rounds in ``untrusted_reason``)."""
+    labels = list(dict.fromkeys(label for rnd in rounds for label in rnd))
+    policies: dict[str, dict[str, Any]] = {}
+    records: dict[str, list[RequestRecord]] = {}
+    for label in labels:
+        runs = [(i, rnd[label]) for i, rnd in enumerate(rounds) if label in rnd]
+        if len(rounds) == 1:
+            policies[label] = runs[0][1]
+            records[label] = round_records[runs[0][0]][label]
+            continue
+        by_ttft = sorted(runs, key=lambda ir: (ir[1].get("ttft_p50_s") is None,
+                                               ir[1].get("ttft_p50_s") or 0.0))
+        mid_index, mid = by_ttft[(len(by_ttft) - 1) // 2]
+        m = dict(mid)
+        m["range"] = {}
+        for key in AGGREGATED:
+            values = [r[key] for _, r in runs if isinstance(r.get(key), int | float)]
+            if values:
+                m[key] = statistics.median(values)
+                m["range"][key] = [min(values), max(values)]
+        m["rounds"] = len(runs)
+        m["median_round"] = mid_index + 1
+        bad = [f"round {i + 1}: {r['untrusted_reason']}" for i, r in runs if not r.get("trusted")]
+        m["trusted"] = not bad
+        m["untrusted_reason"] = "; ".join(bad) or None
+        policies[label] = m
+        records[label] = round_records[mid_index][label]
+    return policies, records
+
+
+def ranking(rounds: Sequence[dict[str, dict[str, Any]]]) -> dict[str, Any]:
+    """The order of the policies by TTFT p50 in each round (fastest first) and whether it was
+    the same in every round (only policies measured in every round are ranked)."""
+    common = [label for label in (rounds[0] if rounds else {})
+              if all(label in rnd and rnd[label].get("ttft_p50_s") is not None for rnd in rounds)]
+    orders = [sorted(common, key=lambda lb, rnd=rnd: rnd[lb]["ttft_p50_s"]) for rnd in rounds]
+    return {"by": "ttft_p50_s", "orders": orders,
+            "held": bool(orders) and all(o == orders[0] for o in orders)}
 
 
 def resolve_runs(policies: str, peers: str) -> tuple[tuple[RouterSpec, ...], dict[str, str]]:
@@ -575,6 +808,11 @@ def add_compare_parsers(sub: Any, add_slice_args: Callable[[argparse.ArgumentPar
                        help="seconds between gauge scrapes for busy time")
         p.add_argument("--output-dir", type=Path, default=None,
                        help="default: results/<command>-<timestamp>/")
+        p.add_argument("--repeat", type=int, default=1, metavar="N",
+                       help="run every policy N times, interleaved, each on a fresh fleet, and "
+                            "report medians and ranges (default 1)")
+        p.add_argument("--no-priority", action="store_true",
+                       help="do not run the emulator at a higher OS priority than the rest")
         p.add_argument("--no-plots", action="store_true")
         p.add_argument("--no-bounds", action="store_true",
                        help="skip the placement-only simulation of the slice")
@@ -609,11 +847,15 @@ def cmd_compare(args: argparse.Namespace,
                         replicas=args.replicas, model=args.model, block_size=args.block_size,
                         num_gpu_blocks=args.num_gpu_blocks, time_scale=time_scale,
                         redis_url=args.redis_url, emulator_args=tuple(args.emulator_arg),
-                        router_args=tuple(args.router_arg))
+                        router_args=tuple(args.router_arg),
+                        emulator_priority=not args.no_priority)
     config = CompareConfig(runs=runs, fleet=fleet,
                            replay=make_replay_config(args, "http://unused", args.model),
                            output_dir=output_dir, sample_interval_s=args.sample_interval,
-                           plots=not args.no_plots)
+                           plots=not args.no_plots, repeat=args.repeat)
+    if args.repeat < 1:
+        print("error: --repeat must be at least 1", file=sys.stderr)
+        return 2
     span_s = (requests[-1].timestamp_ms - requests[0].timestamp_ms) / 1000.0
     trace_info = {"path": str(trace_path), "start": args.start, "limit": args.limit,
                   "window_s": args.window, "num_requests": len(requests),
@@ -625,7 +867,8 @@ def cmd_compare(args: argparse.Namespace,
 
         capacity_tokens = (args.num_gpu_blocks * args.block_size) if args.num_gpu_blocks else None
         bounds = simulate_bounds(requests, args.replicas, capacity_tokens)
-    _progress(f"comparing {len(runs)} runs ({', '.join(s.label for s in runs)}) on "
+    _progress(f"comparing {len(runs)} runs ({', '.join(s.label for s in runs)}"
+              f"{f', {args.repeat} rounds interleaved' if args.repeat > 1 else ''}) on "
               f"{len(requests)} requests ({span_s:.0f} s of trace, about {span_s / args.speedup:.0f} s "
               f"each at speedup {args.speedup}), {args.replicas} replicas, "
               f"{args.num_gpu_blocks or 'default'} KV blocks each, time scale {time_scale}; "
@@ -648,9 +891,13 @@ def cmd_compare(args: argparse.Namespace,
         print(format_bounds(bounds, results["policies"]))
     notes = run_notes(results["policies"])
     results["notes"] = notes
+    results["verdict"] = verdict_lines(results)
     (output_dir / "results.json").write_text(json.dumps(results, indent=2) + "\n")
     for note in notes:
         print(f"\nnote: {note}")
+    print()
+    for line in results["verdict"]:
+        print(line)
     for label, reason in {**results["failed"], **skipped}.items():
         print(f"\n{label}: not measured: {reason.splitlines()[0] if reason else ''}")
     print(f"\nresults: {output_dir / 'results.json'}")
@@ -679,6 +926,43 @@ def run_notes(policies: dict[str, dict[str, Any]]) -> list[str]:
                 f"{KV_AWARE_PYTHONHASHSEED} and byte-form KV-event hashes (its documented tested "
                 f"setup); every other run used {DEFAULT_HASH_ALGO} with integer event hashes.")
     return notes
+
+
+def verdict_lines(results: dict[str, Any]) -> list[str]:
+    """The closing lines: which runs can be trusted and why not, what to do, and (with
+    repeats) whether the ranking by TTFT p50 held in every round."""
+    policies = results["policies"]
+    bad = {label: m["untrusted_reason"] for label, m in policies.items() if not m.get("trusted")}
+    lines = []
+    if not policies:
+        return lines
+    if bad:
+        lines.append(f"NOT TRUSTED: {len(bad)} of {len(policies)} rows. The host was too busy for "
+                     "this comparison: the emulated GPUs fell behind their own schedule or every "
+                     "process waited for a CPU core, so those latencies include waits a real "
+                     "fleet would not have, and their ranking may be wrong. Do not quote them.")
+        for label, reason in bad.items():
+            lines.append(f"  {label}: {reason}")
+        lines.append("  What to do: stop other work on this machine and run again; or lower the "
+                     "load (--speedup and --time-scale, fewer --replicas); --repeat N shows the "
+                     "spread.")
+    else:
+        lines.append(f"trusted: every row (emulator lag p99 <= {TRUST_LAG_P99_S * 1000:.0f} ms and "
+                     f"max <= {TRUST_LAG_MAX_S:.0f} s, machine <= {TRUST_MACHINE_BUSY:.0%} busy, "
+                     f"replayer on time within {TRUST_SEND_LAG_S * 1000:.0f} ms).")
+    rank = results.get("ranking") or {}
+    if results.get("repeat", 1) > 1 and rank.get("orders"):
+        if rank["held"]:
+            lines.append(f"ranking by TTFT p50 held in all {len(rank['orders'])} rounds: "
+                         + " < ".join(rank["orders"][0]))
+        else:
+            lines.append("ranking by TTFT p50 did NOT hold in every round:")
+            lines.extend(f"  round {i + 1}: " + " < ".join(order)
+                         for i, order in enumerate(rank["orders"]))
+    prio = next((m.get("priority") for m in policies.values() if m.get("priority")), None)
+    if prio:
+        lines.append(f"priority: {prio['note']}")
+    return lines
 
 
 def argv_is_cli() -> bool:

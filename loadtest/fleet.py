@@ -49,6 +49,11 @@ SGLANG = "sglang"
 VLLM_ROUTER = "vllm-router"
 
 _LAUNCH = "import sys; from {module} import main; sys.exit(main(sys.argv[1:]))"
+# The emulated GPUs come first: a real GPU does not slow down when the router's host is busy,
+# so the process standing in for them runs at a higher priority than the router stack, the peers
+# and the replayer (all at the default 0), the same for every run. Lowering a nice value needs
+# CAP_SYS_NICE (root has it); without it the emulator stays at 0 and Fleet.priority says so.
+EMULATOR_NICE = -10
 _PR_SET_PDEATHSIG = 1
 
 
@@ -93,6 +98,7 @@ class FleetConfig:
     emulator_args: tuple[str, ...] = ()
     router_args: tuple[str, ...] = ()
     worker_args: tuple[str, ...] = ()
+    emulator_priority: bool = True  # run the emulator at EMULATOR_NICE where allowed
 
     def __post_init__(self) -> None:
         if self.replicas < 1:
@@ -124,6 +130,28 @@ def _set_pdeathsig() -> None:  # runs in the child between fork and exec
     with contextlib.suppress(Exception):
         libc = ctypes.CDLL("libc.so.6", use_errno=True)
         libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+def _set_pdeathsig_and_priority() -> None:  # the emulator's child, between fork and exec
+    _set_pdeathsig()
+    # Before exec, so every thread the emulator starts inherits it. The child already has a
+    # session (and so, with CONFIG_SCHED_AUTOGROUP, a scheduling group) of its own: nice alone
+    # only ranks threads inside one group, the group's own nice ranks it against the others.
+    with contextlib.suppress(OSError):
+        os.setpriority(os.PRIO_PROCESS, 0, EMULATOR_NICE)
+    with contextlib.suppress(OSError), open("/proc/self/autogroup", "w") as f:
+        f.write(str(EMULATOR_NICE))
+
+
+def process_priority(pid: int) -> dict[str, int | None]:
+    """The nice value of ``pid`` and of its autogroup (None where the OS does not say)."""
+    out: dict[str, int | None] = {"nice": None, "autogroup_nice": None}
+    with contextlib.suppress(OSError):
+        out["nice"] = os.getpriority(os.PRIO_PROCESS, pid)
+    with contextlib.suppress(OSError, ValueError, IndexError):
+        # "/autogroup-123 nice -10"
+        out["autogroup_nice"] = int(Path(f"/proc/{pid}/autogroup").read_text().split()[-1])
+    return out
 
 
 def python_entry(module: str) -> list[str]:
@@ -169,6 +197,7 @@ class Fleet:
         self._redis: RedisServer | None = None
         self._procs: list[_Proc] = []  # start order
         self._stopped = False
+        self.priority: dict[str, Any] = {}
         self._env = dict(os.environ)
         if config.python_hash_seed is not None:
             self._env["PYTHONHASHSEED"] = config.python_hash_seed
@@ -260,7 +289,7 @@ class Fleet:
             tail = proc.log_path.read_text(errors="replace")[-2000:]
         return f" (log {proc.log_path}):\n{tail}"
 
-    def _spawn(self, name: str, args: Sequence[str]) -> _Proc:
+    def _spawn(self, name: str, args: Sequence[str], prioritised: bool = False) -> _Proc:
         log_path: Path | None = None
         log_file: IO[bytes] | None = None
         if self.config.log_dir is not None:
@@ -273,7 +302,8 @@ class Fleet:
         popen = subprocess.Popen(
             list(args), env=self._env, stdout=out, stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL, start_new_session=True,
-            preexec_fn=_set_pdeathsig if sys.platform.startswith("linux") else None)
+            preexec_fn=(None if not sys.platform.startswith("linux")
+                        else _set_pdeathsig_and_priority if prioritised else _set_pdeathsig))
         proc = _Proc(name, popen, log_path, log_file)
         self._procs.append(proc)
         return proc
@@ -320,7 +350,9 @@ class Fleet:
             args += ["--num-gpu-blocks-override", str(cfg.num_gpu_blocks)]
         args += list(cfg.emulator_args)
         self.progress(f"starting emulator ({cfg.replicas} replicas)")
-        proc = self._spawn("emulator", args)
+        proc = self._spawn("emulator", args, prioritised=cfg.emulator_priority)
+        self.priority = self._describe_priority(proc.popen.pid)
+        self.progress(f"emulator priority: {self.priority['note']}")
 
         def read_ready() -> dict[str, Any] | None:
             if not ready.exists():
@@ -340,6 +372,22 @@ class Fleet:
                              f"expected {cfg.replicas}")
         with contextlib.suppress(OSError):
             ready.unlink()
+
+    def _describe_priority(self, pid: int) -> dict[str, Any]:
+        got = process_priority(pid)
+        wanted = self.config.emulator_priority
+        if not wanted:
+            note = "not changed (emulator_priority off): every process at the default"
+        elif got["nice"] == EMULATOR_NICE and got["autogroup_nice"] in (None, EMULATOR_NICE):
+            note = (f"emulator at nice {EMULATOR_NICE} (autogroup "
+                    f"{got['autogroup_nice'] if got['autogroup_nice'] is not None else 'n/a'}), "
+                    "router stack, peers and replayer at their default")
+        else:
+            note = (f"could not raise the emulator's priority (nice {got['nice']}, autogroup "
+                    f"{got['autogroup_nice']}; needs CAP_SYS_NICE, e.g. root): every process at "
+                    "the default, so a busy host slows the emulated GPUs too")
+        return {"requested": wanted, "emulator_nice": got["nice"],
+                "emulator_autogroup_nice": got["autogroup_nice"], "note": note}
 
     def _start_workers(self) -> None:
         cfg = self.config

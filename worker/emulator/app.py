@@ -12,15 +12,18 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import logging
+import math
 import os
 import signal
 import time
 import uuid
+from collections import deque
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Final
+from typing import Annotated, Any, Final
 
 import msgspec
 import zmq
@@ -49,6 +52,8 @@ from worker.emulator.scheduler import (
 from worker.emulator.tokenizer import SharedTokenizer, TokenizerError
 
 logger = logging.getLogger(__name__)
+
+STREAM_INTERVAL_S: Final = DEFAULT_STREAM_INTERVAL_S  # wall seconds between a stream's writes
 
 MAX_CACHE_SALT_CHARS: Final = 128  # vLLM validate_cache_salt
 FORBIDDEN_SALT_CHARS: Final = ("@", "/", "\\", "\x00")
@@ -116,6 +121,25 @@ def _is_token_list(value: Any) -> bool:
         type(t) is int for t in value)
 
 
+@functools.cache
+def _valid_ids_type(vocab_size: int) -> Any:
+    """``list[int]`` with every id in ``[0, vocab_size)``, for msgspec.convert (one pass in C)."""
+    return list[Annotated[int, msgspec.Meta(ge=0, lt=vocab_size)]]
+
+
+def valid_token_ids(value: Any, vocab_size: int) -> bool:
+    """True if ``value`` is a non-empty list of ints in ``[0, vocab_size)`` (bools and floats
+    are not ints). The common case, checked in C; the caller falls back to the per-item checks
+    below for the error message when it is False."""
+    if not isinstance(value, list) or not value:
+        return False
+    try:
+        msgspec.convert(value, _valid_ids_type(vocab_size), strict=True)
+    except msgspec.ValidationError:
+        return False
+    return True
+
+
 @dataclass(slots=True)
 class Sequence_:
     """One generated sequence of an HTTP request (a choice)."""
@@ -138,8 +162,13 @@ class HttpState:
 
 @dataclass(slots=True)
 class Sink:
+    """Where one sequence's outputs go: its HTTP request's state and its choice index, with
+    the tokens generated but not yet handed over (``pending``) and when it last got some."""
+
     state: HttpState
     index: int
+    pending: int = 0
+    delivered_at: float = -math.inf  # loop time
 
 
 @dataclass(slots=True)
@@ -183,7 +212,7 @@ class Replica:
              "gpu_memory_utilization": "0.9",
              "engine": "0"},
             lambda: len(self.scheduler.running),
-            lambda: len(self.scheduler.waiting),
+            lambda: len(self.scheduler.waiting) + len(self._arrivals),
             lambda: self.pool.usage,
         )
         self.publisher: KVEventPublisher | None = None
@@ -198,6 +227,10 @@ class Replica:
                 topic=ev.topic, buffer_steps=ev.buffer_steps, hwm=ev.hwm,
                 int_block_hashes=config.int_block_hashes), zmq_ctx)
         self._waiter: asyncio.Future[None] | None = None
+        # Requests that arrived (loop time) but are not yet the scheduler's, because the engine
+        # clock has not reached their arrival (see _engine_loop).
+        self._arrivals: deque[tuple[float, Request]] = deque()
+        self.clock = 0.0  # engine time in loop-time seconds; set when the engine starts
         self._engine_task: asyncio.Task[None] | None = None
         self._last_queries = 0
         self._last_hits = 0
@@ -227,6 +260,9 @@ class Replica:
     async def _sleep_until(self, deadline: float | None, interruptible: bool) -> None:
         loop = asyncio.get_running_loop()
         if deadline is not None and deadline <= loop.time():
+            # Behind schedule: no sleep, but still yield once, so HTTP handlers (deliveries,
+            # new arrivals) run between the steps the engine runs back to back to catch up.
+            await asyncio.sleep(0)
             return
         fut: asyncio.Future[None] = loop.create_future()
         handle = None
@@ -242,49 +278,78 @@ class Replica:
             if self._waiter is fut:
                 self._waiter = None
 
+    def _admit_arrivals(self, clock: float) -> None:
+        """Hand the scheduler the requests that had arrived by engine time ``clock``.
+
+        A request that arrived after the engine's current step started (in engine time) must
+        not join it, even when the process runs that step late: the emulated GPU would not
+        have seen it yet.
+        """
+        arrivals = self._arrivals
+        while arrivals and arrivals[0][0] <= clock:
+            _, request = arrivals.popleft()
+            if request.finished is None:  # aborted while it waited here
+                self.scheduler.add_request(request)
+
     async def _engine_loop(self) -> None:
+        """Run the engine on its own clock (``self.clock``, loop-time seconds).
+
+        A step of ``d`` engine seconds ends ``d / time_scale`` after it started on that clock,
+        not after the process got around to it: when the host keeps the process from running
+        (a busy machine, SIGSTOP), the steps that fell due meanwhile run back to back until the
+        clock has caught up with wall time, so the emulated GPU's capacity is never lost, only
+        its outputs are delivered late. How late each step started is the lag
+        (``emulator_engine_lag_seconds``); idle time is skipped, not caught up.
+        """
         loop = asyncio.get_running_loop()
         scheduler = self.scheduler
         scale = self.config.time_scale
-        deadline = loop.time()
+        self.clock = loop.time()
         while True:
             try:
+                self._admit_arrivals(self.clock)
                 if not scheduler.has_work():
+                    if self._arrivals:  # idle until the next arrival, in engine time
+                        self.clock = max(self.clock, self._arrivals[0][0])
+                        continue
                     await self._sleep_until(None, interruptible=True)
-                    deadline = loop.time()
+                    self.clock = max(self.clock, loop.time())
                     continue
                 step = scheduler.schedule()
                 if step is None:
                     # Nothing fits even in an empty pool (cannot happen within max_model_len).
                     request = scheduler.waiting.popleft()
                     request.finished = FinishReason.ABORT
-                    self._deliver([RequestOutput(request, 0, FinishReason.ABORT)], loop.time())
+                    self._deliver([RequestOutput(request, 0, FinishReason.ABORT)], self.clock)
                     continue
-                now = loop.time()
-                deadline = max(deadline, now)
+                start = self.clock
+                self.metrics.observe_lag(loop.time() - start)
                 repeats = 1
                 if step.max_repeat == 1:
-                    deadline += step.durations_s[0] / scale
-                    await self._sleep_until(deadline, interruptible=False)
+                    end = start + step.durations_s[0] / scale
+                    await self._sleep_until(end, interruptible=False)
                 else:
                     ends: list[float] = []
-                    t = deadline
+                    t = start
                     for d in step.durations_s:
                         t += d / scale
                         ends.append(t)
                     await self._sleep_until(ends[-1], interruptible=True)
+                    # Woken early by an arrival: stop the decode burst after the steps that
+                    # had ended by then; the newcomer joins the next step.
                     now = loop.time()
                     repeats = sum(1 for e in ends if e <= now)
                     if repeats == 0:
                         repeats = 1
                         await self._sleep_until(ends[0], interruptible=False)
-                    deadline = ends[repeats - 1]
+                    end = ends[repeats - 1]
+                self.clock = end
                 outputs = scheduler.complete(step, repeats)
                 if self.publisher is not None:
                     self.publisher.publish(self.pool.take_events())
                 if step.num_preempted:
                     self.metrics.num_preemptions.inc(step.num_preempted)
-                self._deliver(outputs, loop.time())
+                self._deliver(outputs, end)
             except asyncio.CancelledError:
                 raise
             except Exception:
@@ -292,6 +357,8 @@ class Replica:
                 await asyncio.sleep(0.01)
 
     def _deliver(self, outputs: list[RequestOutput], now: float) -> None:
+        """Hand each request its new tokens; ``now`` is the engine time (clock) of the step's
+        end, so the engine's own latency metrics say what the emulated GPU would report."""
         stats = self.kv.stats
         metrics = self.metrics
         if stats.queries != self._last_queries:
@@ -299,13 +366,17 @@ class Replica:
             metrics.prefix_cache_hits.inc(stats.hits - self._last_hits)
             self._last_queries, self._last_hits = stats.queries, stats.hits
         scale = self.config.time_scale
+        wall = asyncio.get_running_loop().time()
         generated = 0
         for out in outputs:
             sink: Sink = out.request.sink
             state = sink.state
+            first = False
             if out.num_new_tokens:
                 generated += out.num_new_tokens
+                sink.pending += out.num_new_tokens
                 if sink.index not in state.first_token_at:
+                    first = True
                     state.first_token_at[sink.index] = now
                     metrics.ttft.observe((now - state.arrival) * scale)
                     metrics.prompt_tokens.inc(out.request.num_prompt_tokens)
@@ -313,8 +384,16 @@ class Replica:
             if out.finished is not None:
                 metrics.request_success[out.finished.value].inc()
                 metrics.e2e_latency.observe((now - state.arrival) * scale)
-            if out.num_new_tokens or out.finished is not None:
-                state.queue.put_nowait((sink.index, out.num_new_tokens, out.finished))
+            # The first token and the end go out at once; tokens in between at most once per
+            # stream interval (wall time), several in one SSE write, as vLLM's output collector
+            # merges the outputs a slow reader has not taken yet. 8 emulated GPUs at 10x speed
+            # make 80x one GPU's steps per second: one write per step per request would cost
+            # this process more than everything else it does.
+            if first or out.finished is not None or (
+                    sink.pending and wall - sink.delivered_at >= STREAM_INTERVAL_S):
+                state.queue.put_nowait((sink.index, sink.pending, out.finished))
+                sink.pending = 0
+                sink.delivered_at = wall
         if generated:
             metrics.generation_tokens.inc(generated)
 
@@ -431,6 +510,9 @@ class Replica:
         if "prompt" not in data or data["prompt"] is None:
             raise bad_request("prompt is required", "prompt")
         prompt = data["prompt"]
+        if isinstance(prompt, list) and prompt and type(prompt[0]) is int and valid_token_ids(
+                prompt, await self._vocab_size()):
+            return [prompt]  # one valid token-id prompt: the common case, checked in C
         add_special = data.get("add_special_tokens", True)
         items: list[Any]
         if isinstance(prompt, str) or _is_token_list(prompt):
@@ -538,7 +620,7 @@ class Replica:
                     cache_salt=params.cache_salt, block_hashes=list(hashes))
                 request.sink = Sink(state, index)
                 seqs.append(Sequence_(index, request))
-                self.scheduler.add_request(request)
+                self._arrivals.append((state.arrival, request))
         self._wake()
         return state, seqs
 
@@ -879,6 +961,23 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     logging.basicConfig(level=config.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    profile_path = os.environ.get("PREFIX_EMULATOR_PROFILE")
+    if profile_path:
+        # A deterministic CPU profile of the whole emulator process, written at shutdown; for
+        # finding the emulator's own costs (wall-clock samplers mislead on a busy machine).
+        import cProfile
+
+        profiler = cProfile.Profile()
+        profiler.enable()
+        try:
+            return _run(config)
+        finally:
+            profiler.disable()
+            profiler.dump_stats(profile_path)
+    return _run(config)
+
+
+def _run(config: EmulatorConfig) -> int:
     try:
         import uvloop
 

@@ -19,6 +19,10 @@ TTFT_BUCKETS_S: Final = (
     0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
     10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0,
 )  # vLLM 0.33 vllm:time_to_first_token_seconds buckets
+LAG_BUCKETS_S: Final = (
+    0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0,
+)  # emulator only: wall seconds a step started behind the engine's own clock
+LATE_STEP_S: Final = 0.001  # a step that starts more than this behind schedule counts as late
 REQUEST_LATENCY_BUCKETS_S: Final = (
     0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
     120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0,
@@ -80,9 +84,36 @@ class ReplicaMetrics:
               names, registry=reg).labels(**labels).set_function(num_waiting)
         Gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.",
               names, registry=reg).labels(**labels).set_function(kv_usage)
+        # Emulator only (no vLLM counterpart): how far the engine runs behind its own clock
+        # because the host did not let the process run; wall seconds, per step.
+        self.engine_lag = Histogram(
+            "emulator_engine_lag_seconds",
+            "Wall seconds each engine step started behind the engine's own schedule.",
+            names, buckets=LAG_BUCKETS_S, registry=reg,
+        ).labels(**labels)
+        self.engine_late_steps = counter(
+            "emulator_engine_late_steps",
+            f"Engine steps that started more than {LATE_STEP_S * 1000:g} ms behind schedule.",
+        ).labels(**labels)
+        self.engine_lag_max = Gauge(
+            "emulator_engine_lag_max_seconds",
+            "Largest lag of any engine step since the replica started (wall seconds).",
+            names, registry=reg,
+        ).labels(**labels)
+        self._lag_max = 0.0
         info_labels = sorted(cache_config)
         Gauge("vllm:cache_config_info", "Information of the LLMEngine CacheConfig",
               info_labels, registry=reg).labels(**cache_config).set(1)
+
+    def observe_lag(self, lag_s: float) -> None:
+        """Record one engine step's start lag in wall seconds (negative: on time, counts 0)."""
+        lag_s = max(lag_s, 0.0)
+        self.engine_lag.observe(lag_s)
+        if lag_s > LATE_STEP_S:
+            self.engine_late_steps.inc()
+        if lag_s > self._lag_max:
+            self._lag_max = lag_s
+            self.engine_lag_max.set(lag_s)
 
     def exposition(self) -> bytes:
         """The text exposition format (``/metrics`` body)."""

@@ -9,9 +9,12 @@ and then the end marker ``[b"", b"", -1 as signed 8 bytes, b""]``. Sockets bind
 when the endpoint contains ``*`` or ``::`` or is ``ipc://``/``inproc://`` and
 connect otherwise; ``*`` binds on the emulator's ``--host``.
 
-The PUB socket is a plain (non-blocking) socket used from the event loop: a PUB
-send never blocks (messages beyond the high-water mark are dropped, as in
-vLLM); the ROUTER socket is served by one asyncio task.
+The PUB socket is a plain (non-blocking) socket owned by one sender thread, as in
+vLLM (whose publisher thread takes batches from a queue): a PUB send never blocks on
+the subscriber (messages beyond the high-water mark are dropped, as in vLLM), but each
+send wakes ZMQ's I/O thread, and on a busy host the sending thread then waits for a
+core; that wait must not stall the engine's steps. The ROUTER socket is served by one
+asyncio task.
 """
 
 from __future__ import annotations
@@ -19,6 +22,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import queue
+import threading
 import time
 from collections import deque
 from collections.abc import Sequence
@@ -73,11 +78,14 @@ def to_wire_events(events: Sequence[KVEvent], int_block_hashes: bool) -> list[An
     def conv(digest: bytes) -> int | bytes:
         return block_key(digest) if int_block_hashes else digest
 
+    from_bytes = int.from_bytes  # block_key inlined below: this loop sees every block twice
     out: list[Any] = []
     for event in events:
         if isinstance(event, BlocksStored):
+            hashes = event.block_hashes
             out.append(BlockStored(
-                block_hashes=[conv(h) for h in event.block_hashes],
+                block_hashes=([from_bytes(h[-8:], "big") for h in hashes] if int_block_hashes
+                              else list(hashes)),
                 parent_block_hash=None if event.parent_block_hash is None
                 else conv(event.parent_block_hash),
                 token_ids=event.token_ids,
@@ -116,6 +124,8 @@ class KVEventPublisher:
         self.endpoint: str = config.endpoint
         self.replay_endpoint: str | None = config.replay_endpoint
         self.num_batches = 0
+        self._outbox: queue.SimpleQueue[tuple[bytes, bytes] | None] = queue.SimpleQueue()
+        self._sender: threading.Thread | None = None
 
     def start(self) -> None:
         try:
@@ -125,6 +135,9 @@ class KVEventPublisher:
             pub.setsockopt(zmq.LINGER, 0)
             self._pub = pub  # (kept before binding, so close() also closes a socket that failed)
             self.endpoint = _attach(pub, self.config.endpoint, self.config.bind)
+            self._sender = threading.Thread(target=self._send_loop, args=(pub,),
+                                            name="kv-events-pub", daemon=True)
+            self._sender.start()
             if self.config.replay_endpoint:
                 replay = self._actx.socket(zmq.ROUTER)
                 replay.setsockopt(zmq.SNDHWM, 2 * (self.config.buffer_steps + 1))
@@ -157,11 +170,22 @@ class KVEventPublisher:
         seq = self._seq
         self._seq += 1
         self._buffer.append((seq, payload))
-        try:
-            self._pub.send_multipart((self._topic, seq_bytes(seq), payload), flags=zmq.NOBLOCK)
-        except zmq.Again:
-            logger.warning("KV events PUB send dropped batch %d (high-water mark)", seq)
+        self._outbox.put((seq_bytes(seq), payload))
         self.num_batches += 1
+
+    def _send_loop(self, pub: zmq.Socket[Any]) -> None:
+        """The sender thread: the only user of the PUB socket once started."""
+        topic = self._topic
+        while (item := self._outbox.get()) is not None:
+            try:
+                pub.send_multipart((topic, *item), flags=zmq.NOBLOCK)
+            except zmq.Again:
+                logger.warning("KV events PUB send dropped batch %d (high-water mark)",
+                               int.from_bytes(item[0], "big"))
+            except zmq.ZMQError as exc:
+                logger.warning("KV events PUB send failed: %s", exc)
+                if exc.errno == zmq.ETERM:
+                    return
 
     async def _serve_replay(self) -> None:
         assert self._replay is not None
@@ -192,6 +216,10 @@ class KVEventPublisher:
                 logger.warning("KV events replay send failed: %s", exc)
 
     def close(self) -> None:
+        if self._sender is not None:
+            self._outbox.put(None)  # after every batch already queued
+            self._sender.join(timeout=5)
+            self._sender = None
         if self._replay_task is not None:
             self._replay_task.cancel()
             self._replay_task = None

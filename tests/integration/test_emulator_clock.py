@@ -1,0 +1,92 @@
+"""The emulator keeps its own engine clock: a process the host stops for a while (SIGSTOP, as a
+busy machine does to it in smaller doses) completes the same work by the same engine time once
+it runs again, and its lag metric shows the stall. Real ``prefix-worker emulate`` processes."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+
+from loadtest.compare import LagHistogram
+from loadtest.compare import parse_metrics as sum_samples
+from tests.helpers import start_process, stop_process, wait_for
+
+pytestmark = pytest.mark.timeout(120)
+
+STALL_S = 2.5  # longer than the work: it ends while the process is stopped
+STALL_AT_S = 0.3
+NUM_REQUESTS = 4
+PROMPT_TOKENS = 2048
+MAX_TOKENS = 256  # 8B profile, H100: ~1.8 engine s for the whole batch at time scale 1
+
+
+def _start(tmp_path: Path, name: str) -> tuple[subprocess.Popen[bytes], str]:
+    ready = tmp_path / f"{name}.json"
+    proc = start_process([sys.executable, "-m", "worker.cli", "emulate", "--port", "0",
+                          "--time-scale", "1", "--ready-file", str(ready)])
+    wait_for(ready.exists, timeout_s=30, message="emulator ready file")
+    return proc, json.loads(ready.read_text())["replicas"][0]["url"]
+
+
+async def _run(url: str, stall: subprocess.Popen[bytes] | None) -> dict[str, Any]:
+    """Send the batch at once; optionally stop the process for STALL_S while it works."""
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as session:
+        async def one(i: int) -> float:
+            body = {"prompt": [(i * 7919 + k) % 150000 + 1 for k in range(PROMPT_TOKENS)],
+                    "max_tokens": MAX_TOKENS, "ignore_eos": True}
+            async with session.post(url + "/v1/completions", json=body) as resp:
+                assert resp.status == 200, await resp.text()
+                await resp.read()
+            return time.monotonic()
+
+        t0 = time.monotonic()
+        tasks = [asyncio.create_task(one(i)) for i in range(NUM_REQUESTS)]
+        if stall is not None:
+            await asyncio.sleep(STALL_AT_S)
+            os.kill(stall.pid, signal.SIGSTOP)
+            await asyncio.sleep(STALL_S)
+            os.kill(stall.pid, signal.SIGCONT)
+        done = await asyncio.gather(*tasks)
+        async with session.get(url + "/metrics") as resp:
+            text = await resp.text()
+    sums = sum_samples(text, ("vllm:e2e_request_latency_seconds_sum",
+                              "vllm:e2e_request_latency_seconds_count"))
+    return {"wall_s": max(done) - t0,
+            "engine_e2e_s": sums["vllm:e2e_request_latency_seconds_sum"],
+            "count": sums["vllm:e2e_request_latency_seconds_count"],
+            "lag": LagHistogram.parse(text)}
+
+
+def test_a_stopped_engine_catches_up_on_its_own_clock(tmp_path: Path) -> None:
+    quiet_proc, quiet_url = _start(tmp_path, "quiet")
+    stalled_proc, stalled_url = _start(tmp_path, "stalled")
+    try:
+        quiet = asyncio.run(_run(quiet_url, None))
+        stalled = asyncio.run(_run(stalled_url, stalled_proc))
+    finally:
+        stop_process(quiet_proc)
+        stop_process(stalled_proc)
+    assert quiet["count"] == stalled["count"] == NUM_REQUESTS
+    # The stall begins inside the work and outlasts it.
+    assert STALL_AT_S + 0.5 < quiet["engine_e2e_s"] / NUM_REQUESTS < STALL_AT_S + STALL_S
+    # Clients saw the stall (nothing could be answered while the process was stopped)...
+    assert stalled["wall_s"] >= STALL_AT_S + STALL_S
+    # ...but the engine lost no capacity: the same work ended at the same engine time (it
+    # would be about STALL_S - STALL_AT_S per request later if a late step restarted the clock
+    # at "now").
+    per_request_gap = (stalled["engine_e2e_s"] - quiet["engine_e2e_s"]) / NUM_REQUESTS
+    assert abs(per_request_gap) < 0.2, (quiet, stalled)
+    # The lag metric shows the stall, and a quiet engine keeps time.
+    assert stalled["lag"].max_s >= 0.8 * STALL_S
+    assert stalled["lag"].count > 0 and quiet["lag"].count > 0
+    assert quiet["lag"].max_s < 0.5 * STALL_S
