@@ -723,7 +723,10 @@ def ranking(rounds: Sequence[dict[str, dict[str, Any]]]) -> dict[str, Any]:
     the same in every round (only policies measured in every round are ranked)."""
     common = [label for label in (rounds[0] if rounds else {})
               if all(label in rnd and rnd[label].get("ttft_p50_s") is not None for rnd in rounds)]
-    orders = [sorted(common, key=lambda lb, rnd=rnd: rnd[lb]["ttft_p50_s"]) for rnd in rounds]
+    def order(rnd: dict[str, dict[str, Any]]) -> list[str]:
+        return sorted(common, key=lambda label: float(rnd[label]["ttft_p50_s"]))
+
+    orders = [order(rnd) for rnd in rounds]
     return {"by": "ttft_p50_s", "orders": orders,
             "held": bool(orders) and all(o == orders[0] for o in orders)}
 
@@ -933,7 +936,7 @@ def verdict_lines(results: dict[str, Any]) -> list[str]:
     repeats) whether the ranking by TTFT p50 held in every round."""
     policies = results["policies"]
     bad = {label: m["untrusted_reason"] for label, m in policies.items() if not m.get("trusted")}
-    lines = []
+    lines: list[str] = []
     if not policies:
         return lines
     if bad:
