@@ -111,6 +111,15 @@ def _digester(hash_algo: str) -> Callable[[bytes], bytes]:
     return lambda data: hashlib.sha256(data).digest()
 
 
+def _object_hasher(hash_algo: str) -> Callable[[Any], bytes]:
+    """serialise-then-digest as one call: the chain loop runs it once per block."""
+    if hash_algo == "sha256":  # vLLM's default, so the one worth a call level less
+        dumps, sha256 = pickle.dumps, hashlib.sha256
+        return lambda obj: sha256(dumps(obj, protocol=_PICKLE_PROTOCOL)).digest()
+    serialise, digest = _serialiser(hash_algo), _digester(hash_algo)
+    return lambda obj: digest(serialise(obj))
+
+
 def block_extra_keys(
     block_start: int,
     block_end: int,
@@ -145,7 +154,8 @@ class BlockHasher:
     Instances are immutable and thread-safe.
     """
 
-    __slots__ = ("_digest", "_serialise", "block_size", "hash_algo", "none_hash", "seed")
+    __slots__ = ("_digest", "_hash_object", "_serialise", "block_size", "hash_algo", "none_hash",
+                 "seed")
 
     def __init__(
         self,
@@ -160,6 +170,7 @@ class BlockHasher:
         self.seed = resolve_seed(hash_algo, seed)
         self._serialise = _serialiser(hash_algo)
         self._digest = _digester(hash_algo)
+        self._hash_object = _object_hasher(hash_algo)
         self.none_hash: bytes = self._digest(self._serialise(self.seed))
 
     @property
@@ -202,19 +213,24 @@ class BlockHasher:
         out: list[bytes] = []
         if start_block >= end_block:
             return out
-        serialise, digest = self._serialise, self._digest
+        hash_object = self._hash_object
         prev = parent or self.none_hash
-        plain = lora is None and not mm_items
-        for index in range(start_block, end_block):
-            start = index * size
-            if plain and (index or not cache_salt):
-                extra: tuple[Any, ...] | None = None
-            else:
+        append = out.append
+        index = start_block
+        if lora is not None or mm_items or (cache_salt and start_block == 0):
+            # blocks with extra keys: the first (cache_salt), or all of them (LoRA, mm items)
+            last_extra = end_block if lora is not None or mm_items else start_block + 1
+            for index in range(start_block, last_extra):
+                start = index * size
                 extra = block_extra_keys(
                     start, start + size, lora=lora, mm_items=mm_items, cache_salt=cache_salt
                 )
-            prev = digest(serialise((prev, tuple(tokens[start : start + size]), extra)))
-            out.append(prev)
+                prev = hash_object((prev, tuple(tokens[start : start + size]), extra))
+                append(prev)
+            index = last_extra
+        for start in range(index * size, end_block * size, size):  # no extra keys
+            prev = hash_object((prev, tuple(tokens[start : start + size]), None))
+            append(prev)
         return out
 
     def keys(self, tokens: Sequence[int], **kwargs: Any) -> list[int]:

@@ -100,6 +100,11 @@ def encode_batch(batch: KVEventBatch) -> bytes:
     return _encoder.encode(batch)
 
 
+def encode_event(event: KVCacheEvent) -> bytes:
+    """msgpack of one event as it appears inside a batch's event list."""
+    return _encoder.encode(event)
+
+
 def seq_bytes(seq: int) -> bytes:
     """The 8-byte big-endian sequence frame."""
     return _SEQ.pack(seq)

@@ -4,6 +4,7 @@ byte for byte (``vectors/vllm-kv-event-frames.json``), live and through the repl
 from __future__ import annotations
 
 import asyncio
+import random
 from typing import Any
 
 import pytest
@@ -13,7 +14,14 @@ import zmq.asyncio
 from router.hashing import BlockHasher
 from tests.conftest import load_vectors
 from worker.emulator.kv_cache import BlockEvicted, BlocksStored, CacheCleared
-from worker.emulator.publisher import KVEventPublisher, PublisherConfig
+from worker.emulator.publisher import KVEventPublisher, PublisherConfig, to_wire_events
+from worker.kv_events import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    KVEventBatch,
+    encode_batch,
+)
 
 
 def vector_events() -> list[Any]:
@@ -111,3 +119,50 @@ async def test_replay_from_a_later_seq_and_buffer_steps() -> None:
         dealer.close(linger=0)
         publisher.close()
         ctx.term()
+
+
+def _struct_events(events: list[Any], int_hashes: bool) -> list[Any]:
+    """The same events as plain msgspec structs (what vLLM's publisher encodes)."""
+    def conv(digest: bytes) -> int | bytes:
+        return int.from_bytes(digest[-8:], "big") if int_hashes else digest
+
+    out: list[Any] = []
+    for e in events:
+        if isinstance(e, BlockEvicted):
+            out.append(BlockRemoved(block_hashes=[conv(e.block_hash)], medium="GPU", group_idx=0))
+        elif isinstance(e, BlocksStored):
+            out.append(BlockStored(
+                block_hashes=[conv(h) for h in e.block_hashes],
+                parent_block_hash=None if e.parent_block_hash is None else conv(
+                    e.parent_block_hash),
+                token_ids=e.token_ids, block_size=e.block_size, lora_id=e.lora_id, medium="GPU",
+                lora_name=e.lora_name, extra_keys=e.extra_keys, group_idx=0))
+        else:
+            out.append(AllBlocksCleared())
+    return out
+
+
+@pytest.mark.parametrize("int_hashes", [True, False])
+def test_pre_encoded_events_are_the_structs_bytes(int_hashes: bool) -> None:
+    """to_wire_events writes int hashes as pre-encoded msgpack: the batch must still be byte
+    for byte what encoding the structs gives, for runs across msgpack's array-size forms and for
+    the rare keys below 2**32 that msgpack packs shorter."""
+    rng = random.Random(7)
+
+    def digest(small: bool = False) -> bytes:
+        raw = rng.randbytes(32)
+        return raw[:24] + b"\0\0\0\0" + raw[28:] if small else raw
+
+    events: list[Any] = [CacheCleared()]
+    for n in (1, 15, 16, 17, 65535, 65536):
+        hashes = [digest(small=(n == 17 and i == 5)) for i in range(n)]
+        events.append(BlocksStored(block_hashes=hashes, parent_block_hash=digest() if n > 1
+                                   else None, token_ids=list(range(4 * n)), block_size=4,
+                                   lora_id=None, lora_name=None, extra_keys=None))
+        events.append(BlockEvicted(hashes[0]))
+    events.append(BlockEvicted(digest(small=True)))
+    fast = encode_batch(KVEventBatch(ts=2.5, events=to_wire_events(events, int_hashes),
+                                     data_parallel_rank=0))
+    plain = encode_batch(KVEventBatch(ts=2.5, events=_struct_events(events, int_hashes),
+                                      data_parallel_rank=0))
+    assert fast == plain

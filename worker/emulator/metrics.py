@@ -13,7 +13,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Final
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.openmetrics import exposition as openmetrics
+from prometheus_client.utils import floatToGoString
 
 TTFT_BUCKETS_S: Final = (
     0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
@@ -41,6 +43,7 @@ class ReplicaMetrics:
         kv_usage: Callable[[], float],
     ) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
+        self._text = TextExposition()
         labels = {"model_name": model_name, "engine": "0"}
         names = ["model_name", "engine"]
         reg = self.registry
@@ -116,5 +119,81 @@ class ReplicaMetrics:
             self.engine_lag_max.set(lag_s)
 
     def exposition(self) -> bytes:
-        """The text exposition format (``/metrics`` body)."""
-        return generate_latest(self.registry)
+        """The text exposition format (``/metrics`` body), byte for byte what
+        ``prometheus_client.generate_latest`` gives (``TextExposition``)."""
+        return self._text.render(self.registry)
+
+
+
+_OM_SUFFIXES: Final = ("_created", "_gsum", "_gcount")
+_TYPES: Final = {"counter": "counter", "info": "gauge", "stateset": "gauge",
+                 "gaugehistogram": "histogram", "unknown": "untyped"}
+_ESCAPING: Final = openmetrics.UNDERSCORES  # generate_latest's default
+
+
+def _escape_label_value(value: str) -> str:
+    """Label values allow UTF-8; backslash, newline and double quote are escaped (the library's
+    ``_escape`` with ``ALLOWUTF8``)."""
+    return value.replace("\\", r"\\").replace("\n", r"\n").replace('"', r'\"')
+
+
+class TextExposition:
+    """``prometheus_client.generate_latest``'s text format with the escaped names and label
+    sets of each series worked out once and kept: the library escapes and validates every
+    label of every sample on every scrape, a millisecond per replica page, and the workers and
+    the benchmark scrape every replica every second. Same algorithm and escaping functions as
+    prometheus_client 0.26 ``generate_latest``; ``tests/unit/test_emulator_metrics.py`` holds
+    the two to the same bytes."""
+
+    def __init__(self) -> None:
+        self._heads: dict[tuple[str, str, str, str], str] = {}
+        self._series: dict[tuple[str, tuple[tuple[str, str], ...]], str] = {}
+
+    def _head(self, name: str, mtype: str, doc: str, suffix: str = "") -> str:
+        key = (name, mtype, doc, suffix)
+        head = self._heads.get(key)
+        if head is None:
+            if suffix:
+                shown, shown_type = name + suffix, "gauge"
+            else:
+                shown = name + ("_total" if mtype == "counter" else "_info" if mtype == "info"
+                                else "")
+                shown_type = _TYPES.get(mtype, mtype)
+            escaped = openmetrics.escape_metric_name(shown, _ESCAPING)
+            doc_text = doc.replace("\\", r"\\").replace("\n", r"\n")
+            head = f"# HELP {escaped} {doc_text}\n# TYPE {escaped} {shown_type}\n"
+            self._heads[key] = head
+        return head
+
+    def _prefix(self, name: str, labels: dict[str, str]) -> str:
+        key = (name, tuple(labels.items()))
+        prefix = self._series.get(key)
+        if prefix is None:
+            labelstr = ",".join(
+                f'{openmetrics.escape_label_name(k, _ESCAPING)}="{_escape_label_value(v)}"'
+                for k, v in sorted(labels.items()))
+            prefix = openmetrics.escape_metric_name(name, _ESCAPING) + (
+                "{" + labelstr + "}" if labelstr else "") + " "
+            self._series[key] = prefix
+        return prefix
+
+    def render(self, registry: CollectorRegistry) -> bytes:
+        out: list[str] = []
+        for metric in registry.collect():
+            out.append(self._head(metric.name, metric.type, metric.documentation))
+            extra: dict[str, list[str]] = {}
+            for sample in metric.samples:
+                line = self._prefix(sample.name, sample.labels) + floatToGoString(sample.value)
+                if sample.timestamp is not None:
+                    line += f" {int(float(sample.timestamp) * 1000):d}"
+                line += "\n"
+                for suffix in _OM_SUFFIXES:
+                    if sample.name == metric.name + suffix:
+                        extra.setdefault(suffix, []).append(line)
+                        break
+                else:
+                    out.append(line)
+            for suffix, lines in sorted(extra.items()):
+                out.append(self._head(metric.name, metric.type, metric.documentation, suffix))
+                out.extend(lines)
+        return "".join(out).encode("utf-8")

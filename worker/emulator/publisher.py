@@ -30,6 +30,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import msgspec
 import zmq
 import zmq.asyncio
 
@@ -42,6 +43,7 @@ from worker.kv_events import (
     BlockStored,
     KVEventBatch,
     encode_batch,
+    encode_event,
     seq_bytes,
 )
 
@@ -73,19 +75,66 @@ def should_bind(endpoint: str) -> bool:
     return "*" in endpoint or "::" in endpoint or endpoint.startswith(("ipc://", "inproc://"))
 
 
+# msgpack of a 64-bit unsigned int: 0xcf then the 8 bytes big-endian, which for an int block
+# hash (vLLM ``maybe_convert_block_hash``: the digest's last 8 bytes, big-endian) are the digest's
+# last 8 bytes themselves. msgpack packs an int in the fewest bytes, so this holds for keys of
+# 2**32 and more; the rare smaller key (one in 4 billion) goes through the encoder instead.
+_UINT64 = b"\xcf"
+_SMALL_KEY = b"\x00\x00\x00\x00"
+_SENTINEL_KEY = (1 << 64) - 1
+
+
+def _removed_template() -> tuple[bytes, bytes]:
+    """The encoded BlockRemoved of one GPU block, split around its (uint64) hash."""
+    encoded = encode_event(BlockRemoved(block_hashes=[_SENTINEL_KEY], medium=MEDIUM_GPU,
+                                        group_idx=0))
+    marker = _UINT64 + _SENTINEL_KEY.to_bytes(8, "big")
+    head, tail = encoded.split(marker)
+    return head, tail
+
+
+_REMOVED_HEAD, _REMOVED_TAIL = _removed_template()
+
+
+def _array_header(n: int) -> bytes:
+    if n < 16:
+        return bytes((0x90 | n,))
+    if n < 1 << 16:
+        return b"\xdc" + n.to_bytes(2, "big")
+    return b"\xdd" + n.to_bytes(4, "big")
+
+
+def _int_keys(digests: Sequence[bytes]) -> list[int] | msgspec.Raw:
+    """The int block hashes of ``digests`` as the encoder would write ``list[int]``."""
+    if any(d[-8:-4] == _SMALL_KEY for d in digests):
+        return [block_key(d) for d in digests]
+    return msgspec.Raw(_array_header(len(digests)) + _UINT64 + _UINT64.join(
+        [d[-8:] for d in digests]))
+
+
 def to_wire_events(events: Sequence[KVEvent], int_block_hashes: bool) -> list[Any]:
-    """Convert the cache's plain events to vLLM 0.33 event structs (``maybe_convert_block_hash``)."""
+    """Convert the cache's plain events to vLLM 0.33 event structs (``maybe_convert_block_hash``).
+
+    Int-form hashes are written as pre-encoded msgpack (``msgspec.Raw``), byte for byte what
+    encoding the struct would give (``tests/unit/test_emulator_publisher.py`` checks): one
+    eviction event per evicted block is most of what an emulated replica publishes.
+    """
     def conv(digest: bytes) -> int | bytes:
         return block_key(digest) if int_block_hashes else digest
 
-    from_bytes = int.from_bytes  # block_key inlined below: this loop sees every block twice
     out: list[Any] = []
+    append = out.append
     for event in events:
-        if isinstance(event, BlocksStored):
+        if type(event) is BlockEvicted:
+            digest = event.block_hash
+            if int_block_hashes and digest[-8:-4] != _SMALL_KEY:
+                append(msgspec.Raw(_REMOVED_HEAD + _UINT64 + digest[-8:] + _REMOVED_TAIL))
+            else:
+                append(BlockRemoved(block_hashes=[conv(digest)], medium=MEDIUM_GPU, group_idx=0))
+        elif isinstance(event, BlocksStored):
             hashes = event.block_hashes
-            out.append(BlockStored(
-                block_hashes=([from_bytes(h[-8:], "big") for h in hashes] if int_block_hashes
-                              else list(hashes)),
+            append(BlockStored(
+                block_hashes=_int_keys(hashes) if int_block_hashes else list(hashes),  # type: ignore[arg-type]
                 parent_block_hash=None if event.parent_block_hash is None
                 else conv(event.parent_block_hash),
                 token_ids=event.token_ids,
@@ -96,11 +145,8 @@ def to_wire_events(events: Sequence[KVEvent], int_block_hashes: bool) -> list[An
                 extra_keys=event.extra_keys,
                 group_idx=0,
             ))
-        elif isinstance(event, BlockEvicted):
-            out.append(BlockRemoved(block_hashes=[conv(event.block_hash)], medium=MEDIUM_GPU,
-                                    group_idx=0))
         elif isinstance(event, CacheCleared):
-            out.append(AllBlocksCleared())
+            append(AllBlocksCleared())
     return out
 
 
