@@ -113,8 +113,9 @@ class BlockPool:
         self._free: OrderedDict[int, KVCacheBlock] = OrderedDict(
             (b.block_id, b) for b in self.blocks[1:]
         )
-        # {block_hash: {block_id: block}}
-        self._hash_to_blocks: dict[bytes, dict[int, KVCacheBlock]] = {}
+        # {block_hash: block, or {block_id: block} when several physical blocks hold that hash}:
+        # as vLLM 0.33's BlockHashToBlockMap, a dict per hash only for the rare duplicates.
+        self._hash_to_blocks: dict[bytes, KVCacheBlock | dict[int, KVCacheBlock]] = {}
         self.enable_kv_cache_events = enable_kv_cache_events
         self._events: list[KVEvent] = []
 
@@ -142,10 +143,10 @@ class BlockPool:
 
     def get_cached_block(self, block_hash: bytes) -> KVCacheBlock | None:
         """Any physical block holding ``block_hash``, or None."""
-        blocks = self._hash_to_blocks.get(block_hash)
-        if not blocks:
-            return None
-        return next(iter(blocks.values()))
+        held = self._hash_to_blocks.get(block_hash)
+        if isinstance(held, dict):
+            return next(iter(held.values()))
+        return held
 
     def is_cached(self, block_hash: bytes) -> bool:
         return block_hash in self._hash_to_blocks
@@ -178,10 +179,15 @@ class BlockPool:
     def _evict(self, block: KVCacheBlock) -> None:
         block_hash = block.block_hash
         assert block_hash is not None
-        holders = self._hash_to_blocks[block_hash]
-        del holders[block.block_id]
-        if not holders:
-            del self._hash_to_blocks[block_hash]
+        table = self._hash_to_blocks
+        held = table[block_hash]
+        if held is block:
+            del table[block_hash]
+        else:
+            assert isinstance(held, dict)
+            del held[block.block_id]
+            if len(held) == 1:
+                table[block_hash] = next(iter(held.values()))
         block.block_hash = None
         if self.enable_kv_cache_events:
             self._events.append(BlockEvicted(block_hash))
@@ -201,11 +207,12 @@ class BlockPool:
         table = self._hash_to_blocks
         for block, block_hash in zip(request.blocks[start:num_full_blocks], hashes, strict=True):
             block.block_hash = block_hash
-            holders = table.get(block_hash)
-            if holders is None:
-                table[block_hash] = {block.block_id: block}
-            else:
-                holders[block.block_id] = block
+            held = table.setdefault(block_hash, block)
+            if held is not block:  # a duplicate hash (vLLM may store one hash twice)
+                if isinstance(held, dict):
+                    held[block.block_id] = block
+                else:
+                    table[block_hash] = {held.block_id: held, block.block_id: block}
         request.num_cached_blocks = num_full_blocks
         if self.enable_kv_cache_events:
             extra = event_extra_keys(request.lora_name, request.cache_salt, start, num_full_blocks)
@@ -231,8 +238,8 @@ class BlockPool:
         """Drop every cached hash if no block is in use; return whether it did (vLLM semantics)."""
         if len(self._free) != self.num_usable_blocks:
             return False
-        for holders in self._hash_to_blocks.values():
-            for block in holders.values():
+        for held in self._hash_to_blocks.values():
+            for block in (held.values() if isinstance(held, dict) else (held,)):
                 block.block_hash = None
         self._hash_to_blocks.clear()
         if self.enable_kv_cache_events:
@@ -290,10 +297,10 @@ class KVCacheManager:
         hits: list[KVCacheBlock] = []
         table = self.pool._hash_to_blocks
         for block_hash in request.block_hashes[:max_blocks]:
-            holders = table.get(block_hash)
-            if not holders:
+            held = table.get(block_hash)
+            if held is None:
                 break
-            hits.append(next(iter(holders.values())))
+            hits.append(next(iter(held.values())) if isinstance(held, dict) else held)
         return hits, len(hits) * self.block_size
 
     def record_lookup(self, num_tokens: int, num_hits: int, preempted: bool) -> None:
