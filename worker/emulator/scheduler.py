@@ -287,9 +287,8 @@ class Scheduler:
                     continue
             start = request.num_output_tokens
             produced = min(repeats, request.max_output_tokens - start)
-            tokens = request.all_token_ids
-            for i in range(start, start + produced):
-                tokens.append(OUTPUT_TOKEN_BASE + i % OUTPUT_TOKEN_PERIOD)
+            request.all_token_ids.extend([OUTPUT_TOKEN_BASE + i % OUTPUT_TOKEN_PERIOD
+                                          for i in range(start, start + produced)])
             request.num_computed_tokens = request.num_tokens - 1
             self._update_hashes(request)
             if request.num_output_tokens >= request.max_output_tokens:
