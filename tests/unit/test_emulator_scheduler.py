@@ -187,3 +187,10 @@ def test_prefix_cache_stats_count_tokens_of_new_requests() -> None:
         run_all(s)
     assert s.kv.stats.queries == 2000
     assert s.kv.stats.hits == 992
+
+
+def test_decode_step_time_is_the_general_formula() -> None:
+    lat = LatencyModel(step_overhead_s=0.001)
+    for decodes, ctx in ((1, 0), (1, 1000), (64, 500_000), (256, 2_000_000)):
+        assert lat.decode_step_time_s(decodes, ctx) == pytest.approx(
+            lat.step_time_s([], decodes, ctx), rel=1e-12)

@@ -63,7 +63,7 @@ class BlocksStored:
     extra_keys: list[list[Any] | None]
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)  # not frozen: one per evicted block, and frozen init costs twice as much
 class BlockEvicted:
     """Event: a cached block's physical block was reallocated (one per hash)."""
 
@@ -326,6 +326,15 @@ class KVCacheManager:
         ``allocate_slots`` returning None). Hit blocks that sit in the free queue
         count against the free blocks too (they leave the queue).
         """
+        block_size = self.block_size
+        if not new_computed_blocks:
+            # The common decode case: the tokens fit the blocks the request has and fill no
+            # block that is not committed yet: nothing to allocate or commit.
+            total = request.num_computed_tokens + num_new_tokens
+            if total <= len(request.blocks) * block_size and (
+                    not self.enable_caching
+                    or min(total, request.num_tokens) // block_size <= request.num_cached_blocks):
+                return True
         pool = self.pool
         num_computed = request.num_computed_tokens + len(new_computed_blocks) * self.block_size
         total = num_computed + num_new_tokens

@@ -144,6 +144,16 @@ class LatencyModel:
         )
         return max(compute_s, memory_s) + self.step_overhead_s
 
+    def decode_step_time_s(self, num_decodes: int, decode_context_tokens: int) -> float:
+        """``step_time_s([], num_decodes, decode_context_tokens)`` without the prefill loop:
+        a decode burst asks this once per step it plans."""
+        m = self.model
+        flops = 2.0 * m.params * num_decodes + (
+            4.0 * m.query_width * m.num_layers * decode_context_tokens)
+        memory_s = (m.weight_bytes + m.kv_bytes_per_token * (decode_context_tokens + num_decodes)
+                    ) / (self.gpu.hbm_gbps * 1e9)
+        return max(flops / (self.gpu.tflops * 1e12), memory_s) + self.step_overhead_s
+
     def prefill_time_s(self, num_prompt_tokens: int, num_cached_tokens: int = 0) -> float:
         """Engine seconds to prefill one prompt alone in one step (the seed's arithmetic)."""
         return self.step_time_s([(num_prompt_tokens - num_cached_tokens, num_cached_tokens)], 0, 0)

@@ -258,7 +258,8 @@ class Scheduler:
         burst_s = first
         repeats = 1
         while repeats < remaining and burst_s < self.config.max_decode_burst_s:
-            duration = self.latency.step_time_s([], num_decodes, decode_ctx + repeats * num_decodes)
+            duration = self.latency.decode_step_time_s(num_decodes,
+                                                       decode_ctx + repeats * num_decodes)
             step.durations_s.append(duration)
             burst_s += duration
             repeats += 1
