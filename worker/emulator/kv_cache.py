@@ -256,6 +256,8 @@ def event_extra_keys(
 ) -> list[list[Any] | None]:
     """Untagged extra keys per block as events carry them (vLLM ``to_event_extra_keys``):
     the bare LoRA name on every block, the bare cache_salt on block 0."""
+    if lora_name is None and (not cache_salt or start_block > 0):
+        return [None] * (end_block - start_block)  # the common case, without a loop
     out: list[list[Any] | None] = []
     for index in range(start_block, end_block):
         keys: list[Any] = []
