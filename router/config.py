@@ -68,6 +68,19 @@ DEFAULT_TOKENIZER_THREADS: Final = 2
 DEFAULT_TOKEN_CACHE_CHUNKS: Final = 65536  # prompt chain cache entries (text chunks of 256-1024
 # chars or 256-token id spans, ~1-3 KB each); the per-chunk token cache keeps 1/8 of that
 DEFAULT_STATIC_PROBE_INTERVAL_S: Final = 2.0  # /health probe period for static --replica URLs
+DEFAULT_HEALTH_FAILURES: Final = 3  # consecutive failed /health probes before a static replica is
+# down (Kubernetes' failureThreshold default); one slow probe of a busy replica is not an outage
+DEFAULT_CIRCUIT_FAILURES: Final = 3  # consecutive failed requests (5xx, connection, timeout) ...
+DEFAULT_CIRCUIT_WINDOW_S: Final = 30.0  # ... within this many seconds open a replica's circuit
+DEFAULT_CIRCUIT_EJECTION_S: Final = 5.0  # first ejection; doubles per repeat (Envoy: 30 s base)
+DEFAULT_CIRCUIT_MAX_EJECTION_S: Final = 60.0
+DEFAULT_STALL_TIMEOUT_S: Final = 15.0  # no byte on any streamed request while others progress
+DEFAULT_CLIENT_IDLE_TIMEOUT_S: Final = 15.0  # a client connection idle or sending its request head
+# this long is closed (uvicorn closes idle connections after 5 s, nginx's header timeout is 60 s)
+DEFAULT_CLIENT_BODY_TIMEOUT_S: Final = 30.0  # a request body must arrive within this (408 beyond)
+DEFAULT_MAX_IDLE_CLIENT_CONNECTIONS: Final = 1024  # idle keep-alive client connections kept
+DEFAULT_CHAT_TEMPLATE_TIMEOUT_S: Final = 2.0  # a request-supplied chat template's render, at most
+DEFAULT_CHAT_TEMPLATE_MAX_BYTES: Final = 4 * 1024 * 1024  # and its rendered text, at most
 
 
 class ConfigError(ValueError):
@@ -128,6 +141,22 @@ class RouterConfig:
     audit_families: int = 256
     audit_head_tokens: int = 1024  # tokens of each prompt's head the audit compares
     audit_top_k: int = 10  # families exported as metrics and listed by default
+    health_failures: int = DEFAULT_HEALTH_FAILURES
+    circuit_failures: int = DEFAULT_CIRCUIT_FAILURES
+    circuit_window_s: float = DEFAULT_CIRCUIT_WINDOW_S
+    circuit_ejection_s: float = DEFAULT_CIRCUIT_EJECTION_S
+    circuit_max_ejection_s: float = DEFAULT_CIRCUIT_MAX_EJECTION_S
+    stall_timeout_s: float = DEFAULT_STALL_TIMEOUT_S
+    client_idle_timeout_s: float = DEFAULT_CLIENT_IDLE_TIMEOUT_S
+    client_body_timeout_s: float = DEFAULT_CLIENT_BODY_TIMEOUT_S
+    max_idle_client_connections: int = DEFAULT_MAX_IDLE_CLIENT_CONNECTIONS
+    # vLLM --trust-request-chat-template: without it a request's own chat_template is refused
+    trust_request_chat_template: bool = False
+    chat_template_timeout_s: float = DEFAULT_CHAT_TEMPLATE_TIMEOUT_S
+    chat_template_max_bytes: int = DEFAULT_CHAT_TEMPLATE_MAX_BYTES
+    # replicas used while no worker-reported fleet is known (Redis down at start-up)
+    fallback_replicas: tuple[str, ...] = ()
+    fleet_cache_file: str | None = None  # the last fleet seen in Redis, kept for a cold start
     config: str | None = field(default=None, compare=False)  # the YAML file this came from
 
     def __post_init__(self) -> None:
@@ -171,20 +200,26 @@ class RouterConfig:
             raise ConfigError(f"ttft_evicted_reuse must be in [0, 1], got {self.ttft_evicted_reuse}")
         if self.cold_write_window <= 0:
             raise ConfigError(f"cold_write_window must be > 0, got {self.cold_write_window}")
+        for name in ("health_failures", "circuit_failures", "chat_template_max_bytes"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.tokenizer_threads < 1:
             raise ConfigError(f"tokenizer_threads must be >= 1, got {self.tokenizer_threads}")
         for name in ("speculative_ttl_s", "connect_timeout_s", "first_byte_timeout_s",
-                     "stream_idle_timeout_s", "static_probe_interval_s"):
+                     "stream_idle_timeout_s", "static_probe_interval_s", "circuit_window_s",
+                     "circuit_ejection_s", "circuit_max_ejection_s", "stall_timeout_s",
+                     "client_idle_timeout_s", "client_body_timeout_s", "chat_template_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be > 0, got {getattr(self, name)}")
         if not 0.0 <= self.min_hit_fraction <= 1.0:
             raise ConfigError(f"min_hit_fraction must be in [0, 1], got {self.min_hit_fraction}")
         for name in ("queue_slack_tokens", "consistent_hash_tokens", "token_cache_chunks",
                      "load_headroom", "recompute_penalty", "min_affinity_blocks", "cold_candidates",
-                     "cold_queue_slack_tokens", "audit_families", "audit_top_k"):
+                     "cold_queue_slack_tokens", "audit_families", "audit_top_k",
+                     "max_idle_client_connections"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)}")
-        for url in self.replicas:
+        for url in (*self.replicas, *self.fallback_replicas):
             if not url.startswith(("http://", "https://")):
                 raise ConfigError(f"replica URL must start with http:// or https://, got {url!r}")
         for name, allowed in (("client_cache_salt", ("override", "reject")),
@@ -203,6 +238,7 @@ class RouterConfig:
 
 
 _FIELDS: Final = {f.name: f for f in dataclasses.fields(RouterConfig)}
+_LIST_FLAGS: Final = {"replicas": "--replica", "fallback_replicas": "--fallback-replica"}
 _HELP: Final = {
     "replicas": "static replica base URL (repeatable; env ROUTER_REPLICA(S), comma-separated); "
                 "id is host:port",
@@ -234,6 +270,22 @@ _HELP: Final = {
     "max_body_bytes": "request body limit (413 beyond)",
     "tokenizer": "tokenizer dir or hub id; without it text prompts are routed by hashing the text",
     "policy": "|".join(POLICIES),
+    "health_failures": "consecutive failed /health probes before a static replica is down",
+    "circuit_failures": "consecutive failed requests (within circuit_window_s) that open a "
+                        "replica's circuit",
+    "circuit_ejection_s": "first ejection of an open circuit (doubles per repeat, at most "
+                          "circuit_max_ejection_s); then one probe request",
+    "stall_timeout_s": "a replica sending no byte on its streamed requests this long, while "
+                       "others do, is benched and its waiting requests move",
+    "client_idle_timeout_s": "close client connections idle (or sending a request head) this long",
+    "client_body_timeout_s": "a request body must arrive within this (408 beyond)",
+    "trust_request_chat_template": "true: render a request's own chat_template (vLLM "
+                                   "--trust-request-chat-template); default refuse it",
+    "chat_template_timeout_s": "a request chat template's render is killed after this",
+    "chat_template_max_bytes": "a request chat template's rendered text is refused beyond this",
+    "fallback_replicas": "replica URL used while Redis gives no fleet (repeatable, comma-separated)",
+    "fleet_cache_file": "file keeping the last fleet seen in Redis, loaded when Redis is down "
+                        "at start-up",
     "config": "YAML file with the same keys (underscored)",
     "api_keys": "turn on API-key auth: file of 'TENANT sha256:HEX' lines, or a directory "
                 "(a mounted Secret) of one file per tenant with 'sha256:HEX' lines",
@@ -251,7 +303,7 @@ _HELP: Final = {
 
 def _kind(name: str) -> str:
     ann = str(_FIELDS[name].type)
-    for kind in ("tuple", "int", "float"):
+    for kind in ("tuple", "int", "float", "bool"):
         if ann.startswith(kind):
             return kind
     return "str"
@@ -268,6 +320,15 @@ def _convert(name: str, value: Any, source: str) -> Any:
             if isinstance(value, Sequence):
                 return tuple(str(v) for v in value)
             raise TypeError("expected a list")
+        if kind == "bool":
+            if isinstance(value, bool):
+                return value
+            text = str(value).strip().lower()
+            if text in ("1", "true", "yes", "on"):
+                return True
+            if text in ("0", "false", "no", "off"):
+                return False
+            raise ValueError("expected true or false")
         if kind == "int":
             if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
                 raise TypeError("expected an integer")
@@ -290,9 +351,12 @@ def build_parser() -> argparse.ArgumentParser:
                                      description="Prefix-aware, load-aware router for vLLM replicas.")
     parser.add_argument("--version", action="version", version=version_line("prefix-router"))
     for name in _FIELDS:
-        flag = "--" + ("replica" if name == "replicas" else name.replace("_", "-"))
-        if name == "replicas":
+        flag = _LIST_FLAGS.get(name) or "--" + name.replace("_", "-")
+        if name in _LIST_FLAGS:
             parser.add_argument(flag, dest=name, action="append", default=None, help=_HELP[name])
+        elif _kind(name) == "bool":
+            parser.add_argument(flag, dest=name, action=argparse.BooleanOptionalAction,
+                                default=None, help=_HELP.get(name))
         else:
             default = _FIELDS[name].default
             shown = "" if default is None or default == "" else f"default {default}"
@@ -332,8 +396,8 @@ def load_config(argv: Sequence[str], env: Mapping[str, str] | None = None) -> Ro
         values["config"] = str(config_path)
     for name in _FIELDS:
         raw = env.get(ENV_PREFIX + name.upper())
-        if raw is None and name == "replicas":  # the flag is --replica
-            raw = env.get(ENV_PREFIX + "REPLICA")
+        if raw is None and name in _LIST_FLAGS:  # the flag is singular: --replica
+            raw = env.get(ENV_PREFIX + _LIST_FLAGS[name][2:].replace("-", "_").upper())
         if raw is not None and name != "config":
             values[name] = _convert(name, raw, f"env {ENV_PREFIX + name.upper()}")
     for name, value in args.items():

@@ -26,6 +26,7 @@ from router import contract as c
 from router.config import RouterConfig
 from router.errors import ModelNotFound, NoRoutableReplica
 from router.hashing import BlockHasher
+from router.health import HealthParams, ReplicaHealth
 from router.index import BlockIndex, SpeculativePlacements
 from router.metrics import RouterMetrics
 from router.ring import HashRing
@@ -64,6 +65,8 @@ class Replica:
     healthy: bool = True
     heartbeat_ts: float = 0.0
     suspect_until: float = 0.0  # monotonic time until which connection failures bench it
+    probe_failures: int = 0  # consecutive failed /health probes (static replicas)
+    probed_ok: bool = False  # a /health probe has succeeded once
     model_cards: list[dict[str, Any]] = field(default_factory=list)  # from /v1/models (static)
 
     def serves(self, model: str | None) -> bool:
@@ -83,6 +86,10 @@ class Fleet:
         self.speculative = SpeculativePlacements(config.speculative_ttl_s)
         self._ring: HashRing | None = None
         self._ring_ids: tuple[str, ...] = ()
+        self.health = ReplicaHealth(HealthParams(
+            failure_threshold=config.circuit_failures, failure_window_s=config.circuit_window_s,
+            ejection_s=config.circuit_ejection_s, max_ejection_s=config.circuit_max_ejection_s,
+            stall_timeout_s=config.stall_timeout_s))
         for url in config.replicas:
             rid = static_replica_id(url)
             self.replicas[rid] = Replica(
@@ -107,6 +114,10 @@ class Fleet:
 
     def routable_problem(self, replica: Replica, now: float) -> str | None:
         """Why a replica takes no traffic now, or ``None``."""
+        return self._down_problem(replica, now) or self.health.problem(replica.replica_id, now)
+
+    def _down_problem(self, replica: Replica, now: float) -> str | None:
+        """Why a replica is down (probes, heartbeat, connection failures), or ``None``."""
         if not replica.healthy:
             return "unhealthy (health probe failed or heartbeat stale)"
         if replica.suspect_until > now:
@@ -136,6 +147,10 @@ class Fleet:
                 raise NoRoutableReplica("no replica is known to the router yet")
             raise ModelNotFound(f"The model `{model}` does not exist.")
         ready = [r for r in serving if self.routable_problem(r, now) is None]
+        if not ready:
+            # every replica that is up has its circuit open: route to them anyway (Envoy's panic
+            # mode) rather than refuse everything on request errors alone
+            ready = [r for r in serving if self._down_problem(r, now) is None]
         if not ready:
             raise NoRoutableReplica(f"no routable replica serves model {model!r}")
         lora = None
@@ -219,6 +234,7 @@ class Fleet:
         """A worker-reported replica's heartbeat expired: out of rotation, blocks forgotten."""
         if replica_id in self.replicas and not self.replicas[replica_id].static:
             del self.replicas[replica_id]
+            self.health.forget(replica_id)
         # O(1): the replica's slot is retired; sweep_index later removes it from the index and
         # the speculative placements before the slot is reused
         self.index.drop(replica_id)
@@ -441,12 +457,17 @@ class FleetReader:
 
 
 class StaticProber:
-    """Probes static ``--replica`` URLs: ``GET /health`` for health, ``GET /v1/models`` for models."""
+    """Probes static ``--replica`` URLs: ``GET /health`` for health, ``GET /v1/models`` for models.
 
-    def __init__(self, fleet: Fleet, session: aiohttp.ClientSession, interval_s: float) -> None:
+    A replica is down after ``failures`` failed probes in a row (the first one if it was never
+    up) and up again after one good probe."""
+
+    def __init__(self, fleet: Fleet, session: aiohttp.ClientSession, interval_s: float,
+                 failures: int = 3) -> None:
         self.fleet = fleet
         self.session = session
         self.interval_s = interval_s
+        self.failures = failures  # consecutive failed probes before a replica is down
         self.probed = asyncio.Event()
 
     async def probe_once(self) -> None:
@@ -473,6 +494,12 @@ class StaticProber:
                         replica.lora_adapters = loras
         except (aiohttp.ClientError, TimeoutError, ValueError):
             healthy = False
+        # one slow or failed probe of a busy replica is not an outage: down after
+        # ``health_failures`` in a row (or the first, for a replica never seen up)
+        replica.probe_failures = 0 if healthy else replica.probe_failures + 1
+        replica.probed_ok = replica.probed_ok or healthy
+        if not healthy and replica.probed_ok and replica.probe_failures < self.failures:
+            healthy = True
         if healthy != replica.healthy:
             logger.info("static replica %s is %s", replica.replica_id,
                         "healthy" if healthy else "unhealthy")

@@ -13,6 +13,11 @@ Rules:
   ``data: {"error": {...}}`` event and closes, other bodies are cut short and
   the connection closed (the client sees a short body, never a silent success);
 * connect, first-byte and stream-idle timeouts (``RouterConfig``);
+* every attempt's outcome feeds the replica's circuit breaker (``router.health``): a 5xx, a
+  failed, timed-out or non-HTTP connection and a broken stream count against it, any other
+  answer for it; streamed attempts report their bytes to the stall detector, and
+  ``abort_waiting`` moves the attempts still waiting for a first byte from a replica found
+  stalled to the next replica;
 * the client disconnecting (the aiohttp handler is cancelled) closes the
   upstream connection, which makes vLLM abort the request;
 * hop-by-hop headers are dropped both ways, everything else (Authorization,
@@ -34,6 +39,7 @@ from multidict import CIMultiDict
 
 from router.config import RouterConfig
 from router.errors import REQUEST_ID_HEADER, UpstreamError, UpstreamTimeout, error_body
+from router.health import ReplicaHealth
 from router.metrics import RouterMetrics
 from router.tracing import Tracing
 from router.usage import TAIL_BYTES, keep_tail
@@ -46,7 +52,9 @@ HOP_BY_HOP: Final = frozenset({
     "connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te", "trailer",
     "trailers", "transfer-encoding", "upgrade", "host", "content-length",
 })
-RETRY_STATUSES: Final = frozenset({502, 503, 504})  # answered before any byte: try the next replica
+# answered before any byte: try the next replica (vLLM answers 500 for an engine failure, which
+# another replica need not share; a request it cannot serve is a 4xx)
+RETRY_STATUSES: Final = frozenset({500, 502, 503, 504})
 STATUS_CLIENT_CLOSED: Final = 499  # nginx's convention for "client closed request"
 # failures that say the replica cannot take connections or does not speak HTTP (it is benched for
 # a few seconds); a connection it dropped or a 502/503/504 it answered may be about one request
@@ -105,11 +113,17 @@ class Proxy:
     """Forwards requests to replicas over one pooled ``aiohttp.ClientSession``."""
 
     def __init__(self, session: aiohttp.ClientSession, config: RouterConfig,
-                 metrics: RouterMetrics, tracing: Tracing | None = None) -> None:
+                 metrics: RouterMetrics, health: ReplicaHealth,
+                 tracing: Tracing | None = None) -> None:
         self.session = session
         self.config = config
         self.metrics = metrics
+        self.health = health
         self.tracing = tracing or Tracing(None)
+        # {replica_id: first-byte timeouts of the attempts waiting on it}; ``abort_waiting``
+        # expires them now and records them in ``_aborted`` so they are retried, not 504
+        self._waiting: dict[str, set[asyncio.Timeout]] = {}
+        self._aborted: set[int] = set()  # ids of the aborted timeouts
         self._timeout = aiohttp.ClientTimeout(total=None, connect=None,
                                               sock_connect=config.connect_timeout_s, sock_read=None)
 
@@ -125,12 +139,14 @@ class Proxy:
         on_failure: Callable[[str], None],
         arrival: float,
         on_sent: Callable[[str], None] | None = None,
+        streamed: bool = False,
     ) -> tuple[web.StreamResponse, ProxyOutcome]:
         """Send ``body`` to ``targets[0]`` (then at most one fallback) and relay the answer.
 
         ``start_ticket(replica_id)`` counts the load at dispatch; the ticket is
         released at the first byte and at the end on every path.
         ``on_failure(replica_id)`` marks a replica that refused or timed out a connection.
+        ``streamed``: the client asked for SSE (the attempt is watched by the stall detector).
         Raises ``UpstreamError`` (502) / ``UpstreamTimeout`` (504) when nothing
         was sent to the client.
         """
@@ -138,16 +154,21 @@ class Proxy:
         attempts = list(targets[:2])
         stale_retry_used = False
         last_error = "no replica"
+        health = self.health
         i = 0
         while i < len(attempts):
             target = attempts[i]
-            ticket = start_ticket(target.replica_id)
+            rid = target.replica_id
+            ticket = start_ticket(rid)
+            now = time.monotonic()
+            health.on_dispatch(rid, now)
+            token = health.attempt_started(rid, now) if streamed else None
             try:
                 if on_sent is not None:
-                    on_sent(target.replica_id)
+                    on_sent(rid)
                 # one CLIENT span per attempt; its context goes upstream as traceparent
                 with self.tracing.client_span("upstream", headers, {
-                        "prefix_router.replica": target.replica_id,
+                        "prefix_router.replica": rid,
                         "server.address": target.url, "url.path": path,
                         "prefix_router.attempt": i + 1}) as span:
                     result = await self._attempt(request, path, body, headers, target, reason,
@@ -157,25 +178,57 @@ class Proxy:
                         span.set_attribute("http.response.status_code", result[1].status)
             except _Retryable as exc:
                 ticket.finish()
-                last_error = f"replica {target.replica_id}: {exc.cause}"
+                last_error = f"replica {rid}: {exc.cause}"
                 if exc.same_replica and not stale_retry_used:
                     stale_retry_used = True
                     self.metrics.child(self.metrics.retries, "stale_connection").inc()
                     continue
                 if exc.cause in SUSPECT_CAUSES:
-                    on_failure(target.replica_id)
-                self.metrics.child(self.metrics.upstream_errors, target.replica_id, exc.cause).inc()
+                    on_failure(rid)
+                if exc.cause != "stalled":  # benched and counted once, when found stalled
+                    self._failed(rid, exc.cause)
                 if i + 1 < len(attempts):
                     self.metrics.child(self.metrics.retries, exc.cause).inc()
                     logger.info("retrying %s elsewhere after %s", request_id, last_error)
                 i += 1
                 continue
+            except (UpstreamError, UpstreamTimeout) as exc:  # first-byte timeout or another client error
+                ticket.finish()
+                self._failed(rid, "first_byte_timeout" if isinstance(exc, UpstreamTimeout)
+                             else "client_error")
+                raise
             except BaseException:
                 ticket.finish()
+                health.record_neutral(rid)
                 raise
+            finally:
+                if token is not None:
+                    health.attempt_ended(rid, token)
             ticket.finish()
+            status = result[1].status
+            if status == STATUS_CLIENT_CLOSED:
+                health.record_neutral(rid)
+            elif status >= 500:  # a relayed 5xx, or the stream failed after its first byte
+                health.record_failure(rid, time.monotonic(), f"http_{status}")
+            else:
+                health.record_success(rid)
             return result
         raise UpstreamError(f"upstream failed before the first byte: {last_error}")
+
+    def _failed(self, replica_id: str, cause: str) -> None:
+        self.metrics.child(self.metrics.upstream_errors, replica_id, cause).inc()
+        if self.health.record_failure(replica_id, time.monotonic(), cause):
+            logger.warning("replica %s: circuit opened after %s", replica_id, cause)
+
+    def abort_waiting(self, replica_id: str) -> int:
+        """Make the attempts waiting for a first byte from ``replica_id`` give up now and go to
+        their next replica (a stalled replica). Returns how many there were."""
+        waiting = self._waiting.get(replica_id, ())
+        when = asyncio.get_running_loop().time()
+        for cm in waiting:
+            self._aborted.add(id(cm))
+            cm.reschedule(when)
+        return len(waiting)
 
     async def _attempt(
         self,
@@ -194,9 +247,12 @@ class Proxy:
         cfg = self.config
         timeout = self._timeout
         upstream: aiohttp.ClientResponse | None = None
+        waiting = self._waiting.setdefault(target.replica_id, set())
+        first_byte = asyncio.timeout(cfg.first_byte_timeout_s)
         try:
             try:
-                async with asyncio.timeout(cfg.first_byte_timeout_s):
+                async with first_byte:
+                    waiting.add(first_byte)
                     upstream = await self.session.request(
                         request.method, f"{target.url}{path}", data=body or None,
                         headers=headers, timeout=timeout, auto_decompress=False,
@@ -215,11 +271,17 @@ class Proxy:
             except aiohttp.ClientResponseError as exc:  # not HTTP: a bad status line or headers
                 raise _Retryable("bad_response") from exc
             except TimeoutError as exc:
+                if id(first_byte) in self._aborted:
+                    raise _Retryable("stalled") from exc
                 raise UpstreamTimeout(
                     f"replica {target.replica_id} sent no byte within "
                     f"{cfg.first_byte_timeout_s:g} s") from exc
             except aiohttp.ClientError as exc:
                 raise UpstreamError(f"replica {target.replica_id}: {exc}") from exc
+            finally:
+                waiting.discard(first_byte)
+                self._aborted.discard(id(first_byte))
+            self.health.progress(target.replica_id, time.monotonic())
             first_byte_s = time.perf_counter() - arrival
             ticket.first_token()
             out_headers: CIMultiDict[str] = CIMultiDict()
@@ -294,5 +356,6 @@ class Proxy:
                 break
             if is_sse:
                 outcome.tail = keep_tail(outcome.tail, chunk)
+            self.health.progress(target.replica_id, time.monotonic())
             await response.write(chunk)
         await response.write_eof()

@@ -219,9 +219,11 @@ class RouterService:
     async def _on_startup(self, app: web.Application) -> None:
         connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=30.0, enable_cleanup_closed=True)
         self.session = aiohttp.ClientSession(connector=connector, auto_decompress=False)
-        self.proxy = Proxy(self.session, self.config, self.metrics, self.tracing)
+        self.proxy = Proxy(self.session, self.config, self.metrics, self.fleet.health,
+                           self.tracing)
         if self.config.replicas:
-            self.prober = StaticProber(self.fleet, self.session, self.config.static_probe_interval_s)
+            self.prober = StaticProber(self.fleet, self.session,
+                                       self.config.static_probe_interval_s, self.config.health_failures)
             await self.prober.probe_once()
             self._tasks.append(asyncio.create_task(self.prober.run()))
         if self.config.redis_url:
@@ -231,6 +233,7 @@ class RouterService:
                 await asyncio.wait_for(self.reader.synced.wait(), timeout=5.0)
         self._tasks.append(asyncio.create_task(self._housekeeping()))
         self._tasks.append(asyncio.create_task(self._sweeper()))
+        self._tasks.append(asyncio.create_task(self._stall_watch()))
 
     async def _on_cleanup(self, app: web.Application) -> None:
         for task in self._tasks:
@@ -257,6 +260,21 @@ class RouterService:
                 affinity = self.fleet.affinity_problem(replica) is None
                 self.metrics.replica_affinity.labels(rid).set(1 if affinity else 0)
             await asyncio.sleep(1.0)
+
+    async def _stall_watch(self) -> None:
+        """Bench replicas that stopped sending bytes while others did (``router.health``) and
+        move their requests that still wait for a first byte to the next replica."""
+        health = self.fleet.health
+        interval = min(1.0, self.config.stall_timeout_s / 4)
+        while True:
+            await asyncio.sleep(interval)
+            now = time.monotonic()
+            for rid in health.stalled(now):
+                health.trip(rid, now, "stalled")
+                self.metrics.child(self.metrics.upstream_errors, rid, "stalled").inc()
+                moved = self.proxy.abort_waiting(rid) if self.proxy is not None else 0
+                logger.warning("replica %s sent nothing for %.0f s while others did: benched; "
+                               "%d waiting requests moved", rid, self.config.stall_timeout_s, moved)
 
     async def _sweeper(self) -> None:
         """Sweep retired index slots (replica cleared or dropped) in steps that yield to the loop."""
@@ -575,7 +593,7 @@ class RouterService:
         try:
             response, outcome = await self.proxy.forward(
                 request, endpoint, body, routed.targets, decision.reason, request["request_id"],
-                start_ticket, on_failure, arrival, on_sent)
+                start_ticket, on_failure, arrival, on_sent, streamed=spec.stream)
             status, replica_id = outcome.status, outcome.replica_id
             counted.status, counted.replica_id = status, replica_id
             if spec.stream and outcome.first_byte_s is not None and status == 200:
@@ -602,17 +620,26 @@ class RouterService:
             status = 499
             raise
         finally:
-            # attempts that failed, and an answer refusing the request (4xx/5xx before any
-            # prefill, e.g. a prompt over the context length), left no blocks on the replica
+            # attempts that failed, and an answer refusing the request, left no blocks on the
+            # replica: their placements are withdrawn. A refusal of the request itself (a 4xx,
+            # e.g. a prompt over the context length) and a stale connection's repeat withdraw
+            # their KV writes too; a replica failure (5xx, connection, timeout) counts its writes
+            # twice, so a replica failing every request never looks the emptiest (cold placement
+            # prefers the fewest recent writes) even against the replica that then served it
             refused = status >= 400 and status != STATUS_CLIENT_CLOSED
+            last = len(sent) - 1
             for i, (rid, placed) in enumerate(sent):
                 served = not refused and rid == replica_id
-                if served and i == len(sent) - 1:
+                if served and i == last:
                     continue
                 placed.withdrawn = True
                 if placed.rest is not None:
                     placed.rest.cancel()  # not hashed yet: never will be
-                self.tracker.withdraw_writes(rid, placed.blocks, routed.write_window_blocks)
+                repeated = any(other == rid for other, _ in sent[i + 1:])
+                if repeated or (i == last and refused and status < 500):
+                    self.tracker.withdraw_writes(rid, placed.blocks, routed.write_window_blocks)
+                elif i < last or refused:
+                    self.tracker.record_writes(rid, placed.blocks, routed.write_window_blocks)
                 slot = self.fleet.index.slot_of(rid)
                 if placed.keys and slot is not None and not served:
                     # (a retry re-placed the same keys)
@@ -730,6 +757,7 @@ class RouterService:
                 "lora_adapters": sorted(r.lora_adapters), "num_running": r.num_running,
                 "num_waiting": r.num_waiting, "kv_usage": r.kv_usage,
                 "index_blocks": self.fleet.index.num_blocks(rid),
+                "circuit": self.fleet.health.state(rid),
                 "inflight_requests": self.tracker.requests(rid),
                 "inflight_prefill_tokens": self.tracker.prefill_tokens(rid),
             })

@@ -8,8 +8,11 @@ adapter path, ``parent`` the base model) and ``GET /metrics`` (vLLM 0.33 names:
 ``prefix_caching_hash_algo`` and ``num_gpu_blocks`` labels of
 ``vllm:cache_config_info``), parsed with prometheus-client's text parser, then
 writes the ``F_*`` fields of ``router/contract.py`` to ``{prefix}:replica:{r}``
-with a TTL of ``HEARTBEAT_TTL_S``. An unreachable engine stops the heartbeat, so
-the key expires and routers take the replica out. The parsing functions are pure.
+with a TTL of ``HEARTBEAT_TTL_S``. An engine that fails ``ENGINE_FAILURES``
+polls in a row stops the heartbeat, so the key expires and routers take the
+replica out; fewer failures (a busy engine slow to answer ``/metrics``) keep the
+heartbeat going on the last load seen, and a poll slower than the heartbeat
+interval does not delay the heartbeat. The parsing functions are pure.
 """
 
 from __future__ import annotations
@@ -33,6 +36,8 @@ logger = logging.getLogger(__name__)
 
 MODELS_REFRESH_S: Final = 5.0  # served models and LoRA adapters change rarely
 ENGINE_TIMEOUT_S: Final = 2.0  # per engine HTTP request
+ENGINE_FAILURES: Final = 3  # consecutive failed polls before the heartbeat stops (Kubernetes'
+# failureThreshold default): one slow /metrics of a busy engine is not an outage
 
 
 class EngineUnreachable(RuntimeError):
@@ -220,14 +225,17 @@ class Heartbeat:
 
     ``fields`` returns the worker-side fields (hash_verified, key_mode,
     seed_fingerprint, num_blocks); ``on_engine`` is told every successful poll.
-    ``engine_up`` is False after a failed poll (the heartbeat then stops).
+    ``engine_up`` is False after ``engine_failures`` failed polls in a row (the
+    heartbeat then stops); before that, and while a poll is slower than
+    ``interval_s``, the heartbeat is written with the last load seen.
     """
 
     def __init__(self, engine: EngineClient, writer: RedisWriter, *, replica_id: str, url: str,
                  fields: Callable[[], dict[str, str | int]],
                  on_engine: Callable[[EngineModels, EngineLoad], None],
                  interval_s: float = contract.HEARTBEAT_INTERVAL_S,
-                 ttl_s: float = contract.HEARTBEAT_TTL_S) -> None:
+                 ttl_s: float = contract.HEARTBEAT_TTL_S,
+                 engine_failures: int = ENGINE_FAILURES) -> None:
         self.engine = engine
         self.writer = writer
         self.replica_id = replica_id
@@ -236,6 +244,8 @@ class Heartbeat:
         self.on_engine = on_engine
         self.interval_s = interval_s
         self.ttl_s = ttl_s
+        self.engine_failures = engine_failures
+        self.failed_polls = 0  # consecutive
         self.engine_up = False
         self.models: EngineModels | None = None
         self.load: EngineLoad | None = None
@@ -246,28 +256,52 @@ class Heartbeat:
         self.wake = asyncio.Event()  # set to beat early (e.g. after an epoch change)
         self._models_at = 0.0
 
+    async def _poll(self) -> tuple[EngineModels, EngineLoad]:
+        """Raises ``EngineUnreachable``."""
+        now = time.monotonic()
+        if self.models is None or now - self._models_at >= MODELS_REFRESH_S:
+            models, load = await asyncio.gather(self.engine.models(), self.engine.load())
+            self._models_at = now
+            return models, load
+        return self.models, await self.engine.load()
+
     async def beat(self) -> bool:
         """One poll + write. Returns True when the heartbeat was written."""
+        poll = asyncio.ensure_future(self._poll())
         try:
-            now = time.monotonic()
-            if self.models is None or now - self._models_at >= MODELS_REFRESH_S:
-                models, load = await asyncio.gather(self.engine.models(), self.engine.load())
-                self._models_at = now
-            else:
-                models, load = self.models, await self.engine.load()
+            try:
+                models, load = await asyncio.wait_for(asyncio.shield(poll), self.interval_s)
+            except TimeoutError:
+                # a slow engine: keep the replica alive on the last load while the poll runs
+                if self.engine_up and self.failed_polls + 1 < self.engine_failures:
+                    await self._write(self.models, self.load)
+                models, load = await poll
         except EngineUnreachable as exc:
             self.num_engine_errors += 1
+            self.failed_polls += 1
+            if self.engine_up and self.failed_polls < self.engine_failures:
+                logger.warning("engine poll failed (%s), %d of %d in a row: heartbeat kept",
+                               exc, self.failed_polls, self.engine_failures)
+                return await self._write(self.models, self.load)
             if self.engine_up:
                 logger.error("engine unreachable (%s): heartbeat stopped, replica will expire", exc)
             self.engine_up = False
             self.models = None
             return False
+        finally:
+            poll.cancel()
+        self.failed_polls = 0
         self.previous_load, self.models, self.load = self.load, models, load
         if not self.engine_up:
             logger.info("engine %s is up: %s, block_size=%s, hash_algo=%s", self.engine.engine_url,
                         list(models.models), load.block_size, load.hash_algo)
         self.engine_up = True
         self.on_engine(models, load)
+        return await self._write(models, load)
+
+    async def _write(self, models: EngineModels | None, load: EngineLoad | None) -> bool:
+        if models is None or load is None:
+            return False
         fields = heartbeat_fields(replica_id=self.replica_id, url=self.url, models=models,
                                   load=load, now_s=time.time(), **self.fields())  # type: ignore[arg-type]
         try:

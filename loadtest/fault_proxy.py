@@ -1,0 +1,132 @@
+"""A fault-injecting HTTP proxy in front of one replica, for failure tests and measurements.
+
+``python -m loadtest.fault_proxy --target http://127.0.0.1:PORT --port 0 --ready-file F``
+relays every request to the target unchanged (streamed, headers and status kept) except
+generation requests (``POST /v1/completions``, ``/v1/chat/completions``) while a fault is
+set, so the replica's ``/health``, ``/metrics`` and ``/v1/models`` stay fine, as in the
+failures seen in production. Faults (``POST /_fault {"mode": ...}``, read back with
+``GET /_fault``, which also counts the generation requests received):
+
+* ``pass``: relay (the default);
+* ``500``: answer ``500`` with an OpenAI-shaped error at once;
+* ``hang``: accept the request and never answer (until the client gives up).
+
+With ``"scope": "all"`` the fault applies to every request (a stalled engine), not only to
+generation requests.
+
+The ready file holds ``{"url": ...}`` once listening. I/O only; no router code.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+
+GENERATE_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
+MODES = ("pass", "500", "hang")
+_HOP = frozenset({"connection", "keep-alive", "transfer-encoding", "content-length", "host"})
+
+
+class FaultProxy:
+    def __init__(self, target: str, mode: str = "pass") -> None:
+        self.target = target.rstrip("/")
+        self.mode = mode
+        self.scope = "generate"  # or "all"
+        self.generate_requests = 0  # generation requests received, any mode
+        self.session: aiohttp.ClientSession | None = None
+
+    async def fault(self, request: web.Request) -> web.Response:
+        if request.method == "POST":
+            data = await request.json()
+            mode, scope = str(data.get("mode")), str(data.get("scope", "generate"))
+            if mode not in MODES or scope not in ("generate", "all"):
+                return web.json_response({"error": f"mode must be one of {MODES}, scope "
+                                                   "generate or all"}, status=400)
+            self.mode, self.scope = mode, scope
+        return web.json_response({"mode": self.mode, "scope": self.scope,
+                                  "generate_requests": self.generate_requests})
+
+    async def relay(self, request: web.Request) -> web.StreamResponse:
+        body = await request.read()
+        generate = request.method == "POST" and request.path in GENERATE_PATHS
+        self.generate_requests += generate
+        if generate or self.scope == "all":
+            if self.mode == "500":
+                return web.json_response({"error": {"message": "injected engine failure",
+                                                    "type": "InternalServerError", "code": 500}},
+                                         status=500)
+            if self.mode == "hang":
+                await asyncio.Event().wait()  # until the client disconnects (handler cancelled)
+        assert self.session is not None
+        headers = {k: v for k, v in request.headers.items() if k.lower() not in _HOP}
+        async with self.session.request(request.method, self.target + request.path_qs,
+                                        data=body or None, headers=headers,
+                                        auto_decompress=False) as upstream:
+            out = web.StreamResponse(status=upstream.status, headers={
+                k: v for k, v in upstream.headers.items() if k.lower() not in _HOP})
+            await out.prepare(request)
+            async for chunk in upstream.content.iter_any():
+                await out.write(chunk)
+            await out.write_eof()
+            return out
+
+    async def start(self, app: web.Application) -> None:
+        self.session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None))
+
+    async def stop(self, app: web.Application) -> None:
+        if self.session is not None:
+            await self.session.close()
+
+
+def _write_ready_file(path: str, url: str) -> None:
+    tmp = Path(path + ".tmp")
+    tmp.write_text(json.dumps({"url": url}))
+    os.replace(tmp, path)
+
+
+async def _serve(args: argparse.Namespace) -> None:
+    proxy = FaultProxy(args.target, args.mode)
+    app = web.Application(client_max_size=64 * 1024 * 1024)
+    app.on_startup.append(proxy.start)
+    app.on_cleanup.append(proxy.stop)
+    app.router.add_route("*", "/_fault", proxy.fault)
+    app.router.add_route("*", "/{tail:.*}", proxy.relay)
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", args.port)
+    await site.start()
+    server: Any = getattr(site, "_server", None)
+    port = server.sockets[0].getsockname()[1]
+    if args.ready_file:
+        _write_ready_file(args.ready_file, f"http://127.0.0.1:{port}")
+    try:
+        await asyncio.Event().wait()
+    finally:
+        await runner.cleanup()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m loadtest.fault_proxy", description=__doc__)
+    parser.add_argument("--target", required=True, help="base URL of the replica")
+    parser.add_argument("--port", type=int, default=0)
+    parser.add_argument("--mode", choices=MODES, default="pass")
+    parser.add_argument("--ready-file", default=None)
+    args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
+    try:
+        asyncio.run(_serve(args))
+    except KeyboardInterrupt:
+        pass
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

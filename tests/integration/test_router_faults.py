@@ -1,0 +1,230 @@
+"""Replicas that fail or hang behind a live fleet: errors count as ill health, never as appeal.
+
+One emulator process (2 replicas), a worker each, real Redis; replica-1 is reached through a
+fault-injecting proxy (``loadtest.fault_proxy``: its ``/health``, ``/metrics`` and
+``/v1/models`` stay fine, generation requests answer 500 or hang). Each test starts its own
+router on port 0.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.helpers import PYTHON, start_process, stop_process, wait_for
+from tests.integration.test_router_fleet import KV_EVENTS, Router, http, read_json_file
+
+pytestmark = pytest.mark.timeout(150)
+
+BAD = "replica-1"
+
+
+class FaultFleet:
+    def __init__(self, tmp: Path, redis_url: str) -> None:
+        self.procs: list[Any] = []
+        ready = tmp / "emu.json"
+        self.procs.append(start_process([
+            PYTHON, "-m", "worker.cli", "emulate", "--host", "127.0.0.1", "--port", "0",
+            "--replicas", "2", "--kv-events-config", KV_EVENTS, "--time-scale", "50",
+            "--ready-file", str(ready)], env={"PYTHONHASHSEED": "0"}))
+        reps = wait_for(lambda: read_json_file(ready), 60, message="emulator")["replicas"]
+        proxy_ready = tmp / "proxy.json"
+        self.procs.append(start_process([PYTHON, "-m", "loadtest.fault_proxy", "--target",
+                                         reps[1]["url"], "--ready-file", str(proxy_ready)]))
+        self.proxy_url = wait_for(lambda: read_json_file(proxy_ready), 30)["url"]
+        self.good_url = reps[0]["url"]
+        for rep in reps:
+            # replica-1's worker polls its engine through the proxy too (a stalled engine)
+            url = self.proxy_url if rep["index"] == 1 else rep["url"]
+            self.procs.append(start_process([
+                PYTHON, "-m", "worker.cli", "report", "--engine-url", url,
+                "--kv-events-endpoint", rep["kv_events_endpoint"], "--kv-replay-endpoint",
+                rep["kv_replay_endpoint"], "--redis-url", redis_url, "--replica-id",
+                f"replica-{rep['index']}", "--advertise-url", url, "--hash-seed", "0",
+                "--metrics-port", "0"]))
+        self.redis_url = redis_url
+
+    def fault(self, mode: str | None = None, scope: str = "generate") -> dict[str, Any]:
+        body = None if mode is None else {"mode": mode, "scope": scope}
+        return json.loads(http("POST" if mode else "GET", self.proxy_url + "/_fault", body)[2])
+
+    def router(self, tmp: Path, *extra: str, static: bool = False) -> Router:
+        source = (["--replica", self.good_url, "--replica", self.proxy_url] if static
+                  else ["--redis-url", self.redis_url, "--hash-seed", "0"])
+        router = Router(tmp, [*source, *extra])
+        wait_for(lambda: sum(r["routable"] for r in router.ready()["replicas"]) == 2, 30,
+                 message="both replicas routable")
+        return router
+
+    def stop(self) -> None:
+        for proc in reversed(self.procs):
+            stop_process(proc)
+
+
+@pytest.fixture(scope="module")
+def fleet(redis_server: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[FaultFleet]:
+    f = FaultFleet(tmp_path_factory.mktemp("faults"), redis_server.url)
+    try:
+        yield f
+    finally:
+        f.stop()
+
+
+@pytest.fixture
+def routers(fleet: FaultFleet) -> Iterator[list[Router]]:
+    started: list[Router] = []
+    yield started
+    for router in started:
+        print(router.stop()[-2000:])
+    fleet.fault("pass")
+
+
+def new_prompt(rng: random.Random, n: int = 256) -> list[int]:
+    return [rng.randrange(1000, 100_000) for _ in range(n)]
+
+
+def replica_state(router: Router, rid: str) -> dict[str, Any]:
+    return next(r for r in router.ready()["replicas"] if r["replica_id"] == rid)
+
+
+def test_a_replica_answering_500_is_retried_elsewhere_and_its_circuit_opens(
+        fleet: FaultFleet, routers: list[Router], tmp_path: Path) -> None:
+    router = fleet.router(tmp_path, "--circuit-ejection-s", "1.5")
+    routers.append(router)
+    fleet.fault("500")
+    before = fleet.fault()["generate_requests"]
+    rng = random.Random(21)
+    for _ in range(20):
+        status, headers, raw = router.post("/v1/completions",
+                                           {"prompt": new_prompt(rng), "max_tokens": 1})
+        assert status == 200, raw[:300]  # the 500 was retried on the other replica
+        assert headers["x-prefix-router-replica"] == "replica-0"
+    # three consecutive failures open the circuit; while open it gets nothing
+    got = fleet.fault()["generate_requests"] - before
+    assert got <= 4, got
+    state = replica_state(router, BAD)
+    assert state["circuit"] in ("open", "half_open")
+    assert f'router_upstream_errors_total{{kind="http_500",replica="{BAD}"}}' in router.metrics()
+
+    # recovered: after the ejection one probe request closes the circuit again
+    fleet.fault("pass")
+    time.sleep(1.6)
+
+    def served_by_bad() -> bool:
+        status, headers, _ = router.post("/v1/completions",
+                                         {"prompt": new_prompt(rng), "max_tokens": 1})
+        return status == 200 and headers["x-prefix-router-replica"] == BAD
+
+    wait_for(served_by_bad, 20, interval_s=0.0, message="traffic back on the recovered replica")
+    assert replica_state(router, BAD)["circuit"] == "closed"
+
+
+def test_failed_requests_never_make_a_replica_more_attractive(
+        fleet: FaultFleet, routers: list[Router], tmp_path: Path) -> None:
+    """Cold placement goes to the replica with the fewest recent KV writes; a request a replica
+    failed must keep its writes counted, or a replica failing everything attracts every new
+    prefix. The circuit breaker is off here, so only the write accounting is tested."""
+    router = fleet.router(tmp_path, "--circuit-failures", "1000")
+    routers.append(router)
+    fleet.fault("500")
+    before = fleet.fault()["generate_requests"]
+    rng = random.Random(22)
+    num = 16
+    for _ in range(num):
+        status, _, raw = router.post("/v1/completions", {"prompt": new_prompt(rng), "max_tokens": 1})
+        assert status == 200, raw[:300]
+    got = fleet.fault()["generate_requests"] - before
+    assert got <= num * 0.6, f"the failing replica was sent {got} of {num} new prompts"
+
+
+def _stream(router: Router, prompt: list[int], results: list[tuple[int, str, float]]) -> None:
+    started = time.monotonic()
+    status, headers, raw = router.post("/v1/completions", {
+        "prompt": prompt, "max_tokens": 8, "stream": True}, timeout=60)
+    ok = status == 200 and b"[DONE]" in raw and b'"error"' not in raw
+    results.append((200 if ok else status or 599, headers.get("x-prefix-router-replica", ""),
+                    time.monotonic() - started))
+
+
+def test_a_hung_replica_is_benched_and_its_waiting_streams_move(
+        fleet: FaultFleet, routers: list[Router], tmp_path: Path) -> None:
+    stall_s = 2.0
+    router = fleet.router(tmp_path, "--stall-timeout-s", str(stall_s))
+    routers.append(router)
+    fleet.fault("hang")
+    rng = random.Random(23)
+    results: list[tuple[int, str, float]] = []
+    hung_at = time.monotonic()
+    threads = []
+    stop_at = hung_at + stall_s + 3
+    detected_s = None
+    while time.monotonic() < stop_at:  # a steady flow of streams: the healthy replica progresses
+        t = threading.Thread(target=_stream, args=(router, new_prompt(rng), results))
+        t.start()
+        threads.append(t)
+        time.sleep(0.1)
+        if detected_s is None and replica_state(router, BAD)["circuit"] != "closed":
+            detected_s = time.monotonic() - hung_at
+    assert detected_s is not None, "hung replica not benched"
+    for t in threads:
+        t.join(60)
+    assert all(status == 200 for status, _, _ in results), results
+    assert {rid for _, rid, _ in results} == {"replica-0"}  # moved ones end on the good replica
+    assert detected_s < stall_s + 3, detected_s
+    metrics = router.metrics()
+    assert f'router_upstream_errors_total{{kind="stalled",replica="{BAD}"}} 1.0' in metrics
+    assert 'router_upstream_retries_total{cause="stalled"}' in metrics
+
+
+def test_first_byte_timeouts_count_as_errors_and_bench_the_replica(
+        fleet: FaultFleet, routers: list[Router], tmp_path: Path) -> None:
+    router = fleet.router(tmp_path, "--first-byte-timeout-s", "0.5", "--circuit-failures", "2")
+    routers.append(router)
+    fleet.fault("hang")
+    rng = random.Random(24)
+    statuses = []
+    for _ in range(8):
+        status, headers, _ = router.post("/v1/completions", {"prompt": new_prompt(rng),
+                                                             "max_tokens": 1})
+        statuses.append((status, headers.get("x-prefix-router-replica")))
+    timeouts = [s for s in statuses if s[0] == 504]
+    assert all(rid == BAD for _, rid in timeouts)
+    assert 1 <= len(timeouts) <= 2, statuses  # then its circuit is open
+    assert all(s == (200, "replica-0") for s in statuses if s[0] != 504), statuses
+    assert replica_state(router, BAD)["circuit"] == "open"
+    assert (f'router_upstream_errors_total{{kind="first_byte_timeout",replica="{BAD}"}} '
+            f'{float(len(timeouts))}' in router.metrics())
+
+
+def test_a_4_s_stall_keeps_the_replica_in_rotation(
+        fleet: FaultFleet, routers: list[Router], tmp_path: Path) -> None:
+    """One slow probe is not an outage: neither the worker's engine polls (heartbeat) nor the
+    router's /health probes of a static replica drop a replica that stalls for 4 s."""
+    reported = fleet.router(tmp_path)
+    static = fleet.router(tmp_path, "--static-probe-interval-s", "0.5", static=True)
+    routers.extend([reported, static])
+    static_bad = next(r["replica_id"] for r in static.ready()["replicas"]
+                      if fleet.proxy_url.endswith(r["replica_id"]))
+    fleet.fault("hang", scope="all")
+    out = []
+    until = time.monotonic() + 7.0  # the stall and the probes caught in it timing out
+    try:
+        while time.monotonic() < until:
+            if time.monotonic() > until - 3.0:
+                fleet.fault("pass")
+            for router, rid in ((reported, BAD), (static, static_bad)):
+                state = next((r for r in router.ready()["replicas"] if r["replica_id"] == rid),
+                             None)
+                if state is None or not state["routable"]:
+                    out.append((rid, round(until - time.monotonic(), 1), state))
+            time.sleep(0.2)
+    finally:
+        fleet.fault("pass")
+    assert out == []
