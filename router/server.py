@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import functools
 import gc
 import json
@@ -40,6 +41,7 @@ from router.auth import (
     load_tenant_auth,
 )
 from router.chain_cache import SPAN_BLOCKS, ChainCache, PromptChain
+from router.chat_render import UNTRUSTED_TEMPLATE_MESSAGE, TemplateRenderer, has_request_template
 from router.config import ConfigError, RouterConfig, load_config
 from router.errors import REQUEST_ID_HEADER, BadRequest, RouterError, error_middleware
 from router.fleet import Fleet, FleetReader, Replica, StaticProber
@@ -158,6 +160,13 @@ class RouterService:
         # the rest of lazily hashed prompts: one thread, so that under load it never takes the
         # cores that routing (the event loop and the tokenize threads) needs
         self.rest_executor = ThreadPoolExecutor(1, thread_name_prefix="tokenize-rest")
+        # request-supplied chat templates (trusted only): rendered in a child process that is
+        # killed on overrun; one thread waits on it so that no tokenizer thread ever does
+        self.renderer: TemplateRenderer | None = None
+        if config.trust_request_chat_template and tokenizer is not None:
+            self.renderer = TemplateRenderer(tokenizer.source, config.chat_template_timeout_s,
+                                             config.chat_template_max_bytes)
+        self.render_executor = ThreadPoolExecutor(1, thread_name_prefix="chat-template")
         self.rr_counter = 0
         self.reader: FleetReader | None = None
         self.prober: StaticProber | None = None
@@ -231,6 +240,8 @@ class RouterService:
             self._tasks.append(asyncio.create_task(self.reader.run()))
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self.reader.synced.wait(), timeout=5.0)
+        if self.renderer is not None:
+            asyncio.get_running_loop().run_in_executor(self.render_executor, self.renderer.start)
         self._tasks.append(asyncio.create_task(self._housekeeping()))
         self._tasks.append(asyncio.create_task(self._sweeper()))
         self._tasks.append(asyncio.create_task(self._stall_watch()))
@@ -246,6 +257,9 @@ class RouterService:
         self.executor.shutdown(wait=False, cancel_futures=True)
         self.rest_executor.shutdown(wait=False, cancel_futures=True)
         self.audit_executor.shutdown(wait=False, cancel_futures=True)
+        self.render_executor.shutdown(wait=False, cancel_futures=True)
+        if self.renderer is not None:
+            self.renderer.close()
 
     async def _housekeeping(self) -> None:
         """Prune expired speculative placements and refresh gauges once a second."""
@@ -348,6 +362,23 @@ class RouterService:
             keys = set(prompt.keys)
             await asyncio.wait([fut for key, fut in pending.items() if key in keys],
                                timeout=wait_s)
+
+    async def _request_template(self, spec: PromptSpec) -> PromptSpec:
+        """A chat request's own ``chat_template``: refused as vLLM does unless
+        ``trust_request_chat_template``; when trusted, rendered in the bounded child process
+        (``router.chat_render``) and the spec carries the text. Raises ``BadRequest``."""
+        if not has_request_template(spec):
+            return spec
+        if not self.config.trust_request_chat_template:
+            raise BadRequest(UNTRUSTED_TEMPLATE_MESSAGE)
+        if self.renderer is None:
+            return spec  # no tokenizer: routed by hashing the text, never rendered here
+        loop = asyncio.get_running_loop()
+        try:
+            text = await loop.run_in_executor(self.render_executor, self.renderer.render, spec)
+        except PromptError as exc:
+            raise BadRequest(str(exc)) from exc
+        return dataclasses.replace(spec, text=text)
 
     async def route(self, spec: PromptSpec, *, dry_run: bool = False) -> Routed:
         """Eligibility, tokens, hit depths and the policy decision for one request."""
@@ -553,6 +584,7 @@ class RouterService:
                 spec = parse_prompt(kind, data)
             except PromptError as exc:
                 raise BadRequest(str(exc)) from exc
+        spec = await self._request_template(spec)
         routed = await self.route(spec)
         decision = routed.decision
         hit_tokens = decision.hit_blocks * self.config.block_size
@@ -786,7 +818,7 @@ class RouterService:
             spec = parse_prompt(kind, data)
         except PromptError as exc:
             raise BadRequest(str(exc)) from exc
-        routed = await self.route(spec, dry_run=True)
+        routed = await self.route(await self._request_template(spec), dry_run=True)
         d = routed.decision
         return web.json_response({
             "kind": kind, "policy": self.config.policy, "tokenized": routed.tokenized,

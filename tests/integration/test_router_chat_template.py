@@ -1,0 +1,102 @@
+"""A request's own ``chat_template``: refused like vLLM by default; when trusted, its render is
+bounded (a child process killed on overrun) so it never stalls other requests.
+
+A real emulator (one replica, static URL) and router processes with the bundled Qwen3 tokenizer.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from router.chat_render import UNTRUSTED_TEMPLATE_MESSAGE
+from tests.helpers import PYTHON, start_process, stop_process, wait_for
+from tests.integration.test_router_fleet import TOKENIZER, Router, read_json_file
+
+pytestmark = [pytest.mark.timeout(150),
+              pytest.mark.skipif(TOKENIZER is None, reason="needs the Qwen3 tokenizer files")]
+
+# 10^10 empty iterations inside Jinja's sandbox: about an hour of CPU
+NESTED_LOOPS = ("{% for a in range(100000) %}{% for b in range(100000) %}{% endfor %}"
+                "{% endfor %}{{ messages[0].content }}")
+MESSAGES = [{"role": "user", "content": "hello there"}]
+
+
+@pytest.fixture(scope="module")
+def replica_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    ready = tmp_path_factory.mktemp("emu") / "emu.json"
+    proc = start_process([PYTHON, "-m", "worker.cli", "emulate", "--host", "127.0.0.1", "--port",
+                          "0", "--time-scale", "50", "--ready-file", str(ready)])
+    try:
+        yield wait_for(lambda: read_json_file(ready), 60, message="emulator")["replicas"][0]["url"]
+    finally:
+        stop_process(proc)
+
+
+def router_for(url: str, tmp: Path, *extra: str) -> Router:
+    assert TOKENIZER is not None
+    router = Router(tmp, ["--replica", url, "--tokenizer", TOKENIZER, *extra])
+    wait_for(lambda: router.ready()["ready"], 30, message="router ready")
+    return router
+
+
+def chat(router: Router, **extra: Any) -> tuple[int, Any, float]:
+    started = time.monotonic()
+    status, _, raw = router.post("/v1/chat/completions", {
+        "model": "emulated-llm", "messages": MESSAGES, "max_tokens": 1, **extra}, timeout=60)
+    return status, json.loads(raw), time.monotonic() - started
+
+
+def test_request_chat_template_is_refused_by_default(replica_url: str, tmp_path: Path) -> None:
+    router = router_for(replica_url, tmp_path)
+    try:
+        status, body, _ = chat(router, chat_template=NESTED_LOOPS)
+        assert status == 400
+        assert body["error"] == {"message": UNTRUSTED_TEMPLATE_MESSAGE, "type": "BadRequestError",
+                                 "code": 400}
+        assert chat(router)[0] == 200
+    finally:
+        router.stop()
+
+
+def test_trusted_request_template_is_bounded_and_never_stalls_others(
+        replica_url: str, tmp_path: Path) -> None:
+    router = router_for(replica_url, tmp_path, "--trust-request-chat-template",
+                        "--chat-template-timeout-s", "1")
+    try:
+        # a benign request template is rendered (the routed prompt is its output, not the
+        # model template's)
+        own = json.loads(router.post("/debug/route", {
+            "model": "emulated-llm", "messages": MESSAGES,
+            "chat_template": "{{ messages[0].content }}"}, timeout=90)[2])
+        default = json.loads(router.post("/debug/route", {
+            "model": "emulated-llm", "messages": MESSAGES})[2])
+        assert own["num_tokens"] == 2 and default["num_tokens"] > own["num_tokens"], (own, default)
+
+        attacks: list[tuple[int, Any, float]] = []
+        threads = [threading.Thread(target=lambda: attacks.append(
+            chat(router, chat_template=NESTED_LOOPS))) for _ in range(2)]
+        for t in threads:
+            t.start()
+        time.sleep(0.2)
+        others = [chat(router) for _ in range(10)]  # meanwhile: ordinary chat requests
+        for t in threads:
+            t.join(30)
+        assert all(status == 200 for status, _, _ in others)
+        assert max(elapsed for _, _, elapsed in others) < 1.0, others
+        assert [status for status, _, _ in attacks] == [400, 400]
+        assert all("took longer than 1 s" in body["error"]["message"] for _, body, _ in attacks)
+        # the two renders went in turn, each killed after 1 s (the second one waited for the
+        # first and for a fresh child process to load the tokenizer)
+        assert min(elapsed for _, _, elapsed in attacks) < 3.0, attacks
+        # and the renderer comes back for the next trusted template
+        status, _, _ = chat(router, chat_template="{{ messages[0].content }}")
+        assert status == 200
+    finally:
+        router.stop()
