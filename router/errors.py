@@ -38,6 +38,12 @@ class ModelNotFound(RouterError):
     status, error_type = 404, "NotFoundError"
 
 
+class RequestTimeout(RouterError):
+    """The client did not send its request body in time; the connection is closed after."""
+
+    status, error_type = 408, "RequestTimeoutError"
+
+
 class BodyTooLarge(RouterError):
     status, error_type = 413, "RequestEntityTooLargeError"
 
@@ -81,6 +87,8 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
     except RouterError as exc:
         response = error_response(exc.message, exc.error_type, exc.status, request_id)
         response.headers.update(exc.headers)
+        if isinstance(exc, RequestTimeout):
+            response.force_close()  # the rest of the body may still come: never read it
         return response
     except web.HTTPRequestEntityTooLarge as exc:
         return error_response(f"request body too large: {exc.text}", "RequestEntityTooLargeError",

@@ -14,9 +14,11 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -65,7 +67,10 @@ class Replica:
     healthy: bool = True
     heartbeat_ts: float = 0.0
     suspect_until: float = 0.0  # monotonic time until which connection failures bench it
-    probe_failures: int = 0  # consecutive failed /health probes (static replicas)
+    # known only from fallback_replicas or the fleet cache file (Redis gave no fleet yet): probed
+    # like a static replica, no affinity, replaced by its worker's report once Redis answers
+    fallback: bool = False
+    probe_failures: int = 0  # consecutive failed /health probes (static and fallback replicas)
     probed_ok: bool = False  # a /health probe has succeeded once
     model_cards: list[dict[str, Any]] = field(default_factory=list)  # from /v1/models (static)
 
@@ -102,6 +107,8 @@ class Fleet:
         """Why a replica gets no prefix-hit credit, or ``None`` if it does."""
         if replica.static:
             return "static replica: no KV events"
+        if replica.fallback:
+            return "fallback replica: no worker report yet (Redis unreachable)"
         if replica.hash_verified == "0":
             return "hash_verified=0: the worker's probe hashes differ from the engine's"
         if replica.block_size is not None and replica.block_size != self.hasher.block_size:
@@ -184,6 +191,32 @@ class Fleet:
                                         "owned_by": "vllm", "root": path, "parent": base})
         return [cards[k] for k in sorted(cards)]
 
+    def add_fallbacks(self, cached: list[dict[str, Any]], urls: tuple[str, ...]) -> int:
+        """Replicas to route to until Redis gives the fleet: the last fleet seen (``cached``,
+        ``read_fleet_cache``) and ``fallback_replicas`` URLs (id ``host:port``). Returns how many
+        were added."""
+        added = 0
+        entries = [*cached, *({"replica_id": static_replica_id(u), "url": u} for u in urls)]
+        for entry in entries:
+            rid, url = str(entry.get("replica_id") or ""), str(entry.get("url") or "")
+            if not rid or not url.startswith(("http://", "https://")) or rid in self.replicas:
+                continue
+            models = entry.get("models")
+            adapters = entry.get("lora_adapters")
+            self.replicas[rid] = Replica(
+                rid, url.rstrip("/"), fallback=True,
+                models=frozenset(map(str, models)) if isinstance(models, list) else None,
+                lora_adapters=dict(adapters) if isinstance(adapters, dict) else {})
+            added += 1
+        return added
+
+    def fleet_snapshot(self) -> list[dict[str, Any]]:
+        """The worker-reported replicas, as ``add_fallbacks`` reads them back (fleet cache)."""
+        return [{"replica_id": r.replica_id, "url": r.url,
+                 "models": sorted(r.models) if r.models is not None else None,
+                 "lora_adapters": dict(sorted(r.lora_adapters.items()))}
+                for rid, r in sorted(self.replicas.items()) if not r.static and not r.fallback]
+
     # -- updates from Redis -----------------------------------------------------
 
     def apply_heartbeat(self, replica_id: str, fields: Mapping[str, str], wall_now: float) -> bool:
@@ -194,6 +227,7 @@ class Fleet:
         if replica is None:
             replica = self.replicas[replica_id] = Replica(replica_id, fields.get(c.F_URL, ""))
         replica.url = fields.get(c.F_URL, replica.url).rstrip("/")
+        replica.fallback = False
         try:
             models = json.loads(fields.get(c.F_MODELS) or "null")
             replica.models = frozenset(models) if isinstance(models, list) else None
@@ -262,6 +296,28 @@ class Fleet:
         return None
 
 
+def write_fleet_cache(path: str, snapshot: list[dict[str, Any]]) -> None:
+    """Write ``Fleet.fleet_snapshot()`` to ``path`` atomically (JSON). Raises ``OSError``."""
+    target = Path(path)
+    tmp = target.with_name(target.name + ".tmp")
+    tmp.write_text(json.dumps({"replicas": snapshot}))
+    os.replace(tmp, target)
+
+
+def read_fleet_cache(path: str | None) -> list[dict[str, Any]]:
+    """The replicas in a fleet cache file; ``[]`` when there is none or it does not parse."""
+    if not path:
+        return []
+    try:
+        data = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as exc:
+        if not isinstance(exc, FileNotFoundError):
+            logger.warning("ignoring fleet cache %s: %s", path, exc)
+        return []
+    replicas = data.get("replicas") if isinstance(data, dict) else None
+    return [r for r in replicas if isinstance(r, dict)] if isinstance(replicas, list) else []
+
+
 class _StreamGap(Exception):
     """Entries of the events stream were trimmed before this router read them."""
 
@@ -306,6 +362,8 @@ class FleetReader:
         self.connected = False
         self.last_id = "0-0"
         self.synced = asyncio.Event()
+        self.attempted = asyncio.Event()  # the first connection attempt succeeded or failed
+        self._cached_fleet: list[dict[str, Any]] | None = None  # last written to fleet_cache_file
         # after a reconnect, replicas whose heartbeat is missing stay until then (monotonic):
         # a Redis that restarted empty gets one heartbeat TTL for the workers to re-register
         self._keep_missing_until = 0.0
@@ -328,6 +386,7 @@ class FleetReader:
                 logger.warning("%s; full resync", exc)
                 self.metrics.stream_gaps.inc()
             except (RedisError, OSError) as exc:
+                self.attempted.set()
                 if self.connected:
                     logger.warning("redis connection lost (%s); routing continues on ring and "
                                    "speculative state", exc)
@@ -349,6 +408,7 @@ class FleetReader:
         await self._refresh_heartbeats(client, force_reload=True)
         self.metrics.redis_resyncs.inc()
         self.synced.set()
+        self.attempted.set()
 
     async def _refresh_heartbeats(self, client: Any, force_reload: bool = False) -> None:
         keys = [k async for k in client.scan_iter(match=c.replica_pattern(self.prefix), count=1000)]
@@ -372,9 +432,24 @@ class FleetReader:
         keep_missing = time.monotonic() < self._keep_missing_until
         for rid, replica in list(self.fleet.replicas.items()):
             if not replica.static and rid not in seen and not keep_missing:
-                logger.info("replica %s heartbeat expired; out of rotation", rid)
+                logger.info("replica %s %s; out of rotation", rid, "not in Redis" if
+                            replica.fallback else "heartbeat expired")
                 self.fleet.drop_replica(rid)
         self._update_gauges()
+        self._write_fleet_cache()
+
+    def _write_fleet_cache(self) -> None:
+        """Keep the fleet seen in Redis in ``fleet_cache_file`` (rewritten when it changes), so
+        a router started while Redis is down still has replicas to route to."""
+        path = self.config.fleet_cache_file
+        snapshot = self.fleet.fleet_snapshot()
+        if not path or not snapshot or snapshot == self._cached_fleet:
+            return
+        try:
+            write_fleet_cache(path, snapshot)
+            self._cached_fleet = snapshot
+        except OSError as exc:
+            logger.warning("cannot write fleet cache %s: %s", path, exc)
 
     async def _load_blocks(self, client: Any, replica_id: str) -> None:
         members = await client.smembers(c.blocks_key(self.prefix, replica_id))
@@ -471,7 +546,7 @@ class StaticProber:
         self.probed = asyncio.Event()
 
     async def probe_once(self) -> None:
-        replicas = [r for r in self.fleet.replicas.values() if r.static]
+        replicas = [r for r in self.fleet.replicas.values() if r.static or r.fallback]
         await asyncio.gather(*(self._probe(r) for r in replicas))
         self.probed.set()
 

@@ -43,8 +43,14 @@ from router.auth import (
 from router.chain_cache import SPAN_BLOCKS, ChainCache, PromptChain
 from router.chat_render import UNTRUSTED_TEMPLATE_MESSAGE, TemplateRenderer, has_request_template
 from router.config import ConfigError, RouterConfig, load_config
-from router.errors import REQUEST_ID_HEADER, BadRequest, RouterError, error_middleware
-from router.fleet import Fleet, FleetReader, Replica, StaticProber
+from router.errors import (
+    REQUEST_ID_HEADER,
+    BadRequest,
+    RequestTimeout,
+    RouterError,
+    error_middleware,
+)
+from router.fleet import Fleet, FleetReader, Replica, StaticProber, read_fleet_cache
 from router.hashing import BlockHasher, HashConfigError
 from router.logs import REQUEST_ID, configure_logging
 from router.metrics import CONTENT_TYPE, RouterMetrics
@@ -97,6 +103,7 @@ PENDING_TAIL_WAIT_S = 1.0
 MAX_QUEUED_RESTS = 4
 SWEEP_KEYS_PER_STEP = 5_000  # index keys swept per event-loop turn (~1 ms)
 AUDIT_QUEUE = 64  # template-audit observations waiting at most (more are dropped and counted)
+CLIENT_LINGER_S = 1.0  # unread request body drained after the answer, at most (aiohttp: 10 s)
 INLINE_TOKENIZE_CHARS = 2048  # uncached characters tokenized on the loop (~0.5 ms) before a thread hop
 
 
@@ -185,6 +192,7 @@ class RouterService:
         # the audit's own thread: it never competes with routing for the tokenizer pool
         self.audit_executor = ThreadPoolExecutor(1, thread_name_prefix="audit")
         self._audit_queued = 0  # observations submitted and not yet done
+        self.web_server: web.Server | None = None  # the listening server (client connections)
         self.auth: TenantAuth | None = None
         if config.api_keys:
             self.auth = load_tenant_auth(
@@ -230,7 +238,13 @@ class RouterService:
         self.session = aiohttp.ClientSession(connector=connector, auto_decompress=False)
         self.proxy = Proxy(self.session, self.config, self.metrics, self.fleet.health,
                            self.tracing)
-        if self.config.replicas:
+        if self.config.redis_url:
+            # until Redis answers: the last fleet seen there and the configured fallbacks
+            added = self.fleet.add_fallbacks(read_fleet_cache(self.config.fleet_cache_file),
+                                             self.config.fallback_replicas)
+            if added:
+                logger.info("%d fallback replicas until Redis gives the fleet", added)
+        if self.config.replicas or any(r.fallback for r in self.fleet.replicas.values()):
             self.prober = StaticProber(self.fleet, self.session,
                                        self.config.static_probe_interval_s, self.config.health_failures)
             await self.prober.probe_once()
@@ -238,8 +252,10 @@ class RouterService:
         if self.config.redis_url:
             self.reader = FleetReader(self.fleet, self.config, self.metrics)
             self._tasks.append(asyncio.create_task(self.reader.run()))
+            # listen once the first connection attempt is over: synced, or failed (then the
+            # fallback replicas route while the reader retries)
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self.reader.synced.wait(), timeout=5.0)
+                await asyncio.wait_for(self.reader.attempted.wait(), timeout=5.0)
         if self.renderer is not None:
             asyncio.get_running_loop().run_in_executor(self.render_executor, self.renderer.start)
         self._tasks.append(asyncio.create_task(self._housekeeping()))
@@ -261,9 +277,23 @@ class RouterService:
         if self.renderer is not None:
             self.renderer.close()
 
+    def _close_idle_connections(self) -> int:
+        """Close the oldest idle client connections beyond ``max_idle_client_connections``.
+        Returns how many were closed. (aiohttp keeps no such bound; ``_waiter`` is set while a
+        connection waits for its next request head.)"""
+        if self.web_server is None:
+            return 0
+        idle = [h for h in self.web_server.connections if getattr(h, "_waiter", None) is not None]
+        surplus = len(idle) - self.config.max_idle_client_connections
+        for handler in idle[:max(surplus, 0)]:  # oldest first
+            handler.force_close()
+        return max(surplus, 0)
+
     async def _housekeeping(self) -> None:
-        """Prune expired speculative placements and refresh gauges once a second."""
+        """Prune expired speculative placements, bound idle client connections and refresh
+        gauges once a second."""
         while True:
+            self._close_idle_connections()
             now = time.monotonic()
             self.fleet.speculative.prune(now)
             self.metrics.speculative_blocks.set(len(self.fleet.speculative))
@@ -536,7 +566,7 @@ class RouterService:
     # -- handlers ----------------------------------------------------------------
 
     async def _read_json(self, request: web.Request) -> tuple[bytes, Any]:
-        body = await _read_body(request)
+        body = await _read_body(request, self.config.client_body_timeout_s)
         return body, self._decode_json(body)
 
     @staticmethod
@@ -571,7 +601,7 @@ class RouterService:
     async def _generate(self, kind: str, request: web.Request,
                         counted: _Counted) -> web.StreamResponse:
         arrival = time.perf_counter()
-        body = await _read_body(request)
+        body = await _read_body(request, self.config.client_body_timeout_s)
         if self.auth is not None:
             body = self.auth.salted_body(request, body)  # the tenant's cache_salt
         spec = parse_token_ids_completion(body) if kind == "completion" else None
@@ -809,7 +839,7 @@ class RouterService:
     async def handle_debug_route(self, request: web.Request) -> web.Response:
         """The decision for a completions or chat body, without sending it (with API keys on,
         under the caller's tenant salt: a tenant sees only its own prefixes)."""
-        body = await _read_body(request)
+        body = await _read_body(request, self.config.client_body_timeout_s)
         if self.auth is not None:
             body = self.auth.salted_body(request, body)
         data = self._decode_json(body)
@@ -915,13 +945,18 @@ class _Counted:
     status: int = 500
 
 
-async def _read_body(request: web.Request) -> bytes:
+async def _read_body(request: web.Request, timeout_s: float) -> bytes:
     """The request body, decoded per its Content-Encoding (aiohttp does that); a body that does
-    not decode is a 400 (413 beyond ``max_body_bytes`` is raised by aiohttp)."""
+    not decode is a 400 (413 beyond ``max_body_bytes`` is raised by aiohttp), one that takes
+    longer than ``timeout_s`` to arrive a 408 (and the connection is closed)."""
     try:
-        return await request.read()
+        async with asyncio.timeout(timeout_s):
+            return await request.read()
     except RequestPayloadError as exc:
         raise BadRequest(f"request body could not be read: {exc}") from exc
+    except TimeoutError as exc:
+        raise RequestTimeout(f"request body not received within {timeout_s:g} s "
+                             "(client_body_timeout_s)") from exc
 
 
 class StartupError(RuntimeError):
@@ -940,8 +975,14 @@ async def serve(config: RouterConfig, tokenizer: PromptTokenizer | None,
     """Run the router until SIGINT/SIGTERM."""
     service = RouterService(config, tokenizer, tracing)
     app = service.build_app()
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+    # keepalive_timeout closes a client connection idle that long, counted from its start or its
+    # last response, so also one that dribbles its request head (slowloris; aiohttp 3.14);
+    # after an answer to an unread body (408, 413) aiohttp reads on for lingering_time
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None,
+                           keepalive_timeout=config.client_idle_timeout_s,
+                           lingering_time=CLIENT_LINGER_S)
     await runner.setup()
+    service.web_server = runner.server
     site = web.TCPSite(runner, config.host, config.port, backlog=1024)
     try:
         await site.start()
