@@ -79,6 +79,8 @@ DEFAULT_CLIENT_IDLE_TIMEOUT_S: Final = 15.0  # a client connection idle or sendi
 # this long is closed (uvicorn closes idle connections after 5 s, nginx's header timeout is 60 s)
 DEFAULT_CLIENT_BODY_TIMEOUT_S: Final = 30.0  # a request body must arrive within this (408 beyond)
 DEFAULT_MAX_IDLE_CLIENT_CONNECTIONS: Final = 1024  # idle keep-alive client connections kept
+DEFAULT_SHUTDOWN_TIMEOUT_S: Final = 120.0  # in-flight requests' time to finish after a stop
+# signal (the stream idle timeout: a stream silent longer is cut anyway)
 DEFAULT_CHAT_TEMPLATE_TIMEOUT_S: Final = 2.0  # a request-supplied chat template's render, at most
 DEFAULT_CHAT_TEMPLATE_MAX_BYTES: Final = 4 * 1024 * 1024  # and its rendered text, at most
 
@@ -157,6 +159,8 @@ class RouterConfig:
     # replicas used while no worker-reported fleet is known (Redis down at start-up)
     fallback_replicas: tuple[str, ...] = ()
     fleet_cache_file: str | None = None  # the last fleet seen in Redis, kept for a cold start
+    drain_delay_s: float = 0.0  # after a stop signal: /ready 503 while still accepting, this long
+    shutdown_timeout_s: float = DEFAULT_SHUTDOWN_TIMEOUT_S
     config: str | None = field(default=None, compare=False)  # the YAML file this came from
 
     def __post_init__(self) -> None:
@@ -200,6 +204,9 @@ class RouterConfig:
             raise ConfigError(f"ttft_evicted_reuse must be in [0, 1], got {self.ttft_evicted_reuse}")
         if self.cold_write_window <= 0:
             raise ConfigError(f"cold_write_window must be > 0, got {self.cold_write_window}")
+        for name in ("drain_delay_s", "shutdown_timeout_s"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)}")
         for name in ("health_failures", "circuit_failures", "chat_template_max_bytes"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -284,6 +291,8 @@ _HELP: Final = {
     "chat_template_timeout_s": "a request chat template's render is killed after this",
     "chat_template_max_bytes": "a request chat template's rendered text is refused beyond this",
     "fallback_replicas": "replica URL used while Redis gives no fleet (repeatable, comma-separated)",
+    "drain_delay_s": "after SIGTERM: /ready answers 503 and requests are still accepted this long",
+    "shutdown_timeout_s": "then in-flight requests get this long to finish",
     "fleet_cache_file": "file keeping the last fleet seen in Redis, loaded when Redis is down "
                         "at start-up",
     "config": "YAML file with the same keys (underscored)",

@@ -9,9 +9,12 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Awaitable, Callable
+from http import HTTPStatus
+from typing import Any
 
 import msgspec
 from aiohttp import web
+from aiohttp.web_protocol import RequestHandler
 
 logger = logging.getLogger(__name__)
 
@@ -91,8 +94,8 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
             response.force_close()  # the rest of the body may still come: never read it
         return response
     except web.HTTPRequestEntityTooLarge as exc:
-        return error_response(f"request body too large: {exc.text}", "RequestEntityTooLargeError",
-                              413, request_id)
+        return error_response(f"request body too large: {exc.text} (the router's max_body_bytes)",
+                              "RequestEntityTooLargeError", 413, request_id)
     except web.HTTPException as exc:
         if exc.status < 400:
             raise
@@ -100,3 +103,33 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
     except Exception:
         logger.exception("unhandled error on %s %s", request.method, request.path)
         return error_response("internal router error", "InternalServerError", 500, request_id)
+
+
+class _OpenAIErrorHandler(RequestHandler):
+    """aiohttp's connection handler, answering its own errors (the HTTP parser's) in JSON."""
+
+    __slots__ = ()
+
+    def handle_error(self, request: Any, status: int = 500, exc: BaseException | None = None,
+                     message: str | None = None) -> web.StreamResponse:
+        super().handle_error(request, status, exc, message)  # logs it; raises once bytes were sent
+        text = message or getattr(exc, "message", None) or HTTPStatus(status).phrase
+        if status == 400:
+            text = f"malformed HTTP request: {text}"
+        response = error_response(str(text), _HTTP_TYPES.get(status, "Error"), status)
+        response.force_close()  # the parser lost the request boundary: nothing after it is valid
+        return response
+
+
+def openai_parser_errors(server: web.Server) -> None:
+    """Make the errors aiohttp answers before any handler runs (oversized or malformed request
+    heads, CR/LF/NUL in a header value, Content-Length with Transfer-Encoding) OpenAI-shaped
+    JSON like every other error. Call once on the runner's ``Server`` before listening."""
+
+    class _Server(type(server)):  # type: ignore[misc]
+        def __call__(self) -> RequestHandler:
+            handler = super().__call__()
+            handler.__class__ = _OpenAIErrorHandler  # same slots: a safe class swap
+            return handler
+
+    server.__class__ = _Server

@@ -435,6 +435,7 @@ class FleetReader:
                 logger.info("replica %s %s; out of rotation", rid, "not in Redis" if
                             replica.fallback else "heartbeat expired")
                 self.fleet.drop_replica(rid)
+                self.metrics.forget_replica(rid)
         self._update_gauges()
         self._write_fleet_cache()
 

@@ -121,6 +121,22 @@ class RouterMetrics:
             found = self._children[key] = metric.labels(*values)
         return found
 
+    def forget_replica(self, replica_id: str) -> int:
+        """Remove every series labelled ``replica=replica_id`` (the replica left the fleet: its
+        gauges would otherwise report it forever). Returns how many series were removed."""
+        removed = 0
+        for metric in {id(m): m for m in vars(self).values()
+                       if "replica" in getattr(m, "_labelnames", ())}.values():
+            names = metric._labelnames
+            combos = {tuple(sample.labels[n] for n in names)
+                      for family in metric.collect() for sample in family.samples
+                      if sample.labels.get("replica") == replica_id}
+            for values in combos:
+                metric.remove(*values)
+                self._children.pop((id(metric), values), None)
+                removed += 1
+        return removed
+
     def render(self) -> bytes:
         return generate_latest(self.registry)
 

@@ -16,6 +16,7 @@ import gc
 import json
 import logging
 import os
+import re
 import signal
 import sys
 import time
@@ -46,9 +47,11 @@ from router.config import ConfigError, RouterConfig, load_config
 from router.errors import (
     REQUEST_ID_HEADER,
     BadRequest,
+    NoRoutableReplica,
     RequestTimeout,
     RouterError,
     error_middleware,
+    openai_parser_errors,
 )
 from router.fleet import Fleet, FleetReader, Replica, StaticProber, read_fleet_cache
 from router.hashing import BlockHasher, HashConfigError
@@ -103,6 +106,8 @@ PENDING_TAIL_WAIT_S = 1.0
 MAX_QUEUED_RESTS = 4
 SWEEP_KEYS_PER_STEP = 5_000  # index keys swept per event-loop turn (~1 ms)
 AUDIT_QUEUE = 64  # template-audit observations waiting at most (more are dropped and counted)
+# a client's X-Request-Id is kept only if short and plain (letters, digits, ._:/+=-), else replaced
+_REQUEST_ID_OK = re.compile(r"[A-Za-z0-9._:/+=-]{1,128}")
 CLIENT_LINGER_S = 1.0  # unread request body drained after the answer, at most (aiohttp: 10 s)
 INLINE_TOKENIZE_CHARS = 2048  # uncached characters tokenized on the loop (~0.5 ms) before a thread hop
 
@@ -193,6 +198,7 @@ class RouterService:
         self.audit_executor = ThreadPoolExecutor(1, thread_name_prefix="audit")
         self._audit_queued = 0  # observations submitted and not yet done
         self.web_server: web.Server | None = None  # the listening server (client connections)
+        self.draining = False  # stopping: /ready answers 503 while in-flight requests finish
         self.auth: TenantAuth | None = None
         if config.api_keys:
             self.auth = load_tenant_auth(
@@ -798,8 +804,13 @@ class RouterService:
                                          str(status)).inc()
 
     async def handle_models(self, request: web.Request) -> web.Response:
-        cards = self.fleet.model_cards(time.monotonic())
-        return web.json_response({"object": "list", "data": cards})
+        """Union of the routable replicas' models; 503 when none is routable (an empty list
+        would tell a client the router serves no model at all)."""
+        now = time.monotonic()
+        if not self.fleet.routable(now):
+            raise NoRoutableReplica("no routable replica: the served models are unknown" if not
+                                    self.fleet.replicas else "no routable replica")
+        return web.json_response({"object": "list", "data": self.fleet.model_cards(now)})
 
     async def handle_health(self, request: web.Request) -> web.Response:
         return web.json_response({"status": "ok"})
@@ -823,8 +834,8 @@ class RouterService:
                 "inflight_requests": self.tracker.requests(rid),
                 "inflight_prefill_tokens": self.tracker.prefill_tokens(rid),
             })
-        ready = any(item["routable"] for item in replicas)
-        body = {"ready": ready, "policy": self.config.policy,
+        ready = any(item["routable"] for item in replicas) and not self.draining
+        body = {"ready": ready, "draining": self.draining, "policy": self.config.policy,
                 "redis": None if self.reader is None else {"connected": self.reader.connected,
                                                            "last_stream_id": self.reader.last_id},
                 "tokenizer": self.tokenizer.source if self.tokenizer else None,
@@ -926,7 +937,9 @@ class _GaugedTicket:
 
 @web.middleware
 async def _request_id_middleware(request: web.Request, handler: Any) -> web.StreamResponse:
-    request_id = request.headers.get(REQUEST_ID_HEADER) or uuid.uuid4().hex
+    request_id = request.headers.get(REQUEST_ID_HEADER, "")
+    if not _REQUEST_ID_OK.fullmatch(request_id):  # reflected and logged: bounded and plain
+        request_id = uuid.uuid4().hex
     request["request_id"] = request_id
     REQUEST_ID.set(request_id)  # for every log line while serving it (the handler's own task)
     response = await handler(request)
@@ -982,8 +995,12 @@ async def serve(config: RouterConfig, tokenizer: PromptTokenizer | None,
                            keepalive_timeout=config.client_idle_timeout_s,
                            lingering_time=CLIENT_LINGER_S)
     await runner.setup()
+    assert runner.server is not None
+    openai_parser_errors(runner.server)
     service.web_server = runner.server
-    site = web.TCPSite(runner, config.host, config.port, backlog=1024)
+    # after the stop signal: in-flight requests get shutdown_timeout_s to finish
+    site = web.TCPSite(runner, config.host, config.port, backlog=1024,
+                       shutdown_timeout=config.shutdown_timeout_s)
     try:
         await site.start()
     except OSError as exc:  # port in use, unknown host, no permission
@@ -1002,6 +1019,13 @@ async def serve(config: RouterConfig, tokenizer: PromptTokenizer | None,
         loop.add_signal_handler(sig, stop.set)
     try:
         await stop.wait()
+        # graceful: /ready says 503 first (load balancers polling it stop sending), requests keep
+        # being served for drain_delay_s, then the listener closes and in-flight ones finish
+        service.draining = True
+        logger.info("stopping: /ready is 503; closing the listener in %g s",
+                    config.drain_delay_s)
+        if config.drain_delay_s > 0:
+            await asyncio.sleep(config.drain_delay_s)
     finally:
         await runner.cleanup()
 

@@ -1,0 +1,142 @@
+"""The router's HTTP edges: parser-level errors in OpenAI JSON, a bounded X-Request-Id, the 413
+message, /v1/models with every replica down, metric series of a departed replica, and a
+graceful stop (/ready 503 before the listener closes, in-flight requests finish).
+
+Router processes on port 0, real Redis, a small aiohttp replica; raw sockets where the request
+itself is malformed.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import socket
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from router import contract as c
+from tests.helpers import (
+    FAKE_REPLICA_TAIL,
+    PYTHON,
+    free_port,
+    start_process,
+    stop_process,
+    wait_for,
+)
+from tests.integration.test_router_fleet import Router, http
+
+pytestmark = pytest.mark.timeout(90)
+
+DOWN = "http://127.0.0.1:9"  # nothing listens there
+
+
+def raw(router: Router, data: bytes) -> bytes:
+    host, port = router.url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=5) as sock:
+        sock.sendall(data)
+        chunks = []
+        while chunk := sock.recv(65536):
+            chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def test_malformed_requests_get_openai_json(tmp_path: Path) -> None:
+    router = Router(tmp_path, ["--replica", DOWN, "--max-body-bytes", "1024"])
+    try:
+        cases = {
+            "oversized header": b"GET /health HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * 10000
+                                + b"\r\n\r\n",
+            "CR in a header value": b"GET /health HTTP/1.1\r\nHost: x\r\nX-A: a\rb\r\n\r\n",
+            "NUL in a header value": b"GET /health HTTP/1.1\r\nHost: x\r\nX-A: a\x00b\r\n\r\n",
+            "Content-Length with Transfer-Encoding":
+                b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 5\r\n"
+                b"Transfer-Encoding: chunked\r\n\r\n0\r\n\r\n",
+        }
+        for name, request in cases.items():
+            head, _, body = raw(router, request).partition(b"\r\n\r\n")
+            assert head.split(b" ", 2)[1] == b"400", (name, head)
+            assert b"application/json" in head.lower(), (name, head)
+            error = json.loads(body)["error"]
+            assert error["type"] == "BadRequestError" and error["code"] == 400, (name, error)
+            assert error["message"].startswith("malformed HTTP request"), (name, error)
+
+        status, headers, body = router.post("/v1/completions", b"x" * 2000)
+        assert status == 413 and "max_body_bytes" in json.loads(body)["error"]["message"]
+
+        status, headers, _ = http("GET", router.url + "/health", headers={"X-Request-Id": "a" * 8000})
+        assert status == 200 and len(headers["x-request-id"]) == 32  # replaced by a fresh id
+        _, headers, _ = http("GET", router.url + "/health", headers={"X-Request-Id": "a\tb"})
+        assert headers["x-request-id"] != "a\tb"
+        _, headers, _ = http("GET", router.url + "/health", headers={"X-Request-Id": "job-7:step.2"})
+        assert headers["x-request-id"] == "job-7:step.2"
+
+        wait_for(lambda: not router.ready()["replicas"][0]["routable"], 10)
+        status, _, body = http("GET", router.url + "/v1/models")
+        assert status == 503 and json.loads(body)["error"]["type"] == "ServiceUnavailableError"
+    finally:
+        router.stop()
+
+
+def test_a_departed_replica_leaves_no_metric_series(redis_url: str, tmp_path: Path) -> None:
+    import redis as redis_lib
+
+    client = redis_lib.Redis.from_url(redis_url)
+    rid = "replica-gone"
+    key = c.replica_key("pr", rid)
+    client.hset(key, mapping={c.F_URL: DOWN, c.F_MODELS: '["m"]', c.F_EPOCH: "1",
+                              c.F_HEARTBEAT_TS: str(time.time())})
+    router = Router(tmp_path, ["--redis-url", redis_url])
+    try:
+        wait_for(lambda: f'replica="{rid}"' in router.metrics(), 15, message="series of the replica")
+        client.delete(key)
+        wait_for(lambda: not router.ready()["replicas"], 15, message="replica dropped")
+        assert f'replica="{rid}"' not in router.metrics()
+    finally:
+        router.stop()
+        client.close()
+
+
+SLOW_REPLICA = """
+import asyncio, sys
+from aiohttp import web
+async def completions(request):
+    await request.read()
+    await asyncio.sleep(2.0)
+    return web.json_response({"id": "slow", "object": "text_completion", "choices": []})""" + FAKE_REPLICA_TAIL
+
+
+def test_stop_turns_ready_503_first_and_lets_requests_finish(tmp_path: Path) -> None:
+    script = tmp_path / "slow.py"
+    script.write_text(SLOW_REPLICA)
+    port = free_port()
+    replica = start_process([PYTHON, str(script), str(port)])
+    router = None
+    try:
+        wait_for(lambda: http("GET", f"http://127.0.0.1:{port}/health")[0] == 200, 20)
+        router = Router(tmp_path, ["--replica", f"http://127.0.0.1:{port}", "--drain-delay-s", "1.5"])
+        assert router.ready()["ready"]
+        result: list[Any] = []
+        inflight = threading.Thread(target=lambda: result.append(
+            router.post("/v1/completions", {"model": "fixed", "prompt": [1, 2]})))  # type: ignore[union-attr]
+        inflight.start()
+        time.sleep(0.3)
+        router.proc.send_signal(signal.SIGTERM)
+        url = router.url
+
+        def draining() -> bytes | None:
+            status, _, body = http("GET", url + "/ready")
+            return body if status == 503 else None
+
+        assert json.loads(wait_for(draining, 5, message="/ready 503 while draining"))["draining"]
+        assert http("GET", router.url + "/health")[0] == 200  # still accepting meanwhile
+        inflight.join(10)
+        assert result and result[0][0] == 200  # the request in flight finished
+        assert router.proc.wait(10) == 0
+    finally:
+        if router is not None:
+            router.stop()
+        stop_process(replica)
