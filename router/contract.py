@@ -43,6 +43,7 @@ F_HASH_ALGO: Final = "hash_algo"
 F_SEED_FINGERPRINT: Final = "seed_fingerprint"  # BlockHasher.seed_fingerprint of the worker's config
 F_HASH_VERIFIED: Final = "hash_verified"  # "1" verified, "0" mismatch, "" not yet probed
 F_KEY_MODE: Final = "key_mode"  # "engine" (event hashes) or "recomputed" (from token_ids)
+KEY_MODE_RECOMPUTED: Final = "recomputed"  # keys are the routers' hashes of BlockStored.token_ids
 F_EPOCH: Final = "epoch"  # int, bumped on engine restart / cache clear / resync
 F_SEQ: Final = "seq"  # last KV event batch sequence number applied
 F_NUM_RUNNING: Final = "num_running"

@@ -59,6 +59,7 @@ class Replica:
     hash_algo: str | None = None
     seed_fingerprint: str | None = None
     hash_verified: str = ""  # "1" verified, "0" mismatch, "" not probed yet
+    key_mode: str = ""  # "engine" (event hashes) or "recomputed" (the router's own hashes)
     epoch: int = 0
     num_running: int = 0
     num_waiting: int = 0
@@ -109,7 +110,8 @@ class Fleet:
             return "static replica: no KV events"
         if replica.fallback:
             return "fallback replica: no worker report yet (Redis unreachable)"
-        if replica.hash_verified == "0":
+        if replica.hash_verified == "0" and replica.key_mode != c.KEY_MODE_RECOMPUTED:
+            # recomputed keys are this router's own hashes of the events' token ids: trusted
             return "hash_verified=0: the worker's probe hashes differ from the engine's"
         if replica.block_size is not None and replica.block_size != self.hasher.block_size:
             return f"block_size {replica.block_size} != router's {self.hasher.block_size}"
@@ -239,6 +241,7 @@ class Fleet:
         replica.hash_algo = fields.get(c.F_HASH_ALGO) or None
         replica.seed_fingerprint = fields.get(c.F_SEED_FINGERPRINT) or None
         replica.hash_verified = fields.get(c.F_HASH_VERIFIED, "")
+        replica.key_mode = fields.get(c.F_KEY_MODE, "")
         replica.num_running = _int(fields.get(c.F_NUM_RUNNING), 0) or 0
         replica.num_waiting = _int(fields.get(c.F_NUM_WAITING), 0) or 0
         replica.kv_usage = _float(fields.get(c.F_KV_USAGE), 0.0)

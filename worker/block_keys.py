@@ -17,6 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Final, Protocol
 
+from router.contract import KEY_MODE_RECOMPUTED as _RECOMPUTED
 from router.hashing import BlockHasher, block_key
 from worker.kv_events import (
     BlockRemoved,
@@ -27,7 +28,7 @@ from worker.kv_events import (
 )
 
 KEY_MODE_ENGINE: Final = "engine"
-KEY_MODE_RECOMPUTED: Final = "recomputed"
+KEY_MODE_RECOMPUTED: Final = _RECOMPUTED  # the contract value routers trust
 
 
 class UnresolvableEvent(KVEventDecodeError):
