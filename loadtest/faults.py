@@ -218,6 +218,8 @@ def scenario_template(lab: Lab) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for label, extra in (("default", []), ("trusted", ["--trust-request-chat-template"])):
         router, _ = lab.router("--replica", url, "--tokenizer", tokenizer, *extra, wait=1)
+        # warm up: the first chat render compiles the model's template
+        http("POST", router + "/v1/chat/completions", {"messages": messages, "max_tokens": 1})
         if extra:  # let the render child load its tokenizer before the measurement
             http("POST", router + "/debug/route", {"messages": messages,
                                                    "chat_template": "{{ messages[0].content }}"})
