@@ -8,7 +8,8 @@ from a fast vLLM-format ZMQ publisher in this process: BlockStored batches of
 random 64-bit hashes, sizes uniform in [min, max] blocks, plus one BlockRemoved
 of a few earlier keys every tenth batch. Reports keys/s from the first publish
 until Redis holds the last batch's seq, the worker's CPU seconds, and Redis
-memory per resident block (INFO memory, plus MEMORY USAGE of the set and stream).
+memory per resident block (INFO memory, plus MEMORY USAGE of the set and stream),
+also per engine block (with ``--index-stride`` N > 1 only anchor keys are written).
 """
 
 from __future__ import annotations
@@ -103,6 +104,7 @@ async def _run(args: argparse.Namespace) -> dict[str, Any]:
                                         "--kv-events-endpoint", pub.endpoint,
                                         "--kv-replay-endpoint", pub.replay_endpoint,
                                         "--redis-url", server.url, "--replica-id", REPLICA,
+                                        "--index-stride", str(args.index_stride),
                                         "--log-level", "warning"])
                 key = contract.replica_key("pr", REPLICA)
                 deadline = time.monotonic() + 30
@@ -146,6 +148,8 @@ async def _run(args: argparse.Namespace) -> dict[str, Any]:
         "keys_per_s": round(num_keys / elapsed),
         "worker_cpu_s": round(cpu, 3),
         "keys_per_worker_cpu_s": round(num_keys / cpu) if cpu else None,
+        "index_stride": args.index_stride,
+        "redis_bytes_per_engine_block_info": round((mem_after - mem_before) / num_resident, 1),
         "redis_bytes_per_resident_block_info": round((mem_after - mem_before) / resident, 1),
         "redis_set_bytes_per_block": round(set_bytes / resident, 1),
         "redis_stream_bytes_per_block": round(stream_bytes / resident, 1),
@@ -158,6 +162,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--min-batch", type=int, default=32, help="blocks per BlockStored, min")
     parser.add_argument("--max-batch", type=int, default=512, help="blocks per BlockStored, max")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--index-stride", type=int, default=contract.DEFAULT_INDEX_STRIDE,
+                        help="the worker's coarse-index stride (1 = every key)")
     args = parser.parse_args(argv)
     result = asyncio.run(_run(args))
     print(json.dumps(result, indent=2))

@@ -74,6 +74,7 @@ from loadtest.fleet import (
 )
 from loadtest.replay import ReplayConfig, RequestRecord, replay, summarize, write_records
 from loadtest.trace import TraceRequest, read_trace
+from router.contract import DEFAULT_INDEX_STRIDE
 
 logger = logging.getLogger(__name__)
 
@@ -391,6 +392,8 @@ async def _measure(fleet: Fleet, requests: Sequence[TraceRequest], config: Compa
         "prefix_cache_queries": queries,
         "prefix_cache_hits": hits,
         "client_token_hit_rate": summary["client_token_hit_rate"],
+        "overestimate_request_rate": summary["overestimate_request_rate"],
+        "overestimated_token_share": summary["overestimated_token_share"],
         "num_preemptions": sum(d[M_PREEMPTIONS] for d in delta),
         "max_send_lag_s": summary["max_send_lag_s"],
         "busy_samples": sampler.num_samples,
@@ -801,6 +804,8 @@ def add_compare_parsers(sub: Any, add_slice_args: Callable[[argparse.ArgumentPar
                        help="emulator time scale (default: equal to --speedup, so the fleet is as "
                             "loaded as in the real trace)")
         p.add_argument("--block-size", type=int, default=16)
+        p.add_argument("--index-stride", type=int, default=DEFAULT_INDEX_STRIDE,
+                       help="coarse-index stride of workers and router (1 = exact index)")
         p.add_argument("--model", default="emulated-llm")
         p.add_argument("--redis-url", default=None, help="use this Redis instead of an embedded one")
         p.add_argument("--emulator-arg", action="append", default=[], metavar="ARG",
@@ -851,7 +856,7 @@ def cmd_compare(args: argparse.Namespace,
                         num_gpu_blocks=args.num_gpu_blocks, time_scale=time_scale,
                         redis_url=args.redis_url, emulator_args=tuple(args.emulator_arg),
                         router_args=tuple(args.router_arg),
-                        emulator_priority=not args.no_priority)
+                        emulator_priority=not args.no_priority, index_stride=args.index_stride)
     config = CompareConfig(runs=runs, fleet=fleet,
                            replay=make_replay_config(args, "http://unused", args.model),
                            output_dir=output_dir, sample_interval_s=args.sample_interval,

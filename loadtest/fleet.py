@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from loadtest.redis_server import RedisServer, free_port
+from router.contract import DEFAULT_INDEX_STRIDE
 
 logger = logging.getLogger(__name__)
 
@@ -99,6 +100,7 @@ class FleetConfig:
     router_args: tuple[str, ...] = ()
     worker_args: tuple[str, ...] = ()
     emulator_priority: bool = True  # run the emulator at EMULATOR_NICE where allowed
+    index_stride: int = DEFAULT_INDEX_STRIDE  # coarse-index stride, the same for workers and router
 
     def __post_init__(self) -> None:
         if self.replicas < 1:
@@ -400,7 +402,7 @@ class Fleet:
                     "--kv-events-endpoint", rep.kv_events_endpoint,
                     "--redis-url", self.redis_url, "--replica-id", rep.replica_id,
                     "--advertise-url", rep.url, "--redis-prefix", cfg.redis_prefix,
-                    "--metrics-port", "0"]
+                    "--metrics-port", "0", "--index-stride", str(cfg.index_stride)]
             if rep.kv_replay_endpoint:
                 args += ["--kv-replay-endpoint", rep.kv_replay_endpoint]
             if cfg.python_hash_seed is not None:
@@ -416,7 +418,8 @@ class Fleet:
                 "--ready-file", str(ready), "--redis-url", self.redis_url,
                 "--redis-prefix", cfg.redis_prefix, "--policy", cfg.router.policy,
                 "--model", cfg.model, "--block-size", str(cfg.block_size),
-                "--hash-algo", cfg.hash_algo, "--log-level", "warning"]
+                "--hash-algo", cfg.hash_algo, "--log-level", "warning",
+                "--index-stride", str(cfg.index_stride)]
         if cfg.python_hash_seed is not None:
             args += ["--hash-seed", cfg.python_hash_seed]
         args += list(cfg.router_args)

@@ -91,6 +91,12 @@ class RedisServer:
     def url(self) -> str:
         return f"redis://{self.host}:{self.port}/0"
 
+    @property
+    def pid(self) -> int:
+        """Process id of the running server (CPU accounting in benchmarks)."""
+        assert self._proc is not None, "not started"
+        return self._proc.pid
+
     def start(self) -> RedisServer:
         self._dir = tempfile.TemporaryDirectory(prefix="prefix-router-redis-")
         stdin_config = [] if self.password is None else ["-"]  # "-" must come first

@@ -46,6 +46,7 @@ logger = logging.getLogger(__name__)
 
 REPLICA_HEADER = "x-prefix-router-replica"  # set by prefix-router on every proxied response
 REASON_HEADER = "x-prefix-router-reason"  # the routing decision's reason label (prefix-router)
+HIT_HEADER = "x-prefix-router-confirmed-hit-tokens"  # the index's engine-confirmed hit there
 DEFAULT_MODEL = "emulated-llm"  # the emulator's default served model name
 DEFAULT_MAX_CONCURRENCY = 512  # requests in flight
 DEFAULT_REQUEST_TIMEOUT_S = 600.0  # per request, end to end
@@ -109,6 +110,7 @@ class RequestRecord:
     completion_tokens: int | None = None
     replica: str | None = None
     reason: str | None = None  # prefix-router's decision reason (None behind other routers)
+    confirmed_hit_tokens: int | None = None  # prefix-router's index prediction on that replica
     status: int = 0
     error: str | None = None
 
@@ -175,6 +177,8 @@ async def send_one(session: aiohttp.ClientSession, url: str, body: bytes, record
             record.status = resp.status
             record.replica = resp.headers.get(REPLICA_HEADER)
             record.reason = resp.headers.get(REASON_HEADER)
+            hit = resp.headers.get(HIT_HEADER)
+            record.confirmed_hit_tokens = int(hit) if hit and hit.isdigit() else None
             if resp.status != 200:
                 text = await resp.text()
                 record.error = f"HTTP {resp.status}: {text[:300]}"
@@ -358,6 +362,12 @@ def summarize(records: Sequence[RequestRecord]) -> dict[str, Any]:
     prompt = sum(r.prompt_tokens or 0 for r in ok)
     cached_known = [r for r in ok if r.cached_tokens is not None]
     cached = sum(r.cached_tokens or 0 for r in cached_known)
+    # the index's prediction against what the engine found: an over-estimate is a confirmed hit
+    # the engine no longer had (evicted inside a held span, or between routing and scheduling)
+    judged = [r for r in cached_known if r.confirmed_hit_tokens is not None]
+    predicted = sum(r.confirmed_hit_tokens or 0 for r in judged)
+    over = [r for r in judged if (r.confirmed_hit_tokens or 0) > (r.cached_tokens or 0)]
+    over_tokens = sum((r.confirmed_hit_tokens or 0) - (r.cached_tokens or 0) for r in over)
     per_replica: dict[str, int] = {}
     for r in sent:
         if r.replica is not None:
@@ -374,6 +384,10 @@ def summarize(records: Sequence[RequestRecord]) -> dict[str, Any]:
         "e2e_p99_s": percentile(e2es, 99),
         "throughput_rps": (len(ok) / span) if span > 0 else None,
         "client_token_hit_rate": (cached / prompt) if cached_known and prompt else None,
+        "predicted_hit_tokens": predicted if judged else None,
+        "overestimated_requests": len(over) if judged else None,
+        "overestimate_request_rate": (len(over) / len(judged)) if judged else None,
+        "overestimated_token_share": (over_tokens / predicted) if predicted else None,
         "max_send_lag_s": max(((r.send_s or 0.0) - r.scheduled_s for r in sent), default=0.0),
         "requests_per_replica_header": dict(sorted(per_replica.items())),
     }

@@ -32,6 +32,7 @@ from typing import Final
 
 import xxhash
 
+from router.contract import is_anchor
 from router.hashing import BlockHasher
 
 SPAN_BLOCKS: Final = 16  # full blocks per token-id piece (256 tokens at block size 16)
@@ -75,10 +76,13 @@ class ChainCache:
     ``capacity`` counts nodes (>= 0; 0 disables caching but still computes).
     """
 
-    def __init__(self, hasher: BlockHasher, capacity: int = DEFAULT_CAPACITY) -> None:
+    def __init__(self, hasher: BlockHasher, capacity: int = DEFAULT_CAPACITY,
+                 index_stride: int = 1) -> None:
         if capacity < 0:
             raise ValueError(f"capacity must be >= 0, got {capacity}")
         self.hasher = hasher
+        # lazy mode asks ``held`` only about anchor positions: the index holds no other keys
+        self.index_stride = index_stride
         self.capacity = capacity
         self._nodes: OrderedDict[tuple[int, Hashable], ChainNode] = OrderedDict()
         self._roots: dict[Hashable, ChainNode] = {}  # {(lora, cache_salt, prefix tokens): root}
@@ -179,8 +183,8 @@ class ChainCache:
         ``walk(root, pieces)`` result to reuse.
 
         Lazy mode (``held`` given, with the prompt's total ``num_tokens``): hashing
-        stops after the first computed piece holding a key for which ``held(key)``
-        is False (no replica can hit beyond it, and it already contains the first
+        stops after the first computed piece holding a key (at an anchor position,
+        ``index_stride``) for which ``held(key)`` is False (no replica can hit beyond it, and it already contains the first
         un-held block the ring needs); the result has ``complete=False`` and a
         later call without ``held`` finishes the chain from the cached pieces.
         ``tokens_of`` is then called once per piece. With ``max_pieces``, lazy mode
@@ -194,14 +198,18 @@ class ChainCache:
         missing = list(range(cached, len(pieces)))
         complete = True
         if missing and held is not None:
+            size, stride = self.hasher.block_size, self.index_stride
             for n_done, i in enumerate(missing):
                 if max_pieces is not None and n_done >= max_pieces:
                     return None
+                first = (node.num_tokens - len(node.tail)) // size  # chain position of new.keys[0]
                 new = self.extend(node, tokens_of([i])[0], lora, cache_salt)
                 self.put(node, pieces[i], new)
                 path.append(new)
                 node = new
-                if i + 1 < len(pieces) and not all(map(held, new.keys)):
+                if i + 1 < len(pieces) and not all(
+                        held(key) for pos, key in enumerate(new.keys, first)
+                        if stride == 1 or is_anchor(pos, stride)):
                     complete = False
                     break
         elif missing:

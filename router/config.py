@@ -20,7 +20,7 @@ from typing import Any, Final
 
 import yaml
 
-from router.contract import DEFAULT_REDIS_PREFIX
+from router.contract import DEFAULT_INDEX_STRIDE, DEFAULT_REDIS_PREFIX
 from router.hashing import DEFAULT_BLOCK_SIZE, DEFAULT_HASH_ALGO, HASH_ALGOS
 from router.policy import DEFAULT_EVICTED_REUSE
 from router.redis_client import RedisUrlError, parse_redis_url
@@ -105,6 +105,7 @@ class RouterConfig:
     block_size: int = DEFAULT_BLOCK_SIZE  # tokens; vLLM default
     hash_algo: str = DEFAULT_HASH_ALGO
     hash_seed: str | None = None  # the engines' PYTHONHASHSEED, if set
+    index_stride: int = DEFAULT_INDEX_STRIDE  # blocks between index anchors; must equal the workers'
     policy: str = "prefix"
     load_factor: float = DEFAULT_LOAD_FACTOR
     log_level: str = "info"
@@ -188,6 +189,8 @@ class RouterConfig:
             raise ConfigError(f"hash_algo must be one of {', '.join(HASH_ALGOS)}, got {self.hash_algo!r}")
         if self.block_size < 1:
             raise ConfigError(f"block_size must be >= 1, got {self.block_size}")
+        if self.index_stride < 1:
+            raise ConfigError(f"index_stride must be >= 1, got {self.index_stride}")
         if self.load_factor < 1.0:
             raise ConfigError(f"load_factor must be >= 1.0, got {self.load_factor}")
         if self.log_level not in LOG_LEVELS:
@@ -295,6 +298,8 @@ _HELP: Final = {
     "shutdown_timeout_s": "then in-flight requests get this long to finish",
     "fleet_cache_file": "file keeping the last fleet seen in Redis, loaded when Redis is down "
                         "at start-up",
+    "index_stride": "blocks between the block index's anchor keys (1 = exact index); must equal "
+                    "the workers' --index-stride (a replica that differs gets no prefix credit)",
     "config": "YAML file with the same keys (underscored)",
     "api_keys": "turn on API-key auth: file of 'TENANT sha256:HEX' lines, or a directory "
                 "(a mounted Secret) of one file per tenant with 'sha256:HEX' lines",

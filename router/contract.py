@@ -5,16 +5,40 @@ One namespace prefix per fleet (default ``pr``). For replica ``r``:
 * ``{prefix}:replica:{r}``: hash, refreshed by the worker every heartbeat with a
   TTL of a few heartbeats; fields are the ``F_*`` names below. A missing key
   means the replica is out of rotation.
-* ``{prefix}:blocks:{r}``: set of 8-byte big-endian block keys resident on ``r``.
-* ``{prefix}:events``: stream (approximately trimmed), one entry per change batch
-  with fields ``replica``, ``epoch``, ``op`` (``stored``/``removed``/``cleared``)
-  and ``keys`` (packed 8-byte big-endian block keys, empty for ``cleared``).
+* ``{prefix}:blocks:{r}``: set of 8-byte big-endian block keys resident on ``r``;
+  only the keys at *anchor positions* of their chain (``is_anchor``).
+* ``{prefix}:events``: stream (approximately trimmed), one entry per worker flush
+  with fields ``replica``, ``epoch``, ``cleared`` (``"1"``: the replica's set was
+  reset before this entry's keys), ``stored`` and ``removed`` (packed 8-byte
+  big-endian block keys; one key is in at most one of them).
+
+Contract version 2 (``CONTRACT_VERSION``; heartbeat field ``contract``) added the
+coarse index and the one-entry-per-flush stream format. Version 1 entries
+(fields ``op`` = ``stored``/``removed``/``cleared`` and ``keys``) are still read.
+
+**Coarse index.** ``index_stride`` (N, heartbeat field ``index_stride``; the same
+one setting for workers and routers) selects the chain positions (0-based block
+depth ``d``) that carry a key: every ``d`` with ``(d + 1) % N == 0``, plus the
+positions ``d + 1 = 1, 2, 4, ... < N`` so short prompts keep a fine-grained hit.
+N = 1 makes every block an anchor (the exact index). Workers publish only anchor
+keys (N times fewer keys written, stored and applied); a router reads a hit
+depth as ``anchor depth + 1`` of the deepest leading anchor a replica holds, so
+hit depths are exact at anchors and under-estimate by fewer than N blocks
+between them. A replica that evicted a block inside a span whose anchor it
+still holds is over-estimated (vLLM frees a chain's tail first, so this is
+rare; ``loadtest/replay.py`` measures it against the engine's cached tokens). A
+replica whose ``index_stride`` or ``contract`` differs from the router's gets
+no prefix-hit credit (reported on ``/ready`` and ``router_replica_config_mismatch``).
 
 The worker is the only writer for its replica and writes the set change and the
-stream entry in one transaction. Routers remember the stream's last id, load
-the snapshot sets, then read the stream from the remembered id; re-applying an
-entry is harmless (set semantics). An entry whose ``epoch`` is newer than the
-router's view of the replica resets that replica first.
+stream entry atomically (one Lua script per flush). Routers remember the
+stream's last id, load the snapshot sets, then read the stream from the
+remembered id; re-applying an entry is harmless (set semantics). An entry whose
+``epoch`` is newer than the router's view of the replica resets that replica
+first.
+
+Redis Cluster (not supported yet): the per-replica keys would take the hash tag
+``{r}`` and the stream become one per replica, so each flush stays in one slot.
 """
 
 from __future__ import annotations
@@ -23,7 +47,9 @@ import struct
 from collections.abc import Iterable, Sequence
 from typing import Final
 
+CONTRACT_VERSION: Final = 2  # heartbeat field ``contract``; absent means version 1
 DEFAULT_REDIS_PREFIX: Final = "pr"
+DEFAULT_INDEX_STRIDE: Final = 16  # blocks between anchors (N); 1 = exact index. See README
 HEARTBEAT_INTERVAL_S: Final = 1.0  # worker refresh period
 HEARTBEAT_TTL_S: Final = 3.0  # about 3 heartbeats; expiry takes the replica out
 EVENTS_STREAM_MAXLEN: Final = 200_000  # approximate MAXLEN for {prefix}:events
@@ -44,6 +70,8 @@ F_SEED_FINGERPRINT: Final = "seed_fingerprint"  # BlockHasher.seed_fingerprint o
 F_HASH_VERIFIED: Final = "hash_verified"  # "1" verified, "0" mismatch, "" not yet probed
 F_KEY_MODE: Final = "key_mode"  # "engine" (event hashes) or "recomputed" (from token_ids)
 KEY_MODE_RECOMPUTED: Final = "recomputed"  # keys are the routers' hashes of BlockStored.token_ids
+F_CONTRACT: Final = "contract"  # CONTRACT_VERSION of the worker ("" or absent: 1)
+F_INDEX_STRIDE: Final = "index_stride"  # N of the coarse index ("" or absent: 1)
 F_EPOCH: Final = "epoch"  # int, bumped on engine restart / cache clear / resync
 F_SEQ: Final = "seq"  # last KV event batch sequence number applied
 F_NUM_RUNNING: Final = "num_running"
@@ -58,8 +86,11 @@ F_HEARTBEAT_TS: Final = "heartbeat_ts"  # unix seconds, float
 # Stream entry fields ({prefix}:events).
 E_REPLICA: Final = "replica"
 E_EPOCH: Final = "epoch"
-E_OP: Final = "op"
-E_KEYS: Final = "keys"
+E_CLEARED: Final = "cleared"  # "1": reset the replica's set before applying this entry
+E_STORED: Final = "stored"  # packed keys that became resident
+E_REMOVED: Final = "removed"  # packed keys that stopped being resident
+E_OP: Final = "op"  # version 1 entries only
+E_KEYS: Final = "keys"  # version 1 entries only
 
 _KEY = struct.Struct(">Q")
 
@@ -116,3 +147,44 @@ def unpack_keys(data: bytes) -> Sequence[int]:
     if len(data) % 8:
         raise ValueError(f"packed keys length {len(data)} is not a multiple of 8")
     return struct.unpack(f">{len(data) // 8}Q", data)
+
+
+def is_anchor(depth: int, stride: int) -> bool:
+    """True if the block at 0-based chain position ``depth`` carries a key in the index.
+
+    ``(depth + 1) % stride == 0``, or ``depth + 1`` a power of two below ``stride``.
+    ``stride`` 1: every block.
+    """
+    n = depth + 1
+    return n % stride == 0 or (n < stride and n & (n - 1) == 0)
+
+
+def anchor_positions(num_blocks: int, stride: int) -> range | list[int]:
+    """The anchor positions (``is_anchor``) of a chain of ``num_blocks`` blocks, ascending."""
+    if stride == 1:
+        return range(num_blocks)
+    head = []
+    n = 1
+    while n < stride and n <= num_blocks:
+        head.append(n - 1)
+        n *= 2
+    return head + list(range(stride - 1, num_blocks, stride))
+
+
+def anchor_positions_between(start: int, stop: int, stride: int) -> list[int]:
+    """The anchor positions ``p`` with ``start <= p < stop``, ascending (O(anchors), not O(blocks))."""
+    head = []
+    n = 1
+    while n < stride and n <= stop:
+        if n > start:
+            head.append(n - 1)
+        n *= 2
+    first = max(stride - 1, start + (stride - 1 - start) % stride)
+    return head + list(range(first, stop, stride))
+
+
+def anchor_keys(chain: Sequence[int], stride: int, start: int = 0) -> list[int]:
+    """The keys of ``chain`` (block 0 first) at anchor positions ``>= start``."""
+    if stride == 1:
+        return list(chain[start:])
+    return [chain[p] for p in anchor_positions(len(chain), stride) if p >= start]

@@ -60,6 +60,8 @@ class Replica:
     seed_fingerprint: str | None = None
     hash_verified: str = ""  # "1" verified, "0" mismatch, "" not probed yet
     key_mode: str = ""  # "engine" (event hashes) or "recomputed" (the router's own hashes)
+    contract: int = c.CONTRACT_VERSION  # the worker's Redis contract version (absent field: 1)
+    index_stride: int = 1  # the worker's coarse-index stride (absent field: 1, the exact index)
     epoch: int = 0
     num_running: int = 0
     num_waiting: int = 0
@@ -88,7 +90,7 @@ class Fleet:
         self.config = config
         self.hasher = hasher
         self.replicas: dict[str, Replica] = {}  # {replica_id: Replica}
-        self.index = BlockIndex()
+        self.index = BlockIndex(config.index_stride)
         self.speculative = SpeculativePlacements(config.speculative_ttl_s)
         self._ring: HashRing | None = None
         self._ring_ids: tuple[str, ...] = ()
@@ -104,12 +106,27 @@ class Fleet:
 
     # -- views ------------------------------------------------------------------
 
+    def config_mismatch(self, replica: Replica) -> str | None:
+        """How a worker-reported replica's Redis contract or index stride differs from this
+        router's (its keys would be read at the wrong positions), or ``None``."""
+        if replica.static:
+            return None
+        if replica.contract > c.CONTRACT_VERSION:  # older versions are read (version 1: stride 1)
+            return f"Redis contract version {replica.contract} is newer than router's {c.CONTRACT_VERSION}"
+        if replica.index_stride != self.index.stride:
+            return (f"index_stride {replica.index_stride} != router's {self.index.stride} "
+                    "(set one value for workers and routers)")
+        return None
+
     def affinity_problem(self, replica: Replica) -> str | None:
         """Why a replica gets no prefix-hit credit, or ``None`` if it does."""
         if replica.static:
             return "static replica: no KV events"
         if replica.fallback:
             return "fallback replica: no worker report yet (Redis unreachable)"
+        mismatch = self.config_mismatch(replica)
+        if mismatch is not None:
+            return mismatch
         if replica.hash_verified == "0" and replica.key_mode != c.KEY_MODE_RECOMPUTED:
             # recomputed keys are this router's own hashes of the events' token ids: trusted
             return "hash_verified=0: the worker's probe hashes differ from the engine's"
@@ -242,6 +259,8 @@ class Fleet:
         replica.seed_fingerprint = fields.get(c.F_SEED_FINGERPRINT) or None
         replica.hash_verified = fields.get(c.F_HASH_VERIFIED, "")
         replica.key_mode = fields.get(c.F_KEY_MODE, "")
+        replica.contract = _int(fields.get(c.F_CONTRACT), 1) or 1
+        replica.index_stride = _int(fields.get(c.F_INDEX_STRIDE), 1) or 1
         replica.num_running = _int(fields.get(c.F_NUM_RUNNING), 0) or 0
         replica.num_waiting = _int(fields.get(c.F_NUM_WAITING), 0) or 0
         replica.kv_usage = _float(fields.get(c.F_KV_USAGE), 0.0)
@@ -276,8 +295,10 @@ class Fleet:
         # the speculative placements before the slot is reused
         self.index.drop(replica_id)
 
-    def apply_event(self, replica_id: str, epoch: int, op: str, keys: Any) -> str | None:
-        """Apply one change-stream entry. Returns ``None`` or why it was dropped."""
+    def apply_changes(self, replica_id: str, epoch: int, cleared: bool, stored: Any,
+                      removed: Any) -> str | None:
+        """Apply one change-stream entry: reset the replica's keys if ``cleared``, then add
+        ``stored`` and forget ``removed`` (disjoint). Returns ``None`` or why it was dropped."""
         replica = self.replicas.get(replica_id)
         if replica is None or replica.static:
             return "unknown_replica"
@@ -288,15 +309,28 @@ class Fleet:
             self.index.clear(replica_id)
             self.index.epochs[replica_id] = epoch
             replica.epoch = max(replica.epoch, epoch)
-        if op == c.OP_STORED:
-            self.index.add(replica_id, keys)
-        elif op == c.OP_REMOVED:
-            self.index.remove(replica_id, keys)
-        elif op == c.OP_CLEARED:
+        if cleared:
             self.index.clear(replica_id)
-        else:
-            return "bad_op"
+        if removed:
+            self.index.remove(replica_id, removed)
+        if stored:
+            self.index.add(replica_id, stored)
         return None
+
+    def apply_event(self, replica_id: str, epoch: int, op: str, keys: Any) -> str | None:
+        """Apply one contract-version-1 entry (``op`` with its ``keys``); see ``apply_changes``."""
+        if op == c.OP_STORED:
+            return self.apply_changes(replica_id, epoch, False, keys, ())
+        if op == c.OP_REMOVED:
+            return self.apply_changes(replica_id, epoch, False, (), keys)
+        if op == c.OP_CLEARED:
+            return self.apply_changes(replica_id, epoch, True, (), ())
+        return "bad_op"
+
+
+_ENTRY_FIELDS = (c.E_REPLICA, c.E_EPOCH, c.E_CLEARED, c.E_STORED, c.E_REMOVED, c.E_OP, c.E_KEYS)
+_BYTES_FIELDS: dict[str, Any] = {name: name.encode() for name in _ENTRY_FIELDS}  # {field: reply key}
+_TEXT_FIELDS: dict[str, Any] = {name: name for name in _ENTRY_FIELDS}
 
 
 def write_fleet_cache(path: str, snapshot: list[dict[str, Any]]) -> None:
@@ -346,6 +380,10 @@ def _float(value: str | None, default: float) -> float:
 
 def _text(value: Any) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def _bytes(value: Any) -> bytes:
+    return value if isinstance(value, bytes) else str(value).encode("latin-1")
 
 
 class FleetReader:
@@ -512,21 +550,36 @@ class FleetReader:
 
     def _apply(self, fields: Mapping[Any, Any]) -> None:
         try:
-            data = {_text(k): v for k, v in fields.items()}
-            rid = _text(data[c.E_REPLICA])
-            epoch = int(_text(data[c.E_EPOCH]))
-            op = _text(data[c.E_OP])
-            raw = data.get(c.E_KEYS, b"")
-            keys = c.unpack_keys(raw if isinstance(raw, bytes) else raw.encode("latin-1"))
+            names: Mapping[str, Any] = _TEXT_FIELDS
+            if b"replica" in fields:  # the client's usual bytes form: no re-keyed copy per entry
+                data: Mapping[Any, Any] = fields
+                names = _BYTES_FIELDS
+            else:
+                data = {_text(k): v for k, v in fields.items()}
+            get = names.__getitem__
+            rid = _text(data[get(c.E_REPLICA)])
+            epoch = int(data[get(c.E_EPOCH)])
+            if get(c.E_OP) in data:  # contract version 1: one op per entry
+                op = _text(data[get(c.E_OP)])
+                keys = c.unpack_keys(_bytes(data.get(get(c.E_KEYS), b"")))
+                dropped = self.fleet.apply_event(rid, epoch, op, keys)
+                ops = [op]
+            else:
+                cleared = _text(data.get(get(c.E_CLEARED), b"0")) == "1"
+                stored = c.unpack_keys(_bytes(data.get(get(c.E_STORED), b"")))
+                removed = c.unpack_keys(_bytes(data.get(get(c.E_REMOVED), b"")))
+                dropped = self.fleet.apply_changes(rid, epoch, cleared, stored, removed)
+                ops = [op for op, present in ((c.OP_CLEARED, cleared), (c.OP_STORED, stored),
+                                              (c.OP_REMOVED, removed)) if present]
         except (KeyError, ValueError, UnicodeDecodeError) as exc:
             logger.warning("dropping malformed stream entry: %s", exc)
             self.metrics.event_errors.labels("malformed").inc()
             return
-        dropped = self.fleet.apply_event(rid, epoch, op, keys)
         if dropped is not None:
-            self.metrics.event_errors.labels(dropped).inc()
+            self.metrics.child(self.metrics.event_errors, dropped).inc()
         else:
-            self.metrics.events.labels(op).inc()
+            for op in ops:
+                self.metrics.child(self.metrics.events, op).inc()
 
     def _update_gauges(self) -> None:
         index = self.fleet.index

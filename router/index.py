@@ -23,6 +23,8 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Iterable, Sequence
 
+from router.contract import anchor_positions
+
 _MAX_INTERNED_MASKS = 1 << 16
 
 
@@ -44,6 +46,9 @@ class BlockIndex:
     incrementally (a bounded number of keys per call, so the event loop is
     never blocked for long) and then frees the slots for reuse.
 
+    With ``stride`` N > 1 the table holds only the keys at the anchor positions of
+    their chains (``router.contract.is_anchor``), as workers publish them.
+
     Invariants: no key maps to mask 0; ``num_blocks(r)`` equals the number of
     keys whose mask has ``r``'s current slot bit; a retired slot is reused only
     after a sweep removed it from every key; ``len()`` may count keys held only
@@ -51,9 +56,13 @@ class BlockIndex:
     """
 
     __slots__ = ("_bit_to_id", "_free_bits", "_id_to_bit", "_interned", "_key_to_mask",
-                 "_num_blocks", "_retired", "_sweep_keys", "_sweep_mask", "_sweep_pos", "epochs")
+                 "_num_blocks", "_retired", "_sweep_keys", "_sweep_mask", "_sweep_pos", "epochs",
+                 "stride")
 
-    def __init__(self) -> None:
+    def __init__(self, stride: int = 1) -> None:
+        if stride < 1:
+            raise ValueError(f"stride must be >= 1, got {stride}")
+        self.stride = stride  # blocks between the anchors the table holds (router.contract)
         self._key_to_mask: dict[int, int] = {}  # {block_key: slot bitmask}
         self._id_to_bit: dict[str, int] = {}  # {replica_id: current slot index}
         self._bit_to_id: dict[int, str] = {}  # {current slot index: replica_id}
@@ -251,15 +260,18 @@ class BlockIndex:
         ``candidates`` is a bitmask (``mask_of``). Returns ``(confirmed, combined)``
         dicts ``{replica_id: depth in blocks}`` for every candidate: ``confirmed``
         counts engine-reported keys only, ``combined`` also counts the router's
-        unexpired speculative placements at time ``now``.
+        unexpired speculative placements at time ``now``. With ``stride`` > 1 only
+        the anchor positions of ``chain`` are looked up (``router.contract.is_anchor``)
+        and a depth is the position after the deepest leading anchor held.
         """
         confirmed: dict[int, int] = {}
         combined: dict[int, int] = {}
         conf_alive = comb_alive = candidates
         get = self._key_to_mask.get
         spec_get = speculative._entries.get if speculative is not None and speculative._entries else None
-        depth = 0
-        for depth, key in enumerate(chain):
+        depth = 0  # blocks covered by the anchors walked so far
+        for pos in anchor_positions(len(chain), self.stride):
+            key = chain[pos]
             mask = get(key, 0)
             if conf_alive:
                 kept = mask & conf_alive
@@ -278,8 +290,7 @@ class BlockIndex:
                 comb_alive = kept
                 if not comb_alive:
                     break
-        else:
-            depth = len(chain)
+            depth = pos + 1
         for b in _bits(conf_alive):
             confirmed[b] = depth
         for b in _bits(comb_alive):

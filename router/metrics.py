@@ -105,6 +105,10 @@ class RouterMetrics:
         self.replica_affinity = Gauge(
             "router_replica_affinity", "1 when a replica gets prefix-hit credit (hash verified, "
             "same block size and hash settings)", ["replica"], registry=registry)
+        self.replica_config_mismatch = Gauge(
+            "router_replica_config_mismatch", "1 when a replica's worker uses another Redis "
+            "contract version or index_stride than this router (it gets no prefix-hit credit)",
+            ["replica"], registry=registry)
 
     def watch_audit(self, audit: Any, top_k: int) -> None:
         """Export the template audit (``router.audit.PrefixAudit``): per-family gauges for the

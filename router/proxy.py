@@ -48,6 +48,9 @@ logger = logging.getLogger(__name__)
 
 REPLICA_HEADER: Final = "x-prefix-router-replica"
 REASON_HEADER: Final = "x-prefix-router-reason"
+# tokens of the prompt the index had engine-confirmed on the replica that answered (replay records
+# compare it with the engine's cached_tokens: the coarse index's over-estimation)
+HIT_HEADER: Final = "x-prefix-router-confirmed-hit-tokens"
 HOP_BY_HOP: Final = frozenset({
     "connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te", "trailer",
     "trailers", "transfer-encoding", "upgrade", "host", "content-length",
@@ -75,6 +78,7 @@ class Target:
 
     replica_id: str
     url: str  # base URL, no trailing slash
+    confirmed_hit_tokens: int = 0  # engine-confirmed prefix hit the index predicts there
 
 
 @dataclass(slots=True)
@@ -290,6 +294,7 @@ class Proxy:
                     out_headers.add(name, value)
             out_headers[REPLICA_HEADER] = target.replica_id
             out_headers[REASON_HEADER] = reason
+            out_headers[HIT_HEADER] = str(target.confirmed_hit_tokens)
             out_headers[REQUEST_ID_HEADER] = request_id
             outcome = ProxyOutcome(target.replica_id, upstream.status, first_byte_s)
             whole = upstream.content_length is not None and len(first) == upstream.content_length

@@ -44,6 +44,7 @@ from router.auth import (
 from router.chain_cache import SPAN_BLOCKS, ChainCache, PromptChain
 from router.chat_render import UNTRUSTED_TEMPLATE_MESSAGE, TemplateRenderer, has_request_template
 from router.config import ConfigError, RouterConfig, load_config
+from router.contract import anchor_keys
 from router.errors import (
     REQUEST_ID_HEADER,
     BadRequest,
@@ -148,7 +149,7 @@ class RouterService:
         self.tracing = tracing or Tracing(None)
         self.hasher = BlockHasher(config.block_size, config.hash_algo, config.hash_seed)
         self.tokenizer = tokenizer
-        self.chains = ChainCache(self.hasher, config.token_cache_chunks)
+        self.chains = ChainCache(self.hasher, config.token_cache_chunks, config.index_stride)
         self.metrics = RouterMetrics()
         self._tokenize_children: dict[tuple[str, str], Any] = {}
         # {replica_id: EWMA of streamed first-byte seconds per prefill token (incl. queueing)}
@@ -309,6 +310,8 @@ class RouterService:
                 self.metrics.replica_routable.labels(rid).set(1 if routable else 0)
                 affinity = self.fleet.affinity_problem(replica) is None
                 self.metrics.replica_affinity.labels(rid).set(1 if affinity else 0)
+                mismatch = self.fleet.config_mismatch(replica) is not None
+                self.metrics.replica_config_mismatch.labels(rid).set(1 if mismatch else 0)
             await asyncio.sleep(1.0)
 
     async def _stall_watch(self) -> None:
@@ -491,7 +494,10 @@ class RouterService:
                              spec.kind, decision.replica_id, decision.reason, decision.hit_blocks,
                              decision.chain_blocks, num_tokens, decision.details)
         urls = {r.replica_id: r.url for r in eligible}
-        targets = [Target(rid, urls[rid]) for rid in (decision.replica_id, *decision.fallbacks)]
+        size = self.config.block_size
+        targets = [Target(rid, urls[rid],
+                          decision.details.get(rid, {}).get("confirmed_hit_blocks", 0) * size)
+                   for rid in (decision.replica_id, *decision.fallbacks)]
         return Routed(decision, num_tokens, chain, targets, tokenized,
                       prompt.complete if prompt is not None else True, lora, window)
 
@@ -515,7 +521,8 @@ class RouterService:
             return None
         held = routed.decision.details.get(replica_id, {}).get("confirmed_hit_blocks", 0)
         slot = self.fleet.index.bit(replica_id)
-        placed = _Placed(routed.chain[held:])
+        stride = self.config.index_stride  # only anchor keys are ever looked up
+        placed = _Placed(anchor_keys(routed.chain, stride, held))
         self.fleet.speculative.place(slot, placed.keys, time.monotonic())
         if not routed.complete:
             loop = asyncio.get_running_loop()
@@ -528,7 +535,7 @@ class RouterService:
                 self._queued_rests -= 1
                 if not fut.cancelled() and fut.exception() is None and not placed.withdrawn:
                     self._correct_length(routed, replica_id, placed, fut.result().num_tokens)
-                    rest = fut.result().keys[done:]
+                    rest = anchor_keys(fut.result().keys, stride, done)
                     self.fleet.speculative.place(slot, rest, time.monotonic())
                     placed.keys.extend(rest)
                 if self._pending_tails.get(boundary) is recorded:
@@ -826,6 +833,7 @@ class RouterService:
                 "replica_id": rid, "url": r.url, "static": r.static, "routable": problem is None,
                 "not_routable_reason": problem, "affinity": affinity_problem is None,
                 "no_affinity_reason": affinity_problem, "hash_verified": r.hash_verified,
+                "config_mismatch": self.fleet.config_mismatch(r), "index_stride": r.index_stride,
                 "epoch": r.epoch, "models": sorted(r.models) if r.models is not None else None,
                 "lora_adapters": sorted(r.lora_adapters), "num_running": r.num_running,
                 "num_waiting": r.num_waiting, "kv_usage": r.kv_usage,
@@ -839,7 +847,10 @@ class RouterService:
                 "redis": None if self.reader is None else {"connected": self.reader.connected,
                                                            "last_stream_id": self.reader.last_id},
                 "tokenizer": self.tokenizer.source if self.tokenizer else None,
-                "index_blocks": len(self.fleet.index), "replicas": replicas}
+                "index_blocks": len(self.fleet.index), "index_stride": self.config.index_stride,
+                "config_mismatches": sorted(str(r["replica_id"]) for r in replicas
+                                            if r["config_mismatch"]),
+                "replicas": replicas}
         return web.json_response(body, status=200 if ready else 503)
 
     async def handle_metrics(self, request: web.Request) -> web.Response:

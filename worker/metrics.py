@@ -38,6 +38,7 @@ class WorkerSnapshot:
     num_heartbeats: int = 0
     num_engine_errors: int = 0
     num_unknown_removals: int = 0
+    num_unknown_depth_blocks: int = 0
     num_probes: int = 0
     resident_blocks: int = 0
     pending_changes: int = 0
@@ -66,6 +67,8 @@ _COUNTERS: tuple[tuple[str, str, str], ...] = (
     ("worker_heartbeats", "num_heartbeats", "Heartbeats written."),
     ("worker_engine_errors", "num_engine_errors", "Failed engine polls."),
     ("worker_unknown_removals", "num_unknown_removals", "BlockRemoved for keys not resident."),
+    ("worker_unknown_depth_blocks", "num_unknown_depth_blocks",
+     "Stored blocks whose chain depth is unknown (parent never seen; no anchor published)."),
     ("worker_probes", "num_probes", "Hash agreement probes completed."),
 )
 _GAUGES: tuple[tuple[str, str, str], ...] = (

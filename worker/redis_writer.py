@@ -1,11 +1,13 @@
 """Writes one replica's block-set changes and heartbeat to Redis. Does I/O (redis.asyncio).
 
-Per ``router/contract.py``: the set ``{prefix}:blocks:{r}`` of 8-byte keys and
-one ``{prefix}:events`` stream entry per change (``replica``, ``epoch``, ``op``,
-packed ``keys``), written together in one MULTI/EXEC transaction. Changes that
-pile up while a transaction is in flight are flushed together in the next one
-(one pipeline round trip, still one stream entry per change). The same
-transaction records the committed ``epoch``/``seq`` in the heartbeat hash (only
+Per ``router/contract.py`` (version 2): the set ``{prefix}:blocks:{r}`` of 8-byte
+keys and one ``{prefix}:events`` stream entry per flush (``replica``, ``epoch``,
+``cleared``, packed ``stored`` and ``removed`` keys), written by ONE Lua script
+call (``_FLUSH``): the changes queued since the last flush are merged into their
+net effect (the last change of a key wins; a ``cleared`` supersedes what came
+before it), sent as two packed byte strings, and split into set members inside
+Redis, so the worker packs two arguments per flush instead of one per key. The
+same script records the committed ``epoch``/``seq`` in the heartbeat hash (only
 if it exists, so a dead replica is never resurrected), so a restarted worker
 reads back a set and a sequence number that agree.
 
@@ -40,22 +42,54 @@ from worker.replica_view import NO_SEQ, Change
 
 logger = logging.getLogger(__name__)
 
-MAX_KEYS_PER_ENTRY: Final = 4096  # block keys per SADD/SREM and per stream entry (32 KiB)
 BACKOFF_INITIAL_S: Final = 0.1
 BACKOFF_MAX_S: Final = 5.0
 
-# Record the committed epoch/seq in the heartbeat hash only while it exists; returns 1 if it
-# exists, 0 if it is gone.
-_SET_IF_EXISTS: Final = (
-    "if redis.call('EXISTS', KEYS[1]) == 1 then "
-    "redis.call('HSET', KEYS[1], ARGV[1], ARGV[2], ARGV[3], ARGV[4]) return 1 end return 0"
-)
+# One flush. KEYS: blocks set, events stream, heartbeat hash. ARGV: 1 replica id, 2 epoch, 3 seq,
+# 4 cleared ("1"/"0"), 5 packed stored keys, 6 packed removed keys, 7 stream MAXLEN (approximate),
+# 8 heartbeat TTL in ms ("" = no heartbeat: record epoch/seq only if the hash exists), 9.. heartbeat
+# field/value pairs. Returns 1 when the heartbeat hash exists (or was written), 0 when it is gone.
+# Members are split off the packed strings in chunks below Lua's unpack() limit (LUAI_MAXCSTACK).
+_FLUSH: Final = """
+if redis.replicate_commands then pcall(redis.replicate_commands) end
+local function apply(cmd, blob)
+  local n = #blob
+  local i = 1
+  while i <= n do
+    local members = {}
+    local m = 0
+    while i <= n and m < 4000 do
+      m = m + 1
+      members[m] = string.sub(blob, i, i + 7)
+      i = i + 8
+    end
+    redis.call(cmd, KEYS[1], unpack(members))
+  end
+end
+if ARGV[4] == '1' then redis.call('DEL', KEYS[1]) end
+apply('SREM', ARGV[6])
+apply('SADD', ARGV[5])
+if ARGV[4] == '1' or #ARGV[5] > 0 or #ARGV[6] > 0 then
+  redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[7], '*', 'replica', ARGV[1], 'epoch', ARGV[2],
+             'cleared', ARGV[4], 'stored', ARGV[5], 'removed', ARGV[6])
+end
+if ARGV[8] ~= '' then
+  redis.call('HSET', KEYS[3], 'epoch', ARGV[2], 'seq', ARGV[3], unpack(ARGV, 9))
+  redis.call('PEXPIRE', KEYS[3], ARGV[8])
+  return 1
+end
+if redis.call('EXISTS', KEYS[3]) == 1 then
+  redis.call('HSET', KEYS[3], 'epoch', ARGV[2], 'seq', ARGV[3])
+  return 1
+end
+return 0
+"""
 
 # One heartbeat: ARGV[1] TTL in ms, ARGV[2] "1" if the hash must already exist, then field/value
 # pairs. Returns -1 (and writes nothing) when the hash must exist but is gone, else 0.
 _HEARTBEAT: Final = (
     "if ARGV[2] == '1' and redis.call('EXISTS', KEYS[1]) == 0 then return -1 end "
-    "redis.call('HSET', KEYS[1], unpack(ARGV, 3)) "
+    "if #ARGV > 2 then redis.call('HSET', KEYS[1], unpack(ARGV, 3)) end "
     "redis.call('PEXPIRE', KEYS[1], ARGV[1]) return 0"
 )
 
@@ -83,14 +117,28 @@ class StoredState:
     seq: int
     key_mode: str | None
     keys: list[int]
+    index_stride: int = 1  # the stride the keys were published with (absent field: 1)
 
 
-def _split(keys: list[int]) -> list[list[int]]:
-    return [keys[i : i + MAX_KEYS_PER_ENTRY] for i in range(0, len(keys), MAX_KEYS_PER_ENTRY)]
+def net_changes(changes: list[Change]) -> tuple[bool, list[int], list[int]]:
+    """Net effect of queued changes: ``(cleared, stored, removed)``; a key's last change wins.
 
-
-def _members(packed: bytes) -> list[bytes]:
-    return [packed[i : i + 8] for i in range(0, len(packed), 8)]
+    ``cleared``: some change reset the set (it and what follows are kept, what came before
+    it is superseded). Every key is in at most one of ``stored`` and ``removed``.
+    """
+    cleared = False
+    last: dict[int, bool] = {}  # {block key: True if its last change stored it}
+    for change in changes:
+        if change.op == OP_CLEARED:
+            cleared = True
+            last = dict.fromkeys(change.keys, True)
+        elif change.op == OP_STORED:
+            last.update(dict.fromkeys(change.keys, True))
+        else:
+            last.update(dict.fromkeys(change.keys, False))
+    stored = [k for k, v in last.items() if v]
+    removed = [] if cleared else [k for k, v in last.items() if not v]
+    return cleared, stored, removed
 
 
 class RedisWriter:
@@ -124,6 +172,9 @@ class RedisWriter:
         self._idle = asyncio.Event()
         self._idle.set()
         self._lock = asyncio.Lock()  # one Redis write of this replica at a time
+        self._flush_script = client.register_script(_FLUSH)  # EVALSHA, loaded again if Redis lost it
+        self._heartbeat_script = client.register_script(_HEARTBEAT)
+        self._sent: dict[Any, Any] = {}  # heartbeat fields as last written by the fast path
 
     # -- producer side -------------------------------------------------------
 
@@ -159,9 +210,10 @@ class RedisWriter:
     async def read_state(self) -> StoredState:
         """Read back the replica's heartbeat epoch/seq/key_mode and block set. Raises ``RedisError``."""
         async with self.client.pipeline(transaction=True) as pipe:
-            pipe.hmget(self.replica_key, [contract.F_EPOCH, contract.F_SEQ, contract.F_KEY_MODE])
+            pipe.hmget(self.replica_key, [contract.F_EPOCH, contract.F_SEQ, contract.F_KEY_MODE,
+                                          contract.F_INDEX_STRIDE])
             pipe.smembers(self.blocks_key)
-            (epoch, seq, mode), members = await pipe.execute()
+            (epoch, seq, mode, stride), members = await pipe.execute()
         keys = [contract.unpack_key(m) for m in members if len(m) == 8]
         self.hash_expected = epoch not in (None, b"")
         return StoredState(
@@ -169,6 +221,7 @@ class RedisWriter:
             seq=int(seq) if seq not in (None, b"") else NO_SEQ,
             key_mode=mode.decode() if mode else None,
             keys=keys,
+            index_stride=int(stride) if stride not in (None, b"") else 1,
         )
 
     # -- heartbeat ---------------------------------------------------------------
@@ -190,12 +243,17 @@ class RedisWriter:
                 if self.connected:
                     mapping[contract.F_EPOCH] = self.committed_epoch
                     mapping[contract.F_SEQ] = self.committed_seq
+                    # only fields that changed since the last heartbeat this writer wrote: the
+                    # hash keeps the others (a lost hash is detected and rewritten in full)
+                    sent = self._sent if self.hash_expected else {}
                     args: list[Any] = [ttl_ms, "1" if self.hash_expected else "0"]
                     for name, value in mapping.items():
-                        args += [name, value]
-                    found = await self.client.eval(_HEARTBEAT, 1, self.replica_key, *args)
+                        if sent.get(name) != value:
+                            args += [name, value]
+                    found = await self._heartbeat_script(keys=[self.replica_key], args=args)
                     if int(found) >= 0:
                         self.hash_expected = True
+                        self._sent = mapping
                         return
                     self._lose_state()
                 else:
@@ -233,6 +291,7 @@ class RedisWriter:
         if self.connected:
             logger.error("Redis write failed (%s); buffering and retrying", exc)
         self.connected = False
+        self._sent = {}
         self._back_reason = _BACK
         self._idle.clear()
         self._wake.set()
@@ -240,6 +299,7 @@ class RedisWriter:
     def _lose_state(self) -> None:
         """The heartbeat hash is gone although it existed: Redis lost this replica's state."""
         logger.warning("%s", _LOST)
+        self._sent = {}
         self.connected = False
         self._back_reason = _LOST
         self.hash_expected = False
@@ -277,59 +337,32 @@ class RedisWriter:
             if heartbeat is None:
                 return
             position = (self.committed_epoch, self.committed_seq)
-        pipe = self.client.pipeline(transaction=True)
-        entries = 0
-        num_keys = 0
-        for change in changes:
-            if change.op == OP_CLEARED:
-                pipe.delete(self.blocks_key)
-                self._xadd(pipe, OP_CLEARED, change.epoch, b"")
-                entries += 1
-                op = OP_STORED
-            else:
-                op = change.op
-            for chunk in _split(change.keys):
-                packed = contract.pack_keys(chunk)
-                if op == OP_STORED:
-                    pipe.sadd(self.blocks_key, *_members(packed))
-                else:
-                    pipe.srem(self.blocks_key, *_members(packed))
-                self._xadd(pipe, op, change.epoch, packed)
-                entries += 1
-                num_keys += len(chunk)
+        cleared, stored, removed = net_changes(changes)
         epoch, seq = position
+        args: list[Any] = [self.replica_id, epoch, seq, "1" if cleared else "0",
+                           contract.pack_keys(stored), contract.pack_keys(removed),
+                           self.stream_maxlen]
         if heartbeat is not None:
             mapping, ttl_ms = heartbeat
-            mapping[contract.F_EPOCH] = epoch
-            mapping[contract.F_SEQ] = seq
-            pipe.hset(self.replica_key, mapping=mapping)
-            pipe.pexpire(self.replica_key, ttl_ms)
+            mapping.pop(contract.F_EPOCH, None)
+            mapping.pop(contract.F_SEQ, None)
+            args.append(ttl_ms)
+            for name, value in mapping.items():
+                args += [name, value]
         else:
-            pipe.eval(_SET_IF_EXISTS, 1, self.replica_key, contract.F_EPOCH, epoch,
-                      contract.F_SEQ, seq)
-        try:
-            results = await pipe.execute()
-        finally:
-            await pipe.reset()
+            args.append("")
+        found = await self._flush_script(keys=[self.blocks_key, self.events_key, self.replica_key],
+                                         args=args)
         self.connected = True
         self.committed_epoch, self.committed_seq = epoch, seq
         self.stats.num_transactions += 1
-        self.stats.num_entries += entries
-        self.stats.num_keys += num_keys
+        self.stats.num_entries += int(cleared or bool(stored) or bool(removed))
+        self.stats.num_keys += len(stored) + len(removed)
         if heartbeat is not None:
             self.hash_expected = True
-        elif not results[-1]:
+        elif not int(found):
             if recovering or not self.hash_expected:
                 # the set is complete under the new epoch; the next heartbeat re-creates the hash
                 self.hash_expected = False
             else:
                 self._lose_state()
-
-    def _xadd(self, pipe: Any, op: str, epoch: int, packed: bytes) -> None:
-        pipe.xadd(
-            self.events_key,
-            {contract.E_REPLICA: self.replica_id, contract.E_EPOCH: epoch, contract.E_OP: op,
-             contract.E_KEYS: packed},
-            maxlen=self.stream_maxlen,
-            approximate=True,
-        )

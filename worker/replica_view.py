@@ -5,7 +5,15 @@ a reference-counted ``BlockSet`` through a ``KeyMapper`` and returns the
 externally visible ``Change``s: keys that became resident (``stored``), keys
 that stopped being resident (``removed``), or a reset (``cleared``: the set is
 replaced by ``keys``, usually empty, under a new ``epoch``). The Redis writer
-turns each change into set updates plus one ``{prefix}:events`` stream entry.
+turns each flush of changes into set updates plus one ``{prefix}:events`` stream entry.
+
+With ``index_stride`` N > 1 (the coarse index, ``router.contract.is_anchor``)
+only the keys at anchor positions of their chain enter the set: the view keeps
+the chain depth of every resident block ({engine key: depth}), a
+stored block's depth being its parent's plus one (vLLM 0.33 ``BlockStored``:
+``parent_block_hash`` is None for block 0). A store whose parent the view never
+saw has no known depth and publishes no anchors (``num_unknown_depth_blocks``):
+the index under-reports, it never over-reports.
 """
 
 from __future__ import annotations
@@ -13,9 +21,10 @@ from __future__ import annotations
 import logging
 from collections import Counter
 from dataclasses import dataclass, field
+from typing import Any
 
-from router.contract import OP_CLEARED, OP_REMOVED, OP_STORED
-from worker.block_keys import EngineKeys, KeyMapper
+from router.contract import OP_CLEARED, OP_REMOVED, OP_STORED, anchor_positions_between
+from worker.block_keys import KEY_MODE_ENGINE, EngineKeys, KeyMapper
 from worker.block_set import BlockSet
 from worker.kv_events import (
     AllBlocksCleared,
@@ -23,6 +32,7 @@ from worker.kv_events import (
     BlockStored,
     KVEventBatch,
     KVEventDecodeError,
+    event_hash_key,
 )
 
 logger = logging.getLogger(__name__)
@@ -52,6 +62,7 @@ class ViewStats:
     events: Counter[str] = field(default_factory=Counter)  # {event type: events applied}
     num_bad_events: int = 0  # events dropped because their keys could not be computed
     num_epoch_resets: int = 0
+    num_unknown_depth_blocks: int = 0  # stored blocks whose chain depth is unknown (stride > 1)
     last_batch_ts: float = 0.0  # engine timestamp (unix s) of the last applied batch
 
 
@@ -63,11 +74,16 @@ class ReplicaView:
     """
 
     def __init__(self, epoch: int = 0, seq: int = NO_SEQ, keys: list[int] | None = None,
-                 mapper: KeyMapper | None = None) -> None:
-        self.blocks = BlockSet(keys or ())
+                 mapper: KeyMapper | None = None, index_stride: int = 1) -> None:
+        if index_stride < 1:
+            raise ValueError(f"index_stride must be >= 1, got {index_stride}")
+        self.blocks = BlockSet(keys or ())  # anchor keys only when index_stride > 1
         self.epoch = epoch
         self.seq = seq
         self.mapper: KeyMapper = mapper if mapper is not None else EngineKeys()
+        self.index_stride = index_stride
+        self._depth: dict[int, int] = {}  # {engine block key: chain depth} of resident blocks
+        self._extra_copies: dict[int, int] = {}  # {engine block key: copies beyond the first}
         self.stats = ViewStats()
 
     @property
@@ -83,12 +99,18 @@ class ReplicaView:
         """
         changes: list[Change] = []
         blocks, mapper, stats = self.blocks, self.mapper, self.stats
+        coarse = self.index_stride > 1
         for event in batch.events:
             try:
                 if isinstance(event, BlockStored):
-                    op, keys = OP_STORED, blocks.store(mapper.stored(event))
+                    keys = mapper.stored(event)
+                    op, keys = OP_STORED, blocks.store(self._anchors(event, keys) if coarse else keys)
                 elif isinstance(event, BlockRemoved):
-                    op, keys = OP_REMOVED, blocks.remove(mapper.removed(event))
+                    keys = mapper.removed(event)
+                    if coarse:
+                        self._forget_depths(event, keys)
+                        keys = [k for k in keys if k in blocks]  # non-anchors were never published
+                    op, keys = OP_REMOVED, blocks.remove(keys)
                 elif isinstance(event, AllBlocksCleared):
                     stats.events["AllBlocksCleared"] += 1
                     self.seq = seq
@@ -110,6 +132,42 @@ class ReplicaView:
         self.seq = seq
         stats.last_batch_ts = batch.ts
         return changes
+
+    def _engine_keys(self, hashes: list[Any], keys: list[int]) -> list[int]:
+        # in key_mode=engine the mapper's keys ARE the engine keys: no second reduction
+        return keys if self.mapper.mode == KEY_MODE_ENGINE else [event_hash_key(h) for h in hashes]
+
+    def _anchors(self, event: BlockStored, keys: list[int]) -> list[int]:
+        """Record the depths of a stored run; return its keys at anchor positions."""
+        depth = self._depth
+        if event.parent_block_hash is None:
+            base = 0
+        else:
+            parent = depth.get(event_hash_key(event.parent_block_hash))
+            if parent is None:
+                self.stats.num_unknown_depth_blocks += len(keys)
+                return []
+            base = parent + 1
+        engine_keys = self._engine_keys(event.block_hashes, keys)
+        again = list(filter(depth.__contains__, engine_keys))  # (``keys() &`` copies the dict)
+        if again:  # another copy of a resident hash (same hash: same chain, same depth)
+            extra = self._extra_copies
+            for key in again:
+                extra[key] = extra.get(key, 0) + 1
+        depth.update(zip(engine_keys, range(base, base + len(engine_keys)), strict=False))
+        return [keys[p - base] for p in anchor_positions_between(base, base + len(keys),
+                                                                 self.index_stride)]
+
+    def _forget_depths(self, event: BlockRemoved, keys: list[int]) -> None:
+        depth, extra = self._depth, self._extra_copies
+        for key in self._engine_keys(event.block_hashes, keys):
+            copies = extra.get(key) if extra else None
+            if copies is None:
+                depth.pop(key, None)
+            elif copies == 1:
+                del extra[key]
+            else:
+                extra[key] = copies - 1
 
     def reset(self, reason: str, seq: int | None = None) -> Change:
         """Forget everything (the view is no longer trustworthy); bump ``epoch``.
@@ -135,6 +193,8 @@ class ReplicaView:
     def _reset(self, reason: str) -> Change:
         self.blocks.clear()
         self.mapper.clear()
+        self._depth.clear()
+        self._extra_copies.clear()
         self.epoch += 1
         self.stats.num_epoch_resets += 1
         logger.warning("epoch %d: replica view reset: %s", self.epoch, reason)

@@ -53,7 +53,7 @@ class Worker:
                  session: aiohttp.ClientSession) -> None:
         self.config = config
         self.client = client
-        self.view = ReplicaView()
+        self.view = ReplicaView(index_stride=config.index_stride)
         self.writer = RedisWriter(client, config.redis_prefix, config.replica_id,
                                   on_recovered=self._on_redis_recovered)
         self.engine = EngineClient(session, config.engine_url)
@@ -143,6 +143,7 @@ class Worker:
             "hash_verified": self.hash_verified,
             "key_mode": self.view.key_mode,
             "num_blocks": len(self.view.blocks),
+            "index_stride": self.view.index_stride,
         }
 
     # -- probe ---------------------------------------------------------------------
@@ -230,7 +231,7 @@ class Worker:
                 state = await self.writer.read_state()
                 if state.epoch is None:
                     epoch = int(time.time() * 1000)
-                    self.view = ReplicaView(epoch=epoch)
+                    self.view = ReplicaView(epoch=epoch, index_stride=self.config.index_stride)
                     self.writer.enqueue(Change(OP_CLEARED, [], epoch, NO_SEQ))
                     await self.writer.flush()
                     logger.info("no previous state for replica %s: starting at epoch %d",
@@ -248,14 +249,21 @@ class Worker:
         """Continue from ``state``. Returns True when continuing from its seq (no reset)."""
         if state.epoch is None:
             return False
-        if state.key_mode == KEY_MODE_RECOMPUTED:
-            # The {engine hash: key} map died with the previous worker: rebuild from replay.
-            self.view = ReplicaView(epoch=state.epoch)
-            try:
-                self.view.mapper = RecomputedKeys(self.hasher(), self.lora_paths.get)
-            except HashConfigError:
-                pass
-            self.writer.enqueue(self.view.reset("restarted in key_mode=recomputed"))
+        stride = self.config.index_stride
+        lost = ("key_mode=recomputed" if state.key_mode == KEY_MODE_RECOMPUTED
+                else f"index_stride {stride} (block depths are not in Redis)" if stride > 1
+                else f"index_stride 1 after {state.index_stride}" if state.index_stride != 1
+                else None)
+        if lost is not None:
+            # What the previous worker knew beyond Redis (the {engine hash: key} map, the chain
+            # depth of every resident block) or its stride differs: rebuild from replay.
+            self.view = ReplicaView(epoch=state.epoch, index_stride=stride)
+            if state.key_mode == KEY_MODE_RECOMPUTED:
+                try:
+                    self.view.mapper = RecomputedKeys(self.hasher(), self.lora_paths.get)
+                except HashConfigError:
+                    pass
+            self.writer.enqueue(self.view.reset(f"restarted with {lost}"))
             return False
         self.view = ReplicaView(epoch=state.epoch, seq=state.seq, keys=state.keys)
         logger.info("restored replica %s: epoch %d, seq %d, %d blocks", self.config.replica_id,
@@ -282,6 +290,7 @@ class Worker:
             num_heartbeats=self.heartbeat.num_beats,
             num_engine_errors=self.heartbeat.num_engine_errors,
             num_unknown_removals=self.view.blocks.num_unknown_removals,
+            num_unknown_depth_blocks=stats.num_unknown_depth_blocks,
             num_probes=self.num_probes,
             resident_blocks=len(self.view.blocks),
             pending_changes=self.writer.num_pending,

@@ -15,7 +15,7 @@ from typing import Any, Final
 from urllib.parse import urlsplit
 
 from router.config import LOG_FORMATS, read_config_file
-from router.contract import DEFAULT_REDIS_PREFIX
+from router.contract import DEFAULT_INDEX_STRIDE, DEFAULT_REDIS_PREFIX
 from router.hashing import HASH_ALGOS
 from router.redis_client import RedisUrlError, parse_redis_url
 from router.secrets import SecretError, resolve_redis_password
@@ -48,6 +48,7 @@ class WorkerConfig:
     hash_seed: str | None = None  # the routers' PYTHONHASHSEED setting (None: unset)
     block_size: int | None = None  # routers' block size if it differs from the engine's declared one
     hash_algo: str | None = None  # routers' hash algorithm; None: the engine's declared one
+    index_stride: int = DEFAULT_INDEX_STRIDE  # blocks between published anchor keys; = the routers'
     metrics_host: str = DEFAULT_METRICS_HOST
     metrics_port: int = DEFAULT_METRICS_PORT
     replay_timeout_s: float = DEFAULT_REPLAY_TIMEOUT_S
@@ -68,6 +69,7 @@ _HELP: Final = {
     "redis_password_file": "file holding the Redis password (e.g. a mounted Secret); ",
     "log_format": "text or json (one object per line); ",
 }
+_INT_FIELDS: Final = ("block_size", "metrics_port", "index_stride")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -79,7 +81,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     for f in fields(WorkerConfig):
         flag = "--" + f.name.replace("_", "-")
-        kind = int if f.name in ("block_size", "metrics_port") else float if f.name.endswith("_s") else str
+        kind = int if f.name in _INT_FIELDS else float if f.name.endswith("_s") else str
         parser.add_argument(flag, type=kind, default=None, dest=f.name,
                             help=_HELP.get(f.name, "") + f"env {ENV_PREFIX}{f.name.upper()}")
     parser.add_argument("--config", default=None, help=f"YAML file (env {ENV_PREFIX}CONFIG)")
@@ -111,7 +113,7 @@ def load_config(argv: Sequence[str], env: Mapping[str, str] | None = None) -> Wo
         flags = ", ".join("--" + n.replace("_", "-") for n in missing)
         raise ConfigError(f"missing required settings: {flags}")
     try:
-        for name in ("block_size", "metrics_port"):
+        for name in _INT_FIELDS:
             if name in values:
                 values[name] = int(values[name])
         if "replay_timeout_s" in values:
@@ -150,6 +152,8 @@ def _validate(config: WorkerConfig) -> None:
         raise ConfigError(f"--hash-algo must be one of {', '.join(HASH_ALGOS)}")
     if config.block_size is not None and config.block_size < 1:
         raise ConfigError("--block-size must be positive")
+    if config.index_stride < 1:
+        raise ConfigError("--index-stride must be >= 1")
     if not 0 <= config.metrics_port <= 65535:
         raise ConfigError("--metrics-port must be 0..65535")
     if not config.replay_timeout_s > 0 or config.replay_timeout_s == float("inf"):

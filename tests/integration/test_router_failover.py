@@ -293,7 +293,9 @@ def test_redis_outage_keeps_routing_and_index_resyncs_after_restart(tmp_path: Pa
 
         def confirmed_hit(p: list[int]) -> bool:
             d = json.loads(router.post("/debug/route", {"prompt": p})[2])
-            return any(v["confirmed_hit_blocks"] >= 9 for v in d["replicas"].values())
+            # 9 full blocks beyond the last token; the default coarse index (stride 16) holds the
+            # anchors at positions 0, 1, 3 and 7 of them: a confirmed depth of 8
+            return any(v["confirmed_hit_blocks"] >= 8 for v in d["replicas"].values())
 
         before = prompt()
         assert router.post("/v1/completions", {"prompt": before, "max_tokens": 1})[0] == 200

@@ -60,9 +60,11 @@ def prometheus_value(text: str, name: str) -> float:
 class Fleet:
     """Emulator process + workers, started once per module."""
 
-    def __init__(self, tmp: Path, redis_url: str, time_scale: float) -> None:
+    def __init__(self, tmp: Path, redis_url: str, time_scale: float, index_stride: int = 1) -> None:
         self.tmp = tmp
         self.redis_url = redis_url
+        # the exact index by default: these tests check hits block for block against the engines
+        self.index_stride = index_stride
         self.procs: list[subprocess.Popen[bytes]] = []
         ready = tmp / "emulator.json"
         args = [PYTHON, "-m", "worker.cli", "emulate", "--host", "127.0.0.1", "--port", "0",
@@ -80,7 +82,7 @@ class Fleet:
                 "--kv-events-endpoint", rep["kv_events_endpoint"],
                 "--kv-replay-endpoint", rep["kv_replay_endpoint"], "--redis-url", redis_url,
                 "--replica-id", f"replica-{rep['index']}", "--advertise-url", rep["url"],
-                "--hash-seed", "0", "--metrics-port", "0"])
+                "--hash-seed", "0", "--metrics-port", "0", "--index-stride", str(index_stride)])
             self.workers.append(worker)
             self.procs.append(worker)
 
@@ -139,18 +141,20 @@ def fleet(redis_server: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterat
         f.stop()
 
 
-def start_router(fleet: Fleet, tmp: Path, *extra: str) -> Router:
-    args = ["--redis-url", fleet.redis_url, "--hash-seed", "0"]
+def start_router(fleet: Fleet, tmp: Path, *extra: str, affinity: bool = True) -> Router:
+    args = ["--redis-url", fleet.redis_url, "--hash-seed", "0",
+            "--index-stride", str(fleet.index_stride)]
     if TOKENIZER:
         args += ["--tokenizer", TOKENIZER]
     router = Router(tmp, [*args, *extra])
 
     def all_routable() -> bool:
         reps = router.ready()["replicas"]
-        return len(reps) == NUM_REPLICAS and all(r["routable"] and r["affinity"] for r in reps)
+        return len(reps) == NUM_REPLICAS and all(r["routable"] and r["affinity"] == affinity
+                                                 for r in reps)
 
     try:
-        wait_for(all_routable, 30, message="all replicas routable with affinity")
+        wait_for(all_routable, 30, message=f"all replicas routable, affinity {affinity}")
     except TimeoutError:
         print(router.ready())
         raise

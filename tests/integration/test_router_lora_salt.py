@@ -56,7 +56,8 @@ class LoraFleet:
                 "--kv-events-endpoint", rep["kv_events_endpoint"],
                 "--kv-replay-endpoint", rep["kv_replay_endpoint"], "--redis-url", redis_url,
                 "--replica-id", f"replica-{rep['index']}", "--advertise-url", rep["url"],
-                "--hash-seed", "0", "--metrics-port", "0"]))
+                "--hash-seed", "0", "--metrics-port", "0",
+                "--index-stride", "1"]))  # the exact index: keys compared with the CLI's one by one
 
     def resident_keys(self, replica_id: str) -> set[int]:
         """The block keys the replica's worker published in ``pr:blocks:{replica}``."""
@@ -88,7 +89,8 @@ def fleet(redis_server: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterat
 
 
 def start_router(fleet: LoraFleet, tmp: Path, policy: str = "prefix") -> Router:
-    router = Router(tmp, ["--redis-url", fleet.redis_url, "--hash-seed", "0", "--policy", policy],
+    router = Router(tmp, ["--redis-url", fleet.redis_url, "--hash-seed", "0", "--policy", policy,
+                          "--index-stride", "1"],
                     name=f"router-{policy}")
 
     def all_routable_with_lora() -> bool:

@@ -67,6 +67,7 @@ def start_worker(emu: Emulator, redis_url: str, *, hash_seed: str = SEED,
                           "--kv-events-endpoint", events or emu.events,
                           "--kv-replay-endpoint", emu.replay, "--redis-url", redis_url,
                           "--replica-id", REPLICA, "--hash-seed", hash_seed,
+                          "--index-stride", "1",  # the exact index: every key is published
                           "--log-level", "debug"])
 
 
@@ -184,8 +185,8 @@ def test_request_keys_heartbeat_and_eviction(tmp: Path, rds: Redis, redis_url: s
     assert len(keys_a) == 2
     complete(emu, tokens_a)
     wait_for(lambda: rds.blocks() == before | set(keys_a), 20, message="request A's keys")
-    stored = [e for e in rds.stream() if e["op"] == b"stored"]
-    assert set(contract.unpack_keys(stored[-1]["keys"])) <= set(keys_a)
+    stored = [e for e in rds.stream() if e["stored"]]
+    assert set(contract.unpack_keys(stored[-1]["stored"])) <= set(keys_a)
     # Load from the engine's /metrics: the probe (33 tokens) and A (40) were queried.
     wait_for(lambda: int(rds.heartbeat()[contract.F_PREFIX_CACHE_QUERIES]) >= 73, 10,
              message="prefix cache counters")
@@ -199,7 +200,7 @@ def test_request_keys_heartbeat_and_eviction(tmp: Path, rds: Redis, redis_url: s
     wait_for(lambda: set(keys_b) <= rds.blocks() and not set(keys_a) & rds.blocks(), 20,
              message="eviction of A's keys")
     assert len(rds.blocks()) <= 12
-    assert any(e["op"] == b"removed" for e in rds.stream())
+    assert any(e["removed"] for e in rds.stream())
 
 
 def test_reset_prefix_cache_clears_and_bumps_epoch(tmp: Path, rds: Redis, redis_url: str,
@@ -214,7 +215,7 @@ def test_reset_prefix_cache_clears_and_bumps_epoch(tmp: Path, rds: Redis, redis_
     wait_for(lambda: rds.epoch() > old_epoch, 20, message="epoch bump")
     # After the reset only a new probe's blocks may come back; none of the old keys.
     wait_for(lambda: not (rds.blocks() & old_blocks), 20, message="old keys gone")
-    cleared = [e for e in rds.stream() if e["op"] == b"cleared"]
+    cleared = [e for e in rds.stream() if e["cleared"] == b"1"]
     assert cleared and int(cleared[-1]["epoch"]) > old_epoch
     assert cleared[-1]["replica"] == REPLICA.encode()
 
