@@ -98,6 +98,7 @@ VALUE_SETS: dict[str, dict[str, Any]] = {
     },
     "xxhash-seed": {
         "model": {"hashAlgo": "xxhash", "hashSeed": "12345", "blockSize": 32},
+        "redis": {"indexStride": 1},  # the exact index
         "fleet": {"vllm": {"tensorParallelSize": 4}},
     },
     "everything": {
@@ -308,6 +309,9 @@ def test_router_and_engines_agree_on_block_hashing(
     assert seed == (None if want_seed in (None, "") else str(want_seed))
     if algo.startswith("xxhash"):
         assert seed is not None and re.fullmatch(r"[0-9]+", seed)
+    # one coarse-index stride for the routers and every worker, from redis.indexStride
+    stride = values.get("redis", {}).get("indexStride", 16)
+    assert cfg["index_stride"] == int(env_of(worker)["WORKER_INDEX_STRIDE"]) == stride, name
     # one served model name for clients, router and engine
     served = flag_values(engine["args"], "--served-model-name")
     assert served == [cfg["model"]] == [model.get("servedModelName") or model.get("name", "Qwen/Qwen3-8B")]
@@ -646,6 +650,7 @@ def test_scrape_annotations(chart: helm.Chart) -> None:
         ({"model": {"blocksize": 32}}, "additional properties 'blocksize' not allowed"),
         ({"fleet": {"engine": "sglang"}}, "at '/fleet/engine': value must be one of"),
         ({"redis": {"external": {"url": "http://redis:6379"}}}, "at '/redis/external/url'"),
+        ({"redis": {"indexStride": 0}}, "at '/redis/indexStride': minimum: got 0, want 1"),
         ({"router": {"autoscaling": {"enabled": True, "targetCPUUtilizationPercentage": None}}},
          "router.autoscaling needs targetCPUUtilizationPercentage"),
         ({"redis": {"external": {"url": "redis://r:6379/0", "cluster": {"nodes": ["a:6379"]}}}},
@@ -658,8 +663,9 @@ def test_scrape_annotations(chart: helm.Chart) -> None:
         ({"tracing": {"otlpTracesEndpoint": "otel:4317"}}, "at '/tracing/otlpTracesEndpoint'"),
     ],
     ids=["block-size-0", "unknown-algo", "xxhash-no-seed", "xxhash-cbor-empty-seed", "seed-not-integer",
-         "misspelt-key", "unknown-engine", "redis-url-scheme", "hpa-no-metric", "redis-two-forms",
-         "sentinel-no-master", "cluster-node-path", "httproute-no-parent", "log-format", "otlp-scheme"],
+         "misspelt-key", "unknown-engine", "redis-url-scheme", "index-stride-0", "hpa-no-metric",
+         "redis-two-forms", "sentinel-no-master", "cluster-node-path", "httproute-no-parent",
+         "log-format", "otlp-scheme"],
 )
 def test_invalid_values_fail_with_a_clear_message(chart: helm.Chart, values: dict[str, Any], message: str) -> None:
     with pytest.raises(helm.HelmError) as info:

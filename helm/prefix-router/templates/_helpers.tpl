@@ -132,6 +132,10 @@ float64, so format them as integers. */}}
 {{- if not (has .Values.fleet.engine (list "vllm" "emulator")) }}
 {{- fail (printf "fleet.engine must be vllm or emulator, got %q" (toString .Values.fleet.engine)) }}
 {{- end }}
+{{- $stride := .Values.redis.indexStride }}
+{{- if or (not (or (kindIs "float64" $stride) (kindIs "int" $stride) (kindIs "int64" $stride))) (lt (float64 $stride) 1.0) (ne (float64 $stride) (float64 (int64 $stride))) }}
+{{- fail (printf "redis.indexStride must be an integer number of blocks >= 1 (1 = exact index), got %v" $stride) }}
+{{- end }}
 {{- $ext := .Values.redis.external }}
 {{- with $ext.url }}
 {{- if not (regexMatch "^rediss?(\\+cluster|\\+sentinel)?://" .) }}
@@ -153,6 +157,11 @@ float64, so format them as integers. */}}
 {{- define "prefix-router.blockSize" -}}
 {{- include "prefix-router.validate" . }}
 {{- .Values.model.blockSize | int64 }}
+{{- end }}
+
+{{- define "prefix-router.indexStride" -}}
+{{- include "prefix-router.validate" . }}
+{{- .Values.redis.indexStride | int64 }}
 {{- end }}
 
 {{- define "prefix-router.hashAlgo" -}}
