@@ -1,6 +1,6 @@
 """Block index cost: bytes per resident block at 1M blocks over 64 replicas, chain lookup time.
 
-``python -m loadtest.bench_index [--blocks N] [--replicas R] [--chain 2048]``. Memory is measured
+``python -m loadtest.bench_index [--blocks N] [--replicas R] [--chain 2048] [--stride 16]``. Memory is measured
 with tracemalloc around building the index (keys are 64-bit ints as in production). Reports
 figures, not pass/fail.
 """
@@ -12,6 +12,7 @@ import random
 import time
 import tracemalloc
 
+from router.contract import anchor_keys
 from router.index import BlockIndex, SpeculativePlacements
 
 
@@ -22,6 +23,9 @@ def main() -> None:
     parser.add_argument("--copies", type=float, default=1.0,
                         help="mean replicas holding each key (1.0: every key on one replica)")
     parser.add_argument("--chain", type=int, default=2048, help="blocks in the looked-up chain")
+    parser.add_argument("--stride", type=int, default=1,
+                        help="index_stride: each replica's keys form one chain and only its anchor "
+                             "keys enter the index, as workers publish them (1 = every key)")
     parser.add_argument("--sweep-keys", type=int, default=5_000,
                         help="keys per background sweep step (router.server.SWEEP_KEYS_PER_STEP)")
     args = parser.parse_args()
@@ -38,10 +42,10 @@ def main() -> None:
         if extra > 0 and rng.random() < extra:
             per_replica[rng.choice(replica_ids)].append(key)
     resident = sum(len(v) for v in per_replica.values())
-    index = BlockIndex()
+    index = BlockIndex(args.stride)
     t0 = time.perf_counter()
     for rid, held in per_replica.items():
-        index.add(rid, held)
+        index.add(rid, anchor_keys(held, args.stride))
     build_s = time.perf_counter() - t0
     holder = replica_ids[0]
     full_chain = list(per_replica[holder][: args.chain])
@@ -65,8 +69,8 @@ def main() -> None:
     cold = [rng.getrandbits(64) for _ in range(args.chain)]
     print(f"index: {len(index):,} distinct keys, {resident:,} (key, replica) pairs, "
           f"{args.replicas} replicas; build {build_s:.2f} s")
-    print(f"memory: {used / 1e6:.1f} MB = {used / len(index):.1f} bytes per resident block "
-          f"({used / resident:.1f} per (key, replica) pair)")
+    print(f"memory: {used / 1e6:.1f} MB = {used / len(index):.1f} bytes per key in the index "
+          f"({used / resident:.1f} per resident (block, replica) pair; stride {args.stride})")
     print(f"lookup, {args.chain}-block chain: fully held {time_lookup(full_chain):.0f} us, "
           f"2/3 held {time_lookup(chain):.0f} us, nothing held {time_lookup(cold):.1f} us")
     t = time.perf_counter()
