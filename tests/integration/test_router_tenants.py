@@ -52,7 +52,7 @@ class OneReplica:
             "--kv-events-endpoint", rep["kv_events_endpoint"],
             "--kv-replay-endpoint", rep["kv_replay_endpoint"], "--redis-url", redis_url,
             "--replica-id", "replica-0", "--advertise-url", rep["url"], "--hash-seed", "0",
-            "--metrics-port", "0"]))
+            "--metrics-port", "0", "--index-stride", "1"]))  # exact index: hits block for block
 
     def stop(self) -> str:
         return "\n".join(stop_process(p) for p in reversed(self.procs))
@@ -87,7 +87,7 @@ def write_auth_files(tmp: Path, as_directory: bool) -> tuple[Path, Path]:
 
 def start_router(replica: OneReplica, tmp: Path, *extra: str, as_directory: bool = False) -> Router:
     keys, secret = write_auth_files(tmp, as_directory)
-    router = Router(tmp, ["--redis-url", replica.redis_url, "--hash-seed", "0",
+    router = Router(tmp, ["--redis-url", replica.redis_url, "--hash-seed", "0", "--index-stride", "1",
                           "--api-keys", str(keys), "--cache-salt-secret-file", str(secret),
                           "--admin-tenants", "ops", *extra])
 
