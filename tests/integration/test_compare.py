@@ -78,7 +78,10 @@ def test_a_run_whose_emulator_stalls_is_not_trusted(tmp_path: Path) -> None:
     proc = subprocess.Popen(
         [sys.executable, "-m", "loadtest.cli", "compare", "--policies", "round_robin",
          "--peers", "no", "--replicas", "1", "--limit", "60", "--speedup", "5",
-         "--num-gpu-blocks", "8000", "--max-output-tokens", "32", "--no-bounds", "--no-plots",
+         # engine time = wall time and long outputs: several requests are always in flight when
+         # the stall comes, so steps fall due while the process is stopped
+         "--time-scale", "1", "--max-output-tokens", "256",
+         "--num-gpu-blocks", "8000", "--no-bounds", "--no-plots",
          "--output-dir", str(out)],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     assert proc.stdout is not None
@@ -89,7 +92,7 @@ def test_a_run_whose_emulator_stalls_is_not_trusted(tmp_path: Path) -> None:
             break
     emulator = next(p for p in psutil.Process(proc.pid).children(recursive=True)
                     if "emulate" in " ".join(p.cmdline()))
-    time.sleep(0.5)
+    time.sleep(1.0)
     emulator.suspend()
     time.sleep(2.0)
     emulator.resume()
