@@ -79,6 +79,20 @@ VALUE_SETS: dict[str, dict[str, Any]] = {
             "auth": {"existingSecret": "redis-auth", "existingSecretPasswordKey": "password"},
         },
     },
+    "tenant-auth": {
+        # one Secret for the key file and the salt; every restriction on; Prometheus sends a key
+        "router": {"auth": {"enabled": True, "existingSecret": "prefix-router-auth",
+                            "keysKey": "api-keys", "saltSecret": {"name": "prefix-router-auth"},
+                            "clientSalt": "reject", "adminTenants": ["ops", "sre.team"],
+                            "debugAccess": "tenant", "metricsAccess": "admin"}},
+        "metrics": {"serviceMonitor": {"enabled": True, "bearerTokenSecret": {
+            "name": "prom-router-key", "key": "token"}}},
+    },
+    "tenant-auth-dir": {
+        # keys as a directory Secret (one key per tenant), the salt in its own Secret
+        "router": {"auth": {"enabled": True, "existingSecret": "tenant-keys",
+                            "saltSecret": {"name": "salt", "key": "secret"}}},
+    },
     "emulator": {
         "fleet": {"engine": "emulator", "replicas": 3, "emulator": {"timeScale": 0.5, "numGpuBlocks": 2048}},
     },
@@ -673,35 +687,147 @@ def test_invalid_values_fail_with_a_clear_message(chart: helm.Chart, values: dic
     assert message in str(info.value)
 
 
-AUTH_VALUES: dict[str, Any] = {"router": {
-    "extraConfig": {"api_keys": "/etc/prefix-router/auth/api-keys",
-                    "cache_salt_secret_file": "/etc/prefix-router/auth/cache-salt-secret",
-                    "client_cache_salt": "reject", "admin_tenants": ["ops"],
-                    "debug_access": "admin", "metrics_access": "admin"},
-    "extraVolumes": [{"name": "auth", "secret": {"secretName": "prefix-router-auth"}}],
-    "extraVolumeMounts": [{"name": "auth", "mountPath": "/etc/prefix-router/auth",
-                           "readOnly": True}]}}
+AUTH_FIELDS = ("api_keys", "cache_salt_secret_file", "client_cache_salt", "admin_tenants",
+               "debug_access", "metrics_access")
 
 
-def test_tenant_auth_values_reach_the_router(chart: helm.Chart, tmp_path: Path) -> None:
-    """The values documented in values.yaml for API keys and tenant salts mount the Secret and
-    give the router a config its own loader accepts."""
+def project_secret_volumes(pod: dict[str, Any], mounts: list[dict[str, Any]], root: Path,
+                           secrets: dict[str, dict[str, str]]) -> dict[str, str]:
+    """Lay out under ``root`` what the kubelet would mount for the pod's Secret volumes (all keys,
+    or only ``items`` at their paths) from ``secrets`` ({name: {key: value}}), with the ``..data``
+    link a Secret volume has; return {mountPath: local directory}."""
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    out = {}
+    for mount in mounts:
+        secret = volumes[mount["name"]].get("secret")
+        if secret is None:
+            continue
+        data = secrets[secret["secretName"]]
+        items = secret.get("items") or [{"key": k, "path": k} for k in data]
+        local = root / mount["name"]
+        stamp = local / "..2026_12_01_22_00_00.1"
+        stamp.mkdir(parents=True)
+        for item in items:
+            (stamp / item["path"]).write_text(data[item["key"]])
+            (local / item["path"]).symlink_to(stamp.name + "/" + item["path"])
+        (local / "..data").symlink_to(stamp.name)
+        out[mount["mountPath"]] = str(local)
+    return out
+
+
+@pytest.mark.parametrize("value_set", ["tenant-auth", "tenant-auth-dir"])
+def test_tenant_auth_values_reach_the_router(chart: helm.Chart, tmp_path: Path, value_set: str) -> None:
+    """router.auth mounts the key and salt Secrets read-only (whole directories, so Secret
+    updates arrive), names their files in router.yaml, puts nothing on the command line, and the
+    router's own loaders read keys and salt from the layout the kubelet would mount."""
     config_mod = pytest.importorskip("router.config")
-    objects = render(chart, AUTH_VALUES)
+    auth_mod = pytest.importorskip("router.auth")
+    values = VALUE_SETS[value_set]
+    auth = values["router"]["auth"]
+    objects = render(chart, values)
     pod = one(objects, "Deployment", "-router")["spec"]["template"]["spec"]
-    assert {"name": "auth", "secret": {"secretName": "prefix-router-auth"}} in pod["volumes"]
-    mounts = containers(objects, "Deployment", "-router")["router"]["volumeMounts"]
-    assert any(m["mountPath"] == "/etc/prefix-router/auth" and m["readOnly"] for m in mounts)
+    router = containers(objects, "Deployment", "-router")["router"]
+    mounts = [m for m in router["volumeMounts"] if m["name"] in ("api-keys", "cache-salt")]
+    assert len(mounts) == 2 and all(m["readOnly"] and "subPath" not in m for m in mounts)
+    volumes = {v["name"]: v["secret"] for v in pod["volumes"] if v["name"] in ("api-keys", "cache-salt")}
+    assert volumes["api-keys"]["secretName"] == auth["existingSecret"]
+    assert volumes["cache-salt"]["secretName"] == auth["saltSecret"]["name"]
+    assert all(v["defaultMode"] == 0o440 for v in volumes.values())
+    assert ("items" in volumes["api-keys"]) is bool(auth.get("keysKey"))
+    text = json.dumps([router.get("args"), router.get("env"), router.get("command")])
+    assert "api-keys" not in text and "salt" not in text, "secrets never reach the command line"
+
+    key_a, key_ops = auth_mod.new_key(), auth_mod.new_key()
+    salt, salt_key = "s" * 32, auth["saltSecret"].get("key", "cache-salt-secret")
+    if auth.get("keysKey"):
+        secrets = {auth["existingSecret"]: {
+            auth["keysKey"]: f"a {auth_mod.hash_key(key_a)}\nops {auth_mod.hash_key(key_ops)}\n",
+            salt_key: salt, "unrelated": "not a key file"}}
+    else:
+        secrets = {auth["existingSecret"]: {"a": auth_mod.hash_key(key_a) + "\n",
+                                            "ops": auth_mod.hash_key(key_ops) + "\n"},
+                   auth["saltSecret"]["name"]: {salt_key: salt}}
+    local = project_secret_volumes(pod, mounts, tmp_path / "pod", secrets)
+    text = one(objects, "ConfigMap", "-router")["data"]["router.yaml"]
+    for mount_path, directory in local.items():
+        text = text.replace(mount_path, directory)
     path = tmp_path / "router.yaml"
-    path.write_text(one(objects, "ConfigMap", "-router")["data"]["router.yaml"])
+    path.write_text(text)
     cfg = config_mod.load_config(["--config", str(path)], env={})
-    assert cfg.api_keys == "/etc/prefix-router/auth/api-keys"
-    assert cfg.cache_salt_secret_file == "/etc/prefix-router/auth/cache-salt-secret"
-    assert (cfg.client_cache_salt, cfg.admin_tenants) == ("reject", ("ops",))
-    assert (cfg.debug_access, cfg.metrics_access) == ("admin", "admin")
+    store = auth_mod.KeyStore(str(cfg.api_keys))
+    assert (store.tenant_of(key_a), store.tenant_of(key_ops), len(store)) == ("a", "ops", 2)
+    assert auth_mod.read_secret(str(cfg.cache_salt_secret_file)) == salt.encode()
+    assert cfg.client_cache_salt == auth.get("clientSalt", "override")
+    assert cfg.admin_tenants == tuple(auth.get("adminTenants", ()))
+    assert cfg.debug_access == auth.get("debugAccess", "admin")
+    assert cfg.metrics_access == auth.get("metricsAccess", "open")
 
 
-# ------------------------------------------- the production objects (issue 19)
+def test_auth_off_by_default(chart: helm.Chart) -> None:
+    objects = render(chart, {})
+    assert not set(AUTH_FIELDS) & set(router_config(objects))
+    pod = one(objects, "Deployment", "-router")["spec"]["template"]["spec"]
+    assert not {v["name"] for v in pod["volumes"]} & {"api-keys", "cache-salt"}
+
+
+def test_servicemonitor_sends_the_bearer_token_to_the_router_only(chart: helm.Chart) -> None:
+    """With metricsAccess=admin Prometheus authenticates as an admin tenant on the router's
+    /metrics; the engines' and workers' /metrics are not behind the router's keys."""
+    monitors = {o["metadata"]["name"]: o for o in render(chart, VALUE_SETS["tenant-auth"])
+                if o["kind"] == "ServiceMonitor"}
+    router = monitors[f"{FULLNAME}-router"]["spec"]["endpoints"]
+    assert [e["authorization"] for e in router] == [
+        {"type": "Bearer", "credentials": {"name": "prom-router-key", "key": "token"}}]
+    assert all("authorization" not in e for e in monitors[f"{FULLNAME}-fleet"]["spec"]["endpoints"])
+    plain = render(chart, {"metrics": {"serviceMonitor": {"enabled": True}}})
+    assert all("authorization" not in e for o in plain if o["kind"] == "ServiceMonitor"
+               for e in o["spec"]["endpoints"])
+
+
+def test_auth_change_rolls_the_routers(chart: helm.Chart) -> None:
+    def checksum(values: dict[str, Any]) -> str:
+        deployment = one(render(chart, values), "Deployment", "-router")
+        return str(deployment["spec"]["template"]["metadata"]["annotations"]["checksum/config"])
+
+    on = VALUE_SETS["tenant-auth-dir"]
+    assert checksum({}) != checksum(on)
+    assert checksum(on) != checksum({"router": {"auth": {**on["router"]["auth"], "clientSalt": "reject"}}})
+
+
+AUTH_ON = {"enabled": True, "existingSecret": "keys", "saltSecret": {"name": "salt"}}
+
+
+@pytest.mark.parametrize(
+    ("values", "message"),
+    [
+        ({"router": {"auth": {"enabled": True, "saltSecret": {"name": "salt"}}}},
+         "router.auth.enabled needs router.auth.existingSecret"),
+        ({"router": {"auth": {"enabled": True, "existingSecret": "keys"}}},
+         "router.auth.enabled needs router.auth.saltSecret.name"),
+        ({"router": {"auth": {**AUTH_ON, "saltSecret": {"name": "keys"}}}},
+         "whose every key is read as a tenant's key file"),
+        ({"router": {"auth": AUTH_ON, "extraConfig": {"api_keys": "/keys"}}},
+         "router.extraConfig.api_keys conflicts with router.auth.enabled"),
+        ({"router": {"auth": {**AUTH_ON, "metricsAccess": "admin"}},
+          "metrics": {"serviceMonitor": {"enabled": True}}},
+         "needs metrics.serviceMonitor.bearerTokenSecret"),
+        ({"router": {"auth": {**AUTH_ON, "clientSalt": "ignore"}}},
+         "at '/router/auth/clientSalt': value must be one of"),
+        ({"router": {"auth": {**AUTH_ON, "metricsAccess": "tenant"}}},
+         "at '/router/auth/metricsAccess': value must be one of"),
+        ({"router": {"auth": {**AUTH_ON, "adminTenants": ["bad tenant"]}}},
+         "at '/router/auth/adminTenants/0'"),
+        ({"router": {"auth": {**AUTH_ON, "apiKeys": "/keys"}}},
+         "additional properties 'apiKeys' not allowed"),
+    ],
+    ids=["no-key-secret", "no-salt-secret", "salt-in-key-dir", "extraconfig-conflict",
+         "admin-metrics-no-token", "client-salt", "metrics-access", "tenant-name", "misspelt"],
+)
+def test_invalid_auth_values_fail_with_a_clear_message(
+        chart: helm.Chart, values: dict[str, Any], message: str) -> None:
+    with pytest.raises(helm.HelmError) as info:
+        chart.render(values, name=RELEASE, namespace=NAMESPACE)
+    assert message in str(info.value)
 
 
 def pod_labels(objects: list[dict[str, Any]], kind: str, suffix: str) -> dict[str, str]:

@@ -319,3 +319,78 @@ component's own pod labels. Call with (dict "root" $ "component" "router" "const
 {{- end }}
 {{- end }}
 {{- end }}
+
+{{- /*
+Tenant isolation (router.auth): the Secrets are mounted read-only as volumes and
+the router is given only their paths in router.yaml, never their contents on a
+command line or in the environment. Whole-directory mounts (no subPath) so that
+Secret updates reach the pod and the router reloads the keys (every 5 s).
+*/ -}}
+{{- define "prefix-router.authKeysDir" -}}/etc/prefix-router/api-keys{{- end }}
+{{- define "prefix-router.authSaltDir" -}}/etc/prefix-router/cache-salt{{- end }}
+
+{{- /* The router.yaml keys of router.auth (a dict), after checking the values. */ -}}
+{{- define "prefix-router.authConfig" -}}
+{{- $a := .Values.router.auth -}}
+{{- if $a.enabled -}}
+{{- if not $a.existingSecret -}}
+{{- fail "router.auth.enabled needs router.auth.existingSecret: the Secret with the hashed API keys (`prefix-router auth add-key TENANT` prints them)" }}
+{{- end -}}
+{{- if not $a.saltSecret.name -}}
+{{- fail "router.auth.enabled needs router.auth.saltSecret.name: the Secret with the cache_salt secret (e.g. --from-literal=cache-salt-secret=\"$(openssl rand -hex 32)\"), the same for every router" }}
+{{- end -}}
+{{- if and (eq $a.saltSecret.name $a.existingSecret) (not $a.keysKey) -}}
+{{- fail "router.auth.saltSecret.name is router.auth.existingSecret, whose every key is read as a tenant's key file when router.auth.keysKey is empty: set keysKey or keep the salt in another Secret" }}
+{{- end -}}
+{{- range $k := list "api_keys" "cache_salt_secret_file" "client_cache_salt" "admin_tenants" "debug_access" "metrics_access" -}}
+{{- if hasKey $.Values.router.extraConfig $k -}}
+{{- fail (printf "router.extraConfig.%s conflicts with router.auth.enabled: set it through router.auth" $k) }}
+{{- end -}}
+{{- end -}}
+{{- if and (eq $a.metricsAccess "admin") $.Values.metrics.serviceMonitor.enabled (not $.Values.metrics.serviceMonitor.bearerTokenSecret.name) -}}
+{{- fail "router.auth.metricsAccess=admin with metrics.serviceMonitor.enabled needs metrics.serviceMonitor.bearerTokenSecret (name and key of a Secret holding an admin tenant's API key), or Prometheus gets 403 from the router" }}
+{{- end -}}
+{{- $keys := ternary (printf "%s/api-keys" (include "prefix-router.authKeysDir" .)) (include "prefix-router.authKeysDir" .) (ne $a.keysKey "") -}}
+{{- dict
+  "api_keys" $keys
+  "cache_salt_secret_file" (printf "%s/cache-salt-secret" (include "prefix-router.authSaltDir" .))
+  "client_cache_salt" $a.clientSalt
+  "admin_tenants" $a.adminTenants
+  "debug_access" $a.debugAccess
+  "metrics_access" $a.metricsAccess
+  | toYaml }}
+{{- end -}}
+{{- end }}
+
+{{- define "prefix-router.authVolumeMounts" -}}
+{{- if .Values.router.auth.enabled -}}
+- name: api-keys
+  mountPath: {{ include "prefix-router.authKeysDir" . }}
+  readOnly: true
+- name: cache-salt
+  mountPath: {{ include "prefix-router.authSaltDir" . }}
+  readOnly: true
+{{- end }}
+{{- end }}
+
+{{- define "prefix-router.authVolumes" -}}
+{{- $a := .Values.router.auth -}}
+{{- if $a.enabled -}}
+- name: api-keys
+  secret:
+    secretName: {{ $a.existingSecret }}
+    defaultMode: 0440
+    {{- if $a.keysKey }}
+    items:
+      - key: {{ $a.keysKey }}
+        path: api-keys
+    {{- end }}
+- name: cache-salt
+  secret:
+    secretName: {{ $a.saltSecret.name }}
+    defaultMode: 0440
+    items:
+      - key: {{ $a.saltSecret.key }}
+        path: cache-salt-secret
+{{- end }}
+{{- end }}
