@@ -39,6 +39,11 @@ DEFAULT_PRIOR_TOKENS_PER_S: Final = 25_000.0  # prefill work tokens/s before any
 # on an H100-class GPU, 400 TFLOP/s / (2 x 8e9 FLOPs per token) (the emulator's default profile)
 WINDOW: Final = 32  # samples per replica in the fit: "converges within a few dozen requests"
 MIN_SAMPLES: Final = 4  # below this the prior rate stands (a median of 1-3 samples is noise)
+SAME_RATE_BAND: Final = 1.3  # a replica whose fitted seconds per token is within this factor of the
+# fleet's median counts as the median: over 32 samples of mixed queueing the fit is good to 10-20%,
+# and acting on that noise herds cold prompts onto whichever replica looks fastest this minute
+# (the delay term multiplies the difference by the fleet's queue); real differences (another GPU
+# generation, a bigger tensor-parallel group) are 1.5x and more
 MIN_WORK_SPREAD: Final = 0.25  # pairs whose work differs by less than this share of the larger
 # are left out of the slopes: their slope is mostly noise
 
@@ -84,7 +89,8 @@ class PrefillRateLearner:
     pairwise slopes of the last ``WINDOW`` samples (pairs whose work differs by at least
     ``MIN_WORK_SPREAD``), clamped to 1/100..100x the prior; with no such pair (every sample the
     same size) it is the median of ``ttft / work``. The overhead is the median residual, at least
-    0. Raises ``ValueError`` for a non-positive prior.
+    0. A slope within ``SAME_RATE_BAND`` of the fleet's median is reported as that median (noise
+    is no difference). Raises ``ValueError`` for a non-positive prior.
     """
 
     __slots__ = ("_fits", "_prior", "_samples", "_typical")
@@ -102,7 +108,17 @@ class PrefillRateLearner:
         return self._prior
 
     def estimate(self, replica_id: str) -> RateEstimate:
-        return self._fits.get(replica_id, self._typical)
+        fit = self._fits.get(replica_id)
+        if fit is None:
+            return self._typical
+        typical = self._typical.s_per_token
+        if typical / SAME_RATE_BAND < fit.s_per_token < typical * SAME_RATE_BAND:
+            return RateEstimate(typical, fit.overhead_s, fit.num_samples)
+        return fit
+
+    def fitted(self, replica_id: str) -> RateEstimate | None:
+        """The replica's own fit, before ``estimate`` equates it with the fleet's median."""
+        return self._fits.get(replica_id)
 
     def forget(self, replica_id: str) -> None:
         """Drop a replica's samples (it restarted or left the fleet)."""

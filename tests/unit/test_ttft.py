@@ -12,6 +12,7 @@ from router.policy import PolicyParams, ReplicaView, RouteInput, decide
 from router.ring import HashRing
 from router.ttft import (
     MIN_SAMPLES,
+    SAME_RATE_BAND,
     WINDOW,
     PrefillRateLearner,
     RateEstimate,
@@ -227,3 +228,23 @@ def test_ttft_delay_term_counts_the_fleet_queue() -> None:
     for rid in IDS:
         assert d[rid]["delay_s"] == pytest.approx(prefill_work_tokens(1030, 0) * SPT * waiting,
                                                   abs=1e-6)
+
+
+def test_learner_treats_rates_within_its_band_as_the_fleet_median() -> None:
+    """Eight like replicas whose fits differ by noise get one rate (no herding onto whichever
+    looks fastest); a replica twice as slow keeps its own."""
+    learner = PrefillRateLearner(prior_tokens_per_s=25_000.0)
+    rng = random.Random(11)
+    truth = {f"r{i}": (1 + 0.05 * (i - 3)) / 100_000 for i in range(7)}  # within +-15%
+    truth["slow"] = 2.0 / 100_000
+    for rid, spt in truth.items():
+        for work, ttft in _samples(rng, spt, 0.002, 32):
+            learner.observe(rid, work, ttft)
+    like = {learner.estimate(f"r{i}").s_per_token for i in range(7)}
+    assert len(like) == 1
+    fits = [learner.fitted(f"r{i}") for i in range(7)]
+    assert len({f.s_per_token for f in fits if f is not None}) == 7  # their own fits do differ
+    (median_spt,) = like
+    slow = learner.estimate("slow")
+    assert slow.s_per_token > SAME_RATE_BAND * median_spt
+    assert slow.tokens_per_s == pytest.approx(50_000, rel=0.15)
