@@ -89,8 +89,8 @@ class PrefillRateLearner:
     pairwise slopes of the last ``WINDOW`` samples (pairs whose work differs by at least
     ``MIN_WORK_SPREAD``), clamped to 1/100..100x the prior; with no such pair (every sample the
     same size) it is the median of ``ttft / work``. The overhead is the median residual, at least
-    0. A slope within ``SAME_RATE_BAND`` of the fleet's median is reported as that median (noise
-    is no difference). Raises ``ValueError`` for a non-positive prior.
+    0. A replica whose slope is within ``SAME_RATE_BAND`` of the fleet's median is reported as the
+    fleet's median fit, slope and overhead (noise is no difference). Raises ``ValueError`` for a non-positive prior.
     """
 
     __slots__ = ("_fits", "_prior", "_samples", "_typical")
@@ -113,7 +113,9 @@ class PrefillRateLearner:
             return self._typical
         typical = self._typical.s_per_token
         if typical / SAME_RATE_BAND < fit.s_per_token < typical * SAME_RATE_BAND:
-            return RateEstimate(typical, fit.overhead_s, fit.num_samples)
+            # like the fleet: its overhead too is the fleet's (a per-replica intercept is the
+            # noisiest part of the fit, and it alone would decide between like replicas)
+            return RateEstimate(typical, self._typical.overhead_s, fit.num_samples)
         return fit
 
     def fitted(self, replica_id: str) -> RateEstimate | None:

@@ -242,6 +242,7 @@ def test_learner_treats_rates_within_its_band_as_the_fleet_median() -> None:
             learner.observe(rid, work, ttft)
     like = {learner.estimate(f"r{i}").s_per_token for i in range(7)}
     assert len(like) == 1
+    assert len({learner.estimate(f"r{i}").overhead_s for i in range(7)}) == 1
     fits = [learner.fitted(f"r{i}") for i in range(7)]
     assert len({f.s_per_token for f in fits if f is not None}) == 7  # their own fits do differ
     (median_spt,) = like
