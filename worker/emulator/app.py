@@ -41,6 +41,7 @@ from worker.emulator.config import (
 )
 from worker.emulator.kv_cache import BlockPool, KVCacheManager
 from worker.emulator.metrics import ReplicaMetrics
+from worker.emulator.offload import CpuOffload
 from worker.emulator.profiles import LatencyModel
 from worker.emulator.publisher import KVEventPublisher, PublisherConfig, PublisherError
 from worker.emulator.scheduler import (
@@ -197,10 +198,18 @@ class Replica:
                                  enable_caching=config.enable_prefix_caching)
         self.latency = LatencyModel(config.model_profile, config.gpu_profile,
                                     config.step_overhead_s)
+        self.offload: CpuOffload | None = None
+        if config.num_cpu_blocks:
+            self.offload = CpuOffload(
+                config.num_cpu_blocks, config.block_size,
+                config.model_profile.kv_bytes_per_token * config.block_size,
+                config.gpu_profile.host_link_gbps * 1e9,
+                max_concurrent_loads=config.max_num_seqs,
+                enable_events=config.kv_events.enabled)
         self.scheduler = Scheduler(
             SchedulerConfig(config.max_num_batched_tokens, config.max_num_seqs,
                             max_decode_burst_s=DEFAULT_STREAM_INTERVAL_S * config.time_scale),
-            self.kv, self.latency, self._update_hashes)
+            self.kv, self.latency, self._update_hashes, self.offload)
         self.lora_ids = {name: i + 1 for i, (name, _) in enumerate(config.lora_modules)}
         self.lora_paths = dict(config.lora_modules)
         self.metrics = ReplicaMetrics(
@@ -216,6 +225,9 @@ class Replica:
             lambda: len(self.scheduler.waiting) + len(self._arrivals),
             lambda: self.pool.usage,
         )
+        offload = self.offload
+        self.offload_metrics = (self.metrics.enable_offload(lambda: offload.usage)
+                                if offload is not None else None)
         self.publisher: KVEventPublisher | None = None
         if config.kv_events.enabled:
             ev = config.kv_events
@@ -226,7 +238,8 @@ class Replica:
                 endpoint=pub.address, bind=pub.bind,
                 replay_endpoint=replay.address if replay else None,
                 topic=ev.topic, buffer_steps=ev.buffer_steps, hwm=ev.hwm,
-                int_block_hashes=config.int_block_hashes), zmq_ctx)
+                int_block_hashes=config.int_block_hashes, block_size=config.block_size),
+                zmq_ctx)
         self._waiter: asyncio.Future[None] | None = None
         # Requests that arrived (loop time) but are not yet the scheduler's, because the engine
         # clock has not reached their arrival (see _engine_loop).
@@ -313,10 +326,16 @@ class Replica:
                     if self._arrivals:  # idle until the next arrival, in engine time
                         self.clock = max(self.clock, self._arrivals[0][0])
                         continue
+                    if self.offload is not None and self.offload.next_done_s() is not None:
+                        await self._await_transfer()  # CPU-tier stores still copying
+                        continue
                     await self._sleep_until(None, interruptible=True)
                     self.clock = max(self.clock, loop.time())
                     continue
-                step = scheduler.schedule()
+                step = scheduler.schedule(self.clock * scale)
+                if step is None and self.offload is not None and self.offload.has_pending_loads():
+                    await self._await_transfer()  # every request waits for a CPU-tier load
+                    continue
                 if step is None:
                     # Nothing fits even in an empty pool (cannot happen within max_model_len).
                     request = scheduler.waiting.popleft()
@@ -346,7 +365,9 @@ class Replica:
                     end = ends[repeats - 1]
                 self.clock = end
                 outputs = scheduler.complete(step, repeats)
-                if self.publisher is not None:
+                if self.offload is not None:
+                    self._publish_offload()
+                elif self.publisher is not None:
                     self.publisher.publish(self.pool.take_events())
                 if step.num_preempted:
                     self.metrics.num_preemptions.inc(step.num_preempted)
@@ -356,6 +377,28 @@ class Replica:
             except Exception:
                 logger.exception("replica %d: engine step failed", self.index)
                 await asyncio.sleep(0.01)
+
+    async def _await_transfer(self) -> None:
+        """Idle until the CPU tier's next transfer ends (engine time skips there, as it skips
+        idle time to an arrival) or a request arrives; then apply what ended by then."""
+        assert self.offload is not None
+        done_s = self.offload.next_done_s()
+        assert done_s is not None
+        scale = self.config.time_scale
+        target = done_s / scale
+        await self._sleep_until(target, interruptible=True)
+        self.clock = max(self.clock, min(target, asyncio.get_running_loop().time()))
+        if not self.offload.has_pending_loads():  # only stores: schedule() would not run
+            self.offload.advance(self.clock * scale)
+            self._publish_offload()
+
+    def _publish_offload(self) -> None:
+        """Publish the GPU pool's and the CPU tier's events as one batch (vLLM: the cache
+        manager's events, then the connector's) and bring the tier's counters up to date."""
+        assert self.offload is not None and self.offload_metrics is not None
+        if self.publisher is not None:
+            self.publisher.publish([*self.pool.take_events(), *self.offload.take_events()])
+        self.offload_metrics.sync(self.offload.stats)
 
     def _deliver(self, outputs: list[RequestOutput], now: float) -> None:
         """Hand each request its new tokens; ``now`` is the engine time (clock) of the step's

@@ -5,7 +5,8 @@ Flags that vLLM has keep vLLM's names and meanings (``--block-size``,
 ``--num-gpu-blocks-override``, ``--prefix-caching-hash-algo``,
 ``--kv-events-config``, ``--max-num-batched-tokens``, ``--max-num-seqs``,
 ``--max-model-len``, ``--served-model-name``, ``--lora-modules``,
-``--enable-prompt-tokens-details``, ``--tokenizer``). The root-parent seed comes
+``--enable-prompt-tokens-details``, ``--tokenizer``, ``--kv-offloading-size``,
+``--kv-offloading-backend``). The root-parent seed comes
 from ``PYTHONHASHSEED`` exactly as in vLLM; without it the xxhash variants get a
 random seed per process (as vLLM does, with a warning). Emulator-only flags:
 the model and GPU profiles, ``--time-scale``, ``--replicas``, ``--ready-file``,
@@ -24,6 +25,7 @@ from typing import Any, Final
 from urllib.parse import urlsplit
 
 from router.hashing import DEFAULT_BLOCK_SIZE, DEFAULT_HASH_ALGO, DEFAULT_NONE_HASH_SEED, HASH_ALGOS
+from worker.emulator.offload import num_cpu_blocks
 from worker.emulator.profiles import GpuProfile, ModelProfile, default_num_gpu_blocks
 from worker.emulator.scheduler import DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_NUM_SEQS
 
@@ -128,6 +130,8 @@ class EmulatorConfig:
     served_model_names: tuple[str, ...] = (DEFAULT_MODEL,)
     block_size: int = DEFAULT_BLOCK_SIZE
     num_gpu_blocks: int = 0
+    num_cpu_blocks: int = 0  # CPU tier (vLLM native KV offloading) blocks; 0 = no tier
+    kv_offloading_size_gib: float | None = None  # --kv-offloading-size as given
     hash_algo: str = DEFAULT_HASH_ALGO
     hash_seed: str = DEFAULT_NONE_HASH_SEED  # the resolved NONE_HASH seed string
     hash_seed_is_random: bool = False
@@ -190,6 +194,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--num-gpu-blocks-override", type=int, default=None,
                    help="KV blocks per replica (default: derived from the GPU profile)")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    p.add_argument("--kv-offloading-size", type=float, default=None, metavar="GIB",
+                   help="CPU tier of this many GiB per replica (vLLM native KV offloading)")
+    p.add_argument("--kv-offloading-backend", default="native", choices=("native", "lmcache"),
+                   help="vLLM's offloading backend; the emulator implements 'native'")
+    p.add_argument("--num-cpu-blocks-override", type=int, default=None,
+                   help="emulator only: CPU tier blocks per replica instead of "
+                   "--kv-offloading-size")
     p.add_argument("--prefix-caching-hash-algo", default=DEFAULT_HASH_ALGO, choices=HASH_ALGOS)
     p.add_argument("--kv-events-config", default=None, help="vLLM KVEventsConfig JSON")
     p.add_argument("--max-num-batched-tokens", type=int, default=DEFAULT_MAX_NUM_BATCHED_TOKENS)
@@ -219,6 +230,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--gpu-tflops", type=float, default=_DG.tflops)
     p.add_argument("--gpu-hbm-gbps", type=float, default=_DG.hbm_gbps)
     p.add_argument("--gpu-memory-gb", type=float, default=_DG.memory_gb)
+    p.add_argument("--gpu-host-link-gbps", type=float, default=_DG.host_link_gbps,
+                   help="host<->GPU copy bandwidth per direction, GB/s (CPU-tier transfers)")
     p.add_argument("--step-overhead-ms", type=float, default=0.0)
     p.add_argument("--eos-after-tokens", type=int, default=DEFAULT_EOS_AFTER_TOKENS,
                    help="tokens generated before the emulated EOS when a request sets no max_tokens")
@@ -226,6 +239,25 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--log-level", default="info", type=str.lower,
                    choices=("debug", "info", "warning", "error", "critical"))
     return p
+
+
+def _num_cpu_blocks(a: argparse.Namespace, model: ModelProfile) -> int:
+    """CPU-tier blocks: ``--num-cpu-blocks-override``, else ``--kv-offloading-size`` GiB over
+    the bytes of one block (vLLM ``CPUOffloadingSpec``); 0 when neither is given."""
+    if a.kv_offloading_size is None and a.num_cpu_blocks_override is None:
+        return 0
+    if a.kv_offloading_backend != "native":
+        raise ConfigError("--kv-offloading-backend: the emulator implements only 'native'")
+    if a.num_cpu_blocks_override is not None:
+        if a.num_cpu_blocks_override < 1:
+            raise ConfigError("--num-cpu-blocks-override must be >= 1")
+        return int(a.num_cpu_blocks_override)
+    if a.kv_offloading_size <= 0:
+        raise ConfigError("--kv-offloading-size must be > 0 GiB")
+    blocks = num_cpu_blocks(a.kv_offloading_size, model.kv_bytes_per_token * a.block_size)
+    if blocks < 1:
+        raise ConfigError(f"--kv-offloading-size {a.kv_offloading_size} GiB holds no KV block")
+    return blocks
 
 
 def from_args(argv: Sequence[str], env: Mapping[str, str] | None = None) -> EmulatorConfig:
@@ -261,13 +293,15 @@ def from_args(argv: Sequence[str], env: Mapping[str, str] | None = None) -> Emul
             num_kv_heads=a.model_kv_heads, head_dim=a.model_head_dim,
             kv_dtype_bytes=a.model_kv_dtype_bytes, weight_dtype_bytes=a.model_weight_dtype_bytes,
         )
-        gpu = GpuProfile(tflops=a.gpu_tflops, hbm_gbps=a.gpu_hbm_gbps, memory_gb=a.gpu_memory_gb)
+        gpu = GpuProfile(tflops=a.gpu_tflops, hbm_gbps=a.gpu_hbm_gbps, memory_gb=a.gpu_memory_gb,
+                         host_link_gbps=a.gpu_host_link_gbps)
         num_blocks = a.num_gpu_blocks_override or default_num_gpu_blocks(
             model_profile, gpu, a.block_size, a.gpu_memory_utilization)
     except ValueError as exc:
         raise ConfigError(str(exc)) from exc
     if num_blocks < 2:
         raise ConfigError("--num-gpu-blocks-override must be >= 2")
+    num_cpu_blocks = _num_cpu_blocks(a, model_profile)
     pool_tokens = (num_blocks - 1) * a.block_size
     max_model_len = a.max_model_len or min(DEFAULT_MAX_MODEL_LEN, pool_tokens)
     if max_model_len > pool_tokens:
@@ -293,6 +327,7 @@ def from_args(argv: Sequence[str], env: Mapping[str, str] | None = None) -> Emul
     return EmulatorConfig(
         host=a.host, port=a.port, replicas=a.replicas, model=model, served_model_names=served,
         block_size=a.block_size, num_gpu_blocks=num_blocks,
+        num_cpu_blocks=num_cpu_blocks, kv_offloading_size_gib=a.kv_offloading_size,
         hash_algo=a.prefix_caching_hash_algo, hash_seed=seed, hash_seed_is_random=random_seed,
         kv_events=kv_events, int_block_hashes=int_hashes,
         max_num_batched_tokens=a.max_num_batched_tokens, max_num_seqs=a.max_num_seqs,

@@ -320,13 +320,16 @@ class KVCacheManager:
         request: CacheRequest,
         num_new_tokens: int,
         new_computed_blocks: Sequence[KVCacheBlock] = (),
+        *,
+        cache: bool = True,
     ) -> bool:
         """Give ``request`` blocks for ``num_new_tokens`` more tokens after its computed ones
         (plus the hit blocks ``new_computed_blocks``), then commit newly full blocks.
 
         Returns False, changing nothing, when too few blocks are free (vLLM
         ``allocate_slots`` returning None). Hit blocks that sit in the free queue
-        count against the free blocks too (they leave the queue).
+        count against the free blocks too (they leave the queue). ``cache=False`` commits
+        nothing (vLLM ``delay_cache_blocks``: blocks a CPU-tier load is still filling).
         """
         block_size = self.block_size
         if not new_computed_blocks:
@@ -351,7 +354,7 @@ class KVCacheManager:
             request.num_cached_blocks = len(request.blocks)
         if num_new_blocks > 0:
             request.blocks.extend(pool.get_new_blocks(num_new_blocks))
-        if self.enable_caching:
+        if self.enable_caching and cache:
             num_full = min(total, request.num_tokens) // self.block_size
             pool.cache_full_blocks(request, num_full, self.block_size)
         return True

@@ -17,6 +17,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.openmetrics import exposition as openmetrics
 from prometheus_client.utils import floatToGoString
 
+from worker.emulator.offload import OffloadStats
+
 TTFT_BUCKETS_S: Final = (
     0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
     10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0,
@@ -47,6 +49,7 @@ class ReplicaMetrics:
         labels = {"model_name": model_name, "engine": "0"}
         names = ["model_name", "engine"]
         reg = self.registry
+        self._labels = labels
 
         def counter(name: str, doc: str) -> Counter:
             return Counter(name, doc, names, registry=reg)
@@ -104,6 +107,7 @@ class ReplicaMetrics:
             names, registry=reg,
         ).labels(**labels)
         self._lag_max = 0.0
+        self.offload: OffloadMetrics | None = None
         info_labels = sorted(cache_config)
         Gauge("vllm:cache_config_info", "Information of the LLMEngine CacheConfig",
               info_labels, registry=reg).labels(**cache_config).set(1)
@@ -117,6 +121,11 @@ class ReplicaMetrics:
         if lag_s > self._lag_max:
             self._lag_max = lag_s
             self.engine_lag_max.set(lag_s)
+
+    def enable_offload(self, cpu_usage: Callable[[], float]) -> OffloadMetrics:
+        """Add the CPU tier's series (only replicas with ``--kv-offloading-size`` have them)."""
+        self.offload = OffloadMetrics(self.registry, self._labels, cpu_usage)
+        return self.offload
 
     def exposition(self) -> bytes:
         """The text exposition format (``/metrics`` body), byte for byte what
@@ -197,3 +206,52 @@ class TextExposition:
                 out.append(self._head(metric.name, metric.type, metric.documentation, suffix))
                 out.extend(lines)
         return "".join(out).encode("utf-8")
+
+
+class OffloadMetrics:
+    """The CPU tier's series, with vLLM's names: ``vllm:external_prefix_cache_{queries,hits}``
+    (tokens looked up beyond the GPU hit and found in the tier, scheduler
+    ``connector_prefix_cache_stats``), ``vllm:kv_offload_total_bytes`` and
+    ``vllm:kv_offload_total_time`` (seconds) by ``transfer_type`` ``GPU_to_CPU`` /
+    ``CPU_to_GPU`` (offloading connector metrics); plus the emulator-only gauge
+    ``emulator_cpu_kv_cache_usage_perc`` (host blocks holding a hash, 0..1: vLLM's own
+    CPU-usage gauge counts in-flight transfers, not residency)."""
+
+    def __init__(self, reg: CollectorRegistry, labels: dict[str, str],
+                 cpu_usage: Callable[[], float]) -> None:
+        names = list(labels)
+        self.external_queries = Counter(
+            "vllm:external_prefix_cache_queries",
+            "External prefix cache queries from KV connector cross-instance cache sharing, "
+            "in terms of number of queried tokens.", names, registry=reg).labels(**labels)
+        self.external_hits = Counter(
+            "vllm:external_prefix_cache_hits",
+            "External prefix cache hits from KV connector cross-instance cache sharing, "
+            "in terms of number of cached tokens.", names, registry=reg).labels(**labels)
+        kind = [*names, "transfer_type"]
+        total_bytes = Counter("vllm:kv_offload_total_bytes", "Number of bytes offloaded by KV connector",
+                              kind, registry=reg)
+        total_time = Counter("vllm:kv_offload_total_time", "Total time measured by all KV offloading",
+                             kind, registry=reg)
+        self.store_bytes = total_bytes.labels(transfer_type="GPU_to_CPU", **labels)
+        self.load_bytes = total_bytes.labels(transfer_type="CPU_to_GPU", **labels)
+        self.store_time = total_time.labels(transfer_type="GPU_to_CPU", **labels)
+        self.load_time = total_time.labels(transfer_type="CPU_to_GPU", **labels)
+        Gauge("emulator_cpu_kv_cache_usage_perc",
+              "Fraction of the CPU tier's blocks holding a block hash. 1 means full.",
+              names, registry=reg).labels(**labels).set_function(cpu_usage)
+        self._last = (0, 0, 0, 0.0, 0, 0.0)
+
+    def sync(self, stats: OffloadStats) -> None:
+        """Add what ``stats`` (cumulative) gained since the last call."""
+        now = (stats.external_queries, stats.external_hits, stats.store_bytes, stats.store_s,
+               stats.load_bytes, stats.load_s)
+        if now == self._last:
+            return
+        last = self._last
+        for series, new, old in zip(
+                (self.external_queries, self.external_hits, self.store_bytes, self.store_time,
+                 self.load_bytes, self.load_time), now, last, strict=True):
+            if new != old:
+                series.inc(new - old)
+        self._last = now

@@ -76,9 +76,13 @@ class GpuProfile:
     tflops: float = 400.0  # sustained TFLOP/s
     hbm_gbps: float = 3000.0  # sustained GB/s
     memory_gb: float = 80.0  # HBM capacity, GB (1e9 bytes)
+    # Sustained host<->GPU copy bandwidth per direction, GB/s: PCIe Gen5 x16 moves 64 GB/s
+    # raw, about 50 GB/s from pinned host memory (the CPU tier's loads and stores).
+    host_link_gbps: float = 50.0
 
     def __post_init__(self) -> None:
-        if self.tflops <= 0 or self.hbm_gbps <= 0 or self.memory_gb <= 0:
+        if (self.tflops <= 0 or self.hbm_gbps <= 0 or self.memory_gb <= 0
+                or self.host_link_gbps <= 0):
             raise ValueError("GPU profile figures must be positive")
 
 

@@ -36,6 +36,7 @@ import zmq.asyncio
 
 from router.hashing import block_key
 from worker.emulator.kv_cache import BlockEvicted, BlocksStored, CacheCleared, KVEvent
+from worker.emulator.offload import OffloadEvent, OffloadRemoved, OffloadStored
 from worker.kv_events import (
     REPLAY_END_FRAME,
     AllBlocksCleared,
@@ -50,6 +51,7 @@ from worker.kv_events import (
 logger = logging.getLogger(__name__)
 
 MEDIUM_GPU = "GPU"
+MEDIUM_CPU = "CPU"  # vLLM CPUOffloadingSpec's medium
 
 
 class PublisherError(RuntimeError):
@@ -68,6 +70,7 @@ class PublisherConfig:
     hwm: int = 100000
     int_block_hashes: bool = True  # VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES
     data_parallel_rank: int = 0
+    block_size: int = 16  # tokens; the block size CPU-tier events carry (vLLM offloaded_block_size)
 
 
 def should_bind(endpoint: str) -> bool:
@@ -112,7 +115,8 @@ def _int_keys(digests: Sequence[bytes]) -> list[int] | msgspec.Raw:
         [d[-8:] for d in digests]))
 
 
-def to_wire_events(events: Sequence[KVEvent], int_block_hashes: bool) -> list[Any]:
+def to_wire_events(events: Sequence[KVEvent | OffloadEvent], int_block_hashes: bool,
+                   block_size: int = 16) -> list[Any]:
     """Convert the cache's plain events to vLLM 0.33 event structs (``maybe_convert_block_hash``).
 
     Int-form hashes are written as pre-encoded msgpack (``msgspec.Raw``), byte for byte what
@@ -147,6 +151,15 @@ def to_wire_events(events: Sequence[KVEvent], int_block_hashes: bool) -> list[An
             ))
         elif isinstance(event, CacheCleared):
             append(AllBlocksCleared())
+        elif isinstance(event, OffloadStored):
+            # vLLM OffloadingConnectorScheduler.take_events: no parent, tokens, LoRA or group.
+            append(BlockStored(
+                block_hashes=[conv(d) for d in event.block_hashes], parent_block_hash=None,
+                token_ids=[], block_size=block_size, lora_id=None, medium=MEDIUM_CPU,
+                lora_name=None))
+        elif isinstance(event, OffloadRemoved):
+            append(BlockRemoved(block_hashes=[conv(d) for d in event.block_hashes],
+                                medium=MEDIUM_CPU))
     return out
 
 
@@ -195,7 +208,7 @@ class KVEventPublisher:
             self.close()
             raise PublisherError(f"KV events socket {self.config.endpoint}: {exc}") from exc
 
-    def publish(self, events: Sequence[KVEvent], ts: float | None = None) -> None:
+    def publish(self, events: Sequence[KVEvent | OffloadEvent], ts: float | None = None) -> None:
         """Publish one scheduler step's events as one batch (nothing if ``events`` is empty).
 
         ``ts`` defaults to ``time.time()`` (vLLM stamps batches with wall time).
@@ -204,7 +217,7 @@ class KVEventPublisher:
             return
         batch = KVEventBatch(
             ts=time.time() if ts is None else ts,
-            events=to_wire_events(events, self.config.int_block_hashes),
+            events=to_wire_events(events, self.config.int_block_hashes, self.config.block_size),
             data_parallel_rank=self.config.data_parallel_rank,
         )
         self.publish_payload(encode_batch(batch))

@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from typing import Any, Final
 
 from worker.emulator.kv_cache import KVCacheBlock, KVCacheManager
+from worker.emulator.offload import CpuOffload
 from worker.emulator.profiles import LatencyModel
 
 DEFAULT_MAX_NUM_BATCHED_TOKENS: Final = 8192  # tokens per step; vLLM default for online serving
@@ -76,6 +77,7 @@ class Request:
     num_preemptions: int = 0
     blocks: list[KVCacheBlock] = field(default_factory=list)
     num_cached_blocks: int = 0
+    num_offloaded_blocks: int = 0  # blocks from 0 already handed to the CPU tier
     finished: FinishReason | None = None
     sink: Any = None  # whatever the caller attaches to route outputs back
 
@@ -143,8 +145,10 @@ class Scheduler:
         kv: KVCacheManager,
         latency: LatencyModel,
         update_block_hashes: HashFn,
+        offload: CpuOffload | None = None,
     ) -> None:
         self.config = config
+        self.offload = offload  # the CPU tier (vLLM native offloading), None when off
         self.kv = kv
         self.latency = latency
         self._update_hashes = update_block_hashes
@@ -157,7 +161,9 @@ class Scheduler:
         self.waiting.append(request)
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        """Requests waiting, running or loading from the CPU tier."""
+        return bool(self.waiting or self.running) or (
+            self.offload is not None and self.offload.has_pending_loads())
 
     def abort(self, request: Request) -> None:
         """Drop a request (client went away), freeing its blocks."""
@@ -173,8 +179,13 @@ class Scheduler:
             except ValueError:
                 pass
 
-    def schedule(self) -> Step | None:
-        """Build the next step, allocating its blocks; None if nothing can run."""
+    def schedule(self, now_s: float = 0.0) -> Step | None:
+        """Build the next step, starting at engine time ``now_s``, allocating its blocks;
+        None if nothing can run (with the CPU tier: also while every request waits for a load).
+        """
+        offload = self.offload
+        if offload is not None:
+            self._finish_transfers(now_s)
         budget = self.config.max_num_batched_tokens
         scheduled: dict[Request, int] = {}
         num_preempted = 0
@@ -202,30 +213,84 @@ class Scheduler:
             budget -= num_new
             index += 1
         if not num_preempted:
-            self._admit(scheduled, budget)
+            self._admit(scheduled, budget, now_s)
         if not scheduled:
             return None
         step = Step(list(scheduled.items()), [], num_preempted)
         self._plan_durations(step)
+        if offload is not None:
+            offload.store(step.scheduled, now_s + step.durations_s[0])
         return step
 
-    def _admit(self, scheduled: dict[Request, int], budget: int) -> None:
+    def _finish_transfers(self, now_s: float) -> None:
+        """Apply the CPU-tier transfers that ended by ``now_s``: a request whose load ended
+        gets its loaded blocks committed to the GPU prefix cache and rejoins the head of the
+        queue with them computed (vLLM ``_update_waiting_for_remote_kv``; a full hit still
+        recomputes the last token)."""
+        assert self.offload is not None
+        loaded = self.offload.advance(now_s)
+        if not loaded:
+            return
+        size = self.kv.block_size
+        ready: list[Request] = []
+        for request in loaded:
+            if request.finished is not None:  # aborted while loading
+                self.kv.free(request)
+                continue
+            num_full = len(request.blocks)
+            self.kv.pool.cache_full_blocks(request, num_full, size)
+            num_computed = min(num_full * size, request.num_tokens)
+            if num_computed == request.num_tokens:
+                num_computed -= 1
+            request.num_computed_tokens = num_computed
+            ready.append(request)
+        self.waiting.extendleft(reversed(ready))
+
+    def _admit(self, scheduled: dict[Request, int], budget: int, now_s: float) -> None:
         kv = self.kv
         waiting = self.waiting
+        offload = self.offload
+        deferred: list[Request] = []
         while waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = waiting[0]
-            hits, num_hit = kv.get_computed_blocks(request)
-            num_new = min(request.num_tokens - num_hit, budget)
-            if not kv.allocate_slots(request, num_new, hits):
-                break
-            waiting.popleft()
-            kv.record_lookup(request.num_tokens, num_hit, request.num_preemptions > 0)
-            request.num_computed_tokens = num_hit
+            if request.num_computed_tokens:  # its CPU-tier load ended: no second lookup
+                num_hit = request.num_computed_tokens
+                num_new = min(request.num_tokens - num_hit, budget)
+                if not kv.allocate_slots(request, num_new):
+                    break
+                waiting.popleft()
+            else:
+                hits, num_hit = kv.get_computed_blocks(request)
+                if offload is not None and kv.enable_caching:
+                    num_external = offload.match(request, num_hit, request.num_tokens)
+                    if num_external is None:  # deferred, as vLLM skips it this step
+                        deferred.append(waiting.popleft())
+                        continue
+                    if num_external:
+                        if not kv.allocate_slots(request, num_external, hits, cache=False):
+                            break
+                        waiting.popleft()
+                        kv.record_lookup(request.num_tokens, num_hit, request.num_preemptions > 0)
+                        offload.record(request.num_tokens, num_hit, num_external,
+                                       request.num_preemptions > 0)
+                        offload.start_load(request, num_hit // kv.block_size,
+                                           num_external // kv.block_size, now_s)
+                        continue
+                num_new = min(request.num_tokens - num_hit, budget)
+                if not kv.allocate_slots(request, num_new, hits):
+                    break
+                waiting.popleft()
+                kv.record_lookup(request.num_tokens, num_hit, request.num_preemptions > 0)
+                if offload is not None and kv.enable_caching:
+                    offload.record(request.num_tokens, num_hit, 0, request.num_preemptions > 0)
+                request.num_computed_tokens = num_hit
             if request.num_cached_tokens < 0:
                 request.num_cached_tokens = num_hit
             self.running.append(request)
             scheduled[request] = num_new
             budget -= num_new
+        if deferred:
+            waiting.extendleft(reversed(deferred))
 
     def _preempt(self, request: Request) -> None:
         self.kv.free(request)
