@@ -6,7 +6,8 @@ ZMQ frames ``[topic, seq (8-byte big-endian unsigned), msgpack(KVEventBatch)]``.
 event is a msgpack *map* tagged by ``"type"`` (the class name) whose fields follow
 in declaration order, defaults (None) omitted. Older vLLM releases (about 0.9 to
 0.11) encoded events as arrays ``["BlockStored", block_hashes, parent, token_ids,
-block_size, lora_id, medium]``; ``decode_batch`` accepts both.
+block_size, lora_id, medium]``; ``decode_batch`` accepts both, ignores fields it does
+not know and turns events of types it does not know into ``UnknownEvent``.
 
 Hashes in events are 64-bit ints by default (``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=1``:
 the digest's last 8 bytes, big-endian) or raw digests (``=0``); ``event_hash_key``
@@ -17,7 +18,7 @@ from __future__ import annotations
 
 import struct
 from collections.abc import Sequence
-from typing import Any, Final
+from typing import Any, Final, cast
 
 import msgspec
 
@@ -79,11 +80,27 @@ class AllBlocksCleared(KVCacheEvent):
     """The whole prefix cache was reset (``POST /reset_prefix_cache``)."""
 
 
+class UnknownEvent(msgspec.Struct, gc=False):
+    """An event of a type this decoder does not know (a newer vLLM's): kept so the consumer
+    can count and skip it instead of dropping the whole batch. ``type``: its tag."""
+
+    type: str
+
+
 KVEvent = BlockStored | BlockRemoved | AllBlocksCleared
+_KNOWN_EVENTS: Final = {"BlockStored", "BlockRemoved", "AllBlocksCleared"}
 
 
 class KVEventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     """One scheduler step's events: ``ts`` unix seconds, ``events``, the publisher's DP rank."""
+
+    ts: float
+    events: list[BlockStored | BlockRemoved | AllBlocksCleared | UnknownEvent]
+    data_parallel_rank: int | None = None
+
+
+class _TypedBatch(msgspec.Struct, array_like=True, gc=False):
+    """What the fast typed decoder reads: a batch of known events only."""
 
     ts: float
     events: list[BlockStored | BlockRemoved | AllBlocksCleared]
@@ -91,7 +108,7 @@ class KVEventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False
 
 
 _encoder = msgspec.msgpack.Encoder()
-_decoder = msgspec.msgpack.Decoder(KVEventBatch)
+_decoder = msgspec.msgpack.Decoder(_TypedBatch)
 _generic_decoder = msgspec.msgpack.Decoder()
 
 
@@ -141,11 +158,28 @@ def event_hash_key(block_hash: ExternalBlockHash) -> int:
     raise KVEventDecodeError(f"block hash must be an int or bytes, got {type(block_hash).__name__}")
 
 
-def _legacy_event(item: Any) -> KVEvent:
-    """Convert one array-encoded (pre-0.12) event."""
+def _loose_event(item: Any) -> KVEvent | UnknownEvent:
+    """Convert one event of a batch the typed decoder refused: a map (vLLM 0.33 shape) or an
+    array (pre-0.12 shape), either of a type this decoder does not know (``UnknownEvent``)."""
+    if isinstance(item, dict):
+        kind = item.get("type")
+        if not isinstance(kind, str):
+            raise KVEventDecodeError(f"event map without a type: {item!r:.80}")
+        if kind not in _KNOWN_EVENTS:
+            return UnknownEvent(kind)
+        try:
+            return msgspec.convert(item, KVEvent)
+        except msgspec.ValidationError as exc:
+            raise KVEventDecodeError(f"malformed {kind} event: {exc}") from exc
     if not isinstance(item, list) or not item or not isinstance(item[0], str):
         raise KVEventDecodeError(f"unrecognised event: {item!r:.80}")
-    kind, fields = item[0], item[1:]
+    if item[0] not in _KNOWN_EVENTS:
+        return UnknownEvent(item[0])
+    return _legacy_event(item[0], item[1:])
+
+
+def _legacy_event(kind: str, fields: list[Any]) -> KVEvent:
+    """Convert one array-encoded (pre-0.12) event; fields past the known ones are ignored."""
     try:
         if kind == "BlockStored":
             hashes, parent, token_ids, block_size, *rest = fields
@@ -161,16 +195,19 @@ def _legacy_event(item: Any) -> KVEvent:
             return AllBlocksCleared()
     except (TypeError, ValueError) as exc:
         raise KVEventDecodeError(f"malformed {kind} event: {exc}") from exc
-    raise KVEventDecodeError(f"unknown event type {kind!r}")
+    raise KVEventDecodeError(f"unknown event type {kind!r}")  # pragma: no cover - checked above
 
 
 def decode_batch(payload: bytes) -> KVEventBatch:
-    """Decode a batch payload (vLLM 0.33 map-encoded events, or legacy array-encoded).
+    """Decode a batch payload (vLLM 0.33 map-encoded events, or legacy array-encoded, or a
+    mix). Unknown fields are ignored; an event of an unknown type becomes ``UnknownEvent``.
 
-    Raises ``KVEventDecodeError`` for anything else, including unknown event types.
+    Raises ``KVEventDecodeError`` for anything else (not msgpack, not a batch, a known event
+    with missing or mistyped fields).
     """
     try:
-        return _decoder.decode(payload)
+        typed = _decoder.decode(payload)
+        return KVEventBatch(typed.ts, cast(list[Any], typed.events), typed.data_parallel_rank)
     except msgspec.DecodeError as typed_error:
         try:
             raw = _generic_decoder.decode(payload)
@@ -178,14 +215,14 @@ def decode_batch(payload: bytes) -> KVEventBatch:
             raise KVEventDecodeError(f"not msgpack: {exc}") from exc
         if not (isinstance(raw, list) and len(raw) >= 2 and isinstance(raw[1], list)):
             raise KVEventDecodeError(f"not a KV event batch: {typed_error}") from typed_error
-        if not all(isinstance(e, list) for e in raw[1]):
-            raise KVEventDecodeError(f"bad event in batch: {typed_error}") from typed_error
         try:
             ts = float(raw[0])
         except (TypeError, ValueError) as exc:
             raise KVEventDecodeError(f"bad batch timestamp {raw[0]!r}") from exc
         rank = raw[2] if len(raw) > 2 else None
-        return KVEventBatch(ts=ts, events=[_legacy_event(e) for e in raw[1]], data_parallel_rank=rank)
+        if rank is not None and not isinstance(rank, int):
+            raise KVEventDecodeError(f"bad data_parallel_rank {rank!r}") from typed_error
+        return KVEventBatch(ts=ts, events=[_loose_event(e) for e in raw[1]], data_parallel_rank=rank)
 
 
 def to_event_extra_keys(extra_keys: Sequence[Any] | None) -> list[Any] | None:

@@ -23,6 +23,8 @@ class WorkerSnapshot:
     """Everything the metrics report, read at scrape time."""
 
     events: Mapping[str, int] = field(default_factory=dict)  # {event type: events applied}
+    events_by_medium: Mapping[str, int] = field(default_factory=dict)  # {medium: events kept}
+    skipped_events: Mapping[str, int] = field(default_factory=dict)  # {reason: events skipped}
     num_messages: int = 0
     num_malformed: int = 0
     num_bad_events: int = 0
@@ -96,6 +98,17 @@ class WorkerCollector(Collector):
         for kind in ("BlockStored", "BlockRemoved", "AllBlocksCleared"):
             events.add_metric([kind], snap.events.get(kind, 0))
         yield events
+        mediums = CounterMetricFamily("worker_tier_events", "KV events indexed, by medium (tier).",
+                                      labels=["medium"])
+        for medium, count in sorted(snap.events_by_medium.items()):
+            mediums.add_metric([medium], count)
+        yield mediums
+        skipped = CounterMetricFamily(
+            "worker_skipped_events", "KV events the index cannot use, skipped, by reason.",
+            labels=["reason"])
+        for reason, count in snap.skipped_events.items():
+            skipped.add_metric([reason], count)
+        yield skipped
         for name, attr, doc in _COUNTERS:
             yield CounterMetricFamily(name, doc, value=getattr(snap, attr))
         for name, attr, doc in _GAUGES:

@@ -30,6 +30,7 @@ from router.hashing import BlockHasher, HashConfigError
 from router.logs import configure_logging
 from router.redis_client import redis_client
 from worker.block_keys import KEY_MODE_RECOMPUTED, EngineKeys, RecomputedKeys
+from worker.event_filter import EventFilter, parse_kv_tiers
 from worker.heartbeat import EngineClient, EngineLoad, EngineModels, EngineUnreachable, Heartbeat
 from worker.kv_events import BlockStored, KVEventBatch
 from worker.metrics import WorkerSnapshot, make_registry, start_metrics_server
@@ -54,6 +55,7 @@ class Worker:
         self.config = config
         self.client = client
         self.view = ReplicaView(index_stride=config.index_stride)
+        self.event_filter = EventFilter(tiers=parse_kv_tiers(config.kv_tiers))
         self.writer = RedisWriter(client, config.redis_prefix, config.replica_id,
                                   on_recovered=self._on_redis_recovered)
         self.engine = EngineClient(session, config.engine_url)
@@ -76,7 +78,12 @@ class Worker:
 
     def apply(self, seq: int, batch: KVEventBatch) -> None:
         epoch = self.view.epoch
-        for change in self.view.apply_batch(seq, batch):
+        event_filter = self.event_filter
+        event_filter.block_size = self.config.block_size or self.engine_block_size
+        # offload events carry no parent: no chain depth for the coarse index either
+        event_filter.needs_chain = (self.view.key_mode == KEY_MODE_RECOMPUTED
+                                    or self.view.index_stride > 1)
+        for change in self.view.apply_batch(seq, event_filter.apply(batch)):
             self.writer.enqueue(change)
         self.writer.advance(self.view.epoch, seq)
         self.event_lag_s = max(0.0, time.time() - batch.ts)
@@ -275,6 +282,8 @@ class Worker:
         stats, wstats = self.view.stats, self.writer.stats
         return WorkerSnapshot(
             events=dict(stats.events),
+            events_by_medium=dict(self.event_filter.by_medium),
+            skipped_events=dict(self.event_filter.skipped_by_reason()),
             num_messages=sub.num_messages if sub else 0,
             num_malformed=sub.num_malformed if sub else 0,
             num_bad_events=stats.num_bad_events,

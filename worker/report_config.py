@@ -20,6 +20,7 @@ from router.hashing import HASH_ALGOS
 from router.redis_client import RedisUrlError, parse_redis_url
 from router.secrets import SecretError, resolve_redis_password
 from router.version import version_line
+from worker.event_filter import DEFAULT_KV_TIERS, parse_kv_tiers
 
 ENV_PREFIX: Final = "WORKER_"
 DEFAULT_METRICS_HOST: Final = "127.0.0.1"  # set 0.0.0.0 in a pod so Prometheus can scrape
@@ -49,6 +50,7 @@ class WorkerConfig:
     block_size: int | None = None  # routers' block size if it differs from the engine's declared one
     hash_algo: str | None = None  # routers' hash algorithm; None: the engine's declared one
     index_stride: int = DEFAULT_INDEX_STRIDE  # blocks between published anchor keys; = the routers'
+    kv_tiers: str = ",".join(DEFAULT_KV_TIERS)  # mediums whose events are indexed (GPU always)
     metrics_host: str = DEFAULT_METRICS_HOST
     metrics_port: int = DEFAULT_METRICS_PORT
     replay_timeout_s: float = DEFAULT_REPLAY_TIMEOUT_S
@@ -68,6 +70,8 @@ _HELP: Final = {
                       f"{ENV_PREFIX}REDIS_PASSWORD / REDIS_PASSWORD; ",
     "redis_password_file": "file holding the Redis password (e.g. a mounted Secret); ",
     "log_format": "text or json (one object per line); ",
+    "kv_tiers": "mediums whose KV events are indexed, comma-separated: GPU (always), CPU, "
+                "STORAGE; default GPU,CPU; GPU alone makes the CPU tier invisible; ",
 }
 _INT_FIELDS: Final = ("block_size", "metrics_port", "index_stride")
 
@@ -150,6 +154,10 @@ def _validate(config: WorkerConfig) -> None:
         raise ConfigError(f"--log-format must be one of {', '.join(LOG_FORMATS)}")
     if config.hash_algo is not None and config.hash_algo not in HASH_ALGOS:
         raise ConfigError(f"--hash-algo must be one of {', '.join(HASH_ALGOS)}")
+    try:
+        parse_kv_tiers(config.kv_tiers)
+    except ValueError as exc:
+        raise ConfigError(f"--kv-tiers: {exc}") from exc
     if config.block_size is not None and config.block_size < 1:
         raise ConfigError("--block-size must be positive")
     if config.index_stride < 1:

@@ -173,14 +173,18 @@ def test_lookup_deferred_while_its_blocks_load_for_another_request() -> None:
     now = run(s, offload)
     s.kv.pool.reset_prefix_cache()
     first, second = request([*tokens, 1], "b"), request([*tokens, 2], "c")
-    s.add_request(first)
-    s.add_request(second)
-    assert s.schedule(now) is None
+    other = request(list(range(5000, 5032)), "d")
+    for r in (first, second, other):
+        s.add_request(r)
+    # The second waits for the first's load; the one behind it is not held up (vLLM skips).
+    step = s.schedule(now)
+    assert step is not None and [r for r, _ in step.scheduled] == [other]
     assert offload.has_pending_loads() and list(s.waiting) == [second]
+    s.complete(step)
     done = offload.next_done_s()
     assert done is not None
     # After the load the second request hits the blocks on the GPU instead of loading again.
-    step = s.schedule(done)
+    step = s.schedule(max(done, now + step.duration_s))
     assert step is not None
     assert second.num_cached_tokens == 64 and first.num_cached_tokens == 64
     assert offload.stats.load_bytes == 4 * BLOCK_BYTES

@@ -16,6 +16,7 @@ from worker.kv_events import (
     BlockStored,
     KVEventBatch,
     KVEventDecodeError,
+    UnknownEvent,
     decode_batch,
     encode_batch,
     event_hash_key,
@@ -117,13 +118,30 @@ def test_legacy_array_encoded_events() -> None:
 
 
 @pytest.mark.parametrize("payload", [
-    b"", b"\xc1", msgspec.msgpack.encode({"a": 1}), msgspec.msgpack.encode([1.0, [["Nope", 1]]]),
-    msgspec.msgpack.encode([1.0, [{"type": "Nope"}]]), msgspec.msgpack.encode([1.0, [["BlockStored"]]]),
-    msgspec.msgpack.encode(["x", []]),
+    b"", b"\xc1", msgspec.msgpack.encode({"a": 1}), msgspec.msgpack.encode([1.0, [["BlockStored"]]]),
+    msgspec.msgpack.encode([1.0, [{"type": "BlockStored", "block_hashes": "x"}]]),
+    msgspec.msgpack.encode([1.0, [{"no": "type"}]]), msgspec.msgpack.encode(["x", []]),
+    msgspec.msgpack.encode([1.0, [], "rank"]),
 ])
 def test_malformed_payloads_raise(payload: bytes) -> None:
     with pytest.raises(KVEventDecodeError):
         decode_batch(payload)
+
+
+def test_unknown_event_types_and_fields_do_not_cost_the_batch() -> None:
+    stored = {"type": "BlockStored", "block_hashes": [7], "parent_block_hash": None,
+              "token_ids": list(range(16)), "block_size": 16, "lora_id": None, "medium": "GPU",
+              "lora_name": None, "a_field_from_the_future": [1, 2]}
+    payload = msgspec.msgpack.encode([2.0, [stored, {"type": "BlockPinned", "x": 1}], 0])
+    batch = decode_batch(payload)
+    assert isinstance(batch.events[0], BlockStored) and batch.events[0].block_hashes == [7]
+    assert batch.events[1] == UnknownEvent("BlockPinned")
+    # Unknown fields alone keep the fast typed path; arrays of a new type are kept too.
+    assert decode_batch(msgspec.msgpack.encode([2.0, [stored]])).events[0] == batch.events[0]
+    legacy = decode_batch(msgspec.msgpack.encode(
+        [2.0, [["Rebalanced", 1], ["BlockRemoved", [7], "CPU", "extra", 5]]]))
+    assert legacy.events[0] == UnknownEvent("Rebalanced")
+    assert legacy.events[1] == BlockRemoved(block_hashes=[7], medium="CPU")
 
 
 def test_event_hash_key_forms() -> None:

@@ -1,0 +1,120 @@
+"""Event formats real fleets run, on constructed frames: map vs array encodings, offload
+tiers, hybrid-model groups, foreign block sizes and unknown types (pure, no I/O)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+import pytest
+from prometheus_client import generate_latest
+
+from worker.event_filter import EventFilter, parse_kv_tiers
+from worker.kv_events import (
+    BlockRemoved,
+    BlockStored,
+    KVEventBatch,
+    decode_batch,
+    encode_batch,
+)
+from worker.metrics import WorkerSnapshot, make_registry
+from worker.replica_view import ReplicaView
+
+B = 16
+
+
+def gpu_stored(hashes: list[int], parent: int | None = None, **extra: Any) -> BlockStored:
+    return BlockStored(block_hashes=hashes, parent_block_hash=parent,
+                       token_ids=list(range(B * len(hashes))), block_size=extra.pop("size", B),
+                       lora_id=None, medium="GPU", lora_name=None, **extra)
+
+
+def cpu_stored(hashes: list[int]) -> BlockStored:
+    # vLLM OffloadingConnectorScheduler.take_events: no parent, no tokens, no LoRA.
+    return BlockStored(block_hashes=hashes, parent_block_hash=None, token_ids=[], block_size=B,
+                       lora_id=None, medium="CPU", lora_name=None)
+
+
+def run(view: ReplicaView, flt: EventFilter, *batches: list[Any]) -> set[int]:
+    for events in batches:
+        payload = encode_batch(KVEventBatch(1.0, events, 0))
+        view.apply_batch(view.seq + 1, flt.apply(decode_batch(payload)))
+    return set(view.blocks.keys())
+
+
+def test_array_encoded_frames_decode_to_the_same_state_as_map_encoded() -> None:
+    events = [gpu_stored([1, 2]), gpu_stored([3], parent=2), BlockRemoved([1], "GPU"),
+              cpu_stored([1]), BlockRemoved([2], None)]
+    maps = encode_batch(KVEventBatch(1.5, events, 0))
+    arrays = msgspec.msgpack.encode([1.5, [
+        ["BlockStored", [1, 2], None, list(range(32)), 16, None, "GPU"],
+        ["BlockStored", [3], 2, list(range(16)), 16, None, "GPU", None],
+        ["BlockRemoved", [1], "GPU"],
+        ["BlockStored", [1], None, [], 16, None, "CPU"],
+        ["BlockRemoved", [2]],  # before the medium field existed
+    ], 0])
+    states = []
+    for payload in (maps, arrays):
+        view, flt = ReplicaView(), EventFilter(block_size=B)
+        view.apply_batch(0, flt.apply(decode_batch(payload)))
+        states.append((set(view.blocks.keys()), dict(flt.by_medium), dict(flt.skipped)))
+    assert states[0] == states[1] == ({1, 3}, {"GPU": 4, "CPU": 1}, {})
+
+
+def test_gpu_demotion_to_the_cpu_tier_is_not_a_removal() -> None:
+    view, flt = ReplicaView(), EventFilter(block_size=B)
+    run(view, flt, [gpu_stored([1, 2, 3])], [cpu_stored([1, 2, 3])])
+    # The GPU evicts all three; the CPU tier still holds them: still routable.
+    assert run(view, flt, [BlockRemoved([3, 2, 1], "GPU")]) == {1, 2, 3}
+    assert run(view, flt, [BlockRemoved([3], "CPU")]) == {1, 2}
+    # Tier invisible to the router (--kv-tiers GPU): the demotion is a removal.
+    view, flt = ReplicaView(), EventFilter(block_size=B, tiers=parse_kv_tiers("GPU"))
+    run(view, flt, [gpu_stored([1, 2, 3])], [cpu_stored([1, 2, 3])])
+    assert run(view, flt, [BlockRemoved([3, 2, 1], "GPU")]) == set()
+    assert flt.skipped == {"tier": 1}
+
+
+def test_hybrid_groups_and_foreign_block_sizes_are_skipped_and_counted() -> None:
+    # A hybrid model: group 0 (full attention, the router's block size) and group 1 (e.g.
+    # sliding window with a larger block). The router follows group 0 only.
+    view, flt = ReplicaView(), EventFilter(block_size=B)
+    keys = run(view, flt, [
+        gpu_stored([1, 2], group_idx=0), gpu_stored([10, 20], group_idx=1, size=64),
+        gpu_stored([30], group_idx=1), BlockRemoved([10], "GPU", group_idx=1),
+        gpu_stored([40], size=32),  # a group 0 event of another block size: no key of ours
+        BlockStored(block_hashes=[50], parent_block_hash=None, token_ids=[], block_size=64,
+                    lora_id=None, medium="CPU", lora_name=None),  # offloaded at 4x the block
+    ])
+    assert keys == {1, 2}
+    assert flt.skipped == {"group": 3, "block_size": 2}
+
+
+def test_offload_events_skipped_when_keys_need_the_chain() -> None:
+    # key_mode=recomputed (and the coarse index) place keys by tokens / chain depth: the
+    # connector's token-less, parent-less stores and the tier's removals cannot be placed.
+    view, flt = ReplicaView(), EventFilter(block_size=B, needs_chain=True)
+    keys = run(view, flt, [gpu_stored([1, 2]), cpu_stored([1, 2]), BlockRemoved([1], "CPU")])
+    assert keys == {1, 2} and flt.skipped == {"no_chain": 2}
+
+
+def test_unknown_event_types_skipped_with_a_counter() -> None:
+    payload = msgspec.msgpack.encode([1.0, [{"type": "BlockPinned", "block_hashes": [9]},
+                                            ["BlockStored", [5], None, list(range(16)), 16]], 0])
+    view, flt = ReplicaView(), EventFilter(block_size=B)
+    view.apply_batch(0, flt.apply(decode_batch(payload)))
+    assert set(view.blocks.keys()) == {5} and view.stats.num_bad_events == 0
+    assert flt.skipped == {"unknown_type": 1}
+    text = generate_latest(make_registry(lambda: WorkerSnapshot(
+        events_by_medium=dict(flt.by_medium),
+        skipped_events=dict(flt.skipped_by_reason())))).decode()
+    assert 'worker_skipped_events_total{reason="unknown_type"} 1.0' in text
+    assert 'worker_skipped_events_total{reason="group"} 0.0' in text
+    assert 'worker_tier_events_total{medium="GPU"} 1.0' in text
+
+
+def test_usable_batch_passes_through_unchanged() -> None:
+    batch = KVEventBatch(1.0, [gpu_stored([1]), cpu_stored([1])], 0)
+    assert EventFilter(block_size=B).apply(batch) is batch
+    with pytest.raises(ValueError, match="unknown KV tiers"):
+        parse_kv_tiers("GPU,HBM")
+    assert parse_kv_tiers("cpu") == {"GPU", "CPU"}

@@ -1,0 +1,99 @@
+"""Which KV events the block index can use, before they reach the replica view. Pure: no I/O.
+
+The index holds block keys of one block size, chained from block 0 (``router.hashing``).
+Real engines publish events it cannot place; they are skipped and counted by reason,
+never treated as errors (one bad event must not cost the batch or fill the log):
+
+* ``tier``: a medium the worker is not configured to index (``--kv-tiers``; ``GPU`` is
+  always indexed; vLLM publishes ``"CPU"`` for native offloading, ``"STORAGE"`` for
+  disk/remote tiers). With ``CPU`` indexed, a block is resident while any indexed tier
+  holds it (the view reference-counts copies: a GPU eviction of a block the CPU tier
+  still holds is not a removal);
+* ``group``: ``group_idx`` other than 0 (None counts as 0). Hybrid models (vLLM's hybrid
+  KV-cache manager: full attention plus sliding-window or Mamba groups) publish one event
+  stream per KV-cache group; the router follows group 0 only, so its hit depth is group
+  0's. vLLM reports a hit only where every group agrees, so the router may over-estimate a
+  hybrid model's hit where another group (a sliding window) has dropped blocks;
+* ``block_size``: a ``BlockStored`` whose block size differs from the routers' (another
+  group's size, or an offloaded block size larger than the GPU's): its hashes are of
+  another granularity and match no key the routers compute;
+* ``no_chain``: an offload-tier event (medium other than GPU) when keys must be re-hashed
+  from tokens (``key_mode=recomputed``) or placed in the chain by depth (``needs_chain``):
+  vLLM's offloading connector publishes ``BlockStored`` without ``token_ids`` and without a
+  parent, so neither those stores nor the tier's removals (which would cancel GPU copies)
+  can be placed;
+* ``unknown_type``: an event type this worker does not know (``UnknownEvent``).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Final
+
+from worker.kv_events import BlockRemoved, BlockStored, KVEventBatch, UnknownEvent
+
+MEDIUM_GPU: Final = "GPU"
+DEFAULT_KV_TIERS: Final = ("GPU", "CPU")  # mediums indexed by default (vLLM native offloading)
+KNOWN_MEDIUMS: Final = ("GPU", "CPU", "STORAGE")
+SKIP_REASONS: Final = ("tier", "group", "no_chain", "block_size", "unknown_type")
+
+
+def parse_kv_tiers(text: str) -> frozenset[str]:
+    """``"GPU,CPU"`` -> the mediums to index (upper-cased; GPU always). Raises ``ValueError``."""
+    tiers = {part.strip().upper() for part in text.split(",") if part.strip()}
+    unknown = tiers - set(KNOWN_MEDIUMS)
+    if unknown:
+        raise ValueError(f"unknown KV tiers {sorted(unknown)}; known: {', '.join(KNOWN_MEDIUMS)}")
+    return frozenset(tiers | {MEDIUM_GPU})
+
+
+@dataclass(slots=True)
+class EventFilter:
+    """Drops the events of a batch the index cannot use; counts them in ``skipped``.
+
+    ``block_size``: the routers' (None: not checked); ``tiers``: mediums indexed (a None
+    medium, as older vLLM releases publish, counts as GPU); ``needs_chain``: keys come from
+    tokens or chain depth, so offload-tier events are unusable.
+    """
+
+    block_size: int | None = None
+    tiers: frozenset[str] = frozenset(DEFAULT_KV_TIERS)
+    needs_chain: bool = False
+    skipped: Counter[str] = field(default_factory=Counter)  # {reason: events skipped}
+    by_medium: Counter[str] = field(default_factory=Counter)  # {medium: events kept}
+
+    def apply(self, batch: KVEventBatch) -> KVEventBatch:
+        """``batch`` itself when every event is usable, else a copy without the others."""
+        reasons = [self._reason(event) for event in batch.events]
+        if not any(reasons):
+            return batch
+        kept = []
+        for event, reason in zip(batch.events, reasons, strict=True):
+            if reason:
+                self.skipped[reason] += 1
+            else:
+                kept.append(event)
+        return KVEventBatch(batch.ts, kept, batch.data_parallel_rank)
+
+    def _reason(self, event: object) -> str | None:
+        if isinstance(event, BlockStored | BlockRemoved):
+            medium = event.medium or MEDIUM_GPU
+            if medium not in self.tiers:
+                return "tier"
+            if event.group_idx:
+                return "group"
+            if self.needs_chain and medium != MEDIUM_GPU:
+                return "no_chain"
+            if isinstance(event, BlockStored) and (
+                    self.block_size is not None and event.block_size != self.block_size):
+                return "block_size"
+            self.by_medium[medium] += 1
+            return None
+        if isinstance(event, UnknownEvent):
+            return "unknown_type"
+        return None
+
+    def skipped_by_reason(self) -> Iterable[tuple[str, int]]:
+        return ((reason, self.skipped.get(reason, 0)) for reason in SKIP_REASONS)
