@@ -40,14 +40,14 @@ class Emulator:
 
 
 def start_emulator(tmp: Path, *, seed: str = SEED, num_gpu_blocks: int = 4000,
-                   ports: tuple[int, int, int] | None = None) -> Emulator:
+                   ports: tuple[int, int, int] | None = None, extra: tuple[str, ...] = ()) -> Emulator:
     port, ev, rp = ports or (free_port(), free_port(), free_port())
     ready = tmp / f"ready-{port}-{random.random()}.json"
     config = dict(KV_EVENTS, endpoint=f"tcp://*:{ev}", replay_endpoint=f"tcp://*:{rp}")
     proc = start_process([PYTHON, "-m", "worker.cli", "emulate", "--host", "127.0.0.1",
                           "--port", str(port), "--ready-file", str(ready),
                           "--num-gpu-blocks-override", str(num_gpu_blocks),
-                          "--kv-events-config", json.dumps(config)],
+                          "--kv-events-config", json.dumps(config), *extra],
                          env={"PYTHONHASHSEED": seed})
     try:
         wait_for(lambda: ready.exists() or proc.poll() is not None, 60, message="emulator ready")
@@ -62,13 +62,13 @@ def start_emulator(tmp: Path, *, seed: str = SEED, num_gpu_blocks: int = 4000,
 
 
 def start_worker(emu: Emulator, redis_url: str, *, hash_seed: str = SEED,
-                 events: str | None = None) -> subprocess.Popen[bytes]:
+                 events: str | None = None, extra: tuple[str, ...] = ()) -> subprocess.Popen[bytes]:
     return start_process([PYTHON, "-m", "worker.cli", "report", "--engine-url", emu.url,
                           "--kv-events-endpoint", events or emu.events,
                           "--kv-replay-endpoint", emu.replay, "--redis-url", redis_url,
                           "--replica-id", REPLICA, "--hash-seed", hash_seed,
                           "--index-stride", "1",  # the exact index: every key is published
-                          "--log-level", "debug"])
+                          "--log-level", "debug", *extra])
 
 
 def router_keys(tokens: list[int], seed: str = SEED) -> list[int]:

@@ -1,0 +1,73 @@
+"""Tier-tagged KV events end to end: an emulator with a CPU tier (vLLM native offloading), its
+worker, a real Redis and a router, all real processes on loopback."""
+
+from __future__ import annotations
+
+import json
+import random
+import subprocess
+from pathlib import Path
+
+import pytest
+import requests
+
+from tests.helpers import wait_for
+from tests.integration.test_emulator import metric
+from tests.integration.test_router_fleet import Router
+from tests.integration.test_worker_emulator import (
+    Redis,
+    complete,
+    procs,  # noqa: F401  (fixture)
+    prompt,
+    rds,  # noqa: F401  (fixture)
+    router_keys,
+    start_emulator,
+    start_worker,
+    tmp,  # noqa: F401  (fixture)
+    verified,
+)
+
+pytestmark = pytest.mark.timeout(150)
+
+
+@pytest.mark.parametrize("tiers", ["GPU,CPU", "GPU"])
+def test_cpu_tier_keeps_evicted_prefixes_routable(
+        tiers: str, tmp: Path, rds: Redis, redis_url: str,  # noqa: F811
+        procs: list[subprocess.Popen[bytes]]) -> None:  # noqa: F811
+    rng = random.Random(7)
+    emu = start_emulator(tmp, num_gpu_blocks=12, extra=("--num-cpu-blocks-override", "64"))
+    procs.append(emu.proc)
+    procs.append(start_worker(emu, redis_url, extra=("--kv-tiers", tiers, "--metrics-port", "0")))
+    wait_for(lambda: verified(rds), 30, message="hash probe verified")
+    tokens_a = prompt(40, rng)
+    keys_a = set(router_keys(tokens_a))
+    complete(emu, tokens_a)
+    wait_for(lambda: keys_a <= rds.blocks(), 20, message="request A's keys")
+    # Two 170-token prompts take every GPU block: A leaves the GPU, its copy stays on the host.
+    for _ in range(2):
+        tokens_b = prompt(170, rng)
+        complete(emu, tokens_b)
+    keys_b = set(router_keys(tokens_b))
+    wait_for(lambda: keys_b <= rds.blocks(), 20, message="B's keys")
+    router = Router(tmp, ["--redis-url", redis_url, "--hash-seed", "0", "--index-stride", "1"])
+    procs.append(router.proc)
+    wait_for(lambda: router.ready().get("replicas"), 30, message="router sees the replica")
+
+    def hit_blocks() -> int:
+        decision = json.loads(router.post("/debug/route", {"prompt": [*tokens_a, 9, 9]})[2])
+        return max(v["confirmed_hit_blocks"] for v in decision["replicas"].values())
+
+    if tiers == "GPU,CPU":
+        # The demotion is not a removal: A's prefix stays in Redis and in the router's index.
+        assert keys_a <= rds.blocks()
+        wait_for(lambda: hit_blocks() == 2, 20, message="router hit on the CPU-tier prefix")
+    else:
+        # The tier invisible to the router: A's keys left with its GPU copy.
+        wait_for(lambda: not keys_a & rds.blocks(), 20, message="A's keys removed")
+        assert hit_blocks() == 0
+    reply = requests.post(f"{emu.url}/v1/completions", timeout=30, json={
+        "model": "emulated-llm", "prompt": [*tokens_a, 9, 9], "max_tokens": 1}).json()
+    assert reply["usage"]["prompt_tokens"] == 42
+    # Either way the engine itself serves A's two blocks from its host tier.
+    text = requests.get(f"{emu.url}/metrics", timeout=10).text
+    assert metric(text, "vllm:external_prefix_cache_hits_total") == 32
