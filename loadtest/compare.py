@@ -213,7 +213,7 @@ def verdict(m: dict[str, Any]) -> tuple[bool, str | None]:
             reasons.append(f"emulator lag max {lag_max:.2f} s > {TRUST_LAG_MAX_S:.2f} s")
     busy = (m.get("cpu_s") or {}).get("machine_util")
     if busy is not None and busy > TRUST_MACHINE_BUSY:
-        reasons.append(f"machine {busy:.0%} busy > {TRUST_MACHINE_BUSY:.0%}")
+        reasons.append(f"machine {busy:.1%} busy > {TRUST_MACHINE_BUSY:.0%}")
     send_lag = m.get("max_send_lag_s")
     if send_lag is not None and send_lag > TRUST_SEND_LAG_S:
         reasons.append(f"replayer sent up to {send_lag:.2f} s late > {TRUST_SEND_LAG_S:.2f} s")
@@ -500,7 +500,7 @@ def format_cpu_table(policies: dict[str, dict[str, Any]]) -> str:
         lag = " / ".join(_fmt(m.get(k), ".3f") for k in
                          ("emulator_lag_p50_s", "emulator_lag_p99_s", "emulator_lag_max_s"))
         rows.append([label, *[_fmt(cpu.get(c), ".1f") for c in comps], _fmt(cpu.get("wall_s"), ".1f"),
-                     _fmt(cpu.get("machine_util"), ".0%"),
+                     _fmt(cpu.get("machine_util"), ".1%"),
                      _fmt(m.get("emulator_cpu_s_per_request"), ".1f", 1000.0), lag])
     widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
     lines = ["  ".join(c.ljust(w) if i == 0 else c.rjust(w)
@@ -730,7 +730,9 @@ def ranking(rounds: Sequence[dict[str, dict[str, Any]]]) -> dict[str, Any]:
         return sorted(common, key=lambda label: float(rnd[label]["ttft_p50_s"]))
 
     orders = [order(rnd) for rnd in rounds]
-    return {"by": "ttft_p50_s", "orders": orders,
+    everywhere = set(common)
+    left_out = sorted({label for rnd in rounds for label in rnd} - everywhere)
+    return {"by": "ttft_p50_s", "orders": orders, "left_out": left_out,
             "held": bool(orders) and all(o == orders[0] for o in orders)}
 
 
@@ -945,9 +947,18 @@ def verdict_lines(results: dict[str, Any]) -> list[str]:
     if not policies:
         return lines
     if bad:
+        reasons = " ".join(bad.values())
+        causes = []
+        if "emulator lag" in reasons:
+            causes.append("the emulated GPUs fell behind their own schedule")
+        if "busy" in reasons:
+            causes.append("the machine had no CPU headroom, so every process waited for a core")
+        if "replayer" in reasons:
+            causes.append("the replayer could not send on the trace's schedule")
+        if "no lag figures" in reasons:
+            causes.append("the emulator reported no lag figures")
         lines.append(f"NOT TRUSTED: {len(bad)} of {len(policies)} rows. The host was too busy for "
-                     "this comparison: the emulated GPUs fell behind their own schedule or every "
-                     "process waited for a CPU core, so those latencies include waits a real "
+                     f"this comparison: {'; '.join(causes)}. Those latencies include waits a real "
                      "fleet would not have, and their ranking may be wrong. Do not quote them.")
         for label, reason in bad.items():
             lines.append(f"  {label}: {reason}")
@@ -959,7 +970,7 @@ def verdict_lines(results: dict[str, Any]) -> list[str]:
                      f"max <= {TRUST_LAG_MAX_S:.0f} s, machine <= {TRUST_MACHINE_BUSY:.0%} busy, "
                      f"replayer on time within {TRUST_SEND_LAG_S * 1000:.0f} ms).")
     rank = results.get("ranking") or {}
-    if results.get("repeat", 1) > 1 and rank.get("orders"):
+    if results.get("repeat", 1) > 1 and rank.get("orders") and len(rank["orders"][0]) > 1:
         if rank["held"]:
             lines.append(f"ranking by TTFT p50 held in all {len(rank['orders'])} rounds: "
                          + " < ".join(rank["orders"][0]))
@@ -967,6 +978,8 @@ def verdict_lines(results: dict[str, Any]) -> list[str]:
             lines.append("ranking by TTFT p50 did NOT hold in every round:")
             lines.extend(f"  round {i + 1}: " + " < ".join(order)
                          for i, order in enumerate(rank["orders"]))
+    if rank.get("left_out"):
+        lines.append("not ranked (not measured in every round): " + ", ".join(rank["left_out"]))
     prio = next((m.get("priority") for m in policies.values() if m.get("priority")), None)
     if prio:
         lines.append(f"priority: {prio['note']}")

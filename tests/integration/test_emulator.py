@@ -350,3 +350,34 @@ def test_out_of_vocabulary_token_ids_are_rejected(start_emulator: Any) -> None:
     assert post(custom.url + "/v1/completions", {"prompt": [top], "max_tokens": 1})[0] == 200
     status, body = post(custom.url + "/v1/completions", {"prompt": [top + 1], "max_tokens": 1})
     assert status == 400 and body["error"]["message"] == f"Token id {top + 1} is out of vocabulary"
+
+
+def test_usage_counts_each_prompt_once_with_several_choices(start_emulator: Any) -> None:
+    """vLLM's usage: prompt tokens (and their cached tokens) once per prompt, completion tokens
+    of every choice; a batch of prompts adds each prompt once."""
+    emu = start_emulator("--enable-prompt-tokens-details")
+    url = emu.url + "/v1/completions"
+    seen = False
+    for body, prompt_tokens, completion_tokens in (
+            ({"prompt": list(range(1, 41)), "max_tokens": 3, "n": 3}, 40, 9),
+            ({"prompt": [list(range(1, 41)), [7, 8, 9]], "max_tokens": 2, "n": 2}, 43, 8)):
+        for stream in (False, True):
+            if stream:
+                body = {**body, "stream": True, "stream_options": {"include_usage": True}}
+                req = urllib.request.Request(url, data=json.dumps(body).encode(),
+                                             headers={"Content-Type": "application/json"})
+                with urllib.request.urlopen(req, timeout=30) as resp:
+                    events = [json.loads(line[6:]) for line in resp.read().decode().splitlines()
+                              if line.startswith("data: {")]
+                usage = events[-1]["usage"]
+            else:
+                status, answer = post(url, body)
+                assert status == 200, answer
+                usage = answer["usage"]
+            assert usage["prompt_tokens"] == prompt_tokens, (body, usage)
+            assert usage["completion_tokens"] == completion_tokens, (body, usage)
+            assert usage["total_tokens"] == prompt_tokens + completion_tokens
+            # once the 40-token prompt was seen: its 2 full blocks (cap floor(39/16)), counted
+            # once, not once per choice
+            assert usage["prompt_tokens_details"]["cached_tokens"] == (32 if seen else 0), usage
+            seen = True

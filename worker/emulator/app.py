@@ -674,14 +674,18 @@ class Replica:
                 self.scheduler.abort(seq.request)
 
     def _usage(self, seqs: list[Sequence_], prompt_lens: list[int]) -> dict[str, Any]:
+        """OpenAI usage as vLLM's serving code counts it: each prompt once (``prompt_lens`` has
+        one entry per prompt, not per choice), completion tokens of every choice, and the cached
+        tokens of each prompt once (its first choice)."""
         prompt_tokens = sum(prompt_lens)
+        n = max(1, len(seqs) // max(1, len(prompt_lens)))
         completion = sum(s.num_output for s in seqs)
         usage: dict[str, Any] = {"prompt_tokens": prompt_tokens,
                                  "total_tokens": prompt_tokens + completion,
                                  "completion_tokens": completion,
                                  "prompt_tokens_details": None}
         if self.config.enable_prompt_tokens_details:
-            cached = sum(max(s.request.num_cached_tokens, 0) for s in seqs)
+            cached = sum(max(s.request.num_cached_tokens, 0) for s in seqs if s.index % n == 0)
             usage["prompt_tokens_details"] = {"cached_tokens": cached}
         return usage
 
@@ -698,7 +702,7 @@ class Replica:
         rid = f"{kind}-{uuid.uuid4().hex}"
         created = int(time.time())
         state, seqs = self._submit(prompts, params, lora, rid)
-        prompt_lens = [len(p) for p in prompts for _ in range(params.n)]
+        prompt_lens = [len(p) for p in prompts]  # one per prompt: usage counts each once
         by_index = {s.index: s for s in seqs}
         self._num_inflight += 1
         try:
