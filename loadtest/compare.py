@@ -220,32 +220,28 @@ def verdict(m: dict[str, Any]) -> tuple[bool, str | None]:
     return (not reasons, "; ".join(reasons) or None)
 
 
-async def scrape_lag(urls: Sequence[str]) -> LagHistogram:
-    """The lag histogram of every replica at ``urls``, merged (raises ``aiohttp.ClientError``)."""
-    async with aiohttp.ClientSession() as session:
-        async def one(url: str) -> LagHistogram:
-            async with session.get(url + "/metrics",
-                                   timeout=aiohttp.ClientTimeout(total=10)) as resp:
-                resp.raise_for_status()
-                return LagHistogram.parse(await resp.text())
+async def _page(session: aiohttp.ClientSession, url: str) -> str:
+    """GET ``url``/metrics (raises ``aiohttp.ClientError``)."""
+    async with session.get(url + "/metrics", timeout=aiohttp.ClientTimeout(total=10)) as resp:
+        resp.raise_for_status()
+        return await resp.text()
 
-        pages = await asyncio.gather(*(one(u) for u in urls))
-    merged = LagHistogram()
+
+async def scrape_counters_and_lag(urls: Sequence[str], names: Sequence[str]
+                                  ) -> tuple[list[dict[str, float]], LagHistogram]:
+    """One /metrics page per replica: the named samples summed per replica (``parse_metrics``)
+    and the lag histograms of all replicas merged (raises ``aiohttp.ClientError``)."""
+    async with aiohttp.ClientSession() as session:
+        pages = await asyncio.gather(*(_page(session, u) for u in urls))
+    lag = LagHistogram()
     for page in pages:
-        merged = merged.merged(page)
-    return merged
+        lag = lag.merged(LagHistogram.parse(page))
+    return [parse_metrics(page, names) for page in pages], lag
 
 
 async def scrape(session: aiohttp.ClientSession, url: str, names: Sequence[str]) -> dict[str, float]:
     """GET ``url``/metrics and sum the named samples (raises ``aiohttp.ClientError``)."""
-    async with session.get(url + "/metrics", timeout=aiohttp.ClientTimeout(total=10)) as resp:
-        resp.raise_for_status()
-        return parse_metrics(await resp.text(), names)
-
-
-async def scrape_all(urls: Sequence[str], names: Sequence[str]) -> list[dict[str, float]]:
-    async with aiohttp.ClientSession() as session:
-        return list(await asyncio.gather(*(scrape(session, u, names) for u in urls)))
+    return parse_metrics(await _page(session, url), names)
 
 
 @dataclass
@@ -341,8 +337,7 @@ class PolicyResult:
 async def _measure(fleet: Fleet, requests: Sequence[TraceRequest], config: CompareConfig,
                    progress: Callable[[str], None]) -> tuple[list[RequestRecord], dict[str, Any]]:
     urls = [r.url for r in fleet.replicas]
-    before = await scrape_all(urls, COUNTERS)
-    lag_before = await scrape_lag(urls)
+    before, lag_before = await scrape_counters_and_lag(urls, COUNTERS)
     cpu_before = cpu_sample(fleet.pids)
     sampler = BusySampler(urls, config.sample_interval_s)
     sampler_task = asyncio.create_task(sampler.run())
@@ -358,8 +353,8 @@ async def _measure(fleet: Fleet, requests: Sequence[TraceRequest], config: Compa
         with contextlib.suppress(asyncio.CancelledError):
             await sampler_task
     cpu_after = cpu_sample(fleet.pids)
-    after = await scrape_all(urls, COUNTERS)
-    lag = (await scrape_lag(urls)).minus(lag_before)
+    after, lag_after = await scrape_counters_and_lag(urls, COUNTERS)
+    lag = lag_after.minus(lag_before)
     router_view = (await scrape_router(fleet.router_url)
                    if fleet.config.router.kind == OURS else None)
     delta = [{k: a[k] - b[k] for k in COUNTERS} for a, b in zip(after, before, strict=True)]
