@@ -17,8 +17,8 @@ import pytest
 import zmq
 
 from tests.helpers import start_process, stop_process, wait_for
-from worker.emulator.app import output_text
 from worker.emulator.config import QWEN3_TOKENIZER_VOCAB_SIZE
+from worker.emulator.openai_server import output_text
 from worker.emulator.tokenizer import default_tokenizer_dir
 from worker.kv_events import BlockRemoved, BlockStored, decode_batch
 

@@ -14,7 +14,7 @@ import zmq.asyncio
 from router.hashing import BlockHasher
 from tests.conftest import load_vectors
 from worker.emulator.kv_cache import BlockEvicted, BlocksStored, CacheCleared
-from worker.emulator.publisher import KVEventPublisher, PublisherConfig, to_wire_events
+from worker.emulator.publisher import PublisherConfig, ZmqEventPublisher, to_wire_events
 from worker.kv_events import (
     AllBlocksCleared,
     BlockRemoved,
@@ -42,7 +42,7 @@ async def test_publisher_frames_match_vllm_vectors(variant_index: int) -> None:
     variant = vectors["variants"][variant_index]
     ctx: zmq.Context[Any] = zmq.Context()
     actx = zmq.asyncio.Context.shadow(ctx.underlying)
-    publisher = KVEventPublisher(PublisherConfig(
+    publisher = ZmqEventPublisher(PublisherConfig(
         endpoint="tcp://127.0.0.1:0", bind=True, replay_endpoint="tcp://127.0.0.1:0",
         topic=variant["topic"], int_block_hashes=variant["int_block_hashes"]), ctx)
     publisher.start()
@@ -89,7 +89,7 @@ async def test_publisher_frames_match_vllm_vectors(variant_index: int) -> None:
 async def test_replay_from_a_later_seq_and_buffer_steps() -> None:
     ctx: zmq.Context[Any] = zmq.Context()
     actx = zmq.asyncio.Context.shadow(ctx.underlying)
-    publisher = KVEventPublisher(PublisherConfig(
+    publisher = ZmqEventPublisher(PublisherConfig(
         endpoint="tcp://127.0.0.1:0", bind=True, replay_endpoint="tcp://127.0.0.1:0",
         buffer_steps=3), ctx)
     publisher.start()

@@ -163,7 +163,7 @@ def to_wire_events(events: Sequence[KVEvent | OffloadEvent], int_block_hashes: b
     return out
 
 
-class KVEventPublisher:
+class ZmqEventPublisher:
     """Publishes one replica's event batches; ``start()`` opens the sockets, ``close()`` ends them.
 
     ``endpoint`` / ``replay_endpoint`` after ``start()`` are the resolved

@@ -1,0 +1,392 @@
+"""The emulated engine of one replica: KV block pool, scheduler, CPU tier, KV-event publisher
+and the engine loop on its own clock. Does no HTTP; ``worker.emulator.openai_server`` is its
+OpenAI front end, as vLLM's ``AsyncLLM`` is behind its API server.
+
+The engine loop runs scheduler steps and sleeps for each step's duration (engine seconds divided
+by ``--time-scale``); an idle engine waits on a future, so an idle fleet costs no CPU. Outputs go
+to each request's :class:`OutputCollector` (vLLM ``RequestOutputCollector``), which merges the
+tokens a slow reader has not taken yet.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import math
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Final
+
+import zmq
+
+from router.hashing import BlockHasher
+from worker.emulator.config import (
+    DEFAULT_STREAM_INTERVAL_S,
+    EmulatorConfig,
+    replica_endpoint,
+)
+from worker.emulator.kv_cache import BlockPool, KVCacheManager
+from worker.emulator.metrics import ReplicaMetrics
+from worker.emulator.offload import CpuOffload
+from worker.emulator.profiles import LatencyModel
+from worker.emulator.publisher import PublisherConfig, ZmqEventPublisher
+from worker.emulator.scheduler import (
+    FinishReason,
+    Request,
+    RequestOutput,
+    Scheduler,
+    SchedulerConfig,
+)
+
+logger = logging.getLogger(__name__)
+
+STREAM_INTERVAL_S: Final = DEFAULT_STREAM_INTERVAL_S  # wall seconds between a stream's writes
+
+@dataclass(slots=True)
+class OutputCollector:
+    """One HTTP request's outputs, shared by its sequences (vLLM ``RequestOutputCollector``):
+    ``queue`` items are ``(choice index, new tokens, finish reason or None)``; ``arrival`` and
+    ``first_token_at`` are loop-time seconds (engine clock)."""
+
+    arrival: float
+    queue: asyncio.Queue[tuple[int, int, FinishReason | None]] = field(
+        default_factory=asyncio.Queue)
+    first_token_at: dict[int, float] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class Sink:
+    """Where one sequence's outputs go: its request's collector and its choice index, with
+    the tokens generated but not yet handed over (``pending``) and when it last got some."""
+
+    collector: OutputCollector
+    index: int
+    pending: int = 0
+    delivered_at: float = -math.inf  # loop time
+
+
+@dataclass(frozen=True, slots=True)
+class SubmittedPrompt:
+    """One prompt as the front end validated it: token ids and its output-token limit."""
+
+    token_ids: list[int]
+    max_output_tokens: int
+
+
+class EmulatedEngine:
+    """One emulated vLLM engine: block pool, cache manager, scheduler, CPU tier, publisher and
+    the engine task. ``start()`` opens the publisher and starts the loop; ``stop()`` ends both.
+    """
+
+    def __init__(self, index: int, config: EmulatorConfig, hasher: BlockHasher,
+                 zmq_ctx: zmq.Context[Any]) -> None:
+        self.index = index
+        self.config = config
+        self.hasher = hasher
+        self.pool = BlockPool(config.num_gpu_blocks,
+                              enable_kv_cache_events=config.kv_events.enabled)
+        self.kv = KVCacheManager(self.pool, config.block_size,
+                                 enable_caching=config.enable_prefix_caching)
+        self.latency = LatencyModel(config.model_profile, config.gpu_profile,
+                                    config.step_overhead_s)
+        self.offload: CpuOffload | None = None
+        if config.num_cpu_blocks:
+            self.offload = CpuOffload(
+                config.num_cpu_blocks, config.block_size,
+                config.model_profile.kv_bytes_per_token * config.block_size,
+                config.gpu_profile.host_link_gbps * 1e9,
+                max_concurrent_loads=config.max_num_seqs,
+                enable_events=config.kv_events.enabled)
+        self.scheduler = Scheduler(
+            SchedulerConfig(config.max_num_batched_tokens, config.max_num_seqs,
+                            max_decode_burst_s=DEFAULT_STREAM_INTERVAL_S * config.time_scale),
+            self.kv, self.latency, self._update_hashes, self.offload)
+        self.lora_ids = {name: i + 1 for i, (name, _) in enumerate(config.lora_modules)}
+        self.lora_paths = dict(config.lora_modules)
+        self.metrics = ReplicaMetrics(
+            config.model_name,
+            {"block_size": str(config.block_size),
+             "prefix_caching_hash_algo": config.hash_algo,
+             "num_gpu_blocks": str(config.num_gpu_blocks),
+             "enable_prefix_caching": str(config.enable_prefix_caching),
+             "cache_dtype": "auto",
+             "gpu_memory_utilization": "0.9",
+             "engine": "0"},
+            lambda: len(self.scheduler.running),
+            lambda: len(self.scheduler.waiting) + len(self._arrivals),
+            lambda: self.pool.usage,
+        )
+        offload = self.offload
+        self.offload_metrics = (self.metrics.enable_offload(lambda: offload.usage)
+                                if offload is not None else None)
+        self.publisher: ZmqEventPublisher | None = None
+        if config.kv_events.enabled:
+            ev = config.kv_events
+            pub = replica_endpoint(ev.endpoint, index, config.host)
+            replay = (replica_endpoint(ev.replay_endpoint, index, config.host)
+                      if ev.replay_endpoint else None)
+            self.publisher = ZmqEventPublisher(PublisherConfig(
+                endpoint=pub.address, bind=pub.bind,
+                replay_endpoint=replay.address if replay else None,
+                topic=ev.topic, buffer_steps=ev.buffer_steps, hwm=ev.hwm,
+                int_block_hashes=config.int_block_hashes, block_size=config.block_size),
+                zmq_ctx)
+        self._waiter: asyncio.Future[None] | None = None
+        # Requests that arrived (loop time) but are not yet the scheduler's, because the engine
+        # clock has not reached their arrival (see _engine_loop).
+        self._arrivals: deque[tuple[float, Request]] = deque()
+        self.clock = 0.0  # engine time in loop-time seconds; set when the engine starts
+        self._engine_task: asyncio.Task[None] | None = None
+        self._last_queries = 0
+        self._last_hits = 0
+
+    # ---------------------------------------------------------------- engine
+
+    def _update_hashes(self, request: Request) -> None:
+        hashes = request.block_hashes
+        if len(request.all_token_ids) // self.config.block_size <= len(hashes):
+            return
+        lora = None
+        if request.lora_name is not None:
+            lora = (request.lora_name, self.lora_paths[request.lora_name])
+        hashes.extend(self.hasher.digests(
+            request.all_token_ids, lora=lora, cache_salt=request.cache_salt,
+            parent=hashes[-1] if hashes else None, start_block=len(hashes)))
+
+    def _wake(self) -> None:
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    async def _sleep_until(self, deadline: float | None, interruptible: bool) -> None:
+        loop = asyncio.get_running_loop()
+        if deadline is not None and deadline <= loop.time():
+            # Behind schedule: no sleep, but still yield once, so HTTP handlers (deliveries,
+            # new arrivals) run between the steps the engine runs back to back to catch up.
+            await asyncio.sleep(0)
+            return
+        fut: asyncio.Future[None] = loop.create_future()
+        handle = None
+        if deadline is not None:
+            handle = loop.call_at(deadline, _resolve, fut)
+        if interruptible:
+            self._waiter = fut
+        try:
+            await fut
+        finally:
+            if handle is not None:
+                handle.cancel()
+            if self._waiter is fut:
+                self._waiter = None
+
+    def _admit_arrivals(self, clock: float) -> None:
+        """Hand the scheduler the requests that had arrived by engine time ``clock``.
+
+        A request that arrived after the engine's current step started (in engine time) must
+        not join it, even when the process runs that step late: the emulated GPU would not
+        have seen it yet.
+        """
+        arrivals = self._arrivals
+        while arrivals and arrivals[0][0] <= clock:
+            _, request = arrivals.popleft()
+            if request.finished is None:  # aborted while it waited here
+                self.scheduler.add_request(request)
+
+    async def _engine_loop(self) -> None:
+        """Run the engine on its own clock (``self.clock``, loop-time seconds).
+
+        A step of ``d`` engine seconds ends ``d / time_scale`` after it started on that clock,
+        not after the process got around to it: when the host keeps the process from running
+        (a busy machine, SIGSTOP), the steps that fell due meanwhile run back to back until the
+        clock has caught up with wall time, so the emulated GPU's capacity is never lost, only
+        its outputs are delivered late. How late each step started is the lag
+        (``emulator_engine_lag_seconds``); idle time is skipped, not caught up.
+        """
+        loop = asyncio.get_running_loop()
+        scheduler = self.scheduler
+        scale = self.config.time_scale
+        self.clock = loop.time()
+        while True:
+            try:
+                self._admit_arrivals(self.clock)
+                if not scheduler.has_work():
+                    if self._arrivals:  # idle until the next arrival, in engine time
+                        self.clock = max(self.clock, self._arrivals[0][0])
+                        continue
+                    if self.offload is not None and self.offload.next_done_s() is not None:
+                        await self._await_transfer()  # CPU-tier stores still copying
+                        continue
+                    await self._sleep_until(None, interruptible=True)
+                    self.clock = max(self.clock, loop.time())
+                    continue
+                step = scheduler.schedule(self.clock * scale)
+                if step is None and self.offload is not None and self.offload.has_pending_loads():
+                    await self._await_transfer()  # every request waits for a CPU-tier load
+                    continue
+                if step is None:
+                    # Nothing fits even in an empty pool (cannot happen within max_model_len).
+                    request = scheduler.waiting.popleft()
+                    request.finished = FinishReason.ABORT
+                    self._deliver([RequestOutput(request, 0, FinishReason.ABORT)], self.clock)
+                    continue
+                start = self.clock
+                self.metrics.observe_lag(loop.time() - start)
+                repeats = 1
+                if step.max_repeat == 1:
+                    end = start + step.durations_s[0] / scale
+                    await self._sleep_until(end, interruptible=False)
+                else:
+                    ends: list[float] = []
+                    t = start
+                    for d in step.durations_s:
+                        t += d / scale
+                        ends.append(t)
+                    await self._sleep_until(ends[-1], interruptible=True)
+                    # Woken early by an arrival: stop the decode burst after the steps that
+                    # had ended by then; the newcomer joins the next step.
+                    now = loop.time()
+                    repeats = sum(1 for e in ends if e <= now)
+                    if repeats == 0:
+                        repeats = 1
+                        await self._sleep_until(ends[0], interruptible=False)
+                    end = ends[repeats - 1]
+                self.clock = end
+                outputs = scheduler.complete(step, repeats)
+                if self.offload is not None:
+                    self._publish_offload()
+                elif self.publisher is not None:
+                    self.publisher.publish(self.pool.take_events())
+                if step.num_preempted:
+                    self.metrics.num_preemptions.inc(step.num_preempted)
+                self._deliver(outputs, end)
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                logger.exception("replica %d: engine step failed", self.index)
+                await asyncio.sleep(0.01)
+
+    async def _await_transfer(self) -> None:
+        """Idle until the CPU tier's next transfer ends (engine time skips there, as it skips
+        idle time to an arrival) or a request arrives; then apply what ended by then."""
+        assert self.offload is not None
+        done_s = self.offload.next_done_s()
+        assert done_s is not None
+        scale = self.config.time_scale
+        target = done_s / scale
+        await self._sleep_until(target, interruptible=True)
+        self.clock = max(self.clock, min(target, asyncio.get_running_loop().time()))
+        if not self.offload.has_pending_loads():  # only stores: schedule() would not run
+            self.offload.advance(self.clock * scale)
+            self._publish_offload()
+
+    def _publish_offload(self) -> None:
+        """Publish the GPU pool's and the CPU tier's events as one batch (vLLM: the cache
+        manager's events, then the connector's) and bring the tier's counters up to date."""
+        assert self.offload is not None and self.offload_metrics is not None
+        if self.publisher is not None:
+            self.publisher.publish([*self.pool.take_events(), *self.offload.take_events()])
+        self.offload_metrics.sync(self.offload.stats)
+
+    def _deliver(self, outputs: list[RequestOutput], now: float) -> None:
+        """Hand each request its new tokens; ``now`` is the engine time (clock) of the step's
+        end, so the engine's own latency metrics say what the emulated GPU would report."""
+        stats = self.kv.stats
+        metrics = self.metrics
+        if stats.queries != self._last_queries:
+            metrics.prefix_cache_queries.inc(stats.queries - self._last_queries)
+            metrics.prefix_cache_hits.inc(stats.hits - self._last_hits)
+            self._last_queries, self._last_hits = stats.queries, stats.hits
+        scale = self.config.time_scale
+        wall = asyncio.get_running_loop().time()
+        generated = 0
+        for out in outputs:
+            sink: Sink = out.request.sink
+            collector = sink.collector
+            first = False
+            if out.num_new_tokens:
+                generated += out.num_new_tokens
+                sink.pending += out.num_new_tokens
+                if sink.index not in collector.first_token_at:
+                    first = True
+                    collector.first_token_at[sink.index] = now
+                    metrics.ttft.observe((now - collector.arrival) * scale)
+                    metrics.prompt_tokens.inc(out.request.num_prompt_tokens)
+                    metrics.prompt_tokens_cached.inc(max(out.request.num_cached_tokens, 0))
+            if out.finished is not None:
+                metrics.request_success[out.finished.value].inc()
+                metrics.e2e_latency.observe((now - collector.arrival) * scale)
+            # The first token and the end go out at once; tokens in between at most once per
+            # stream interval (wall time), several in one SSE write, as vLLM's output collector
+            # merges the outputs a slow reader has not taken yet. 8 emulated GPUs at 10x speed
+            # make 80x one GPU's steps per second: one write per step per request would cost
+            # this process more than everything else it does.
+            if first or out.finished is not None or (
+                    sink.pending and wall - sink.delivered_at >= STREAM_INTERVAL_S):
+                collector.queue.put_nowait((sink.index, sink.pending, out.finished))
+                sink.pending = 0
+                sink.delivered_at = wall
+        if generated:
+            metrics.generation_tokens.inc(generated)
+
+    # ---------------------------------------------------------------- requests
+
+    def submit(self, prompts: list[SubmittedPrompt], *, n: int, finish_at_limit: FinishReason,
+               lora: str | None, cache_salt: str | None,
+               request_id: str) -> tuple[OutputCollector, list[Request]]:
+        """Queue ``n`` sequences per prompt, arriving now; returns their collector and requests
+        in choice order (choice ``p * n + j``). The block hashes are computed once per prompt.
+        """
+        collector = OutputCollector(arrival=asyncio.get_running_loop().time())
+        lora_path = self.lora_paths[lora] if lora else None
+        lora_key = (lora, lora_path) if lora and lora_path else None
+        lora_id = self.lora_ids.get(lora) if lora else None
+        requests: list[Request] = []
+        for p_index, prompt in enumerate(prompts):
+            hashes = self.hasher.digests(prompt.token_ids, lora=lora_key, cache_salt=cache_salt)
+            for j in range(n):
+                index = p_index * n + j
+                request = Request(
+                    request_id=f"{request_id}-{index}", all_token_ids=list(prompt.token_ids),
+                    max_output_tokens=prompt.max_output_tokens,
+                    finish_reason_at_limit=finish_at_limit, lora_id=lora_id, lora_name=lora,
+                    cache_salt=cache_salt, block_hashes=list(hashes))
+                request.sink = Sink(collector, index)
+                requests.append(request)
+                self._arrivals.append((collector.arrival, request))
+        self._wake()
+        return collector, requests
+
+    def abort(self, requests: list[Request]) -> None:
+        """Abort every request of ``requests`` that has not finished (a gone client)."""
+        for request in requests:
+            if request.finished is None:
+                self.scheduler.abort(request)
+
+    def reset_prefix_cache(self) -> bool:
+        """vLLM ``reset_prefix_cache``: False (nothing done) while requests hold blocks."""
+        if not self.kv.reset_prefix_cache():
+            return False
+        if self.publisher is not None:
+            self.publisher.publish(self.pool.take_events())
+        return True
+
+    # ---------------------------------------------------------------- lifecycle
+
+    def start(self) -> None:
+        if self.publisher is not None:
+            self.publisher.start()
+        self._engine_task = asyncio.get_running_loop().create_task(self._engine_loop())
+
+    async def stop(self) -> None:
+        if self._engine_task is not None:
+            self._engine_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._engine_task
+        if self.publisher is not None:
+            self.publisher.close()
+
+
+def _resolve(fut: asyncio.Future[None]) -> None:
+    if not fut.done():
+        fut.set_result(None)
