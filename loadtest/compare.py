@@ -872,6 +872,8 @@ def cmd_compare(args: argparse.Namespace,
 
         capacity_tokens = (args.num_gpu_blocks * args.block_size) if args.num_gpu_blocks else None
         bounds = simulate_bounds(requests, args.replicas, capacity_tokens)
+        bounds["ttft_floor"] = slice_ttft_floor(requests, args.block_size, time_scale,
+                                                args.emulator_arg)
     _progress(f"comparing {len(runs)} runs ({', '.join(s.label for s in runs)}"
               f"{f', {args.repeat} rounds interleaved' if args.repeat > 1 else ''}) on "
               f"{len(requests)} requests ({span_s:.0f} s of trace, about {span_s / args.speedup:.0f} s "
@@ -985,6 +987,24 @@ def argv_is_cli() -> bool:
     return bool(sys.argv and sys.argv[0].endswith("prefix-loadtest"))
 
 
+def slice_ttft_floor(requests: Sequence[TraceRequest], block_size: int, time_scale: float,
+                     emulator_args: Sequence[str]) -> dict[str, Any] | None:
+    """``loadtest.simulate.ttft_floor`` of the slice in the latency model the fleet's emulator
+    runs (its profile flags among ``emulator_args``); None when those flags do not parse."""
+    from loadtest.simulate import ttft_floor
+    from worker.emulator.config import ConfigError as EmulatorConfigError
+    from worker.emulator.config import from_args as emulator_config
+    from worker.emulator.profiles import LatencyModel
+
+    try:
+        emu = emulator_config(["--block-size", str(block_size), *emulator_args])
+    except (EmulatorConfigError, SystemExit):
+        return None
+    latency = LatencyModel(emu.model_profile, emu.gpu_profile, emu.step_overhead_s)
+    return ttft_floor(requests, latency, time_scale=time_scale,
+                      max_num_batched_tokens=emu.max_num_batched_tokens, block_size=block_size)
+
+
 def format_bounds(bounds: dict[str, Any], policies: dict[str, dict[str, Any]]) -> str:
     """The simulated bounds and how close each measured policy came to the single-cache bound."""
     single = bounds["single_cache"]["token_hit_rate"]
@@ -996,4 +1016,10 @@ def format_bounds(bounds: dict[str, Any], policies: dict[str, dict[str, Any]]) -
         rate = m.get("token_hit_rate")
         if rate is not None and single > 0:
             lines.append(f"  {label}: {rate:.1%} = {rate / single:.0%} of the single-cache bound")
+    floor = bounds.get("ttft_floor")
+    if floor:
+        lines.append(
+            f"TTFT floor of this slice (each request's own prefill alone on an idle replica, with "
+            f"every block an earlier request had as a hit): p50 {floor['p50_s']:.3f} s, p90 "
+            f"{floor['p90_s']:.3f} s, p99 {floor['p99_s']:.3f} s; no policy's quantile can be lower")
     return "\n".join(lines)

@@ -16,6 +16,9 @@ Placements:
 * ``round_robin``: request ``i`` goes to replica ``i mod replicas``;
 * ``single_cache_unlimited``: one cache without capacity limit (the slice's reuse ceiling).
 
+And a timing floor (``ttft_floor``): each request's own prefill alone on an idle replica with
+that ceiling's hit, in the emulator's roofline model: no policy's TTFT quantile can be lower.
+
 And the two sticky placements the demo compares (``compare_placements``):
 
 * ``WriteBalancedPlacement``: ``prefix``'s rule without timing: a request whose longest match
@@ -39,6 +42,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from loadtest.trace import TRACE_BLOCK_TOKENS, TraceRequest
+from worker.emulator.profiles import LatencyModel
 
 
 class LRUBlockCache:
@@ -182,6 +186,52 @@ class ConsistentHashPlacement:
         request = RouteInput(self.hasher.keys(tokens), req.input_length, text_key(json.dumps(head)))
         decision = decide("consistent_hash", request, self.views, self.ring, params=self.params)
         return self.index[decision.replica_id]
+
+
+def _quantile(values: Sequence[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def ttft_floor(requests: Sequence[TraceRequest], latency: LatencyModel, *, time_scale: float,
+               max_num_batched_tokens: int, block_size: int = 16) -> dict[str, Any]:
+    """The lowest TTFT any placement could give each request of a slice, in wall seconds.
+
+    Each request alone on an idle replica (no queue, no batch-mates), with the largest hit any
+    placement could give it: every block an earlier request of the slice had (one cache without
+    capacity limit, ``single_cache_unlimited``). Its prefill runs in chunks of
+    ``max_num_batched_tokens`` (vLLM's chunked prefill), each chunk one step of ``latency``'s
+    roofline model with the attention term against the tokens before it, divided by
+    ``time_scale`` (the emulator's speed-up). Quantiles of it bound a measured run's TTFT
+    quantiles from below: a policy cannot beat the GPU's own prefill time. Returns
+    ``{"p50_s", "p90_s", "p99_s", "no_hit_p50_s", "no_hit_p99_s", "num_requests"}``; raises
+    ``ValueError`` for an empty slice or a non-positive scale or chunk.
+    """
+    if not requests:
+        raise ValueError("no requests")
+    if time_scale <= 0 or max_num_batched_tokens < 1:
+        raise ValueError("time_scale must be > 0 and max_num_batched_tokens >= 1")
+
+    def alone_s(num_tokens: int, num_cached: int) -> float:
+        engine_s = 0.0
+        done = num_cached
+        while done < num_tokens:
+            chunk = min(max_num_batched_tokens, num_tokens - done)
+            engine_s += latency.step_time_s([(chunk, done)], 0, 0)
+            done += chunk
+        return engine_s / time_scale
+
+    cache = LRUBlockCache(None)
+    best: list[float] = []
+    cold: list[float] = []
+    for req in requests:
+        hit = hit_tokens(req, cache.lookup(req.hash_ids), block_size)
+        cache.touch(req.hash_ids[::-1])
+        best.append(alone_s(req.input_length, hit))
+        cold.append(alone_s(req.input_length, 0))
+    return {"p50_s": _quantile(best, 0.5), "p90_s": _quantile(best, 0.9),
+            "p99_s": _quantile(best, 0.99), "no_hit_p50_s": _quantile(cold, 0.5),
+            "no_hit_p99_s": _quantile(cold, 0.99), "num_requests": len(requests)}
 
 
 def compare_placements(requests: Sequence[TraceRequest], replicas: int, capacity_blocks: int,
