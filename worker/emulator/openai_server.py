@@ -51,8 +51,21 @@ def bad_request(message: str, param: str | None = None) -> ApiError:
     return ApiError(400, message, "BadRequestError", param)
 
 
+_OUTPUT_CYCLE: Final = "".join(OUTPUT_WORDS)
+_WORD_STARTS: Final = tuple(sum(len(w) for w in OUTPUT_WORDS[:k]) for k in range(11))
+
+
 def output_text(start: int, count: int) -> str:
-    return "".join(OUTPUT_WORDS[i % 10] for i in range(start, start + count))
+    """The text of generated tokens ``start .. start + count - 1`` (token i is
+    ``OUTPUT_WORDS[i % 10]``): a slice of the repeated ten-word cycle, so a stream's writes cost
+    no per-token Python work."""
+    if count <= 0:
+        return ""
+    first = _WORD_STARTS[start % 10]
+    end_token = start % 10 + count  # in cycle positions from the cycle holding ``start``
+    length = (end_token // 10) * len(_OUTPUT_CYCLE) + _WORD_STARTS[end_token % 10] - first
+    repeats = -(-(first + length) // len(_OUTPUT_CYCLE))
+    return (_OUTPUT_CYCLE * repeats)[first:first + length]
 
 
 def validate_cache_salt(salt: Any) -> str | None:
