@@ -37,8 +37,8 @@ from typing import Any, Final
 import aiohttp
 import numpy as np
 
-from loadtest.bench_worker import stop_process
 from loadtest.fleet import python_entry
+from loadtest.harness import stop_process
 from loadtest.replay import RequestRecord, send_one
 from loadtest.trace import TokenMapper, read_trace
 

@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import random
 import subprocess
 import sys
@@ -23,11 +22,7 @@ from pathlib import Path
 
 import aiohttp
 
-
-def _cpu_seconds(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    ticks = os.sysconf("SC_CLK_TCK")
-    return (int(fields[11]) + int(fields[12])) / ticks  # utime + stime
+from loadtest.harness import cpu_seconds
 
 
 def _bodies(count: int, prompt_tokens: int, max_tokens: int, seed: int) -> list[bytes]:
@@ -97,9 +92,9 @@ def main(argv: list[str] | None = None) -> int:
                     return 1
                 time.sleep(0.05)
             urls = [r["url"] for r in json.loads(ready.read_text())["replicas"]]
-            cpu0 = _cpu_seconds(proc.pid)
+            cpu0 = cpu_seconds(proc.pid)
             elapsed, latencies, errors = asyncio.run(_drive(urls, bodies, args.rate))
-            cpu = _cpu_seconds(proc.pid) - cpu0
+            cpu = cpu_seconds(proc.pid) - cpu0
         finally:
             proc.terminate()
             proc.wait(timeout=10)

@@ -34,6 +34,7 @@ from typing import Any
 
 import aiohttp
 
+from loadtest.harness import cpu_seconds
 from router.prompts import default_tokenizer_dir
 
 
@@ -54,9 +55,6 @@ def _wait_file(path: Path, timeout_s: float = 60.0) -> Any:
     raise TimeoutError(f"{path} not written")
 
 
-def _cpu_seconds(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def _pct(values: list[float], q: float) -> float:
@@ -127,11 +125,11 @@ async def open_loop(session: aiohttp.ClientSession, router_url: str, replica_url
         tasks.append(asyncio.create_task(one(first[0], p, first[1], at)))
         tasks.append(asyncio.create_task(one(second[0], p, second[1], at + 0.5 / rate)))
         at += rng.expovariate(rate)
-    cpu0 = _cpu_seconds(router_pid)
+    cpu0 = cpu_seconds(router_pid)
     await asyncio.gather(*tasks)
     if failed:
         print(f"  {len(failed)} requests failed (excluded), e.g. {failed[0]}")
-    return direct, routed, _cpu_seconds(router_pid) - cpu0
+    return direct, routed, cpu_seconds(router_pid) - cpu0
 
 
 _NULL_COMPLETION = json.dumps({
@@ -249,7 +247,7 @@ async def run(args: argparse.Namespace) -> None:
             # throughput per core: concurrent token-id and shared-text 8k prompts through the router
             for kind in ("ids", "text-shared"):
                 prompts = make_prompts(kind, 8192, args.requests * 2, tok, rng)
-                cpu0 = _cpu_seconds(router.pid)
+                cpu0 = cpu_seconds(router.pid)
                 t0 = time.perf_counter()
                 sem = asyncio.Semaphore(16)
 
@@ -259,7 +257,7 @@ async def run(args: argparse.Namespace) -> None:
 
                 await asyncio.gather(*(one(p) for p in prompts))
                 wall = time.perf_counter() - t0
-                cpu = _cpu_seconds(router.pid) - cpu0
+                cpu = cpu_seconds(router.pid) - cpu0
                 print(f"throughput {kind} 8k: {len(prompts) / wall:.0f} req/s wall "
                       f"(replica-bound), router CPU {cpu * 1e3 / len(prompts):.2f} ms/request "
                       f"= {len(prompts) / cpu:.0f} req/s per router core")

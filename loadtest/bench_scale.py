@@ -48,7 +48,8 @@ from typing import Any
 
 import aiohttp
 
-from loadtest.bench_router import _cpu_seconds, _start, _wait_file
+from loadtest.bench_router import _start, _wait_file
+from loadtest.harness import cpu_seconds as _cpu_seconds
 from loadtest.redis_server import RedisServer
 from router import contract as c
 from worker.redis_writer import _FLUSH

@@ -17,10 +17,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import random
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -28,43 +25,13 @@ from typing import Any
 
 import redis
 
+from loadtest.harness import PYTHON, cpu_seconds, start_process, stop_process, wait_for
 from loadtest.kv_publisher import KVEventPublisher
 from loadtest.redis_server import RedisServer
 from router import contract
 from worker.kv_events import BlockRemoved, BlockStored, KVEventBatch, encode_batch
 
 REPLICA = "bench-0"
-PYTHON = sys.executable
-
-
-def start_process(args: list[str]) -> subprocess.Popen[bytes]:
-    return subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-
-
-def stop_process(proc: subprocess.Popen[bytes]) -> None:
-    proc.terminate()
-    try:
-        proc.wait(timeout=10)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
-
-
-def _cpu_s(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-def _wait(cond: Any, timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            if cond():
-                return
-        except Exception:
-            pass
-        time.sleep(0.02)
-    raise TimeoutError(what)
 
 
 def _payloads(num_keys: int, lo: int, hi: int, rng: random.Random) -> tuple[list[bytes], int, int]:
@@ -97,7 +64,7 @@ async def _run(args: argparse.Namespace) -> dict[str, Any]:
                              "--ready-file", str(ready)])
         worker = None
         try:
-            _wait(ready.exists, 60, "emulator")
+            wait_for(ready.exists, 60, 0.02, "emulator")
             url = json.loads(ready.read_text())["replicas"][0]["url"]
             async with KVEventPublisher() as pub:
                 worker = start_process([PYTHON, "-m", "worker.cli", "report", "--engine-url", url,
@@ -118,7 +85,7 @@ async def _run(args: argparse.Namespace) -> dict[str, Any]:
                     await pub.publish(KVEventBatch(ts=time.time(), events=[], data_parallel_rank=0))
                     await asyncio.sleep(0.05)
                 mem_before = int(client.info("memory")["used_memory"])
-                cpu_before = _cpu_s(worker.pid)
+                cpu_before = cpu_seconds(worker.pid)
                 start = time.perf_counter()
                 for payload in payloads:
                     await pub.publish(payload)
@@ -129,7 +96,7 @@ async def _run(args: argparse.Namespace) -> dict[str, Any]:
                         break
                     await asyncio.sleep(0.005)
                 elapsed = time.perf_counter() - start
-                cpu = _cpu_s(worker.pid) - cpu_before
+                cpu = cpu_seconds(worker.pid) - cpu_before
                 mem_after = int(client.info("memory")["used_memory"])
                 set_bytes = int(client.memory_usage(contract.blocks_key("pr", REPLICA), samples=0) or 0)
                 stream_bytes = int(client.memory_usage(contract.events_key("pr"), samples=0) or 0)
