@@ -37,8 +37,7 @@ from typing import Any, Final
 import aiohttp
 import numpy as np
 
-from loadtest.fleet import python_entry
-from loadtest.harness import stop_process
+from loadtest.harness import EMULATE, stop_process
 from loadtest.replay import RequestRecord, send_one
 from loadtest.trace import TokenMapper, read_trace
 
@@ -299,7 +298,7 @@ def fresh_emulator(caching: bool, extra_args: Sequence[str] = (), time_scale: fl
     tmp = Path(tempfile.mkdtemp(prefix="prefix-ab-"))
     ready = tmp / "ready.json"
     log_path = (log_dir or tmp) / f"emulator-{'on' if caching else 'off'}.log"
-    args = [*python_entry("worker.cli"), "emulate", "--host", "127.0.0.1", "--port", "0",
+    args = [*EMULATE,
             "--served-model-name", model, "--enable-prompt-tokens-details",
             "--enable-prefix-caching" if caching else "--no-enable-prefix-caching",
             "--time-scale", repr(time_scale), "--ready-file", str(ready), *extra_args]

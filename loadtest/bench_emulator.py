@@ -22,7 +22,7 @@ from pathlib import Path
 
 import aiohttp
 
-from loadtest.harness import cpu_seconds
+from loadtest.harness import EMULATE, cpu_seconds
 
 
 def _bodies(count: int, prompt_tokens: int, max_tokens: int, seed: int) -> list[bytes]:
@@ -81,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         ready = Path(tmp) / "ready.json"
         proc = subprocess.Popen(
-            [sys.executable, "-m", "worker.cli", "emulate", "--port", "0", "--replicas",
+            [*EMULATE, "--replicas",
              str(args.replicas), "--time-scale", str(args.time_scale), "--ready-file", str(ready),
              "--log-level", "warning"])
         try:

@@ -25,7 +25,7 @@ from typing import Any
 
 import redis
 
-from loadtest.harness import PYTHON, cpu_seconds, start_process, stop_process, wait_for
+from loadtest.harness import EMULATE, PYTHON, cpu_seconds, start_process, stop_process, wait_for
 from loadtest.kv_publisher import KVEventPublisher
 from loadtest.redis_server import RedisServer
 from router import contract
@@ -60,8 +60,7 @@ async def _run(args: argparse.Namespace) -> dict[str, Any]:
     with RedisServer() as server, tempfile.TemporaryDirectory() as tmp:
         client = redis.Redis.from_url(server.url)
         ready = Path(tmp) / "ready.json"
-        emu = start_process([PYTHON, "-m", "worker.cli", "emulate", "--port", "0",
-                             "--ready-file", str(ready)])
+        emu = start_process([*EMULATE, "--ready-file", str(ready)])
         worker = None
         try:
             wait_for(ready.exists, 60, 0.02, "emulator")

@@ -19,10 +19,13 @@ from typing import TypeVar
 
 from loadtest.redis_server import free_port, terminate
 
-__all__ = ["PYTHON", "cpu_seconds", "free_port", "start_process", "stop_process", "wait_for"]
+__all__ = ["EMULATE", "PYTHON", "cpu_seconds", "free_port", "start_process", "stop_process", "wait_for"]
 
 T = TypeVar("T")
 PYTHON = sys.executable
+# ``prefix-worker emulate`` on loopback, port 0 (replica i on an ephemeral port): the emulator's
+# command line, followed by the caller's own flags (a later flag overrides, e.g. ``--port``).
+EMULATE = [PYTHON, "-m", "worker.cli", "emulate", "--host", "127.0.0.1", "--port", "0"]
 
 
 def wait_for(condition: Callable[[], T], timeout_s: float = 15.0, interval_s: float = 0.05,

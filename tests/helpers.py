@@ -3,9 +3,9 @@ loopback, waits on conditions) and a fake replica script."""
 
 from __future__ import annotations
 
-from loadtest.harness import PYTHON, free_port, start_process, stop_process, wait_for
+from loadtest.harness import EMULATE, PYTHON, free_port, start_process, stop_process, wait_for
 
-__all__ = ["PYTHON", "free_port", "start_process", "stop_process", "wait_for"]
+__all__ = ["EMULATE", "PYTHON", "free_port", "start_process", "stop_process", "wait_for"]
 
 
 # the rest of a fake replica script after its ``completions`` handler (health, models, serving)

@@ -16,7 +16,7 @@ import aiohttp
 import pytest
 import zmq
 
-from tests.helpers import start_process, stop_process, wait_for
+from tests.helpers import EMULATE, start_process, stop_process, wait_for
 from worker.emulator.config import QWEN3_TOKENIZER_VOCAB_SIZE
 from worker.emulator.openai_server import output_text
 from worker.emulator.tokenizer import default_tokenizer_dir
@@ -41,8 +41,7 @@ def start_emulator(tmp_path: Path) -> Iterator[Any]:
 
     def start(*args: str, env: dict[str, str] | None = None) -> Emulator:
         ready = tmp_path / f"ready-{len(started)}.json"
-        proc = start_process([sys.executable, "-m", "worker.cli", "emulate", "--port", "0",
-                              "--ready-file", str(ready), *args], env=env)
+        proc = start_process([*EMULATE, "--ready-file", str(ready), *args], env=env)
         started.append(proc)
 
         def is_ready() -> bool:

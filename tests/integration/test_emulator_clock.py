@@ -9,7 +9,6 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -19,7 +18,7 @@ import pytest
 
 from loadtest.compare import LagHistogram
 from loadtest.compare import parse_metrics as sum_samples
-from tests.helpers import start_process, stop_process, wait_for
+from tests.helpers import EMULATE, start_process, stop_process, wait_for
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -32,8 +31,7 @@ MAX_TOKENS = 256  # 8B profile, H100: ~1.8 engine s for the whole batch at time 
 
 def _start(tmp_path: Path, name: str) -> tuple[subprocess.Popen[bytes], str]:
     ready = tmp_path / f"{name}.json"
-    proc = start_process([sys.executable, "-m", "worker.cli", "emulate", "--port", "0",
-                          "--time-scale", "1", "--ready-file", str(ready)])
+    proc = start_process([*EMULATE, "--time-scale", "1", "--ready-file", str(ready)])
     wait_for(ready.exists, timeout_s=30, message="emulator ready file")
     return proc, json.loads(ready.read_text())["replicas"][0]["url"]
 

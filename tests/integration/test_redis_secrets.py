@@ -13,7 +13,7 @@ import pytest
 import redis
 
 from loadtest.redis_server import RedisServer
-from tests.helpers import PYTHON, start_process, stop_process, wait_for
+from tests.helpers import EMULATE, PYTHON, start_process, stop_process, wait_for
 from tests.integration.test_router_fleet import KV_EVENTS, Router, read_json_file
 
 pytestmark = pytest.mark.timeout(120)
@@ -36,8 +36,7 @@ def test_router_and_worker_authenticate_from_password_files(tmp_path: Path) -> N
         try:
             ready = tmp_path / "emu.json"
             procs.append(start_process([
-                PYTHON, "-m", "worker.cli", "emulate", "--host", "127.0.0.1", "--port", "0",
-                "--kv-events-config", KV_EVENTS, "--time-scale", "50", "--ready-file", str(ready)],
+                *EMULATE, "--kv-events-config", KV_EVENTS, "--time-scale", "50", "--ready-file", str(ready)],
                 env={"PYTHONHASHSEED": "0"}))
             rep = wait_for(lambda: read_json_file(ready), 60)["replicas"][0]
             worker = start_process([

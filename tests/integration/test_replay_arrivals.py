@@ -12,7 +12,7 @@ import pytest
 from loadtest.cli import main
 from loadtest.data import packaged_arrivals_path
 from loadtest.trace import arrival_offsets, read_arrival_times
-from tests.helpers import PYTHON, start_process, stop_process, wait_for
+from tests.helpers import EMULATE, start_process, stop_process, wait_for
 from tests.integration.test_router_fleet import read_json_file
 
 pytestmark = pytest.mark.timeout(120)
@@ -22,8 +22,7 @@ SPEEDUP = 20.0
 @pytest.fixture
 def replica_url(tmp_path: Path) -> Iterator[str]:
     ready = tmp_path / "emulator.json"
-    proc = start_process([PYTHON, "-m", "worker.cli", "emulate", "--host", "127.0.0.1",
-                          "--port", "0", "--replicas", "1", "--time-scale", "20",
+    proc = start_process([*EMULATE, "--replicas", "1", "--time-scale", "20",
                           "--ready-file", str(ready)])
     try:
         info = wait_for(lambda: read_json_file(ready), 60, message="emulator ready file")

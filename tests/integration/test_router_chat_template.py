@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 
 from router.chat_render import UNTRUSTED_TEMPLATE_MESSAGE
-from tests.helpers import PYTHON, start_process, stop_process, wait_for
+from tests.helpers import EMULATE, start_process, stop_process, wait_for
 from tests.integration.test_router_fleet import TOKENIZER, Router, read_json_file
 
 pytestmark = [pytest.mark.timeout(150),
@@ -31,8 +31,7 @@ MESSAGES = [{"role": "user", "content": "hello there"}]
 @pytest.fixture(scope="module")
 def replica_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     ready = tmp_path_factory.mktemp("emu") / "emu.json"
-    proc = start_process([PYTHON, "-m", "worker.cli", "emulate", "--host", "127.0.0.1", "--port",
-                          "0", "--time-scale", "50", "--ready-file", str(ready)])
+    proc = start_process([*EMULATE, "--time-scale", "50", "--ready-file", str(ready)])
     try:
         yield wait_for(lambda: read_json_file(ready), 60, message="emulator")["replicas"][0]["url"]
     finally:

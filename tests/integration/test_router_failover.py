@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 
 from router.contract import HEARTBEAT_TTL_S
-from tests.helpers import FAKE_REPLICA_TAIL, PYTHON, start_process, stop_process, wait_for
+from tests.helpers import EMULATE, FAKE_REPLICA_TAIL, PYTHON, start_process, stop_process, wait_for
 from tests.integration.test_router_fleet import (
     KV_EVENTS,
     Router,
@@ -36,8 +36,7 @@ def test_killed_replica_leaves_rotation_and_requests_are_retried(redis_url: str,
         replicas = []
         for i in range(2):
             ready = tmp_path / f"emu{i}.json"
-            emu = start_process([PYTHON, "-m", "worker.cli", "emulate", "--host", "127.0.0.1",
-                                 "--port", "0", "--kv-events-config", KV_EVENTS, "--time-scale",
+            emu = start_process([*EMULATE, "--kv-events-config", KV_EVENTS, "--time-scale",
                                  "50", "--ready-file", str(ready)], env={"PYTHONHASHSEED": "0"})
             procs.append(emu)
             rep = wait_for(lambda ready=ready: read_json_file(ready), 60)["replicas"][0]
@@ -261,8 +260,7 @@ def test_a_replica_answering_garbage_is_retried_elsewhere_and_benched(tmp_path: 
 
 def _emulated_fleet(redis_url: str, tmp_path: Path, num: int) -> list[Any]:
     ready = tmp_path / "emu-fleet.json"
-    procs = [start_process([PYTHON, "-m", "worker.cli", "emulate", "--host", "127.0.0.1",
-                            "--port", "0", "--replicas", str(num), "--kv-events-config", KV_EVENTS,
+    procs = [start_process([*EMULATE, "--replicas", str(num), "--kv-events-config", KV_EVENTS,
                             "--time-scale", "50", "--ready-file", str(ready)],
                            env={"PYTHONHASHSEED": "0"})]
     for rep in wait_for(lambda: read_json_file(ready), 60)["replicas"]:

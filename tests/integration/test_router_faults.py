@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 
-from tests.helpers import PYTHON, start_process, stop_process, wait_for
+from tests.helpers import EMULATE, PYTHON, start_process, stop_process, wait_for
 from tests.integration.test_router_fleet import KV_EVENTS, Router, http, read_json_file
 
 pytestmark = pytest.mark.timeout(150)
@@ -31,8 +31,7 @@ class FaultFleet:
         self.procs: list[Any] = []
         ready = tmp / "emu.json"
         self.procs.append(start_process([
-            PYTHON, "-m", "worker.cli", "emulate", "--host", "127.0.0.1", "--port", "0",
-            "--replicas", "2", "--kv-events-config", KV_EVENTS, "--time-scale", "50",
+            *EMULATE, "--replicas", "2", "--kv-events-config", KV_EVENTS, "--time-scale", "50",
             "--ready-file", str(ready)], env={"PYTHONHASHSEED": "0"}))
         reps = wait_for(lambda: read_json_file(ready), 60, message="emulator")["replicas"]
         proxy_ready = tmp / "proxy.json"

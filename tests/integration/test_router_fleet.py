@@ -23,7 +23,7 @@ import aiohttp
 import pytest
 
 from router.prompts import default_tokenizer_dir
-from tests.helpers import FAKE_REPLICA_TAIL, PYTHON, start_process, stop_process, wait_for
+from tests.helpers import EMULATE, FAKE_REPLICA_TAIL, PYTHON, start_process, stop_process, wait_for
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -67,8 +67,7 @@ class Fleet:
         self.index_stride = index_stride
         self.procs: list[subprocess.Popen[bytes]] = []
         ready = tmp / "emulator.json"
-        args = [PYTHON, "-m", "worker.cli", "emulate", "--host", "127.0.0.1", "--port", "0",
-                "--replicas", str(NUM_REPLICAS), "--kv-events-config", KV_EVENTS,
+        args = [*EMULATE, "--replicas", str(NUM_REPLICAS), "--kv-events-config", KV_EVENTS,
                 "--time-scale", str(time_scale), "--enable-prompt-tokens-details",
                 "--ready-file", str(ready)]
         self.emulator = start_process(args, env={"PYTHONHASHSEED": "0"})

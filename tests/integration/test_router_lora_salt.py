@@ -21,7 +21,7 @@ from typing import Any, cast
 import pytest
 
 from router.contract import DEFAULT_REDIS_PREFIX, blocks_key, unpack_key
-from tests.helpers import PYTHON, start_process, stop_process, wait_for
+from tests.helpers import EMULATE, PYTHON, start_process, stop_process, wait_for
 from tests.integration.test_router_fleet import KV_EVENTS, Router, read_json_file
 
 pytestmark = pytest.mark.timeout(120)
@@ -41,8 +41,7 @@ class LoraFleet:
         self.procs: list[subprocess.Popen[bytes]] = []
         ready = tmp / "emulator.json"
         self.procs.append(start_process([
-            PYTHON, "-m", "worker.cli", "emulate", "--host", "127.0.0.1", "--port", "0",
-            "--replicas", str(NUM_REPLICAS), "--ready-file", str(ready),
+            *EMULATE, "--replicas", str(NUM_REPLICAS), "--ready-file", str(ready),
             "--lora-modules", f"{LORA_NAME}={LORA_PATH}", "--enable-prompt-tokens-details",
             "--kv-events-config", KV_EVENTS, "--time-scale", "20"], env={"PYTHONHASHSEED": "0"}))
         info = wait_for(lambda: read_json_file(ready) or self.procs[0].poll() is not None, 60,

@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 
 from router.auth import hash_key, new_key, tenant_salt
-from tests.helpers import PYTHON, start_process, stop_process, wait_for
+from tests.helpers import EMULATE, PYTHON, start_process, stop_process, wait_for
 from tests.integration.test_router_fleet import KV_EVENTS, Router, http, read_json_file
 
 pytestmark = pytest.mark.timeout(120)
@@ -37,8 +37,7 @@ class OneReplica:
         self.redis_url = redis_url
         ready = tmp / "emulator.json"
         self.procs: list[subprocess.Popen[bytes]] = [start_process([
-            PYTHON, "-m", "worker.cli", "emulate", "--host", "127.0.0.1", "--port", "0",
-            "--kv-events-config", KV_EVENTS, "--time-scale", "20",
+            *EMULATE, "--kv-events-config", KV_EVENTS, "--time-scale", "20",
             "--enable-prompt-tokens-details", "--ready-file", str(ready)],
             env={"PYTHONHASHSEED": "0"})]
         info = wait_for(lambda: read_json_file(ready) or self.procs[0].poll() is not None, 60,

@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from tests.helpers import PYTHON, start_process, stop_process, wait_for
+from tests.helpers import EMULATE, start_process, stop_process, wait_for
 from tests.integration.test_router_fleet import Router, read_json_file
 
 pytestmark = pytest.mark.timeout(120)
@@ -26,8 +26,7 @@ MODEL = "emulated-llm"
 @pytest.fixture(scope="module")
 def replica_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     ready = tmp_path_factory.mktemp("ttft-emulator") / "emulator.json"
-    proc = start_process([PYTHON, "-m", "worker.cli", "emulate", "--host", "127.0.0.1",
-                          "--port", "0", "--ready-file", str(ready),
+    proc = start_process([*EMULATE, "--ready-file", str(ready),
                           "--enable-prompt-tokens-details", "--time-scale", "20"])
     try:
         info = wait_for(lambda: read_json_file(ready) or proc.poll() is not None, 60,

@@ -14,7 +14,7 @@ from typing import Any
 import aiohttp
 import pytest
 
-from tests.helpers import PYTHON, start_process, stop_process, wait_for
+from tests.helpers import EMULATE, start_process, stop_process, wait_for
 from tests.integration.test_router_fleet import Router, http, prometheus_value, read_json_file
 
 pytestmark = pytest.mark.timeout(180)
@@ -26,8 +26,7 @@ class Emulator:
     def __init__(self, tmp: Path, name: str, gpu_tflops: float) -> None:
         ready = tmp / f"{name}.json"
         self.proc = start_process([
-            PYTHON, "-m", "worker.cli", "emulate", "--host", "127.0.0.1", "--port", "0",
-            "--replicas", "1", "--time-scale", str(TIME_SCALE), "--gpu-tflops", str(gpu_tflops),
+            *EMULATE, "--replicas", "1", "--time-scale", str(TIME_SCALE), "--gpu-tflops", str(gpu_tflops),
             "--ready-file", str(ready)], env={"PYTHONHASHSEED": "0"})
         info = wait_for(lambda: read_json_file(ready), 60, message=f"{name} ready file")
         self.url: str = info["replicas"][0]["url"]

@@ -24,7 +24,7 @@ from aiohttp import web
 from router.config import load_config
 from router.server import RouterService
 from router.tracing import Tracing
-from tests.helpers import PYTHON, start_process, stop_process, wait_for
+from tests.helpers import EMULATE, start_process, stop_process, wait_for
 from tests.integration.test_router_fleet import Router, read_json_file
 
 otel_sdk = pytest.importorskip("opentelemetry.sdk.trace")
@@ -41,8 +41,7 @@ CLIENT_PARENT = f"00-{CLIENT_TRACE_ID}-00f067aa0ba902b7-01"
 @pytest.fixture(scope="module")
 def emulator(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     ready = tmp_path_factory.mktemp("emu") / "emu.json"
-    proc = start_process([PYTHON, "-m", "worker.cli", "emulate", "--host", "127.0.0.1", "--port",
-                          "0", "--time-scale", "50", "--ready-file", str(ready)])
+    proc = start_process([*EMULATE, "--time-scale", "50", "--ready-file", str(ready)])
     try:
         yield wait_for(lambda: read_json_file(ready), 60, message="emulator")["replicas"][0]["url"]
     finally:

@@ -21,7 +21,7 @@ import redis
 import requests
 
 from router import contract
-from tests.helpers import PYTHON, free_port, start_process, stop_process, wait_for
+from tests.helpers import EMULATE, PYTHON, free_port, start_process, stop_process, wait_for
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -44,8 +44,7 @@ def start_emulator(tmp: Path, *, seed: str = SEED, num_gpu_blocks: int = 4000,
     port, ev, rp = ports or (free_port(), free_port(), free_port())
     ready = tmp / f"ready-{port}-{random.random()}.json"
     config = dict(KV_EVENTS, endpoint=f"tcp://*:{ev}", replay_endpoint=f"tcp://*:{rp}")
-    proc = start_process([PYTHON, "-m", "worker.cli", "emulate", "--host", "127.0.0.1",
-                          "--port", str(port), "--ready-file", str(ready),
+    proc = start_process([*EMULATE, "--port", str(port), "--ready-file", str(ready),
                           "--num-gpu-blocks-override", str(num_gpu_blocks),
                           "--kv-events-config", json.dumps(config), *extra],
                          env={"PYTHONHASHSEED": seed})
