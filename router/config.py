@@ -15,16 +15,14 @@ import math
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Final
-
-import yaml
 
 from router.contract import DEFAULT_INDEX_STRIDE, DEFAULT_REDIS_PREFIX
 from router.hashing import DEFAULT_BLOCK_SIZE, DEFAULT_HASH_ALGO, HASH_ALGOS
 from router.policy import DEFAULT_EVICTED_REUSE
 from router.redis_client import RedisUrlError, parse_redis_url
 from router.secrets import SecretError, resolve_redis_password
+from router.settings import ConfigError, read_config_file
 from router.ttft import DEFAULT_PRIOR_TOKENS_PER_S
 from router.version import version_line
 
@@ -83,10 +81,6 @@ DEFAULT_SHUTDOWN_TIMEOUT_S: Final = 120.0  # in-flight requests' time to finish 
 # signal (the stream idle timeout: a stream silent longer is cut anyway)
 DEFAULT_CHAT_TEMPLATE_TIMEOUT_S: Final = 2.0  # a request-supplied chat template's render, at most
 DEFAULT_CHAT_TEMPLATE_MAX_BYTES: Final = 4 * 1024 * 1024  # and its rendered text, at most
-
-
-class ConfigError(ValueError):
-    """A setting is missing, malformed or out of range."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -378,18 +372,6 @@ def build_parser() -> argparse.ArgumentParser:
             parser.add_argument(flag, dest=name, default=None, help=text,
                                 metavar=_kind(name).upper())
     return parser
-
-
-def read_config_file(path: str, error: type[Exception] = ConfigError) -> dict[str, Any]:
-    """The mapping in YAML file ``path`` (an empty file is ``{}``). Raises ``error`` when the
-    file cannot be read or parsed or does not hold a mapping (the worker passes its own)."""
-    try:
-        loaded = yaml.safe_load(Path(path).read_text()) or {}
-    except (OSError, yaml.YAMLError) as exc:
-        raise error(f"cannot read config file {path}: {exc}") from exc
-    if not isinstance(loaded, dict):
-        raise error(f"config file {path} must hold a mapping")
-    return loaded
 
 
 def load_config(argv: Sequence[str], env: Mapping[str, str] | None = None) -> RouterConfig:

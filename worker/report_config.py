@@ -14,11 +14,12 @@ from dataclasses import dataclass, field, fields
 from typing import Any, Final
 from urllib.parse import urlsplit
 
-from router.config import LOG_FORMATS, read_config_file
+from router.config import LOG_FORMATS
 from router.contract import DEFAULT_INDEX_STRIDE, DEFAULT_REDIS_PREFIX
 from router.hashing import HASH_ALGOS
 from router.redis_client import RedisUrlError, parse_redis_url
 from router.secrets import SecretError, resolve_redis_password
+from router.settings import ConfigError, read_config_file
 from router.version import version_line
 from worker.event_filter import DEFAULT_KV_TIERS, parse_kv_tiers
 
@@ -26,10 +27,6 @@ ENV_PREFIX: Final = "WORKER_"
 DEFAULT_METRICS_HOST: Final = "127.0.0.1"  # set 0.0.0.0 in a pod so Prometheus can scrape
 DEFAULT_METRICS_PORT: Final = 0  # ephemeral; the bound port is logged
 DEFAULT_REPLAY_TIMEOUT_S: Final = 2.0  # seconds without a replay reply before giving up
-
-
-class ConfigError(ValueError):
-    """Missing or invalid setting; reported as one line with exit code 2."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,7 +95,7 @@ def load_config(argv: Sequence[str], env: Mapping[str, str] | None = None) -> Wo
     env = os.environ if env is None else env
     args = vars(_parser().parse_args(list(argv)))
     config_path = args.pop("config") or env.get(f"{ENV_PREFIX}CONFIG")
-    from_yaml = read_config_file(config_path, ConfigError) if config_path else {}
+    from_yaml = read_config_file(config_path) if config_path else {}
     known = {f.name: f for f in fields(WorkerConfig)}
     unknown = set(from_yaml) - set(known)
     if unknown:

