@@ -70,7 +70,7 @@ class ReplicaView:
     """Resident block keys of one replica, its ``epoch`` and last applied ``seq``.
 
     ``epoch`` increases on every reset (engine restart, cache clear, resync,
-    Redis rewrite, key-mode switch); ``seq`` is the last KV event batch applied.
+    Redis rewrite, key-mode switch: ``rekeyed``); ``seq`` is the last KV event batch applied.
     """
 
     def __init__(self, epoch: int = 0, seq: int = NO_SEQ, keys: list[int] | None = None,
@@ -185,10 +185,24 @@ class ReplicaView:
         logger.warning("epoch %d: republishing %d blocks: %s", self.epoch, len(self.blocks), reason)
         return Change(OP_CLEARED, self.blocks.keys(), self.epoch, self.seq)
 
-    def switch_mapper(self, mapper: KeyMapper, reason: str) -> Change:
-        """Change how keys are computed; the current keys mean nothing under it, so reset."""
-        self.mapper = mapper
-        return self._reset(reason)
+    def rekeyed(self, mapper: KeyMapper, reason: str) -> ReplicaView:
+        """An empty view under ``mapper`` at the next epoch, to be filled from the engine's replay.
+
+        The current keys mean nothing under another mapper; rather than clearing this view
+        and waiting for new events (the engine's cached blocks would stay invisible until
+        evicted and stored again), the caller re-applies the replay buffer to the returned
+        view and publishes it whole (``publish_whole``). Counters are shared with this view.
+        """
+        view = ReplicaView(epoch=self.epoch + 1, mapper=mapper, index_stride=self.index_stride)
+        view.stats = self.stats
+        self.stats.num_epoch_resets += 1
+        logger.warning("epoch %d: re-keying the replica view from the engine's replay: %s",
+                       view.epoch, reason)
+        return view
+
+    def publish_whole(self) -> Change:
+        """The whole set as one change that replaces what Redis holds (same epoch and seq)."""
+        return Change(OP_CLEARED, self.blocks.keys(), self.epoch, self.seq)
 
     def _reset(self, reason: str) -> Change:
         self.blocks.clear()

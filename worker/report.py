@@ -78,12 +78,7 @@ class Worker:
 
     def apply(self, seq: int, batch: KVEventBatch) -> None:
         epoch = self.view.epoch
-        event_filter = self.event_filter
-        event_filter.block_size = self.config.block_size or self.engine_block_size
-        # offload events carry no parent: no chain depth for the coarse index either
-        event_filter.needs_chain = (self.view.key_mode == KEY_MODE_RECOMPUTED
-                                    or self.view.index_stride > 1)
-        for change in self.view.apply_batch(seq, event_filter.apply(batch)):
+        for change in self.view.apply_batch(seq, self.filtered(batch, self.view)):
             self.writer.enqueue(change)
         self.writer.advance(self.view.epoch, seq)
         self.event_lag_s = max(0.0, time.time() - batch.ts)
@@ -94,6 +89,14 @@ class Worker:
                     catcher.observe(event)
         if self.view.epoch != epoch:
             self._epoch_changed()
+
+    def filtered(self, batch: KVEventBatch, view: ReplicaView) -> KVEventBatch:
+        """``batch`` without the events ``view`` cannot use (other tiers, block sizes, ...)."""
+        event_filter = self.event_filter
+        event_filter.block_size = self.config.block_size or self.engine_block_size
+        # offload events carry no parent: no chain depth for the coarse index either
+        event_filter.needs_chain = view.key_mode == KEY_MODE_RECOMPUTED or view.index_stride > 1
+        return event_filter.apply(batch)
 
     def resync(self, reason: str) -> None:
         self.writer.enqueue(self.view.reset(reason))
@@ -205,7 +208,7 @@ class Worker:
             logger.info("hash probe: engine block hashes agree with the routers' (%s, block size %d)",
                         hasher.hash_algo, hasher.block_size)
             if self.view.key_mode != EngineKeys.mode:
-                self._switch(EngineKeys(), "engine hashes verified: back to key_mode=engine")
+                await self._switch(EngineKeys(), "engine hashes verified: back to key_mode=engine")
         else:
             logger.error("hash probe: engine block hashes DIFFER from the routers' (likely cause: %s); "
                          "re-computing keys from token_ids (key_mode=recomputed)", verdict.cause)
@@ -214,13 +217,31 @@ class Worker:
                     and (current.hasher.block_size, current.hasher.hash_algo, current.hasher.seed)
                     == (hasher.block_size, hasher.hash_algo, hasher.seed))
             if not same:
-                self._switch(RecomputedKeys(hasher, self.lora_paths.get),
+                await self._switch(RecomputedKeys(hasher, self.lora_paths.get),
                              f"hash mismatch ({verdict.cause}): key_mode=recomputed")
         self.heartbeat.wake.set()
 
-    def _switch(self, mapper: EngineKeys | RecomputedKeys, reason: str) -> None:
-        # A mode switch bumps the epoch but needs no new probe.
-        self.writer.enqueue(self.view.switch_mapper(mapper, reason))
+    async def _switch(self, mapper: EngineKeys | RecomputedKeys, reason: str) -> None:
+        """Re-key the replica's set under ``mapper`` from the engine's replay buffer.
+
+        The engine keeps its cached blocks across the switch, so the set is rebuilt from
+        the history the engine still buffers and published whole under the next epoch
+        (one Redis change) rather than emptied. A mode switch needs no new probe.
+        """
+        fresh = self.view.rekeyed(mapper, reason)
+
+        def swap(covered: bool) -> None:
+            if not covered:
+                logger.warning("key mode switch: the engine's replay did not complete; %d "
+                               "blocks re-keyed, the rest appears as the engine stores it again",
+                               len(fresh.blocks))
+            self.view = fresh
+            self.writer.enqueue(fresh.publish_whole())
+
+        if self.subscriber is None:
+            swap(True)
+        else:
+            await self.subscriber.rebuild(_Rekeying(self, fresh), f"key mode switch: {reason}", swap)
         self.heartbeat.wake.set()
 
     # -- life cycle ----------------------------------------------------------------
@@ -352,6 +373,21 @@ class Worker:
                 task.cancel()
             await asyncio.gather(*self._tasks, return_exceptions=True)
             await runner.cleanup()
+
+
+class _Rekeying:
+    """The subscriber's sink while a key-mode switch replays the engine's history into a
+    fresh view: changes stay in the view (published whole at the end), nothing reaches Redis."""
+
+    def __init__(self, worker: Worker, view: ReplicaView) -> None:
+        self.worker = worker
+        self.view = view
+
+    def apply(self, seq: int, batch: KVEventBatch) -> None:
+        self.view.apply_batch(seq, self.worker.filtered(batch, self.view))
+
+    def resync(self, reason: str) -> None:
+        self.view.reset(reason)
 
 
 async def serve(config: WorkerConfig) -> None:

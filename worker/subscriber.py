@@ -18,6 +18,8 @@ Sequence rules applied here (the sink does the state changes):
   Live batches that merely repeat what a replay already applied are skipped.
 * Malformed messages are logged, counted and dropped; the loop never dies on
   one and lets ``CancelledError`` through.
+* ``rebuild`` re-applies the whole replay buffer to another sink (a key-mode switch
+  re-keys the view from the engine's history); live messages wait meanwhile.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Final, Protocol
 
@@ -103,6 +106,8 @@ class KVEventSubscriber:
         self._ctx = context or zmq.asyncio.Context.instance()
         self._dealer: zmq.asyncio.Socket | None = None
         self._dup_floor: int | None = None  # live seqs in [floor, last] were applied by a replay
+        # live handling and a rebuild never interleave: a rebuild swaps the sink and the seq
+        self._lock = asyncio.Lock()
 
     # -- main loop ---------------------------------------------------------------
 
@@ -118,12 +123,15 @@ class KVEventSubscriber:
                     self.replay_endpoint or "off")
         try:
             if self.start_replay and self.replay_endpoint:
-                await self._replay(self.last_seq + 1, trigger=None, reason="start-up")
+                async with self._lock:
+                    await self._replay(self.last_seq + 1, trigger=None, reason="start-up")
             received = 0
+            lock = self._lock
             while True:
                 try:
                     frames = await sub.recv_multipart()
-                    await self.handle_live(frames)
+                    async with lock:
+                        await self.handle_live(frames)
                 except asyncio.CancelledError:
                     raise
                 except Exception:  # the loop must survive anything one message does
@@ -173,6 +181,34 @@ class KVEventSubscriber:
         self.stats.num_restarts += 1
         self.last_seq = NO_SEQ
         self._dup_floor = None
+
+    async def rebuild(self, replay_into: BatchSink, reason: str,
+                      on_done: Callable[[bool], None]) -> bool:
+        """Apply the engine's whole replay buffer to ``replay_into``, then call ``on_done``.
+
+        For a sink that starts empty (a view under another key mapper): it gets every batch
+        the engine still buffers (vLLM keeps the last ``buffer_steps``); ``on_done(covered)``
+        runs before any live batch is handled (it swaps the rebuilt view in), and the live
+        stream then continues into ``self.sink`` without a batch lost or applied twice.
+        Returns ``covered``: True when the replay ended normally, False when it was disabled
+        or timed out (``replay_into`` then holds what arrived).
+        """
+        async with self._lock:
+            sink, self.sink = self.sink, replay_into
+            self.last_seq = NO_SEQ
+            self._dup_floor = None
+            covered = False
+            try:
+                if self.replay_endpoint:
+                    self.stats.num_replays += 1
+                    covered = await self._fetch_replay(0, reason)
+                if not covered:
+                    self.stats.num_replay_failures += 1
+            finally:
+                self.sink = sink
+                self._dup_floor = 0
+            on_done(covered)
+            return covered
 
     # -- replay ------------------------------------------------------------------
 

@@ -292,3 +292,38 @@ def test_probe_detects_seed_mismatch_and_recomputes(tmp: Path, rds: Redis, redis
     procs.remove(worker)
     log = stop_process(worker)
     assert "PYTHONHASHSEED" in log
+
+
+def test_a_key_mode_switch_rekeys_the_engines_cached_blocks(tmp: Path, rds: Redis, redis_url: str,
+                                                            procs: list[subprocess.Popen[bytes]]) -> None:
+    """A switch of ``key_mode`` (either way) rebuilds the set from the engine's replay buffer.
+
+    The engine keeps its cached blocks across the switch: they must stay visible under the
+    new keys instead of the set starting empty (issue 15, item 7).
+    """
+    rng = random.Random(6)
+    emu = start_emulator(tmp, seed="123")
+    procs.append(emu.proc)
+    tokens = prompt(72, rng)  # cached by the engine before any worker listens
+    complete(emu, tokens)
+    ours, engines = set(router_keys(tokens, SEED)), set(router_keys(tokens, "123"))
+
+    # engine -> recomputed: the start-up replay stored engine hashes, the probe then disagreed
+    worker = start_worker(emu, redis_url, hash_seed=SEED)
+    procs.append(worker)
+    wait_for(lambda: rds.heartbeat().get(contract.F_KEY_MODE) == "recomputed", 30,
+             message="key_mode recomputed")
+    wait_for(lambda: ours <= rds.blocks(), 10, message="cached blocks re-keyed as recomputed")
+    assert not engines & rds.blocks()
+    epoch = rds.epoch()
+
+    # recomputed -> engine: a worker restarted with the engine's seed verifies the hashes
+    procs.remove(worker)
+    stop_process(worker)
+    worker = start_worker(emu, redis_url, hash_seed="123")
+    procs.append(worker)
+    wait_for(lambda: verified(rds) and rds.heartbeat().get(contract.F_KEY_MODE) == "engine", 30,
+             message="hash probe verified, key_mode engine")
+    wait_for(lambda: engines <= rds.blocks(), 10, message="cached blocks re-keyed as engine hashes")
+    assert not ours & rds.blocks()
+    assert rds.epoch() > epoch
