@@ -17,6 +17,9 @@ its worker polls too, the router on port 0), prints one JSON line of figures and
   engine polls hang) that takes the replica out of rotation, worker-reported and static;
 * ``slow-clients``: 300 slow-header and 300 slow-body connections held for 60 s; the router's
   open fds before, with them open and after, and when the last one was closed.
+* ``rss``: the router's resident memory (VmRSS) before, after 12 distinct 2 MB text prompts
+  and 12 distinct 2 MB chat prompts (``/debug/route``: parsed, rendered, tokenized, hashed),
+  its peak, and after 5 s idle; the prompt caches' sizes from ``/metrics``.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import socket
 import subprocess
 import sys
@@ -351,9 +355,61 @@ def scenario_slow_clients(lab: Lab) -> dict[str, Any]:
             "still_open_after_60_s": len(open_socks), "all_closed_after_s": last_closed}
 
 
+def _rss_mib(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return round(int(line.split()[1]) / 1024, 1)
+    raise ValueError("no VmRSS")
+
+
+def _text(seed: int, num_chars: int) -> str:
+    words = ["alpha", "beta", "gamma", "delta", "kv", "cache", "block", "router", "replica",
+             "prefix", "token", "tier", "ring", "load", "engine", "stream"]
+    rng = random.Random(seed)
+    out, size = [], 0
+    while size < num_chars:
+        line = " ".join(rng.choice(words) + str(rng.randrange(1000)) for _ in range(12)) + "\n"
+        out.append(line)
+        size += len(line)
+    return "".join(out)
+
+
+def scenario_rss(lab: Lab) -> dict[str, Any]:
+    from router.prompts import default_tokenizer_dir
+
+    ready = lab.ready("emu")
+    lab.spawn("worker.cli", "emulate", "--host", "127.0.0.1", "--port", "0", "--time-scale", "20",
+              "--ready-file", str(ready))
+    url = wait_for(lambda: json.loads(ready.read_text()), 90)["replicas"][0]["url"]
+    router, proc = lab.router("--replica", url, "--tokenizer", default_tokenizer_dir() or "",
+                              wait=1)
+    http("POST", router + "/debug/route", {"prompt": "warm up"})
+    before = _rss_mib(proc.pid)
+    peak = before
+    for i in range(12):
+        status, _, body = http("POST", router + "/debug/route", {"prompt": _text(i, 2 << 20)})
+        assert status == 200, body[:200]
+        peak = max(peak, _rss_mib(proc.pid))
+    after_text = _rss_mib(proc.pid)
+    for i in range(12):
+        status, _, body = http("POST", router + "/debug/route", {
+            "messages": [{"role": "user", "content": _text(100 + i, 2 << 20)}]})
+        assert status == 200, body[:200]
+        peak = max(peak, _rss_mib(proc.pid))
+    after_chat = _rss_mib(proc.pid)
+    time.sleep(5)
+    metrics = http("GET", router + "/metrics")[2].decode()
+    caches = [line for line in metrics.splitlines()
+              if line.startswith("router_prompt_cache")]
+    return {"router_rss_mib": {"before": before, "after_12_text_2mb": after_text,
+                               "after_12_chat_2mb": after_chat, "peak": peak,
+                               "after_5_s_idle": _rss_mib(proc.pid)}, "cache_metrics": caches}
+
+
 SCENARIOS: dict[str, Callable[[Lab], dict[str, Any]]] = {
     "refuse": scenario_refuse, "hang": scenario_hang, "template": scenario_template,
-    "cold": scenario_cold, "stall": scenario_stall, "slow-clients": scenario_slow_clients}
+    "cold": scenario_cold, "stall": scenario_stall, "slow-clients": scenario_slow_clients,
+    "rss": scenario_rss}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -25,7 +25,6 @@ from __future__ import annotations
 import itertools
 import threading
 from array import array
-from collections import OrderedDict
 from collections.abc import Callable, Hashable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Final
@@ -34,9 +33,11 @@ import xxhash
 
 from router.contract import is_anchor
 from router.hashing import BlockHasher
+from router.lru import SizedLRU
 
 SPAN_BLOCKS: Final = 16  # full blocks per token-id piece (256 tokens at block size 16)
 DEFAULT_CAPACITY: Final = 65536  # cached pieces (nodes)
+DEFAULT_MAX_BYTES: Final = 96 << 20  # about 1.5 KB per node at the default capacity
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,26 +74,38 @@ class PromptChain:
 class ChainCache:
     """LRU trie of ``ChainNode`` keyed by ``(parent node id, piece)``. Thread-safe.
 
-    ``capacity`` counts nodes (>= 0; 0 disables caching but still computes).
+    ``capacity`` counts nodes, ``max_bytes`` bounds their estimated memory (``node_bytes``);
+    0 disables caching but still computes. Raises ``ValueError`` for negative bounds.
     """
 
     def __init__(self, hasher: BlockHasher, capacity: int = DEFAULT_CAPACITY,
-                 index_stride: int = 1) -> None:
+                 index_stride: int = 1, max_bytes: int = DEFAULT_MAX_BYTES) -> None:
         if capacity < 0:
             raise ValueError(f"capacity must be >= 0, got {capacity}")
         self.hasher = hasher
         # lazy mode asks ``held`` only about anchor positions: the index holds no other keys
         self.index_stride = index_stride
         self.capacity = capacity
-        self._nodes: OrderedDict[tuple[int, Hashable], ChainNode] = OrderedDict()
+        self._nodes: SizedLRU[ChainNode] = SizedLRU(capacity, max_bytes, node_bytes)
         self._roots: dict[Hashable, ChainNode] = {}  # {(lora, cache_salt, prefix tokens): root}
         self._ids = itertools.count(1)
-        self._lock = threading.Lock()
-        self.hits = 0
-        self.misses = 0
+        self._lock = threading.Lock()  # guards ``_roots``
 
     def __len__(self) -> int:
         return len(self._nodes)
+
+    @property
+    def hits(self) -> int:
+        return self._nodes.hits
+
+    @property
+    def misses(self) -> int:
+        return self._nodes.misses
+
+    @property
+    def num_bytes(self) -> int:
+        """Estimated bytes held by the cached nodes."""
+        return self._nodes.num_bytes
 
     # -- computing ------------------------------------------------------------------
 
@@ -131,25 +144,10 @@ class ChainCache:
 
     def child(self, parent: ChainNode, piece: Hashable) -> ChainNode | None:
         """The cached node after ``piece`` under ``parent``, or ``None`` (LRU touch on hit)."""
-        key = (parent.node_id, piece)
-        with self._lock:
-            node = self._nodes.get(key)
-            if node is None:
-                self.misses += 1
-                return None
-            self._nodes.move_to_end(key)
-            self.hits += 1
-            return node
+        return self._nodes.get((parent.node_id, piece))
 
     def put(self, parent: ChainNode, piece: Hashable, node: ChainNode) -> None:
-        if self.capacity == 0:
-            return
-        key = (parent.node_id, piece)
-        with self._lock:
-            self._nodes[key] = node
-            self._nodes.move_to_end(key)
-            while len(self._nodes) > self.capacity:
-                self._nodes.popitem(last=False)
+        self._nodes.put((parent.node_id, piece), node)
 
     def walk(self, root: ChainNode, pieces: Sequence[Hashable]) -> list[ChainNode]:
         """Cached nodes for the leading ``pieces`` under ``root`` (stops at the first miss)."""
@@ -267,3 +265,15 @@ class ChainCache:
         path = self.walk(self.root(lora, cache_salt), pieces)
         done = path[-1].num_tokens if path else 0
         return (len(tokens) - done) // self.hasher.block_size, path, pieces
+
+
+def node_bytes(key: Hashable, node: ChainNode) -> int:
+    """Estimated memory of one cached node in bytes, its ``(parent id, piece)`` key included.
+
+    CPython 3.11 sizes: a text piece costs its characters plus ~50 bytes, a key or token
+    ~40 bytes (int object plus tuple slot), the node, its key tuple and the LRU entry ~300.
+    """
+    piece = key[1] if isinstance(key, tuple) and len(key) == 2 else key
+    piece_bytes = (len(piece) + 50 if isinstance(piece, (str, bytes))
+                   else 40 * len(piece) + 56 if isinstance(piece, tuple) else 32)
+    return 300 + piece_bytes + 40 * (len(node.keys) + len(node.tail))

@@ -65,6 +65,8 @@ DEFAULT_STREAM_IDLE_TIMEOUT_S: Final = 120.0
 DEFAULT_TOKENIZER_THREADS: Final = 2
 DEFAULT_TOKEN_CACHE_CHUNKS: Final = 65536  # prompt chain cache entries (text chunks of 256-1024
 # chars or 256-token id spans, ~1-3 KB each); the per-chunk token cache keeps 1/8 of that
+DEFAULT_PROMPT_CACHE_MIB: Final = 128  # memory bound of the prompt caches together: 3/4 chain
+# nodes, 1/8 chunk tokens, 1/8 rendered chats (issue 15: a count bound let 2 MB prompts hold GBs)
 DEFAULT_STATIC_PROBE_INTERVAL_S: Final = 2.0  # /health probe period for static --replica URLs
 DEFAULT_HEALTH_FAILURES: Final = 3  # consecutive failed /health probes before a static replica is
 # down (Kubernetes' failureThreshold default); one slow probe of a busy replica is not an outage
@@ -126,6 +128,7 @@ class RouterConfig:
     stream_idle_timeout_s: float = DEFAULT_STREAM_IDLE_TIMEOUT_S
     tokenizer_threads: int = DEFAULT_TOKENIZER_THREADS
     token_cache_chunks: int = DEFAULT_TOKEN_CACHE_CHUNKS
+    prompt_cache_mib: int = DEFAULT_PROMPT_CACHE_MIB
     static_probe_interval_s: float = DEFAULT_STATIC_PROBE_INTERVAL_S
     # tenant isolation (router/auth.py): API keys on, per-tenant cache_salt injected
     api_keys: str | None = None  # key-hash file, or a directory of one file per tenant (a Secret)
@@ -218,6 +221,7 @@ class RouterConfig:
         if not 0.0 <= self.min_hit_fraction <= 1.0:
             raise ConfigError(f"min_hit_fraction must be in [0, 1], got {self.min_hit_fraction}")
         for name in ("queue_slack_tokens", "consistent_hash_tokens", "token_cache_chunks",
+                     "prompt_cache_mib",
                      "load_headroom", "recompute_penalty", "min_affinity_blocks", "cold_candidates",
                      "cold_queue_slack_tokens", "audit_families", "audit_top_k",
                      "max_idle_client_connections"):
@@ -272,6 +276,8 @@ _HELP: Final = {
                           "fair write share",
     "speculative_ttl_s": "seconds this router's own placements count as hits",
     "max_body_bytes": "request body limit (413 beyond)",
+    "prompt_cache_mib": "memory bound of the prompt caches (MiB, estimated): 3/4 block-key "
+                        "chains, 1/8 chunk tokens, 1/8 rendered chats; 0 turns them off",
     "tokenizer": "tokenizer dir or hub id; without it text prompts are routed by hashing the text",
     "policy": "|".join(POLICIES),
     "health_failures": "consecutive failed /health probes before a static replica is down",

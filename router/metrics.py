@@ -75,6 +75,13 @@ class RouterMetrics:
             ["replica", "kind"], registry=registry)
         self.index_blocks = Gauge(
             "router_index_blocks", "Distinct block keys in the router's index", registry=registry)
+        self.prompt_cache_bytes = Gauge(
+            "router_prompt_cache_bytes", "Estimated memory held by a prompt cache (bounded by "
+            "prompt_cache_mib): chain (block-key chains), chunk_tokens, rendered_chat",
+            ["cache"], registry=registry)
+        self.prompt_cache_entries = Gauge(
+            "router_prompt_cache_entries", "Entries held by a prompt cache", ["cache"],
+            registry=registry)
         self.replica_blocks = Gauge(
             "router_index_replica_blocks", "Block keys the index holds per replica", ["replica"],
             registry=registry)

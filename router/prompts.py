@@ -36,17 +36,17 @@ import dataclasses
 import json
 import logging
 import re
-import threading
 from array import array
-from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any, Final
 
 import msgspec
+import xxhash
 
 from router.chain_cache import ChainCache, PromptChain
+from router.lru import SizedLRU
 
 logger = logging.getLogger(__name__)
 
@@ -317,37 +317,14 @@ def _decoded_call(call: Any) -> Any:
     return {**call, "function": fn}
 
 
-class _LRU:
-    """Thread-safe LRU of ``{chunk text: token ids}`` (ids as ``array('I')``: 4 bytes each)."""
+def _chunk_bytes(key: Hashable, ids: array[int]) -> int:
+    # a str key costs its characters plus ~50 bytes (ASCII; more for other text), the ids
+    # 4 bytes each plus the array header, the LRU entry ~150
+    return 250 + (len(key) if isinstance(key, str) else 64) + 4 * len(ids)
 
-    def __init__(self, capacity: int) -> None:
-        self.capacity = capacity
-        self._data: OrderedDict[str, array[int]] = OrderedDict()
-        self._lock = threading.Lock()
-        self.hits = 0
-        self.misses = 0
 
-    def get(self, key: str) -> array[int] | None:
-        with self._lock:
-            value = self._data.get(key)
-            if value is None:
-                self.misses += 1
-                return None
-            self._data.move_to_end(key)
-            self.hits += 1
-            return value
-
-    def put(self, key: str, value: array[int]) -> None:
-        if self.capacity <= 0:
-            return
-        with self._lock:
-            self._data[key] = value
-            self._data.move_to_end(key)
-            while len(self._data) > self.capacity:
-                self._data.popitem(last=False)
-
-    def __len__(self) -> int:
-        return len(self._data)
+def _rendered_bytes(key: Hashable, text: str) -> int:
+    return 200 + len(text)
 
 
 class PromptTokenizer:
@@ -357,7 +334,8 @@ class PromptTokenizer:
     Raises ``OSError``/``ValueError`` from transformers if it cannot be loaded.
     """
 
-    def __init__(self, source: str, cache_chunks: int = 65536) -> None:
+    def __init__(self, source: str, cache_chunks: int = 65536, cache_bytes: int = 16 << 20,
+                 render_cache_bytes: int = 16 << 20) -> None:
         from transformers import AutoTokenizer  # ~1.3 s import: only when a tokenizer is used
 
         self.source = source
@@ -367,9 +345,12 @@ class PromptTokenizer:
             raise ValueError(f"tokenizer {source!r} has no fast (Rust) backend")
         self.backend = backend
         self.chat_template: str | None = getattr(self.hf, "chat_template", None)
-        self.cache = _LRU(cache_chunks)
-        self._rendered: OrderedDict[bytes, str] = OrderedDict()  # {chat fields JSON: text}
-        self._render_lock = threading.Lock()
+        # {chunk text: token ids as array('I'), 4 bytes each}
+        self.cache: SizedLRU[array[int]] = SizedLRU(cache_chunks, cache_bytes, _chunk_bytes)
+        # {xxh3-128 of the request's chat fields: rendered text}; the digest, not the fields'
+        # JSON, is the key, so a multi-MB conversation is held once, as its rendered text
+        self.rendered: SizedLRU[str] = SizedLRU(RENDER_CACHE_ENTRIES, render_cache_bytes,
+                                                _rendered_bytes)
         self._special_prefix, self._special_suffix = self._special_tokens()
         self.chunking = self._chunking_is_exact()
         logger.info("tokenizer %s loaded (chunk cache %s)", source,
@@ -518,19 +499,12 @@ class PromptTokenizer:
         With ``cached_only`` returns ``None`` instead of rendering. Raises
         ``PromptError`` on template errors.
         """
-        key = msgspec.json.encode([spec.messages, spec.chat_options])
-        with self._render_lock:
-            text = self._rendered.get(key)
-            if text is not None:
-                self._rendered.move_to_end(key)
-                return text
-        if cached_only:
-            return None
+        key = xxhash.xxh3_128_digest(msgspec.json.encode([spec.messages, spec.chat_options]))
+        text = self.rendered.get(key)
+        if text is not None or cached_only:
+            return text
         text = self.render_chat(spec)
-        with self._render_lock:
-            self._rendered[key] = text
-            while len(self._rendered) > RENDER_CACHE_ENTRIES:
-                self._rendered.popitem(last=False)
+        self.rendered.put(key, text)
         return text
 
     def prompt_chain(self, spec: PromptSpec, chains: ChainCache, lora: tuple[str, str] | None,

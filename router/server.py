@@ -56,6 +56,7 @@ from router.errors import (
 )
 from router.fleet import Fleet, FleetReader, Replica, StaticProber, read_fleet_cache
 from router.hashing import BlockHasher, HashConfigError
+from router.heap import HeapTrimmer
 from router.logs import REQUEST_ID, configure_logging
 from router.metrics import CONTENT_TYPE, RouterMetrics
 from router.policy import (
@@ -149,8 +150,10 @@ class RouterService:
         self.tracing = tracing or Tracing(None)
         self.hasher = BlockHasher(config.block_size, config.hash_algo, config.hash_seed)
         self.tokenizer = tokenizer
-        self.chains = ChainCache(self.hasher, config.token_cache_chunks, config.index_stride)
+        self.chains = ChainCache(self.hasher, config.token_cache_chunks, config.index_stride,
+                                 max_bytes=config.prompt_cache_mib * 3 << 18)  # 3/4 of the MiB
         self.metrics = RouterMetrics()
+        self.heap = HeapTrimmer()
         self._tokenize_children: dict[tuple[str, str], Any] = {}
         # {replica_id: EWMA of streamed first-byte seconds per prefill token (incl. queueing)}
         self.prefill_s_per_token: dict[str, float] = {}
@@ -296,6 +299,15 @@ class RouterService:
             handler.force_close()
         return max(surplus, 0)
 
+    def _prompt_cache_gauges(self) -> None:
+        caches: list[tuple[str, Any]] = [("chain", self.chains)]
+        if self.tokenizer is not None:
+            caches += [("chunk_tokens", self.tokenizer.cache),
+                       ("rendered_chat", self.tokenizer.rendered)]
+        for name, cache in caches:
+            self.metrics.prompt_cache_bytes.labels(name).set(cache.num_bytes)
+            self.metrics.prompt_cache_entries.labels(name).set(len(cache))
+
     async def _housekeeping(self) -> None:
         """Prune expired speculative placements, bound idle client connections and refresh
         gauges once a second."""
@@ -305,6 +317,9 @@ class RouterService:
             self.fleet.speculative.prune(now)
             self.metrics.speculative_blocks.set(len(self.fleet.speculative))
             self.metrics.index_blocks.set(len(self.fleet.index))
+            self._prompt_cache_gauges()
+            if self.heap.due():  # a large prompt's freed memory back to the OS (router.heap)
+                await asyncio.to_thread(self.heap.trim)
             for rid, replica in self.fleet.replicas.items():
                 routable = self.fleet.routable_problem(replica, now) is None
                 self.metrics.replica_routable.labels(rid).set(1 if routable else 0)
@@ -1062,7 +1077,9 @@ def main(argv: Sequence[str]) -> int:
         try:
             # the chain cache serves repeated prefixes; the chunk-token cache only helps a chunk
             # seen after a different prefix, so it is kept smaller
-            tokenizer = PromptTokenizer(config.tokenizer, config.token_cache_chunks // 8)
+            tokenizer = PromptTokenizer(config.tokenizer, config.token_cache_chunks // 8,
+                                        cache_bytes=config.prompt_cache_mib << 17,  # 1/8 each
+                                        render_cache_bytes=config.prompt_cache_mib << 17)
         except (OSError, ValueError) as exc:
             print(f"prefix-router serve: error: cannot load tokenizer {config.tokenizer!r}: {exc}",
                   file=sys.stderr, flush=True)
