@@ -4,10 +4,12 @@ Per ``router/contract.py`` (version 3): the set ``{prefix}:{r}:blocks`` of 8-byt
 keys, changed by ONE single-slot Lua script call per flush (``_FLUSH``, on the replica's
 two hash-tagged keys, so it runs on a Redis Cluster too), then one ``{prefix}:events``
 stream entry (``replica``, ``epoch``, ``entry_seq``, ``cleared``, packed ``stored`` and
-``removed`` keys), written after the script returned: the changes queued since the last
-flush are merged into their net effect (the last change of a key wins; a ``cleared``
-supersedes what came before it), sent as two packed byte strings, and split into set
-members inside Redis, so the worker packs two arguments per flush instead of one per key.
+``removed`` keys), sent after the script (in the same pipeline on one server or Sentinel, where
+one connection runs them in order; once the script returned on a cluster, where the stream is
+in another slot). The changes queued since the last flush are merged into their net effect
+(the last change of a key wins; a ``cleared`` supersedes what came before it), sent as two
+packed byte strings, and split into set members inside Redis, so the worker packs two
+arguments per flush instead of one per key.
 The script records the committed ``epoch``/``seq``/``entry_seq`` in the heartbeat hash
 (only if it exists, so a dead replica is never resurrected), so a restarted worker reads
 back a set and sequence numbers that agree; routers check ``entry_seq`` to apply each
@@ -37,7 +39,8 @@ from dataclasses import dataclass
 from typing import Any, Final
 
 import redis.asyncio as aioredis
-from redis.exceptions import RedisError
+from redis.asyncio.cluster import RedisCluster
+from redis.exceptions import NoScriptError, RedisError
 
 from router import contract
 from router.contract import OP_CLEARED, OP_STORED
@@ -177,6 +180,7 @@ class RedisWriter:
         self._lock = asyncio.Lock()  # one Redis write of this replica at a time
         self._flush_script = client.register_script(_FLUSH)  # EVALSHA, loaded again if Redis lost it
         self._heartbeat_script = client.register_script(_HEARTBEAT)
+        self._cluster = isinstance(client, RedisCluster)  # the stream is in another slot's node
         self._sent: dict[Any, Any] = {}  # heartbeat fields as last written by the fast path
 
     # -- producer side -------------------------------------------------------
@@ -221,6 +225,7 @@ class RedisWriter:
             pipe.execute_command("SMEMBERS", self.blocks_key)
             (epoch, seq, mode, stride, entry_seq), members = await pipe.execute()
         keys = [contract.unpack_key(m) for m in members if len(m) == 8]
+        await self.client.script_load(_FLUSH)  # the flush pipeline sends EVALSHA alone
         self.hash_expected = epoch not in (None, b"")
         self.entry_seq = max(self.entry_seq, int(entry_seq) if entry_seq not in (None, b"") else 0)
         return StoredState(
@@ -369,16 +374,38 @@ class RedisWriter:
                 args += [name, value]
         else:
             args.append("")
-        found = await self._flush_script(keys=[self.blocks_key, self.replica_key], args=args)
+        keys = [self.blocks_key, self.replica_key]
+        entry: dict[Any, Any] = {
+            contract.E_REPLICA: self.replica_id, contract.E_EPOCH: epoch,
+            contract.E_ENTRY_SEQ: entry_seq, contract.E_CLEARED: "1" if cleared else "0",
+            contract.E_STORED: packed_stored, contract.E_REMOVED: packed_removed}
+        found: Any = None
+        if has_entry and not self._cluster:
+            # one round trip: one connection runs the script before the XADD (a cluster
+            # pipeline sends to the two slots' nodes at once, in no order: two round trips).
+            # Raw EVALSHA: a pipeline given the Script object asks SCRIPT EXISTS every time.
+            async with self.client.pipeline(transaction=False) as pipe:
+                pipe.evalsha(self._flush_script.sha, len(keys), *keys, *args)
+                pipe.xadd(self.events_key, entry, maxlen=self.stream_maxlen, approximate=True)
+                found, added = await pipe.execute(raise_on_error=False)
+            if isinstance(found, NoScriptError):
+                # Redis lost the script (restart, failover): the entry went out without its
+                # set change; run both again below (routers skip the second copy of entry_seq)
+                found = None
+            elif isinstance(found, Exception):
+                raise found
+            elif isinstance(added, Exception):
+                self.entry_seq = entry_seq  # committed in the hash
+                raise added
+        if found is None:
+            found = await self._flush_script(keys=keys, args=args)
+            if has_entry:
+                self.entry_seq = entry_seq  # committed in the hash even if the XADD fails
+                await self.client.xadd(self.events_key, entry, maxlen=self.stream_maxlen,
+                                       approximate=True)
         self.entry_seq = entry_seq
         self.connected = True
         self.committed_epoch, self.committed_seq = epoch, seq
-        if has_entry:
-            await self.client.xadd(self.events_key, {
-                contract.E_REPLICA: self.replica_id, contract.E_EPOCH: epoch,
-                contract.E_ENTRY_SEQ: entry_seq, contract.E_CLEARED: "1" if cleared else "0",
-                contract.E_STORED: packed_stored, contract.E_REMOVED: packed_removed},
-                maxlen=self.stream_maxlen, approximate=True)
         self.stats.num_transactions += 1
         self.stats.num_entries += int(has_entry)
         self.stats.num_keys += len(stored) + len(removed)
