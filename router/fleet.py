@@ -591,22 +591,20 @@ class FleetReader:
     async def _check_gap(self, client: Any, stream: str, read_from: str, first_read: str) -> None:
         """Raise ``_StreamGap`` if entries after ``read_from`` were trimmed before we read them.
 
-        Redis 7 reports ``max-deleted-entry-id``: a deleted id above ``read_from`` and below
-        the first entry returned is a lost entry. Redis 6 only has ``first-entry``: if the
-        stream now starts after ``read_from``, everything up to its first entry was trimmed,
-        which (unless that is exactly our next entry, the rare false positive that costs
-        one resync) loses entries.
+        Trimming (``MAXLEN``) moves the stream's first entry: if it now starts after
+        ``read_from``, everything up to its first entry was trimmed, which (unless that is
+        exactly our next entry, the rare false positive that costs one resync) loses
+        entries. Redis 7 and Valkey also report ``max-deleted-entry-id``, which only
+        ``XDEL`` moves (not trimming: Valkey 9 reports ``0-0`` after an ``XTRIM``): a
+        deleted id above ``read_from`` and below the first entry returned is a lost entry.
         """
         info = await client.xinfo_stream(stream)
         info = {_text(k): v for k, v in info.items()}
         after, before = _stream_id(read_from), _stream_id(first_read)
         deleted = info.get("max-deleted-entry-id")
-        if deleted is not None:
-            gone = _stream_id(_text(deleted))
-            if after < gone < before:
-                raise _StreamGap(f"events stream trimmed past this router (entry {_text(deleted)} "
-                                 f"deleted unread after {read_from})")
-            return
+        if deleted is not None and after < _stream_id(_text(deleted)) < before:
+            raise _StreamGap(f"events stream entry {_text(deleted)} deleted before this router "
+                             f"read it (last read {read_from})")
         first = info.get("first-entry")
         if first and _stream_id(_text(first[0])) > after and _stream_id(_text(first[0])) >= before:
             raise _StreamGap(f"events stream trimmed past this router (it starts at "
