@@ -64,7 +64,7 @@ class Replica:
     seed_fingerprint: str | None = None
     hash_verified: str = ""  # "1" verified, "0" mismatch, "" not probed yet
     key_mode: str = ""  # "engine" (event hashes) or "recomputed" (the router's own hashes)
-    contract: int = c.CONTRACT_VERSION  # the worker's Redis contract version (absent field: 1)
+    contract: int = c.CONTRACT_VERSION  # the worker's Redis contract version (absent: 3, untagged key: 1)
     entry_seq: int = -1  # E_ENTRY_SEQ of the last stream entry applied (loaded set: its F_ENTRY_SEQ)
     index_stride: int = 1  # the worker's coarse-index stride (absent field: 1, the exact index)
     epoch: int = 0
