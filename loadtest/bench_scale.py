@@ -5,7 +5,7 @@ requests per second one router core routes on top of that, for large fleets. Doe
 
 No engines and no workers: a writer process plays the whole fleet's workers, pouring synthetic
 KV-change traffic shaped like the Mooncake conversation trace into a real Redis, in real time,
-through the workers' own flush script (``worker.redis_writer._FLUSH``: the set updates and one
+through the workers' own flush script (``worker.redis_writer._FLUSH``: the set updates, then one
 stream entry per flush, exactly what ``prefix-worker report`` writes). Per request, one replica
 (uniformly at random) stores ``--blocks-per-request`` new 16-token blocks at chain depths
 ``[h, h + blocks)`` (``h`` uniform below ``--max-hit-blocks``, the prefix it already held) and
@@ -89,6 +89,7 @@ def pour(redis_url: str, replica_ids: list[str], url: str, rate: float, seconds:
     script = client.register_script(_FLUSH)
     rng = random.Random(seed)
     history: dict[str, deque[bytes]] = {rid: deque() for rid in replica_ids}
+    entry_seq = dict.fromkeys(replica_ids, 0)  # {replica_id: last E_ENTRY_SEQ written}
     anchors_at = [sum(1 for d in range(h, h + blocks) if c.is_anchor(d, stride))
                   for h in range(max_hit)]
     keys_written = requests = 0
@@ -112,11 +113,14 @@ def pour(redis_url: str, replica_ids: list[str], url: str, rate: float, seconds:
             past = history[rid]
             past.append(stored)
             removed = past.popleft() if len(past) > resident else os.urandom(8 * num)
+            entry_seq[rid] += 1
             script(keys=[c.blocks_key(c.DEFAULT_REDIS_PREFIX, rid),
-                         c.events_key(c.DEFAULT_REDIS_PREFIX),
                          c.replica_key(c.DEFAULT_REDIS_PREFIX, rid)],
-                   args=[rid, 1, 0, "0", stored, removed, c.EVENTS_STREAM_MAXLEN, ""],
-                   client=pipe)
+                   args=[1, 0, "0", stored, removed, entry_seq[rid], ""], client=pipe)
+            pipe.xadd(c.events_key(c.DEFAULT_REDIS_PREFIX), {
+                c.E_REPLICA: rid, c.E_EPOCH: 1, c.E_ENTRY_SEQ: entry_seq[rid], c.E_CLEARED: "0",
+                c.E_STORED: stored, c.E_REMOVED: removed},
+                maxlen=c.EVENTS_STREAM_MAXLEN, approximate=True)
             keys_written += len(stored) // 8 + len(removed) // 8
         requests += due
         if due:

@@ -1,20 +1,46 @@
 """The Redis contract between worker (writer) and router (reader). Pure: no I/O.
 
-One namespace prefix per fleet (default ``pr``). For replica ``r``:
+One namespace prefix per fleet (default ``pr``). For replica ``r`` (contract version 3: the
+per-replica keys carry the hash tag ``{r}``, so on a Redis Cluster they share one hash slot):
 
-* ``{prefix}:replica:{r}``: hash, refreshed by the worker every heartbeat with a
-  TTL of a few heartbeats; fields are the ``F_*`` names below. A missing key
-  means the replica is out of rotation.
-* ``{prefix}:blocks:{r}``: set of 8-byte big-endian block keys resident on ``r``;
-  only the keys at *anchor positions* of their chain (``is_anchor``).
-* ``{prefix}:events``: stream (approximately trimmed), one entry per worker flush
-  with fields ``replica``, ``epoch``, ``cleared`` (``"1"``: the replica's set was
-  reset before this entry's keys), ``stored`` and ``removed`` (packed 8-byte
-  big-endian block keys; one key is in at most one of them).
+* ``{prefix}:{r}:replica``: hash, refreshed by the worker every heartbeat with a TTL of a few
+  heartbeats; fields are the ``F_*`` names below. A missing key means the replica is out of
+  rotation. The router discovers replicas by ``SCAN``-ning for these keys (on every master of
+  a cluster: redis-py's cluster ``scan_iter``), so there is no registry key to keep.
+* ``{prefix}:{r}:blocks``: set of 8-byte big-endian block keys resident on ``r``; only the keys
+  at *anchor positions* of their chain (``is_anchor``).
+* ``{prefix}:events``: the fleet's one stream (approximately trimmed), one entry per worker
+  flush with fields ``replica``, ``epoch``, ``entry_seq``, ``cleared`` (``"1"``: the replica's
+  set was reset before this entry's keys), ``stored`` and ``removed`` (packed 8-byte big-endian
+  block keys; one key is in at most one of them).
 
-Contract version 2 (``CONTRACT_VERSION``; heartbeat field ``contract``) added the
-coarse index and the one-entry-per-flush stream format. Version 1 entries
-(fields ``op`` = ``stored``/``removed``/``cleared`` and ``keys``) are still read.
+**Atomicity and its check.** A flush is ONE single-slot Lua script on the replica's two keys
+(the set change, and ``epoch``, ``seq`` and ``entry_seq`` in the heartbeat hash), THEN the
+stream entry (``XADD``, after the script returned). The stream is not in the replica's slot,
+so the entry is not in the same transaction: ``entry_seq`` (the replica's count of stream
+entries, +1 per entry, never reset by the worker) lets a router check it instead. Per replica a
+router applies entry ``entry_seq = n`` only right after ``n - 1`` in the same epoch (or an
+entry of a newer epoch that is ``cleared``: a full rewrite); an entry at or below what it
+holds is a duplicate (already in the snapshot it loaded) and skipped; anything else is a gap
+and the router reloads that replica's set and ``epoch``/``entry_seq`` together (one
+single-slot transaction). Because the script commits before the entry is written, a router
+that remembered the stream's last id before loading a snapshot never misses an entry the
+snapshot lacks. An entry is applied whole (one entry is one flush) or not at all.
+
+Why one shared stream and not one per replica (``loadtest/bench_streams.py``): on a cluster a
+multi-key ``XREAD`` must stay in one slot, so per-replica streams need one ``XREAD`` per
+replica per read, and cannot block: at 64 replicas and 1,000 flushes/s that cost a router
+about 0.5 of a core against 0.07 to 0.08 for the one blocking ``XREAD`` of one stream, at 3 to
+5 times the index lag. The shared stream holds only the change entries (trimmed); the
+per-replica data (sets, heartbeats, and the set writes) spread over the masters.
+
+Contract version 3 (``CONTRACT_VERSION``; heartbeat field ``contract``): hash-tagged keys and
+``entry_seq``. Version 2 added the coarse index and the one-entry-per-flush stream format.
+Entries without ``entry_seq`` (version 2, and version 1: ``op`` = ``stored``/``removed``/
+``cleared`` and ``keys``) are still parsed, unchecked; but a version 1/2 worker writes its keys
+without hash tags (``{prefix}:replica:{r}``), which a version 3 router reads only to report it
+(``config_mismatch``: routable, no prefix-hit credit, its entries dropped). Upgrade routers first,
+then workers: an older router does not see version 3 workers at all.
 
 **Coarse index.** ``index_stride`` (N, heartbeat field ``index_stride``; the same
 one setting for workers and routers) selects the chain positions (0-based block
@@ -30,15 +56,9 @@ rare; ``loadtest/replay.py`` measures it against the engine's cached tokens). A
 replica whose ``index_stride`` or ``contract`` differs from the router's gets
 no prefix-hit credit (reported on ``/ready`` and ``router_replica_config_mismatch``).
 
-The worker is the only writer for its replica and writes the set change and the
-stream entry atomically (one Lua script per flush). Routers remember the
-stream's last id, load the snapshot sets, then read the stream from the
-remembered id; re-applying an entry is harmless (set semantics). An entry whose
-``epoch`` is newer than the router's view of the replica resets that replica
-first.
-
-Redis Cluster (not supported yet): the per-replica keys would take the hash tag
-``{r}`` and the stream become one per replica, so each flush stays in one slot.
+The worker is the only writer for its replica. Routers remember the stream's last id, load
+the snapshot sets, then read the stream from the remembered id. An entry whose ``epoch`` is
+newer than the router's view of the replica resets that replica first.
 """
 
 from __future__ import annotations
@@ -47,7 +67,7 @@ import struct
 from collections.abc import Iterable, Sequence
 from typing import Final
 
-CONTRACT_VERSION: Final = 2  # heartbeat field ``contract``; absent means version 1
+CONTRACT_VERSION: Final = 3  # heartbeat field ``contract``; absent: 1 (3 in a tagged key)
 DEFAULT_REDIS_PREFIX: Final = "pr"
 DEFAULT_INDEX_STRIDE: Final = 16  # blocks between anchors (N); 1 = exact index. See README
 HEARTBEAT_INTERVAL_S: Final = 1.0  # worker refresh period
@@ -59,7 +79,7 @@ OP_REMOVED: Final = "removed"
 OP_CLEARED: Final = "cleared"
 OPS: Final = (OP_STORED, OP_REMOVED, OP_CLEARED)
 
-# Heartbeat hash fields ({prefix}:replica:{r}); values are strings in Redis.
+# Heartbeat hash fields ({prefix}:{r}:replica); values are strings in Redis.
 F_REPLICA_ID: Final = "replica_id"
 F_URL: Final = "url"  # advertised base URL, e.g. http://10.0.0.5:8000
 F_MODELS: Final = "models"  # JSON list of served model names (base models)
@@ -74,6 +94,7 @@ F_CONTRACT: Final = "contract"  # CONTRACT_VERSION of the worker ("" or absent: 
 F_INDEX_STRIDE: Final = "index_stride"  # N of the coarse index ("" or absent: 1)
 F_EPOCH: Final = "epoch"  # int, bumped on engine restart / cache clear / resync
 F_SEQ: Final = "seq"  # last KV event batch sequence number applied
+F_ENTRY_SEQ: Final = "entry_seq"  # stream entries written so far (the last one's E_ENTRY_SEQ)
 F_NUM_RUNNING: Final = "num_running"
 F_NUM_WAITING: Final = "num_waiting"
 F_KV_USAGE: Final = "kv_usage"  # 0..1
@@ -86,6 +107,7 @@ F_HEARTBEAT_TS: Final = "heartbeat_ts"  # unix seconds, float
 # Stream entry fields ({prefix}:events).
 E_REPLICA: Final = "replica"
 E_EPOCH: Final = "epoch"
+E_ENTRY_SEQ: Final = "entry_seq"  # the replica's entry count: +1 per entry (version 3)
 E_CLEARED: Final = "cleared"  # "1": reset the replica's set before applying this entry
 E_STORED: Final = "stored"  # packed keys that became resident
 E_REMOVED: Final = "removed"  # packed keys that stopped being resident
@@ -95,33 +117,70 @@ E_KEYS: Final = "keys"  # version 1 entries only
 _KEY = struct.Struct(">Q")
 
 
+def _check_replica_id(replica_id: str) -> str:
+    if not replica_id:
+        raise ValueError("replica id must not be empty (an empty hash tag hashes the whole key)")
+    return replica_id
+
+
 def replica_key(prefix: str, replica_id: str) -> str:
-    """Redis key of a replica's heartbeat hash."""
-    return f"{prefix}:replica:{replica_id}"
+    """Redis key of a replica's heartbeat hash: ``{prefix}:{r}:replica`` (hash tag ``{r}``).
+
+    Every key of one replica starts with ``{prefix}:{r}``, so Redis Cluster's hash tag (the
+    text between the first ``{`` and the next ``}``) is the same for all of them, whatever
+    braces ``r`` itself holds. Raises ``ValueError`` for an empty ``replica_id``.
+    """
+    return f"{prefix}:{{{_check_replica_id(replica_id)}}}:replica"
 
 
 def replica_pattern(prefix: str) -> str:
-    """SCAN pattern matching every replica heartbeat key of the fleet."""
-    return f"{prefix}:replica:*"
+    """SCAN pattern matching every heartbeat key of the fleet (version 3 and the untagged
+    version 1/2 form): ``{prefix}:*``, classified by ``replica_id_from_key``."""
+    return f"{prefix}:*"
 
 
-def replica_id_from_key(prefix: str, key: str | bytes) -> str:
-    """Inverse of ``replica_key``. Raises ``ValueError`` for a key of another shape."""
+def replica_id_from_key(prefix: str, key: str | bytes) -> tuple[str, bool]:
+    """``(replica_id, tagged)`` of a heartbeat key: tagged ``{prefix}:{r}:replica`` (version 3,
+    ``tagged`` True) or untagged ``{prefix}:replica:{r}`` (versions 1 and 2). Raises
+    ``ValueError`` for a key of another shape (a block set, the stream)."""
     text = key.decode() if isinstance(key, bytes) else key
-    head = f"{prefix}:replica:"
-    if not text.startswith(head):
-        raise ValueError(f"not a replica key: {text!r}")
-    return text[len(head) :]
+    head, tail = f"{prefix}:{{", "}:replica"
+    if text.startswith(head) and text.endswith(tail) and len(text) > len(head) + len(tail):
+        return text[len(head) : -len(tail)], True
+    legacy = f"{prefix}:replica:"
+    if text.startswith(legacy) and len(text) > len(legacy):
+        return text[len(legacy) :], False
+    raise ValueError(f"not a replica key: {text!r}")
 
 
 def blocks_key(prefix: str, replica_id: str) -> str:
-    """Redis key of a replica's resident block set."""
-    return f"{prefix}:blocks:{replica_id}"
+    """Redis key of a replica's resident block set: ``{prefix}:{r}:blocks`` (hash tag ``{r}``,
+    the slot of ``replica_key``). Raises ``ValueError`` for an empty ``replica_id``."""
+    return f"{prefix}:{{{_check_replica_id(replica_id)}}}:blocks"
 
 
 def events_key(prefix: str) -> str:
-    """Redis key of the fleet's change stream."""
+    """Redis key of the fleet's change stream (one key, read with one blocking ``XREAD``)."""
     return f"{prefix}:events"
+
+
+def key_slot(key: str | bytes) -> int:
+    """Redis Cluster hash slot of ``key`` (0..16383): CRC16/XMODEM of its hash tag (the text
+    between the first ``{`` and the next ``}``, if non-empty) or of the whole key, mod 16384.
+    Redis Cluster specification, "Hash tags"; what ``CLUSTER KEYSLOT`` answers."""
+    data = key.encode() if isinstance(key, str) else key
+    start = data.find(b"{")
+    if start >= 0:
+        end = data.find(b"}", start + 1)
+        if end > start + 1:
+            data = data[start + 1 : end]
+    crc = 0
+    for byte in data:
+        crc ^= byte << 8
+        for _ in range(8):
+            crc = ((crc << 1) ^ 0x1021) if crc & 0x8000 else crc << 1
+            crc &= 0xFFFF
+    return crc % 16384
 
 
 def pack_key(key: int) -> bytes:

@@ -5,7 +5,9 @@ follows the worker-written contract in ``router.contract`` (remember the
 stream's last id, load heartbeats and block-set snapshots, then read the
 change stream with ``XREAD BLOCK``), survives Redis outages with backoff and
 resynchronises when Redis returns or when the stream was trimmed past its
-position (entries lost: ``router_event_stream_gaps_total``). ``StaticProber`` is the HTTP edge for static
+position, and reloads one replica whose ``entry_seq`` skips (entries lost, either way:
+``router_event_stream_gaps_total``). The same code runs on one Redis, a Sentinel-managed
+master and a Redis Cluster (every command it sends stays in one hash slot). ``StaticProber`` is the HTTP edge for static
 ``--replica`` URLs: it probes ``/health`` and reads ``/v1/models``.
 """
 
@@ -62,7 +64,8 @@ class Replica:
     seed_fingerprint: str | None = None
     hash_verified: str = ""  # "1" verified, "0" mismatch, "" not probed yet
     key_mode: str = ""  # "engine" (event hashes) or "recomputed" (the router's own hashes)
-    contract: int = c.CONTRACT_VERSION  # the worker's Redis contract version (absent field: 1)
+    contract: int = c.CONTRACT_VERSION  # the worker's Redis contract version (absent: 3, untagged key: 1)
+    entry_seq: int = -1  # E_ENTRY_SEQ of the last stream entry applied (loaded set: its F_ENTRY_SEQ)
     index_stride: int = 1  # the worker's coarse-index stride (absent field: 1, the exact index)
     epoch: int = 0
     num_running: int = 0
@@ -113,8 +116,11 @@ class Fleet:
         router's (its keys would be read at the wrong positions), or ``None``."""
         if replica.static:
             return None
-        if replica.contract > c.CONTRACT_VERSION:  # older versions are read (version 1: stride 1)
-            return f"Redis contract version {replica.contract} is newer than router's {c.CONTRACT_VERSION}"
+        if replica.contract != c.CONTRACT_VERSION:
+            # versions 1 and 2 keep their keys untagged: read only to report the replica here
+            age = "newer" if replica.contract > c.CONTRACT_VERSION else "older"
+            return (f"Redis contract version {replica.contract} is {age} than router's "
+                    f"{c.CONTRACT_VERSION}")
         if replica.index_stride != self.index.stride:
             return (f"index_stride {replica.index_stride} != router's {self.index.stride} "
                     "(set one value for workers and routers)")
@@ -240,9 +246,12 @@ class Fleet:
 
     # -- updates from Redis -----------------------------------------------------
 
-    def apply_heartbeat(self, replica_id: str, fields: Mapping[str, str], wall_now: float) -> bool:
+    def apply_heartbeat(self, replica_id: str, fields: Mapping[str, str], wall_now: float,
+                        contract: int = c.CONTRACT_VERSION) -> bool:
         """Create or refresh a worker-reported replica. Returns True if its block set must be
-        (re)loaded: new replica or a newer epoch."""
+        (re)loaded: new replica or a newer epoch. ``contract``: the version a heartbeat
+        without a ``contract`` field is taken to have (the reader passes 1 for an untagged,
+        version 1/2 key; a hash-tagged key is version 3 at least)."""
         replica = self.replicas.get(replica_id)
         is_new = replica is None
         if replica is None:
@@ -261,7 +270,7 @@ class Fleet:
         replica.seed_fingerprint = fields.get(c.F_SEED_FINGERPRINT) or None
         replica.hash_verified = fields.get(c.F_HASH_VERIFIED, "")
         replica.key_mode = fields.get(c.F_KEY_MODE, "")
-        replica.contract = _int(fields.get(c.F_CONTRACT), 1) or 1
+        replica.contract = _int(fields.get(c.F_CONTRACT), contract) or contract
         replica.index_stride = _int(fields.get(c.F_INDEX_STRIDE), 1) or 1
         replica.num_running = _int(fields.get(c.F_NUM_RUNNING), 0) or 0
         replica.num_waiting = _int(fields.get(c.F_NUM_WAITING), 0) or 0
@@ -298,15 +307,33 @@ class Fleet:
         self.index.drop(replica_id)
 
     def apply_changes(self, replica_id: str, epoch: int, cleared: bool, stored: Any,
-                      removed: Any) -> str | None:
+                      removed: Any, entry_seq: int | None = None) -> str | None:
         """Apply one change-stream entry: reset the replica's keys if ``cleared``, then add
-        ``stored`` and forget ``removed`` (disjoint). Returns ``None`` or why it was dropped."""
+        ``stored`` and forget ``removed`` (disjoint). Returns ``None`` or why it was dropped.
+
+        ``entry_seq`` (contract version 3; ``None``: unchecked) must follow the replica's last
+        one in the same epoch, or open a newer epoch with ``cleared``. At or below the last one:
+        ``"duplicate"`` (already in the loaded set; not an error). Otherwise ``"gap"``: an
+        entry is missing, nothing is applied, and the caller must reload the replica's set
+        (``FleetReader`` does).
+        """
         replica = self.replicas.get(replica_id)
         if replica is None or replica.static:
             return "unknown_replica"
+        if replica.contract != c.CONTRACT_VERSION:
+            return "config_mismatch"
         known = self.index.epochs.get(replica_id, replica.epoch)
         if epoch < known:
             return "stale_epoch"
+        if entry_seq is not None:
+            if epoch == known and entry_seq <= replica.entry_seq:
+                return "duplicate"
+            # a baseline of -1: the loaded set came without an entry_seq (nothing to check)
+            in_order = (cleared if epoch > known else
+                        replica.entry_seq < 0 or entry_seq == replica.entry_seq + 1)
+            if not in_order:
+                return "gap"
+            replica.entry_seq = entry_seq
         if epoch > known:
             self.index.clear(replica_id)
             self.index.epochs[replica_id] = epoch
@@ -330,7 +357,8 @@ class Fleet:
         return "bad_op"
 
 
-_ENTRY_FIELDS = (c.E_REPLICA, c.E_EPOCH, c.E_CLEARED, c.E_STORED, c.E_REMOVED, c.E_OP, c.E_KEYS)
+_ENTRY_FIELDS = (c.E_REPLICA, c.E_EPOCH, c.E_ENTRY_SEQ, c.E_CLEARED, c.E_STORED, c.E_REMOVED,
+                 c.E_OP, c.E_KEYS)
 _BYTES_FIELDS: dict[str, Any] = {name: name.encode() for name in _ENTRY_FIELDS}  # {field: reply key}
 _TEXT_FIELDS: dict[str, Any] = {name: name for name in _ENTRY_FIELDS}
 
@@ -454,23 +482,30 @@ class FleetReader:
         self.attempted.set()
 
     async def _refresh_heartbeats(self, client: Any, force_reload: bool = False) -> None:
-        keys = [k async for k in client.scan_iter(match=c.replica_pattern(self.prefix), count=1000)]
+        # {replica_id: (heartbeat key, tagged)}: one SCAN (every master of a cluster); a
+        # replica with both forms (its worker just upgraded) is read from the tagged key
+        found: dict[str, tuple[Any, bool]] = {}
+        async for key in client.scan_iter(match=c.replica_pattern(self.prefix), count=1000):
+            try:
+                rid, tagged = c.replica_id_from_key(self.prefix, _text(key))
+            except ValueError:
+                continue
+            if tagged or rid not in found:
+                found[rid] = (key, tagged)
         pipe = client.pipeline(transaction=False)
-        for key in keys:
+        for key, _ in found.values():
             pipe.hgetall(key)
-        results = await pipe.execute() if keys else []
+        results = await pipe.execute() if found else []
         wall_now = time.time()
         seen: set[str] = set()
-        for key, raw in zip(keys, results, strict=True):
+        for (rid, (_, tagged)), raw in zip(found.items(), results, strict=True):
             if not raw:
-                continue
-            try:
-                rid = c.replica_id_from_key(self.prefix, _text(key))
-            except ValueError:
                 continue
             fields = {_text(k): _text(v) for k, v in raw.items()}
             seen.add(rid)
-            if self.fleet.apply_heartbeat(rid, fields, wall_now) or force_reload:
+            reload = self.fleet.apply_heartbeat(rid, fields, wall_now,
+                                                c.CONTRACT_VERSION if tagged else 1)
+            if (reload or force_reload) and tagged:
                 await self._load_blocks(client, rid)
         keep_missing = time.monotonic() < self._keep_missing_until
         for rid, replica in list(self.fleet.replicas.items()):
@@ -496,11 +531,26 @@ class FleetReader:
             logger.warning("cannot write fleet cache %s: %s", path, exc)
 
     async def _load_blocks(self, client: Any, replica_id: str) -> None:
-        members = await client.smembers(c.blocks_key(self.prefix, replica_id))
+        """Load a replica's set with the ``epoch``/``entry_seq`` it is at (one transaction in
+        the replica's hash slot): entries up to that ``entry_seq`` are in the set."""
+        async with client.pipeline(transaction=True) as pipe:
+            # raw commands: redis-py 8.1's cluster MULTI passes the ``keys`` keyword of
+            # ``hmget``/``smembers`` to their reply callbacks, which raise TypeError
+            pipe.execute_command("HMGET", c.replica_key(self.prefix, replica_id), c.F_EPOCH,
+                                 c.F_ENTRY_SEQ)
+            pipe.execute_command("SMEMBERS", c.blocks_key(self.prefix, replica_id))
+            (epoch_raw, entry_seq_raw), members = await pipe.execute()
         keys = [int.from_bytes(m, "big") for m in members if len(m) == 8]
-        replica = self.fleet.replicas[replica_id]
+        replica = self.fleet.replicas.get(replica_id)
+        if replica is None:
+            return
+        epoch = _int(_text(epoch_raw), None) if epoch_raw else None
+        entry_seq = _int(_text(entry_seq_raw), None) if entry_seq_raw else None
+        replica.epoch = max(replica.epoch, epoch or 0)
+        replica.entry_seq = -1 if entry_seq is None else entry_seq
         self.fleet.index.replace(replica_id, keys, epoch=replica.epoch)
-        logger.info("replica %s: loaded %d block keys (epoch %d)", replica_id, len(keys), replica.epoch)
+        logger.info("replica %s: loaded %d block keys (epoch %d, entry %d)", replica_id, len(keys),
+                    replica.epoch, replica.entry_seq)
 
     async def _follow(self, client: Any) -> None:
         stream = c.events_key(self.prefix)
@@ -516,9 +566,17 @@ class FleetReader:
                 # full batch needs the (costly: XINFO returns whole entries) gap check.
                 if len(entries) >= count and read_from != "0-0":
                     await self._check_gap(client, stream, read_from, _text(entries[0][0]))
+                gaps: set[str] = set()  # {replica_id} whose entry_seq skipped in this batch
                 for entry_id, fields in entries:
                     self.last_id = _text(entry_id)
-                    self._apply(fields)
+                    self._apply(fields, gaps)
+                for rid in sorted(gaps):
+                    # what the missing entries held is in the replica's set (the worker writes
+                    # the set before the entry), and so is every later entry of this batch
+                    logger.warning("replica %s: stream entry missing (entry_seq gap); reloading "
+                                   "its block set", rid)
+                    self.metrics.stream_gaps.inc()
+                    await self._load_blocks(client, rid)
                 if entries:
                     ms = int(self.last_id.split("-", 1)[0])
                     self.metrics.event_lag.set(max(0.0, time.time() - ms / 1000.0))
@@ -533,28 +591,27 @@ class FleetReader:
     async def _check_gap(self, client: Any, stream: str, read_from: str, first_read: str) -> None:
         """Raise ``_StreamGap`` if entries after ``read_from`` were trimmed before we read them.
 
-        Redis 7 reports ``max-deleted-entry-id``: a deleted id above ``read_from`` and below
-        the first entry returned is a lost entry. Redis 6 only has ``first-entry``: if the
-        stream now starts after ``read_from``, everything up to its first entry was trimmed,
-        which (unless that is exactly our next entry, the rare false positive that costs
-        one resync) loses entries.
+        Trimming (``MAXLEN``) moves the stream's first entry: if it now starts after
+        ``read_from``, everything up to its first entry was trimmed, which (unless that is
+        exactly our next entry, the rare false positive that costs one resync) loses
+        entries. Redis 7 and Valkey also report ``max-deleted-entry-id``, which only
+        ``XDEL`` moves (not trimming: Valkey 9 reports ``0-0`` after an ``XTRIM``): a
+        deleted id above ``read_from`` and below the first entry returned is a lost entry.
         """
         info = await client.xinfo_stream(stream)
         info = {_text(k): v for k, v in info.items()}
         after, before = _stream_id(read_from), _stream_id(first_read)
         deleted = info.get("max-deleted-entry-id")
-        if deleted is not None:
-            gone = _stream_id(_text(deleted))
-            if after < gone < before:
-                raise _StreamGap(f"events stream trimmed past this router (entry {_text(deleted)} "
-                                 f"deleted unread after {read_from})")
-            return
+        if deleted is not None and after < _stream_id(_text(deleted)) < before:
+            raise _StreamGap(f"events stream entry {_text(deleted)} deleted before this router "
+                             f"read it (last read {read_from})")
         first = info.get("first-entry")
         if first and _stream_id(_text(first[0])) > after and _stream_id(_text(first[0])) >= before:
             raise _StreamGap(f"events stream trimmed past this router (it starts at "
                              f"{_text(first[0])}, last read {read_from})")
 
-    def _apply(self, fields: Mapping[Any, Any]) -> None:
+    def _apply(self, fields: Mapping[Any, Any], gaps: set[str]) -> None:
+        """Apply one stream entry; a replica whose ``entry_seq`` skipped is added to ``gaps``."""
         try:
             names: Mapping[str, Any] = _TEXT_FIELDS
             if b"replica" in fields:  # the client's usual bytes form: no re-keyed copy per entry
@@ -574,14 +631,20 @@ class FleetReader:
                 cleared = _text(data.get(get(c.E_CLEARED), b"0")) == "1"
                 stored = c.unpack_keys(_bytes(data.get(get(c.E_STORED), b"")))
                 removed = c.unpack_keys(_bytes(data.get(get(c.E_REMOVED), b"")))
-                dropped = self.fleet.apply_changes(rid, epoch, cleared, stored, removed)
+                raw_seq = data.get(get(c.E_ENTRY_SEQ))
+                entry_seq = int(raw_seq) if raw_seq is not None else None  # None: version 1/2
+                dropped = self.fleet.apply_changes(rid, epoch, cleared, stored, removed, entry_seq)
                 ops = [op for op, present in ((c.OP_CLEARED, cleared), (c.OP_STORED, stored),
                                               (c.OP_REMOVED, removed)) if present]
         except (KeyError, ValueError, UnicodeDecodeError) as exc:
             logger.warning("dropping malformed stream entry: %s", exc)
             self.metrics.event_errors.labels("malformed").inc()
             return
-        if dropped is not None:
+        if dropped == "gap":
+            gaps.add(rid)
+        elif dropped == "duplicate":
+            pass  # already in the set loaded after this entry was written
+        elif dropped is not None:
             self.metrics.child(self.metrics.event_errors, dropped).inc()
         else:
             for op in ops:

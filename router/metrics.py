@@ -101,8 +101,9 @@ class RouterMetrics:
             "router_redis_connected", "1 when the fleet reader is connected to Redis",
             registry=registry)
         self.stream_gaps = Counter(
-            "router_event_stream_gaps_total", "Times the events stream was trimmed past this "
-            "router's read position (entries lost; a full resync follows)", registry=registry)
+            "router_event_stream_gaps_total", "Times stream entries were lost to this router: "
+            "the stream trimmed past its read position (a full resync follows) or a replica's "
+            "entry_seq skipped (that replica's set is reloaded)", registry=registry)
         self.redis_resyncs = Counter(
             "router_redis_resyncs_total", "Full reloads of heartbeats and block sets",
             registry=registry)

@@ -7,7 +7,7 @@ adapter path, ``parent`` the base model) and ``GET /metrics`` (vLLM 0.33 names:
 ``vllm:prefix_cache_hits_total``, and the ``block_size``,
 ``prefix_caching_hash_algo`` and ``num_gpu_blocks`` labels of
 ``vllm:cache_config_info``), parsed with prometheus-client's text parser, then
-writes the ``F_*`` fields of ``router/contract.py`` to ``{prefix}:replica:{r}``
+writes the ``F_*`` fields of ``router/contract.py`` to ``{prefix}:{r}:replica``
 with a TTL of ``HEARTBEAT_TTL_S``. An engine that fails ``ENGINE_FAILURES``
 polls in a row stops the heartbeat, so the key expires and routers take the
 replica out; fewer failures (a busy engine slow to answer ``/metrics``) keep the

@@ -1,15 +1,20 @@
 """Writes one replica's block-set changes and heartbeat to Redis. Does I/O (redis.asyncio).
 
-Per ``router/contract.py`` (version 2): the set ``{prefix}:blocks:{r}`` of 8-byte
-keys and one ``{prefix}:events`` stream entry per flush (``replica``, ``epoch``,
-``cleared``, packed ``stored`` and ``removed`` keys), written by ONE Lua script
-call (``_FLUSH``): the changes queued since the last flush are merged into their
-net effect (the last change of a key wins; a ``cleared`` supersedes what came
-before it), sent as two packed byte strings, and split into set members inside
-Redis, so the worker packs two arguments per flush instead of one per key. The
-same script records the committed ``epoch``/``seq`` in the heartbeat hash (only
-if it exists, so a dead replica is never resurrected), so a restarted worker
-reads back a set and a sequence number that agree.
+Per ``router/contract.py`` (version 3): the set ``{prefix}:{r}:blocks`` of 8-byte
+keys, changed by ONE single-slot Lua script call per flush (``_FLUSH``, on the replica's
+two hash-tagged keys, so it runs on a Redis Cluster too), then one ``{prefix}:events``
+stream entry (``replica``, ``epoch``, ``entry_seq``, ``cleared``, packed ``stored`` and
+``removed`` keys), sent after the script (in the same pipeline on one server or Sentinel, where
+one connection runs them in order; once the script returned on a cluster, where the stream is
+in another slot). The changes queued since the last flush are merged into their net effect
+(the last change of a key wins; a ``cleared`` supersedes what came before it), sent as two
+packed byte strings, and split into set members inside Redis, so the worker packs two
+arguments per flush instead of one per key.
+The script records the committed ``epoch``/``seq``/``entry_seq`` in the heartbeat hash
+(only if it exists, so a dead replica is never resurrected), so a restarted worker reads
+back a set and sequence numbers that agree; routers check ``entry_seq`` to apply each
+entry exactly after the one before it (a missing entry, such as one whose ``XADD`` failed
+after its script, makes them reload the replica's set).
 
 Redis outage or lost state: the failed changes are dropped (the in-memory
 view is the buffer) and the writer marks itself disconnected, whether a change
@@ -34,7 +39,8 @@ from dataclasses import dataclass
 from typing import Any, Final
 
 import redis.asyncio as aioredis
-from redis.exceptions import RedisError
+from redis.asyncio.cluster import RedisCluster
+from redis.exceptions import NoScriptError, RedisError
 
 from router import contract
 from router.contract import OP_CLEARED, OP_STORED
@@ -45,10 +51,11 @@ logger = logging.getLogger(__name__)
 BACKOFF_INITIAL_S: Final = 0.1
 BACKOFF_MAX_S: Final = 5.0
 
-# One flush. KEYS: blocks set, events stream, heartbeat hash. ARGV: 1 replica id, 2 epoch, 3 seq,
-# 4 cleared ("1"/"0"), 5 packed stored keys, 6 packed removed keys, 7 stream MAXLEN (approximate),
-# 8 heartbeat TTL in ms ("" = no heartbeat: record epoch/seq only if the hash exists), 9.. heartbeat
-# field/value pairs. Returns 1 when the heartbeat hash exists (or was written), 0 when it is gone.
+# One flush: the replica's two keys, one hash slot (tag {r}). KEYS: blocks set, heartbeat hash.
+# ARGV: 1 epoch, 2 seq, 3 cleared ("1"/"0"), 4 packed stored keys, 5 packed removed keys,
+# 6 entry_seq (of the stream entry that follows, or the last one), 7 heartbeat TTL in ms ("" = no
+# heartbeat: record epoch/seq/entry_seq only if the hash exists), 8.. heartbeat field/value pairs.
+# Returns 1 when the heartbeat hash exists (or was written), 0 when it is gone.
 # Members are split off the packed strings in chunks below Lua's unpack() limit (LUAI_MAXCSTACK).
 _FLUSH: Final = """
 if redis.replicate_commands then pcall(redis.replicate_commands) end
@@ -66,20 +73,17 @@ local function apply(cmd, blob)
     redis.call(cmd, KEYS[1], unpack(members))
   end
 end
-if ARGV[4] == '1' then redis.call('DEL', KEYS[1]) end
-apply('SREM', ARGV[6])
-apply('SADD', ARGV[5])
-if ARGV[4] == '1' or #ARGV[5] > 0 or #ARGV[6] > 0 then
-  redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[7], '*', 'replica', ARGV[1], 'epoch', ARGV[2],
-             'cleared', ARGV[4], 'stored', ARGV[5], 'removed', ARGV[6])
-end
-if ARGV[8] ~= '' then
-  redis.call('HSET', KEYS[3], 'epoch', ARGV[2], 'seq', ARGV[3], unpack(ARGV, 9))
-  redis.call('PEXPIRE', KEYS[3], ARGV[8])
+if ARGV[3] == '1' then redis.call('DEL', KEYS[1]) end
+apply('SREM', ARGV[5])
+apply('SADD', ARGV[4])
+if ARGV[7] ~= '' then
+  redis.call('HSET', KEYS[2], 'epoch', ARGV[1], 'seq', ARGV[2], 'entry_seq', ARGV[6],
+             unpack(ARGV, 8))
+  redis.call('PEXPIRE', KEYS[2], ARGV[7])
   return 1
 end
-if redis.call('EXISTS', KEYS[3]) == 1 then
-  redis.call('HSET', KEYS[3], 'epoch', ARGV[2], 'seq', ARGV[3])
+if redis.call('EXISTS', KEYS[2]) == 1 then
+  redis.call('HSET', KEYS[2], 'epoch', ARGV[1], 'seq', ARGV[2], 'entry_seq', ARGV[6])
   return 1
 end
 return 0
@@ -118,6 +122,7 @@ class StoredState:
     key_mode: str | None
     keys: list[int]
     index_stride: int = 1  # the stride the keys were published with (absent field: 1)
+    entry_seq: int = 0  # stream entries the replica has written (absent field: 0)
 
 
 def net_changes(changes: list[Change]) -> tuple[bool, list[int], list[int]]:
@@ -161,6 +166,7 @@ class RedisWriter:
         self.stats = WriterStats()
         self.committed_epoch = 0
         self.committed_seq = NO_SEQ
+        self.entry_seq = 0  # E_ENTRY_SEQ of the last stream entry written (read back at start)
         self.connected = True
         # True once this replica's heartbeat hash is known to exist (read back at start or
         # written by this worker): finding it gone afterwards means Redis lost our state.
@@ -174,6 +180,7 @@ class RedisWriter:
         self._lock = asyncio.Lock()  # one Redis write of this replica at a time
         self._flush_script = client.register_script(_FLUSH)  # EVALSHA, loaded again if Redis lost it
         self._heartbeat_script = client.register_script(_HEARTBEAT)
+        self._cluster = isinstance(client, RedisCluster)  # the stream is in another slot's node
         self._sent: dict[Any, Any] = {}  # heartbeat fields as last written by the fast path
 
     # -- producer side -------------------------------------------------------
@@ -208,20 +215,26 @@ class RedisWriter:
     # -- start-up --------------------------------------------------------------
 
     async def read_state(self) -> StoredState:
-        """Read back the replica's heartbeat epoch/seq/key_mode and block set. Raises ``RedisError``."""
+        """Read back the replica's heartbeat epoch/seq/key_mode and block set (one transaction in
+        the replica's hash slot). Continues ``entry_seq`` from the stored one. Raises ``RedisError``."""
         async with self.client.pipeline(transaction=True) as pipe:
-            pipe.hmget(self.replica_key, [contract.F_EPOCH, contract.F_SEQ, contract.F_KEY_MODE,
-                                          contract.F_INDEX_STRIDE])
-            pipe.smembers(self.blocks_key)
-            (epoch, seq, mode, stride), members = await pipe.execute()
+            # raw commands: redis-py 8.1's cluster MULTI passes the ``keys`` keyword of
+            # ``hmget``/``smembers`` to their reply callbacks, which raise TypeError
+            pipe.execute_command("HMGET", self.replica_key, contract.F_EPOCH, contract.F_SEQ,
+                                 contract.F_KEY_MODE, contract.F_INDEX_STRIDE, contract.F_ENTRY_SEQ)
+            pipe.execute_command("SMEMBERS", self.blocks_key)
+            (epoch, seq, mode, stride, entry_seq), members = await pipe.execute()
         keys = [contract.unpack_key(m) for m in members if len(m) == 8]
+        await self.client.script_load(_FLUSH)  # the flush pipeline sends EVALSHA alone
         self.hash_expected = epoch not in (None, b"")
+        self.entry_seq = max(self.entry_seq, int(entry_seq) if entry_seq not in (None, b"") else 0)
         return StoredState(
             epoch=int(epoch) if epoch not in (None, b"") else None,
             seq=int(seq) if seq not in (None, b"") else NO_SEQ,
             key_mode=mode.decode() if mode else None,
             keys=keys,
             index_stride=int(stride) if stride not in (None, b"") else 1,
+            entry_seq=self.entry_seq,
         )
 
     # -- heartbeat ---------------------------------------------------------------
@@ -243,6 +256,7 @@ class RedisWriter:
                 if self.connected:
                     mapping[contract.F_EPOCH] = self.committed_epoch
                     mapping[contract.F_SEQ] = self.committed_seq
+                    mapping[contract.F_ENTRY_SEQ] = self.entry_seq
                     # only fields that changed since the last heartbeat this writer wrote: the
                     # hash keeps the others (a lost hash is detected and rewritten in full)
                     sent = self._sent if self.hash_expected else {}
@@ -307,8 +321,8 @@ class RedisWriter:
         self._wake.set()
 
     async def flush(self) -> None:
-        """Write everything queued in one MULTI/EXEC transaction (a full rewrite first if the
-        writer is disconnected). Raises ``RedisError``.
+        """Write everything queued: one flush script, then its stream entry (a full rewrite first
+        if the writer is disconnected). Raises ``RedisError``.
 
         On failure the queued changes are dropped and the writer is disconnected:
         the next flush rewrites the set.
@@ -321,8 +335,15 @@ class RedisWriter:
                 raise
 
     async def _commit(self, heartbeat: tuple[dict[Any, Any], int] | None = None) -> None:
-        """The transaction of ``flush`` (``heartbeat`` None) or of a rewriting heartbeat
-        (``(fields, ttl_ms)``: HSET + PEXPIRE after the set). Call with ``_lock`` held."""
+        """The script and stream entry of ``flush`` (``heartbeat`` None) or of a rewriting
+        heartbeat (``(fields, ttl_ms)``: HSET + PEXPIRE after the set, in the script). Call with
+        ``_lock`` held.
+
+        The entry is written after the script returned, never before: a router that loads the
+        replica's set (and ``entry_seq``) after remembering the stream's end then finds every
+        change the set lacks in the stream. A failed ``XADD`` leaves ``entry_seq`` in the hash
+        one ahead of the stream, which routers see as a gap at the next entry (and the writer,
+        disconnected, rewrites the set under a new epoch)."""
         recovering = not self.connected
         if recovering:
             logger.warning("%s; rewriting the replica's full block set", self._back_reason)
@@ -339,24 +360,54 @@ class RedisWriter:
             position = (self.committed_epoch, self.committed_seq)
         cleared, stored, removed = net_changes(changes)
         epoch, seq = position
-        args: list[Any] = [self.replica_id, epoch, seq, "1" if cleared else "0",
-                           contract.pack_keys(stored), contract.pack_keys(removed),
-                           self.stream_maxlen]
+        has_entry = cleared or bool(stored) or bool(removed)
+        entry_seq = self.entry_seq + 1 if has_entry else self.entry_seq
+        packed_stored, packed_removed = contract.pack_keys(stored), contract.pack_keys(removed)
+        args: list[Any] = [epoch, seq, "1" if cleared else "0", packed_stored, packed_removed,
+                           entry_seq]
         if heartbeat is not None:
             mapping, ttl_ms = heartbeat
-            mapping.pop(contract.F_EPOCH, None)
-            mapping.pop(contract.F_SEQ, None)
+            for name in (contract.F_EPOCH, contract.F_SEQ, contract.F_ENTRY_SEQ):
+                mapping.pop(name, None)
             args.append(ttl_ms)
             for name, value in mapping.items():
                 args += [name, value]
         else:
             args.append("")
-        found = await self._flush_script(keys=[self.blocks_key, self.events_key, self.replica_key],
-                                         args=args)
+        keys = [self.blocks_key, self.replica_key]
+        entry: dict[Any, Any] = {
+            contract.E_REPLICA: self.replica_id, contract.E_EPOCH: epoch,
+            contract.E_ENTRY_SEQ: entry_seq, contract.E_CLEARED: "1" if cleared else "0",
+            contract.E_STORED: packed_stored, contract.E_REMOVED: packed_removed}
+        found: Any = None
+        if has_entry and not self._cluster:
+            # one round trip: one connection runs the script before the XADD (a cluster
+            # pipeline sends to the two slots' nodes at once, in no order: two round trips).
+            # Raw EVALSHA: a pipeline given the Script object asks SCRIPT EXISTS every time.
+            async with self.client.pipeline(transaction=False) as pipe:
+                pipe.evalsha(self._flush_script.sha, len(keys), *keys, *args)
+                pipe.xadd(self.events_key, entry, maxlen=self.stream_maxlen, approximate=True)
+                found, added = await pipe.execute(raise_on_error=False)
+            if isinstance(found, NoScriptError):
+                # Redis lost the script (restart, failover): the entry went out without its
+                # set change; run both again below (routers skip the second copy of entry_seq)
+                found = None
+            elif isinstance(found, Exception):
+                raise found
+            elif isinstance(added, Exception):
+                self.entry_seq = entry_seq  # committed in the hash
+                raise added
+        if found is None:
+            found = await self._flush_script(keys=keys, args=args)
+            if has_entry:
+                self.entry_seq = entry_seq  # committed in the hash even if the XADD fails
+                await self.client.xadd(self.events_key, entry, maxlen=self.stream_maxlen,
+                                       approximate=True)
+        self.entry_seq = entry_seq
         self.connected = True
         self.committed_epoch, self.committed_seq = epoch, seq
         self.stats.num_transactions += 1
-        self.stats.num_entries += int(cleared or bool(stored) or bool(removed))
+        self.stats.num_entries += int(has_entry)
         self.stats.num_keys += len(stored) + len(removed)
         if heartbeat is not None:
             self.hash_expected = True

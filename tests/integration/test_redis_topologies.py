@@ -2,14 +2,12 @@
 master, a replica, 3 sentinels) on loopback, through the ``redis+cluster://`` and
 ``redis+sentinel://`` URLs.
 
-Sentinel: the contract runs unchanged (one master holds every key), and routing hits survive a
-master failover during traffic with zero failed requests. Cluster: the URL is accepted and the
-client reaches every master, but the contract itself is not cluster-safe yet: the worker's
-transactions span hash slots (reading its state back at start-up: ``pr:replica:{r}`` and
-``pr:blocks:{r}``; every change: ``pr:blocks:{r}`` and ``pr:events``), so redis-py refuses them
-(``CrossSlotTransactionError``, which is not a ``RedisError``: the worker exits at start-up) and
-no replica reaches the routers; that test is a strict xfail until the contract changes (issue
-19, item 1).
+Sentinel: routing hits survive a master failover during traffic with zero failed requests.
+Cluster (contract version 3): a replica's keys share the hash tag ``{r}`` (one slot, checked
+with ``CLUSTER KEYSLOT``), workers and routers run unchanged on it, and a router following many
+replicas whose keys spread over the three masters, started in the middle of their traffic,
+holds only whole flushes and repairs a missing stream entry (``entry_seq`` gap) by reloading
+that replica's set.
 """
 
 from __future__ import annotations
@@ -18,16 +16,20 @@ import asyncio
 import json
 import random
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from loadtest.redis_topology import NUM_SLOTS, RedisClusterServers, RedisSentinelSet
+from router import contract as c
 from router.redis_client import redis_client
 from tests.helpers import stop_process, wait_for
 from tests.integration.test_router_failover import _emulated_fleet
-from tests.integration.test_router_fleet import Router
+from tests.integration.test_router_fleet import Router, prometheus_value
+from worker.redis_writer import _FLUSH, RedisWriter
+from worker.replica_view import Change
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -58,8 +60,6 @@ def test_cluster_fixture_spreads_slots_over_three_masters() -> None:
     assert values == [f"k{i}".encode() for i in range(30)]
 
 
-@pytest.mark.xfail(strict=True, reason="the worker's flush script spans two hash slots "
-                   "(pr:blocks:{r} and pr:events): not cluster-safe yet")
 def test_routing_hits_on_a_redis_cluster(tmp_path: Path) -> None:
     procs: list[Any] = []
     router = None
@@ -69,10 +69,9 @@ def test_routing_hits_on_a_redis_cluster(tmp_path: Path) -> None:
             router = Router(tmp_path, ["--redis-url", cluster.url, "--hash-seed", "0"])
             workers = procs[1:]
             wait_for(lambda: any(w.poll() is not None for w in workers) or
-                     sum(r["routable"] for r in router.ready()["replicas"]) == 2, 30,
-                     message="both replicas routable, or a worker gone")
-            # today each worker exits at start-up: reading its state back (epoch, seq, block
-            # set) is already a cross-slot transaction
+                     sum(r["routable"] and r["affinity"] for r in router.ready()["replicas"]) == 2,
+                     30, message="both replicas routable with affinity, or a worker gone")
+            # contract version 2 exited here: its start-up read and every flush spanned slots
             assert all(w.poll() is None for w in workers), "a worker exited"
             prompt = [random.Random(3).randrange(1000, 90_000) for _ in range(160)]
             assert router.post("/v1/completions", {"prompt": prompt, "max_tokens": 1})[0] == 200
@@ -81,7 +80,128 @@ def test_routing_hits_on_a_redis_cluster(tmp_path: Path) -> None:
             if router is not None:
                 router.stop()
             logs = "".join(stop_process(p) for p in reversed(procs))
-            print(logs[-3000:])  # shows CrossSlotTransactionError from the workers
+            print(logs[-3000:])
+
+
+K = 5  # keys stored (and, from the 4th flush on, removed) per flush
+NUM_REPLICAS = 16
+KEPT_FLUSHES = 3  # a replica holds the keys of its last 3 flushes: 15
+
+
+def _flush_keys(replica: int, flush: int) -> list[int]:
+    return [(replica << 32) | (flush * K + j) for j in range(K)]
+
+
+def test_a_replicas_keys_hash_to_one_slot_on_a_real_cluster() -> None:
+    rids = [f"replica-{i}" for i in range(NUM_REPLICAS)] + ["10.0.0.5:8000", "a}b", "{x}y", "ü"]
+    with RedisClusterServers(3) as cluster:
+        async def check() -> tuple[list[int], list[int], set[str]]:
+            client = redis_client(cluster.url, None, socket_timeout=5.0)
+            try:
+                slots, owners = [], set()
+                for rid in rids:
+                    keys = [c.replica_key("pr", rid), c.blocks_key("pr", rid)]
+                    found = {int(await client.cluster_keyslot(k)) for k in keys}
+                    assert len(found) == 1, (rid, keys, found)
+                    slots.append(found.pop())
+                    owners.add(client.get_node_from_key(keys[0]).name)
+                ours = [c.key_slot(c.blocks_key("pr", rid)) for rid in rids]
+                return slots, ours, owners
+            finally:
+                await client.aclose()
+
+        slots, ours, owners = asyncio.run(check())
+    assert slots == ours  # router.contract.key_slot is CLUSTER KEYSLOT
+    assert len(owners) == 3  # 16 replicas' keys spread over every master
+
+
+def test_a_router_following_many_replicas_on_a_cluster_holds_whole_flushes(
+        tmp_path: Path) -> None:
+    """16 replicas (the worker's own RedisWriter, in this process) flush K keys at a time on a
+    3-master cluster; a router started in the middle of their traffic must only ever hold a
+    multiple of K keys per replica (whole flushes), and end with exactly each replica's set,
+    although one flush's stream entry never reached the stream (its XADD "failed" after its
+    script: the router must see the entry_seq gap and reload that replica)."""
+    with RedisClusterServers(3) as cluster:
+        router: Router | None = None
+        samples: list[dict[str, int]] = []
+
+        async def scenario() -> dict[str, int]:
+            nonlocal router
+            client = redis_client(cluster.url, None, socket_timeout=5.0)
+            rids = [f"replica-{i}" for i in range(NUM_REPLICAS)]
+            writers = {rid: RedisWriter(client, "pr", rid,
+                                        on_recovered=lambda: Change(c.OP_CLEARED, [], 1, 0))
+                       for rid in rids}
+            flush_script = client.register_script(_FLUSH)
+
+            async def heartbeats() -> None:
+                while True:
+                    for rid, writer in writers.items():
+                        await writer.write_heartbeat({
+                            c.F_REPLICA_ID: rid, c.F_URL: "http://127.0.0.1:9",
+                            c.F_MODELS: '["m"]', c.F_CONTRACT: c.CONTRACT_VERSION,
+                            c.F_INDEX_STRIDE: 1, c.F_HEARTBEAT_TS: time.time()}, 30.0)
+                    await asyncio.sleep(0.5)
+
+            async def sample() -> None:
+                assert router is not None
+                ready = await asyncio.to_thread(router.ready)
+                samples.append({r["replica_id"]: r["index_blocks"] for r in ready["replicas"]})
+
+            beating: asyncio.Task[None] | None = None
+            try:
+                for writer in writers.values():
+                    await writer.read_state()
+                    writer.enqueue(Change(c.OP_CLEARED, [], 1, 0))
+                    await writer.flush()
+                beating = asyncio.create_task(heartbeats())
+                for flush in range(1, 31):
+                    for i, (rid, writer) in enumerate(writers.items()):
+                        writer.enqueue(Change(c.OP_STORED, _flush_keys(i, flush), 1, flush))
+                        if flush > KEPT_FLUSHES:
+                            writer.enqueue(Change(c.OP_REMOVED,
+                                                  _flush_keys(i, flush - KEPT_FLUSHES), 1, flush))
+                        if (rid, flush) == ("replica-3", 15):
+                            # the set change and entry_seq commit, the stream entry is lost
+                            writer.entry_seq += 1
+                            await flush_script(
+                                keys=[writer.blocks_key, writer.replica_key],
+                                args=[1, flush, "0", c.pack_keys(_flush_keys(i, flush)),
+                                      c.pack_keys(_flush_keys(i, flush - KEPT_FLUSHES)),
+                                      writer.entry_seq, ""])
+                            writer._pending.clear()
+                        else:
+                            await writer.flush()
+                    if flush == 5:  # a new router starts in the middle of the traffic
+                        router = await asyncio.to_thread(
+                            Router, tmp_path, ["--redis-url", cluster.url, "--index-stride", "1"])
+                    if router is not None:
+                        await sample()
+                    await asyncio.sleep(0.05)
+                assert router is not None
+                deadline = time.monotonic() + 20
+                while time.monotonic() < deadline:
+                    await sample()
+                    if samples[-1] == dict.fromkeys(rids, K * KEPT_FLUSHES):
+                        break
+                    await asyncio.sleep(0.1)
+                return samples[-1]
+            finally:
+                if beating is not None:
+                    beating.cancel()
+                await client.aclose()
+
+        try:
+            final = asyncio.run(scenario())
+            assert router is not None
+            assert len(samples) > 20
+            assert all(n % K == 0 for s in samples for n in s.values()), samples
+            assert final == {f"replica-{i}": K * KEPT_FLUSHES for i in range(NUM_REPLICAS)}
+            assert prometheus_value(router.metrics(), "router_event_stream_gaps_total") == 1
+        finally:
+            if router is not None:
+                print(router.stop()[-3000:])
 
 
 def test_routing_hits_survive_a_sentinel_failover_with_no_failed_request(tmp_path: Path) -> None:

@@ -184,8 +184,14 @@ def test_request_keys_heartbeat_and_eviction(tmp: Path, rds: Redis, redis_url: s
     assert len(keys_a) == 2
     complete(emu, tokens_a)
     wait_for(lambda: rds.blocks() == before | set(keys_a), 20, message="request A's keys")
-    stored = [e for e in rds.stream() if e["stored"]]
-    assert set(contract.unpack_keys(stored[-1]["stored"])) <= set(keys_a)
+
+    def last_stored() -> set[int]:
+        stored = [e for e in rds.stream() if e["stored"]]
+        return set(contract.unpack_keys(stored[-1]["stored"])) if stored else set()
+
+    # the stream entry follows the set change (contract version 3: after the flush script)
+    wait_for(lambda: bool(last_stored()) and last_stored() <= set(keys_a), 20,
+             message="request A's stream entry")
     # Load from the engine's /metrics: the probe (33 tokens) and A (40) were queried.
     wait_for(lambda: int(rds.heartbeat()[contract.F_PREFIX_CACHE_QUERIES]) >= 73, 10,
              message="prefix cache counters")
@@ -199,7 +205,7 @@ def test_request_keys_heartbeat_and_eviction(tmp: Path, rds: Redis, redis_url: s
     wait_for(lambda: set(keys_b) <= rds.blocks() and not set(keys_a) & rds.blocks(), 20,
              message="eviction of A's keys")
     assert len(rds.blocks()) <= 12
-    assert any(e["removed"] for e in rds.stream())
+    wait_for(lambda: any(e["removed"] for e in rds.stream()), 10, message="a removal entry")
 
 
 def test_reset_prefix_cache_clears_and_bumps_epoch(tmp: Path, rds: Redis, redis_url: str,
@@ -214,9 +220,13 @@ def test_reset_prefix_cache_clears_and_bumps_epoch(tmp: Path, rds: Redis, redis_
     wait_for(lambda: rds.epoch() > old_epoch, 20, message="epoch bump")
     # After the reset only a new probe's blocks may come back; none of the old keys.
     wait_for(lambda: not (rds.blocks() & old_blocks), 20, message="old keys gone")
-    cleared = [e for e in rds.stream() if e["cleared"] == b"1"]
-    assert cleared and int(cleared[-1]["epoch"]) > old_epoch
-    assert cleared[-1]["replica"] == REPLICA.encode()
+
+    def cleared() -> list[dict[str, bytes]]:
+        return [e for e in rds.stream() if e["cleared"] == b"1"]
+
+    wait_for(lambda: bool(cleared()) and int(cleared()[-1]["epoch"]) > old_epoch, 10,
+             message="the cleared entry of the new epoch")
+    assert cleared()[-1]["replica"] == REPLICA.encode()
 
 
 def test_engine_restart_is_detected(tmp: Path, rds: Redis, redis_url: str,

@@ -12,6 +12,7 @@ import subprocess
 import tempfile
 from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import redis
@@ -20,7 +21,7 @@ import requests
 from loadtest.kv_publisher import KVEventPublisher
 from loadtest.redis_server import RedisServer
 from router import contract
-from tests.helpers import PYTHON, free_port, start_process, stop_process
+from tests.helpers import PYTHON, free_port, start_process, stop_process, wait_for
 from tests.integration.test_worker_emulator import REPLICA, Emulator, start_emulator
 from worker.kv_events import BlockRemoved, BlockStored, KVEventBatch
 
@@ -101,12 +102,16 @@ async def test_stored_twice_removed_once_stays_resident(
         await until(lambda: blocks(client) == {12}, message="11 removed")
         await publisher.publish(removed(12))
         await until(lambda: blocks(client) == set(), message="12 removed")
-        entries = client.xrange(contract.events_key("pr"))
-        changes = [(list(contract.unpack_keys(f[b"stored"])), list(contract.unpack_keys(f[b"removed"])))  # type: ignore[index]
-                   for _, f in entries]  # type: ignore[union-attr]
+
+        def changes() -> list[tuple[list[int], list[int]]]:
+            entries: Any = client.xrange(contract.events_key("pr"))
+            return [(list(contract.unpack_keys(f[b"stored"])),
+                     list(contract.unpack_keys(f[b"removed"]))) for _, f in entries]
+
         # one entry per flush, a key in at most one of its lists; the copies of 12 kept it
-        # resident until its second removal
-        assert changes[-3:] == [([11, 12], []), ([], [11]), ([], [12])]
+        # resident until its second removal (the entry follows its set change)
+        await until(lambda: changes()[-3:] == [([11, 12], []), ([], [11]), ([], [12])],
+                    message="the three entries")
         text = await asyncio.to_thread(worker_metrics, metrics_port)
         assert 'worker_events_total{type="BlockStored"} 2.0' in text
         assert 'worker_events_total{type="BlockRemoved"} 3.0' in text
@@ -118,7 +123,9 @@ async def test_stored_twice_removed_once_stays_resident(
 
 
 def first_entry(client: redis.Redis) -> tuple[bytes, set[int]]:
-    """``cleared`` flag and stored keys of the first stream entry (a rewrite: both in one)."""
+    """``cleared`` flag and stored keys of the first stream entry (a rewrite: both in one),
+    waited for: the entry follows the set change."""
+    wait_for(lambda: client.xlen(contract.events_key("pr")), 10, message="a stream entry")
     _, fields = client.xrange(contract.events_key("pr"))[0]  # type: ignore[index]
     return fields[b"cleared"], set(contract.unpack_keys(fields[b"stored"]))
 

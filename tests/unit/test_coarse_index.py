@@ -105,32 +105,39 @@ def _fleet(stride: int) -> Fleet:
     return Fleet(config, BlockHasher(16, "sha256"))
 
 
-def _beat(fleet: Fleet, rid: str, **fields: str) -> None:
+def _beat(fleet: Fleet, rid: str, key_version: int = c.CONTRACT_VERSION, **fields: str) -> None:
     now = time.time()
     fleet.apply_heartbeat(rid, {c.F_URL: "http://127.0.0.1:1", c.F_HEARTBEAT_TS: str(now),
-                                **fields}, now)
+                                **fields}, now, key_version)
 
 
-def test_a_replica_with_another_stride_or_a_newer_contract_gets_no_prefix_credit() -> None:
+def test_a_replica_with_another_stride_or_another_contract_gets_no_prefix_credit() -> None:
     fleet = _fleet(16)
-    _beat(fleet, "same", **{c.F_CONTRACT: "2", c.F_INDEX_STRIDE: "16"})
-    _beat(fleet, "other", **{c.F_CONTRACT: "2", c.F_INDEX_STRIDE: "4"})
-    _beat(fleet, "old", **{})  # a contract-1 worker: exact keys, stride 1
-    _beat(fleet, "future", **{c.F_CONTRACT: "3", c.F_INDEX_STRIDE: "16"})
+    now = str(c.CONTRACT_VERSION)
+    _beat(fleet, "same", **{c.F_CONTRACT: now, c.F_INDEX_STRIDE: "16"})
+    _beat(fleet, "other", **{c.F_CONTRACT: now, c.F_INDEX_STRIDE: "4"})
+    _beat(fleet, "old", 1)  # an untagged key without the field: a contract-1 worker, stride 1
+    _beat(fleet, "two", **{c.F_CONTRACT: "2", c.F_INDEX_STRIDE: "16"})  # untagged keys
+    _beat(fleet, "future", **{c.F_CONTRACT: str(c.CONTRACT_VERSION + 1), c.F_INDEX_STRIDE: "16"})
     replicas = fleet.replicas
     assert fleet.config_mismatch(replicas["same"]) is None
     assert fleet.affinity_problem(replicas["same"]) is None
     assert "index_stride 4 != router's 16" in (fleet.affinity_problem(replicas["other"]) or "")
-    assert "index_stride 1 != router's 16" in (fleet.config_mismatch(replicas["old"]) or "")
+    assert "version 1 is older" in (fleet.config_mismatch(replicas["old"]) or "")
+    assert "version 2 is older" in (fleet.config_mismatch(replicas["two"]) or "")
     assert "newer" in (fleet.config_mismatch(replicas["future"]) or "")
+    # a version-2 worker's entries are not applied (its set, untagged, is never loaded either)
+    assert fleet.apply_changes("two", 0, False, [1], []) == "config_mismatch"
     exact = _fleet(1)
-    _beat(exact, "old")
-    assert exact.config_mismatch(exact.replicas["old"]) is None
+    _beat(exact, "tagged", **{c.F_CONTRACT: now})
+    assert exact.config_mismatch(exact.replicas["tagged"]) is None
+    _beat(exact, "bare")  # a hash-tagged key without the field: version 3
+    assert exact.config_mismatch(exact.replicas["bare"]) is None
 
 
 def test_router_applies_merged_entries_and_version_one_entries() -> None:
     fleet = _fleet(1)
-    _beat(fleet, "r", **{c.F_CONTRACT: "2", c.F_INDEX_STRIDE: "1"})
+    _beat(fleet, "r", **{c.F_CONTRACT: str(c.CONTRACT_VERSION), c.F_INDEX_STRIDE: "1"})
     assert fleet.apply_changes("r", 0, False, [1, 2, 3], []) is None
     assert fleet.apply_changes("r", 0, False, [4], [2]) is None
     mask = fleet.index.mask_of(["r"])
