@@ -12,7 +12,7 @@ import random
 import time
 import tracemalloc
 
-from router.contract import anchor_keys
+from router.contract import BlockKey, anchor_keys
 from router.index import BlockIndex, SpeculativePlacements
 
 
@@ -34,10 +34,10 @@ def main() -> None:
     tracemalloc.start()
     base = tracemalloc.get_traced_memory()[0]
     # key ints are created under tracing: in production the Redis reader creates them
-    per_replica: dict[str, list[int]] = {rid: [] for rid in replica_ids}
+    per_replica: dict[str, list[BlockKey]] = {rid: [] for rid in replica_ids}
     extra = args.copies - 1.0
     for _ in range(args.blocks):
-        key = rng.getrandbits(64)
+        key = BlockKey(rng.getrandbits(64))
         per_replica[rng.choice(replica_ids)].append(key)
         if extra > 0 and rng.random() < extra:
             per_replica[rng.choice(replica_ids)].append(key)
@@ -55,18 +55,18 @@ def main() -> None:
 
     # a chain whose first 2/3 is held by one replica (a long conversation)
     chain = full_chain[: args.chain * 2 // 3]
-    chain += [rng.getrandbits(64) for _ in range(args.chain - len(chain))]
+    chain += [BlockKey(rng.getrandbits(64)) for _ in range(args.chain - len(chain))]
     mask = index.mask_of(replica_ids)
     spec = SpeculativePlacements(10.0)
     spec.place(index.bit(replica_ids[1]), chain[:100], now=0.0)
 
-    def time_lookup(c: list[int], rounds: int = 200) -> float:
+    def time_lookup(c: list[BlockKey], rounds: int = 200) -> float:
         t = time.perf_counter()
         for _ in range(rounds):
             index.hit_depths(c, mask, spec, now=1.0)
         return (time.perf_counter() - t) / rounds * 1e6
 
-    cold = [rng.getrandbits(64) for _ in range(args.chain)]
+    cold = [BlockKey(rng.getrandbits(64)) for _ in range(args.chain)]
     print(f"index: {len(index):,} distinct keys, {resident:,} (key, replica) pairs, "
           f"{args.replicas} replicas; build {build_s:.2f} s")
     print(f"memory: {used / 1e6:.1f} MB = {used / len(index):.1f} bytes per key in the index "

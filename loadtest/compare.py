@@ -1,7 +1,7 @@
 """Side-by-side comparison of routing policies on an emulated fleet: the project's main benchmark.
 Does process, network and file I/O.
 
-For each policy a FRESH fleet is started (``loadtest.fleet.Fleet``: embedded Redis, emulator,
+For each policy a FRESH fleet is started (``loadtest.fleet.LoopbackFleet``: embedded Redis, emulator,
 workers, router; or a peer router), so no run inherits another's KV cache; the same trace slice is
 replayed through the router (``loadtest.replay``); then the emulator replicas' own counters are
 read. Per policy (``results.json``, the table and the plots):
@@ -64,9 +64,9 @@ from loadtest.fleet import (
     OURS,
     SGLANG,
     VLLM_ROUTER,
-    Fleet,
     FleetConfig,
     FleetError,
+    LoopbackFleet,
     RouterSpec,
     cpu_delta,
     cpu_sample,
@@ -334,7 +334,7 @@ class PolicyResult:
     records: list[RequestRecord]
 
 
-async def _measure(fleet: Fleet, requests: Sequence[TraceRequest], config: CompareConfig,
+async def _measure(fleet: LoopbackFleet, requests: Sequence[TraceRequest], config: CompareConfig,
                    progress: Callable[[str], None]) -> tuple[list[RequestRecord], dict[str, Any]]:
     urls = [r.url for r in fleet.replicas]
     before, lag_before = await scrape_counters_and_lag(urls, COUNTERS)
@@ -414,7 +414,7 @@ def run_policy(spec: RouterSpec, requests: Sequence[TraceRequest], config: Compa
     if spec.kind == VLLM_ROUTER and spec.policy == "kv_aware":
         fleet_config = replace(fleet_config, hash_algo=KV_AWARE_HASH_ALGO,
                                python_hash_seed=KV_AWARE_PYTHONHASHSEED, int_block_hashes=False)
-    with Fleet(fleet_config, progress=progress) as fleet:
+    with LoopbackFleet(fleet_config, progress=progress) as fleet:
         progress(f"[{spec.label}] fleet ready: router {fleet.router_url}, "
                  f"{len(fleet.replicas)} replicas; replaying {len(requests)} requests")
         records, metrics = asyncio.run(_measure(

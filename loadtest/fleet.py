@@ -1,7 +1,7 @@
 """Start and stop a whole emulated fleet on loopback for one benchmark run. Does process and
 network I/O.
 
-A ``Fleet`` is, in start order: an embedded Redis (``loadtest.redis_server.RedisServer``, unless
+A ``LoopbackFleet`` is, in start order: an embedded Redis (``loadtest.redis_server.RedisServer``, unless
 ``redis_url`` is given), one emulator process serving ``replicas`` vLLM-compatible replicas
 (``prefix-worker emulate --replicas N --port 0 --ready-file F``, KV events on ephemeral ZMQ
 ports), then for prefix-router one ``prefix-worker report`` sidecar per replica and the router
@@ -53,7 +53,7 @@ _LAUNCH = "import sys; from {module} import main; sys.exit(main(sys.argv[1:]))"
 # The emulated GPUs come first: a real GPU does not slow down when the router's host is busy,
 # so the process standing in for them runs at a higher priority than the router stack, the peers
 # and the replayer (all at the default 0), the same for every run. Lowering a nice value needs
-# CAP_SYS_NICE (root has it); without it the emulator stays at 0 and Fleet.priority says so.
+# CAP_SYS_NICE (root has it); without it the emulator stays at 0 and LoopbackFleet.priority says so.
 EMULATOR_NICE = -10
 _PR_SET_PDEATHSIG = 1
 
@@ -182,7 +182,7 @@ def http_get(url: str, timeout_s: float = 2.0) -> tuple[int, bytes]:
         return int(exc.code), exc.read()
 
 
-class Fleet:
+class LoopbackFleet:
     """An emulated fleet plus one router, as configured by ``FleetConfig``.
 
     After ``start``: ``router_url``, ``replicas`` (``ReplicaInfo`` list), ``pids`` (component
@@ -210,7 +210,7 @@ class Fleet:
 
     # -- lifecycle ---------------------------------------------------------------------------
 
-    def __enter__(self) -> Fleet:
+    def __enter__(self) -> LoopbackFleet:
         try:
             self.start()
         except BaseException:
@@ -221,7 +221,7 @@ class Fleet:
     def __exit__(self, *exc: object) -> None:
         self.stop()
 
-    def start(self) -> Fleet:
+    def start(self) -> LoopbackFleet:
         cfg = self.config
         if cfg.log_dir is not None:
             cfg.log_dir.mkdir(parents=True, exist_ok=True)

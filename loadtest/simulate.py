@@ -161,11 +161,11 @@ class ConsistentHashPlacement:
                  block_size: int = 16) -> None:
         from loadtest.trace import TokenMapper
         from router.hashing import BlockHasher
-        from router.policy import PolicyParams, ReplicaView
+        from router.policy import Candidate, PolicyParams
         from router.ring import HashRing
 
         self.ring = HashRing(replica_ids)
-        self.views = [ReplicaView(rid) for rid in replica_ids]
+        self.views = [Candidate(rid) for rid in replica_ids]
         self.index = {rid: j for j, rid in enumerate(replica_ids)}
         self.params = PolicyParams(block_size=block_size,
                                    consistent_hash_blocks=max(1, key_tokens // block_size))

@@ -27,11 +27,11 @@ import threading
 from array import array
 from collections.abc import Callable, Hashable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Final
+from typing import Final, cast
 
 import xxhash
 
-from router.contract import is_anchor
+from router.contract import BlockKey, is_anchor
 from router.hashing import BlockHasher
 from router.lru import SizedLRU
 
@@ -53,7 +53,7 @@ class ChainNode:
 
     node_id: int
     num_tokens: int  # tokens in the whole prefix
-    keys: tuple[int, ...]
+    keys: tuple[BlockKey, ...]
     digest: bytes | None
     tail: tuple[int, ...]
     head: tuple[int, ...]
@@ -64,7 +64,7 @@ class PromptChain:
     """A prompt's length and block-key chain: what routing needs of its tokens."""
 
     num_tokens: int
-    keys: list[int]  # 64-bit block keys of the full blocks, block 0 first
+    keys: list[BlockKey]  # 64-bit block keys of the full blocks, block 0 first
     head: tuple[int, ...]  # the first block_size tokens (all of them if fewer)
     cached_pieces: int = 0  # pieces served from the cache (for metrics/tests)
     computed_pieces: int = 0  # pieces tokenized and/or hashed now
@@ -123,7 +123,8 @@ class ChainCache:
         if len(head) < size:
             head = (head + tuple(tokens[: size - len(head)]))
         return ChainNode(
-            next(self._ids), num_tokens, tuple(int.from_bytes(d[-8:], "big") for d in digests),
+            next(self._ids), num_tokens,
+            cast(tuple[BlockKey, ...], tuple(int.from_bytes(d[-8:], "big") for d in digests)),
             digests[-1] if digests else parent.digest, seq[len(digests) * size:], head)
 
     def root(self, lora: tuple[str, str] | None, cache_salt: str | None,
@@ -218,7 +219,7 @@ class ChainCache:
                 node = new
         final = (self.extend(node, suffix_tokens, lora, cache_salt)
                  if suffix_tokens and complete else None)
-        keys: list[int] = list(root.keys)
+        keys: list[BlockKey] = list(root.keys)
         for n in path:
             keys.extend(n.keys)
         if final is not None:

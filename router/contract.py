@@ -65,7 +65,12 @@ from __future__ import annotations
 
 import struct
 from collections.abc import Iterable, Sequence
-from typing import Final
+from typing import Final, NewType
+
+BlockKey = NewType("BlockKey", int)
+"""A block's 64-bit key: the low 8 bytes of vLLM's block hash (what KV events carry as an
+int, ``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=1``), as the index, the stream and the workers
+use it. Distinct from a token id (both are ints; mypy keeps them apart)."""
 
 CONTRACT_VERSION: Final = 3  # heartbeat field ``contract``; absent: 1 (3 in a tagged key)
 DEFAULT_REDIS_PREFIX: Final = "pr"
@@ -188,20 +193,20 @@ def pack_key(key: int) -> bytes:
     return _KEY.pack(key)
 
 
-def unpack_key(data: bytes) -> int:
+def unpack_key(data: bytes) -> BlockKey:
     """Inverse of ``pack_key``. Raises ``ValueError`` unless ``data`` is 8 bytes."""
     if len(data) != 8:
         raise ValueError(f"block key must be 8 bytes, got {len(data)}")
-    return int(_KEY.unpack(data)[0])
+    return BlockKey(_KEY.unpack(data)[0])
 
 
-def pack_keys(keys: Iterable[int]) -> bytes:
+def pack_keys(keys: Iterable[BlockKey]) -> bytes:
     """Block keys concatenated as 8-byte big-endian words (stream ``keys`` field)."""
     keys = list(keys)
     return struct.pack(f">{len(keys)}Q", *keys)
 
 
-def unpack_keys(data: bytes) -> Sequence[int]:
+def unpack_keys(data: bytes) -> Sequence[BlockKey]:
     """Inverse of ``pack_keys``. Raises ``ValueError`` if the length is not a multiple of 8."""
     if len(data) % 8:
         raise ValueError(f"packed keys length {len(data)} is not a multiple of 8")
@@ -242,7 +247,7 @@ def anchor_positions_between(start: int, stop: int, stride: int) -> list[int]:
     return head + list(range(first, stop, stride))
 
 
-def anchor_keys(chain: Sequence[int], stride: int, start: int = 0) -> list[int]:
+def anchor_keys(chain: Sequence[BlockKey], stride: int, start: int = 0) -> list[BlockKey]:
     """The keys of ``chain`` (block 0 first) at anchor positions ``>= start``."""
     if stride == 1:
         return list(chain[start:])

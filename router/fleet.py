@@ -21,7 +21,7 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 from urllib.parse import urlsplit
 
 import aiohttp
@@ -540,7 +540,7 @@ class FleetReader:
                                  c.F_ENTRY_SEQ)
             pipe.execute_command("SMEMBERS", c.blocks_key(self.prefix, replica_id))
             (epoch_raw, entry_seq_raw), members = await pipe.execute()
-        keys = [int.from_bytes(m, "big") for m in members if len(m) == 8]
+        keys = cast(list[c.BlockKey], [int.from_bytes(m, "big") for m in members if len(m) == 8])
         replica = self.fleet.replicas.get(replica_id)
         if replica is None:
             return

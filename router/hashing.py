@@ -29,10 +29,12 @@ import hashlib
 import pickle
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Final
+from typing import Any, Final, cast
 
 import cbor2
 import xxhash
+
+from router.contract import BlockKey
 
 DEFAULT_BLOCK_SIZE: Final = 16  # tokens; vLLM CacheConfig.DEFAULT_BLOCK_SIZE
 DEFAULT_HASH_ALGO: Final = "sha256"  # vLLM CacheConfig.prefix_caching_hash_algo default
@@ -60,12 +62,12 @@ class MultiModalItem:
     length: int
 
 
-def block_key(digest: bytes) -> int:
+def block_key(digest: bytes) -> BlockKey:
     """The 64-bit key of a raw block digest: low 8 bytes, big-endian unsigned.
 
     Source: vLLM 0.33 ``maybe_convert_block_hash`` (``int.from_bytes(d, "big") & (2**64-1)``).
     """
-    return int.from_bytes(digest[-8:], "big")
+    return BlockKey(int.from_bytes(digest[-8:], "big"))
 
 
 def max_hit_blocks(num_tokens: int, block_size: int) -> int:
@@ -233,6 +235,6 @@ class BlockHasher:
             append(prev)
         return out
 
-    def keys(self, tokens: Sequence[int], **kwargs: Any) -> list[int]:
+    def keys(self, tokens: Sequence[int], **kwargs: Any) -> list[BlockKey]:
         """64-bit block keys (what KV events carry) of the full blocks; same arguments as ``digests``."""
-        return [int.from_bytes(d[-8:], "big") for d in self.digests(tokens, **kwargs)]
+        return cast(list[BlockKey], [int.from_bytes(d[-8:], "big") for d in self.digests(tokens, **kwargs)])

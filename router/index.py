@@ -23,7 +23,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Iterable, Sequence
 
-from router.contract import anchor_positions
+from router.contract import BlockKey, anchor_positions
 
 _MAX_INTERNED_MASKS = 1 << 16
 
@@ -130,7 +130,7 @@ class BlockIndex:
             self._interned[mask] = shared = mask
         return shared
 
-    def add(self, replica_id: str, keys: Iterable[int]) -> None:
+    def add(self, replica_id: str, keys: Iterable[BlockKey]) -> None:
         """Record ``keys`` as resident on the replica (idempotent: set semantics)."""
         bit = 1 << self.bit(replica_id)
         table, intern = self._key_to_mask, self._intern
@@ -142,7 +142,7 @@ class BlockIndex:
                 added += 1
         self._num_blocks[replica_id] += added
 
-    def remove(self, replica_id: str, keys: Iterable[int]) -> None:
+    def remove(self, replica_id: str, keys: Iterable[BlockKey]) -> None:
         """Forget ``keys`` on the replica; unknown keys are ignored."""
         index = self._id_to_bit.get(replica_id)
         if index is None:
@@ -179,7 +179,7 @@ class BlockIndex:
         self._bit_to_id[slot] = replica_id
         self._num_blocks[replica_id] = 0
 
-    def replace(self, replica_id: str, keys: Iterable[int], epoch: int | None = None) -> None:
+    def replace(self, replica_id: str, keys: Iterable[BlockKey], epoch: int | None = None) -> None:
         """Load a snapshot: clear the replica, add ``keys``, set its epoch if given."""
         self.clear(replica_id)
         self.add(replica_id, keys)
@@ -323,7 +323,7 @@ class SpeculativePlacements:
     def __contains__(self, key: int) -> bool:
         return key in self._entries
 
-    def place(self, bit: int, keys: Sequence[int], now: float) -> None:
+    def place(self, bit: int, keys: Sequence[BlockKey], now: float) -> None:
         """Record that ``keys`` were routed to the replica with bit index ``bit`` at ``now``."""
         if not keys:
             return
@@ -338,7 +338,7 @@ class SpeculativePlacements:
                 entries[key] = (entry[0] | flag, expires)
         self._expiry_queue.append((expires, keys))
 
-    def withdraw(self, bit: int, keys: Sequence[int]) -> None:
+    def withdraw(self, bit: int, keys: Sequence[BlockKey]) -> None:
         """Undo ``place(bit, keys, ...)``: the replica refused the request, so it holds nothing
         new (another placement of the same keys there since is withdrawn too)."""
         flag = 1 << bit

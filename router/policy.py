@@ -51,7 +51,7 @@ The ttft policy (``_ttft``) replaces steps 2-4 with one cost in seconds per repl
 lowest wins (ties: ring order of the chain's first un-held block):
 
 * wait: the prefill tokens queued ahead there (``queued_prefill_tokens``) times that
-  replica's learned seconds per work token (``ReplicaView.s_per_token``; ``router.ttft``);
+  replica's learned seconds per work token (``Candidate.s_per_token``; ``router.ttft``);
 * prefill: its fitted overhead plus the request's own work there, the tokens beyond that
   replica's hit with the attention they do against the cached context
   (``router.ttft.prefill_work_tokens``);
@@ -85,6 +85,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final
 
+from router.contract import BlockKey
 from router.hashing import max_hit_blocks
 from router.ring import HashRing
 from router.ttft import DEFAULT_PRIOR_TOKENS_PER_S, prefill_work_tokens
@@ -113,7 +114,7 @@ DEFAULT_EVICTED_REUSE: Final = 0.5  # chance that a block evicted from a replica
 
 
 @dataclass(frozen=True, slots=True)
-class ReplicaView:
+class Candidate:
     """One eligible replica's state at decision time.
 
     ``affinity`` is False when its reported hashes cannot be trusted
@@ -195,9 +196,9 @@ class RouteInput:
     ``tokenized`` False when the prompt could not be tokenized.
     """
 
-    chain: Sequence[int]
+    chain: Sequence[BlockKey]
     num_tokens: int
-    ring_key: int
+    ring_key: BlockKey | int  # a block key, or a text hash when there is no chain
     tokenized: bool = True
 
 
@@ -220,7 +221,7 @@ class Decision:
 def decide(
     policy: str,
     request: RouteInput,
-    replicas: Sequence[ReplicaView],
+    replicas: Sequence[Candidate],
     ring: HashRing,
     *,
     confirmed: Mapping[str, int] | None = None,
@@ -255,7 +256,7 @@ def decide(
     raise ValueError(f"unknown policy {policy!r}")
 
 
-def _ring_order(ring: HashRing, key: int, replicas: Sequence[ReplicaView]) -> list[str]:
+def _ring_order(ring: HashRing, key: int, replicas: Sequence[Candidate]) -> list[str]:
     """Eligible replicas in ring order for ``key``; ones missing from the ring go last, by id."""
     eligible = {r.replica_id for r in replicas}
     order = [rid for rid in ring.order(key) if rid in eligible]
@@ -265,14 +266,14 @@ def _ring_order(ring: HashRing, key: int, replicas: Sequence[ReplicaView]) -> li
     return order
 
 
-def _round_robin(request: RouteInput, replicas: Sequence[ReplicaView], counter: int) -> Decision:
+def _round_robin(request: RouteInput, replicas: Sequence[Candidate], counter: int) -> Decision:
     ids = sorted(r.replica_id for r in replicas)
     start = counter % len(ids)
     order = ids[start:] + ids[:start]
     return Decision(order[0], REASON_ROUND_ROBIN, tuple(order[1:]), 0, len(request.chain))
 
 
-def _least_loaded(request: RouteInput, replicas: Sequence[ReplicaView], counter: int) -> Decision:
+def _least_loaded(request: RouteInput, replicas: Sequence[Candidate], counter: int) -> Decision:
     ranked = sorted(replicas, key=lambda r: (r.load, r.inflight_prefill_tokens, r.replica_id))
     best = ranked[0]
     ties = [r for r in ranked if (r.load, r.inflight_prefill_tokens)
@@ -282,7 +283,7 @@ def _least_loaded(request: RouteInput, replicas: Sequence[ReplicaView], counter:
     return Decision(chosen, REASON_LEAST_LOADED, rest, 0, len(request.chain))
 
 
-def _consistent_hash(request: RouteInput, replicas: Sequence[ReplicaView], ring: HashRing,
+def _consistent_hash(request: RouteInput, replicas: Sequence[Candidate], ring: HashRing,
                      params: PolicyParams) -> Decision:
     chain = request.chain
     key = chain[min(len(chain), params.consistent_hash_blocks) - 1] if chain else request.ring_key
@@ -290,7 +291,7 @@ def _consistent_hash(request: RouteInput, replicas: Sequence[ReplicaView], ring:
     return Decision(order[0], REASON_CONSISTENT_HASH, tuple(order[1:]), 0, len(chain))
 
 
-def _hit_depths(request: RouteInput, replicas: Sequence[ReplicaView], ring: HashRing,
+def _hit_depths(request: RouteInput, replicas: Sequence[Candidate], ring: HashRing,
                 confirmed: Mapping[str, int], combined: Mapping[str, int],
                 block_size: int) -> tuple[dict[str, int], dict[str, int], list[str]]:
     """Per replica: hit depth (confirmed + speculative) and confirmed depth in blocks, both capped
@@ -305,6 +306,7 @@ def _hit_depths(request: RouteInput, replicas: Sequence[ReplicaView], ring: Hash
         conf[r.replica_id] = min(confirmed.get(r.replica_id, 0) if r.affinity else 0, cap_blocks)
     raw_best = max((combined.get(r.replica_id, 0) if r.affinity else 0) for r in replicas)
     chain = request.chain
+    ring_key: BlockKey | int
     if chain:
         ring_key = chain[raw_best] if raw_best < len(chain) else chain[-1]
     else:
@@ -312,7 +314,7 @@ def _hit_depths(request: RouteInput, replicas: Sequence[ReplicaView], ring: Hash
     return depth, conf, _ring_order(ring, ring_key, replicas)
 
 
-def _over_load_cap(replicas: Sequence[ReplicaView], load_factor: float,
+def _over_load_cap(replicas: Sequence[Candidate], load_factor: float,
                    headroom: int) -> dict[str, bool]:
     """Bounded load on in-flight requests: ``{replica_id: one more request would exceed
     ceil(load_factor * mean) + headroom}``, the mean counting the new request. The additive
@@ -322,7 +324,7 @@ def _over_load_cap(replicas: Sequence[ReplicaView], load_factor: float,
     return {r.replica_id: r.load + 1 > cap_load for r in replicas}
 
 
-def _view_details(r: ReplicaView, confirmed_blocks: int, hit_blocks: int, over: bool,
+def _view_details(r: Candidate, confirmed_blocks: int, hit_blocks: int, over: bool,
                   ring_rank: int) -> dict[str, Any]:
     """What ``Decision.details`` shows of every candidate, whatever the index policy."""
     return {
@@ -342,7 +344,7 @@ def _view_details(r: ReplicaView, confirmed_blocks: int, hit_blocks: int, over: 
 
 def _prefix(
     request: RouteInput,
-    replicas: Sequence[ReplicaView],
+    replicas: Sequence[Candidate],
     ring: HashRing,
     confirmed: Mapping[str, int],
     combined: Mapping[str, int],
@@ -432,7 +434,7 @@ def _prefix(
 
 def _ttft(
     request: RouteInput,
-    replicas: Sequence[ReplicaView],
+    replicas: Sequence[Candidate],
     ring: HashRing,
     confirmed: Mapping[str, int],
     combined: Mapping[str, int],

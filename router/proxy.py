@@ -64,7 +64,7 @@ STATUS_CLIENT_CLOSED: Final = 499  # nginx's convention for "client closed reque
 SUSPECT_CAUSES: Final = frozenset({"connect_error", "connect_timeout", "bad_response"})
 
 
-class LoadTicket(Protocol):
+class ProxyTicket(Protocol):
     """What the proxy needs of a load hold (``router.policy.LoadTicket``)."""
 
     def first_token(self) -> None: ...
@@ -139,7 +139,7 @@ class Proxy:
         targets: Sequence[Target],
         reason: str,
         request_id: str,
-        start_ticket: Callable[[str], LoadTicket],
+        start_ticket: Callable[[str], ProxyTicket],
         on_failure: Callable[[str], None],
         arrival: float,
         on_sent: Callable[[str], None] | None = None,
@@ -243,7 +243,7 @@ class Proxy:
         target: Target,
         reason: str,
         request_id: str,
-        ticket: LoadTicket,
+        ticket: ProxyTicket,
         arrival: float,
         retry_status: bool = True,
     ) -> tuple[web.StreamResponse, ProxyOutcome]:

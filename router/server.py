@@ -44,7 +44,7 @@ from router.auth import (
 from router.chain_cache import SPAN_BLOCKS, ChainCache, PromptChain
 from router.chat_render import UNTRUSTED_TEMPLATE_MESSAGE, TemplateRenderer, has_request_template
 from router.config import ConfigError, RouterConfig, load_config
-from router.contract import anchor_keys
+from router.contract import BlockKey, anchor_keys
 from router.errors import (
     REQUEST_ID_HEADER,
     BadRequest,
@@ -61,10 +61,10 @@ from router.logs import REQUEST_ID, configure_logging
 from router.metrics import CONTENT_TYPE, RouterMetrics
 from router.policy import (
     INDEX_POLICIES,
+    Candidate,
     Decision,
     LoadTracker,
     PolicyParams,
-    ReplicaView,
     RouteInput,
     decide,
 )
@@ -84,6 +84,7 @@ from router.proxy import (
     Target,
 )
 from router.ring import text_key
+from router.settings import StartupError
 from router.tracing import Tracing, TracingUnavailable, otlp_tracing
 from router.ttft import PrefillRateLearner
 from router.usage import cached_tokens_from_sse_tail, cached_tokens_from_tail
@@ -120,7 +121,7 @@ class Routed:
 
     decision: Decision
     num_tokens: int
-    chain: list[int]  # block keys; with complete=False only up to the first un-held piece
+    chain: list[BlockKey]  # block keys; with complete=False only up to the first un-held piece
     targets: list[Target]
     tokenized: bool
     complete: bool = True
@@ -134,7 +135,7 @@ class _Placed:
     the prefix policy; the rest of a lazy chain joins them when hashed) and the KV writes counted;
     ``withdrawn``: the replica refused the request, place nothing more."""
 
-    keys: list[int]
+    keys: list[BlockKey]
     withdrawn: bool = False
     rest: asyncio.Future[PromptChain] | None = None  # the rest being hashed (cancelled if withdrawn)
     blocks: int = 0  # KV writes counted for the request on this replica (``record_writes``)
@@ -439,7 +440,7 @@ class RouterService:
         now = time.monotonic()
         eligible, lora = self.fleet.eligible(spec.model, now)
         tokenized = spec.token_ids is not None or self.tokenizer is not None
-        chain: list[int] = []
+        chain: list[BlockKey] = []
         prompt: PromptChain | None = None
         if tokenized:
             started = time.perf_counter()
@@ -473,7 +474,7 @@ class RouterService:
             if affinity:
                 affinity_ids.append(r.replica_id)
             rate = self.learner.estimate(r.replica_id)
-            views.append(ReplicaView(
+            views.append(Candidate(
                 r.replica_id, affinity=affinity,
                 inflight_requests=self.tracker.requests(r.replica_id),
                 inflight_prefill_tokens=self.tracker.prefill_tokens(r.replica_id),
@@ -801,7 +802,7 @@ class RouterService:
             raise BadRequest("'model' must be a string")
         now = time.monotonic()
         eligible, _ = self.fleet.eligible(model, now)
-        views = [ReplicaView(r.replica_id, inflight_requests=self.tracker.requests(r.replica_id),
+        views = [Candidate(r.replica_id, inflight_requests=self.tracker.requests(r.replica_id),
                              engine_running=r.num_running, engine_waiting=r.num_waiting)
                  for r in eligible]
         decision = decide("least_loaded", RouteInput([], 0, 0), views, self.fleet.ring(eligible),
@@ -997,9 +998,6 @@ async def _read_body(request: web.Request, timeout_s: float) -> bytes:
         raise RequestTimeout(f"request body not received within {timeout_s:g} s "
                              "(client_body_timeout_s)") from exc
 
-
-class StartupError(RuntimeError):
-    """The router could not start serving (reported as one line, exit code 1)."""
 
 
 def _write_ready_file(path: str, url: str) -> None:

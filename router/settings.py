@@ -9,12 +9,17 @@ from typing import Any
 
 import yaml
 
-__all__ = ["ConfigError", "read_config_file"]
+__all__ = ["ConfigError", "StartupError", "read_config_file"]
 
 
 class ConfigError(ValueError):
     """A setting is missing, malformed or out of range (the router, the worker and the emulator
     report it as one line, exit status 2)."""
+
+
+class StartupError(RuntimeError):
+    """A process could not start serving (a port in use, an unknown host): the router and the
+    worker report it as one line, exit status 1."""
 
 
 def read_config_file(path: str, error: type[Exception] = ConfigError) -> dict[str, Any]:

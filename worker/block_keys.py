@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Final, Protocol
 
 from router.contract import KEY_MODE_RECOMPUTED as _RECOMPUTED
+from router.contract import BlockKey
 from router.hashing import BlockHasher, block_key
 from worker.kv_events import (
     BlockRemoved,
@@ -40,9 +41,9 @@ class KeyMapper(Protocol):
 
     mode: str
 
-    def stored(self, event: BlockStored) -> list[int]: ...
+    def stored(self, event: BlockStored) -> list[BlockKey]: ...
 
-    def removed(self, event: BlockRemoved) -> list[int]: ...
+    def removed(self, event: BlockRemoved) -> list[BlockKey]: ...
 
     def clear(self) -> None: ...
 
@@ -52,10 +53,10 @@ class EngineKeys:
 
     mode = KEY_MODE_ENGINE
 
-    def stored(self, event: BlockStored) -> list[int]:
+    def stored(self, event: BlockStored) -> list[BlockKey]:
         return [event_hash_key(h) for h in event.block_hashes]
 
-    def removed(self, event: BlockRemoved) -> list[int]:
+    def removed(self, event: BlockRemoved) -> list[BlockKey]:
         return [event_hash_key(h) for h in event.block_hashes]
 
     def clear(self) -> None:
@@ -88,7 +89,7 @@ class RecomputedKeys:
     def __len__(self) -> int:
         return len(self._engine_to_ours)
 
-    def stored(self, event: BlockStored) -> list[int]:
+    def stored(self, event: BlockStored) -> list[BlockKey]:
         size = self.hasher.block_size
         num_blocks = len(event.block_hashes)
         if event.block_size != size:
@@ -109,7 +110,7 @@ class RecomputedKeys:
             first_index = 1  # any block after block 0; only "is it block 0" matters (cache_salt)
         lora_path = self._lora_path(event.lora_name) if event.lora_name else None
         extra_keys = event.extra_keys or [None] * num_blocks
-        out: list[int] = []
+        out: list[BlockKey] = []
         for i, engine_hash in enumerate(event.block_hashes):
             extra = from_event_extra_keys(
                 extra_keys[i] if i < len(extra_keys) else None,
@@ -127,8 +128,8 @@ class RecomputedKeys:
             out.append(block_key(parent))
         return out
 
-    def removed(self, event: BlockRemoved) -> list[int]:
-        out: list[int] = []
+    def removed(self, event: BlockRemoved) -> list[BlockKey]:
+        out: list[BlockKey] = []
         table = self._engine_to_ours
         for engine_hash in event.block_hashes:
             engine_key = event_hash_key(engine_hash)

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
 
+from router.contract import BlockKey
+
 
 class BlockSet:
     """Block keys (64-bit ints) with reference counts.
@@ -24,19 +26,19 @@ class BlockSet:
 
     __slots__ = ("_counts", "num_unknown_removals")
 
-    def __init__(self, keys: Iterable[int] = ()) -> None:
-        self._counts: dict[int, int] = {}  # {block_key: number of resident copies}
+    def __init__(self, keys: Iterable[BlockKey] = ()) -> None:
+        self._counts: dict[BlockKey, int] = {}  # {block_key: number of resident copies}
         self.num_unknown_removals = 0
         self.load(keys)
 
-    def load(self, keys: Iterable[int]) -> None:
+    def load(self, keys: Iterable[BlockKey]) -> None:
         """Replace the contents with ``keys``, one copy each (a snapshot read back from Redis)."""
         self._counts = dict.fromkeys(keys, 1)
 
-    def store(self, keys: Iterable[int]) -> list[int]:
+    def store(self, keys: Iterable[BlockKey]) -> list[BlockKey]:
         """Add one copy of each key; return the keys that became resident (0 -> 1), in order."""
         counts = self._counts
-        added: list[int] = []
+        added: list[BlockKey] = []
         for key in keys:
             count = counts.get(key)
             if count is None:
@@ -46,10 +48,10 @@ class BlockSet:
                 counts[key] = count + 1
         return added
 
-    def remove(self, keys: Iterable[int]) -> list[int]:
+    def remove(self, keys: Iterable[BlockKey]) -> list[BlockKey]:
         """Drop one copy of each key; return the keys that stopped being resident (1 -> 0), in order."""
         counts = self._counts
-        gone: list[int] = []
+        gone: list[BlockKey] = []
         for key in keys:
             count = counts.get(key)
             if count is None:
@@ -61,17 +63,17 @@ class BlockSet:
                 counts[key] = count - 1
         return gone
 
-    def clear(self) -> list[int]:
+    def clear(self) -> list[BlockKey]:
         """Drop everything (vLLM ``AllBlocksCleared``); return the keys that were resident."""
         gone = list(self._counts)
         self._counts = {}
         return gone
 
-    def count(self, key: int) -> int:
+    def count(self, key: BlockKey) -> int:
         """Number of resident copies of ``key`` (0 when absent)."""
         return self._counts.get(key, 0)
 
-    def keys(self) -> list[int]:
+    def keys(self) -> list[BlockKey]:
         """Snapshot of the resident keys."""
         return list(self._counts)
 
@@ -81,5 +83,5 @@ class BlockSet:
     def __len__(self) -> int:
         return len(self._counts)
 
-    def __iter__(self) -> Iterator[int]:
+    def __iter__(self) -> Iterator[BlockKey]:
         return iter(self._counts)

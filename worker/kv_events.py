@@ -22,6 +22,7 @@ from typing import Any, Final, cast
 
 import msgspec
 
+from router.contract import BlockKey
 from router.hashing import block_key
 
 ExternalBlockHash = int | bytes
@@ -139,7 +140,7 @@ def parse_seq(frame: bytes) -> int:
     return int(_SEQ.unpack(frame)[0])
 
 
-def event_hash_key(block_hash: ExternalBlockHash) -> int:
+def event_hash_key(block_hash: ExternalBlockHash) -> BlockKey:
     """64-bit block key of an event hash (int form as is, raw digest reduced).
 
     Raises ``KVEventDecodeError`` for other types or ints outside 0..2**64-1.
@@ -149,7 +150,7 @@ def event_hash_key(block_hash: ExternalBlockHash) -> int:
     if isinstance(block_hash, int):
         if not 0 <= block_hash < 1 << 64:
             raise KVEventDecodeError(f"int block hash out of 64-bit range: {block_hash}")
-        return block_hash
+        return BlockKey(block_hash)
     if isinstance(block_hash, bytes | bytearray | memoryview):
         data = bytes(block_hash)
         if len(data) < 8:

@@ -43,7 +43,7 @@ from redis.asyncio.cluster import RedisCluster
 from redis.exceptions import NoScriptError, RedisError
 
 from router import contract
-from router.contract import OP_CLEARED, OP_STORED
+from router.contract import OP_CLEARED, OP_STORED, BlockKey
 from worker.replica_view import NO_SEQ, Change
 
 logger = logging.getLogger(__name__)
@@ -120,19 +120,19 @@ class StoredState:
     epoch: int | None  # None when the heartbeat hash is gone
     seq: int
     key_mode: str | None
-    keys: list[int]
+    keys: list[BlockKey]
     index_stride: int = 1  # the stride the keys were published with (absent field: 1)
     entry_seq: int = 0  # stream entries the replica has written (absent field: 0)
 
 
-def net_changes(changes: list[Change]) -> tuple[bool, list[int], list[int]]:
+def net_changes(changes: list[Change]) -> tuple[bool, list[BlockKey], list[BlockKey]]:
     """Net effect of queued changes: ``(cleared, stored, removed)``; a key's last change wins.
 
     ``cleared``: some change reset the set (it and what follows are kept, what came before
     it is superseded). Every key is in at most one of ``stored`` and ``removed``.
     """
     cleared = False
-    last: dict[int, bool] = {}  # {block key: True if its last change stored it}
+    last: dict[BlockKey, bool] = {}  # {block key: True if its last change stored it}
     for change in changes:
         if change.op == OP_CLEARED:
             cleared = True

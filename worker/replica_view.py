@@ -23,7 +23,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
-from router.contract import OP_CLEARED, OP_REMOVED, OP_STORED, anchor_positions_between
+from router.contract import OP_CLEARED, OP_REMOVED, OP_STORED, BlockKey, anchor_positions_between
 from worker.block_keys import KEY_MODE_ENGINE, EngineKeys, KeyMapper
 from worker.block_set import BlockSet
 from worker.kv_events import (
@@ -50,7 +50,7 @@ class Change:
     """
 
     op: str
-    keys: list[int]
+    keys: list[BlockKey]
     epoch: int
     seq: int
 
@@ -73,7 +73,7 @@ class ReplicaView:
     Redis rewrite, key-mode switch: ``rekeyed``); ``seq`` is the last KV event batch applied.
     """
 
-    def __init__(self, epoch: int = 0, seq: int = NO_SEQ, keys: list[int] | None = None,
+    def __init__(self, epoch: int = 0, seq: int = NO_SEQ, keys: list[BlockKey] | None = None,
                  mapper: KeyMapper | None = None, index_stride: int = 1) -> None:
         if index_stride < 1:
             raise ValueError(f"index_stride must be >= 1, got {index_stride}")
@@ -133,11 +133,11 @@ class ReplicaView:
         stats.last_batch_ts = batch.ts
         return changes
 
-    def _engine_keys(self, hashes: list[Any], keys: list[int]) -> list[int]:
+    def _engine_keys(self, hashes: list[Any], keys: list[BlockKey]) -> list[BlockKey]:
         # in key_mode=engine the mapper's keys ARE the engine keys: no second reduction
         return keys if self.mapper.mode == KEY_MODE_ENGINE else [event_hash_key(h) for h in hashes]
 
-    def _anchors(self, event: BlockStored, keys: list[int]) -> list[int]:
+    def _anchors(self, event: BlockStored, keys: list[BlockKey]) -> list[BlockKey]:
         """Record the depths of a stored run; return its keys at anchor positions."""
         depth = self._depth
         if event.parent_block_hash is None:
@@ -158,7 +158,7 @@ class ReplicaView:
         return [keys[p - base] for p in anchor_positions_between(base, base + len(keys),
                                                                  self.index_stride)]
 
-    def _forget_depths(self, event: BlockRemoved, keys: list[int]) -> None:
+    def _forget_depths(self, event: BlockRemoved, keys: list[BlockKey]) -> None:
         depth, extra = self._depth, self._extra_copies
         for key in self._engine_keys(event.block_hashes, keys):
             copies = extra.get(key) if extra else None

@@ -29,6 +29,7 @@ from router.contract import OP_CLEARED
 from router.hashing import BlockHasher, HashConfigError
 from router.logs import configure_logging
 from router.redis_client import redis_client
+from router.settings import StartupError
 from worker.block_keys import KEY_MODE_RECOMPUTED, EngineKeys, RecomputedKeys
 from worker.event_filter import EventFilter, parse_kv_tiers
 from worker.heartbeat import EngineClient, EngineLoad, EngineModels, EngineUnreachable, Heartbeat
@@ -405,9 +406,6 @@ async def serve(config: WorkerConfig) -> None:
     finally:
         await client.aclose()
 
-
-class StartupError(RuntimeError):
-    """The worker could not start (reported as one line, exit code 1)."""
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -8,9 +8,9 @@ from dataclasses import dataclass, field
 import pytest
 
 from router.policy import (
+    Candidate,
     LoadTracker,
     PolicyParams,
-    ReplicaView,
     RouteInput,
     decide,
 )
@@ -71,7 +71,7 @@ ROWS = [
 @pytest.mark.parametrize("row", ROWS, ids=[r.name for r in ROWS])
 def test_prefix_policy_table(row: Row) -> None:
     replicas = [
-        ReplicaView(rid, affinity=rid not in row.no_affinity,
+        Candidate(rid, affinity=rid not in row.no_affinity,
                     inflight_requests=row.loads.get(rid, 0),
                     inflight_prefill_tokens=row.prefill.get(rid, 0))
         for rid in IDS
@@ -106,7 +106,7 @@ def test_prefix_policy_table(row: Row) -> None:
 def test_mooncake_shape_spreads_new_conversations() -> None:
     """Every prompt shares 32 leading blocks held everywhere; new suffixes spread over the ring."""
     shared = list(range(32))
-    replicas = [ReplicaView(rid) for rid in IDS]
+    replicas = [Candidate(rid) for rid in IDS]
     chosen = []
     for conv in range(400):
         chain = shared + [10_000 + conv * 100 + j for j in range(20)]
@@ -120,7 +120,7 @@ def test_mooncake_shape_spreads_new_conversations() -> None:
 
 
 def test_bounded_load_never_exceeds_cap() -> None:
-    replicas = [ReplicaView(rid, inflight_requests=n) for rid, n in zip(IDS, (5, 1, 1, 1), strict=True)]
+    replicas = [Candidate(rid, inflight_requests=n) for rid, n in zip(IDS, (5, 1, 1, 1), strict=True)]
     depths = {"replica-0": 60}
     d = decide("prefix", RouteInput(CHAIN, 1030, 0), replicas, RING, confirmed=depths,
                combined=depths, params=PARAMS)
@@ -129,19 +129,19 @@ def test_bounded_load_never_exceeds_cap() -> None:
 
 
 def test_engine_load_merges_with_local() -> None:
-    view = ReplicaView("r", inflight_requests=2, engine_running=3,
+    view = Candidate("r", inflight_requests=2, engine_running=3,
                        engine_waiting=4, inflight_prefill_tokens=100)
     assert view.load == 7
     # 7 in the engine, 2 of them ours: 5 came from other routers, at most 4 of them waiting.
     assert view.queued_prefill_tokens(avg_prompt_tokens=10) == 100 + 4 * 10
-    stale = ReplicaView("r", inflight_requests=3, engine_running=2,
+    stale = Candidate("r", inflight_requests=3, engine_running=2,
                         engine_waiting=1, inflight_prefill_tokens=100)
     # A heartbeat listing only our own requests adds no foreign queue.
     assert stale.queued_prefill_tokens(avg_prompt_tokens=10) == 100
 
 
 def test_baselines() -> None:
-    replicas = [ReplicaView(rid, inflight_requests=n) for rid, n in zip(IDS, (3, 0, 0, 2), strict=True)]
+    replicas = [Candidate(rid, inflight_requests=n) for rid, n in zip(IDS, (3, 0, 0, 2), strict=True)]
     req = RouteInput(CHAIN, 1030, 7)
     rr = [decide("round_robin", req, replicas, RING, rr_counter=i).replica_id for i in range(4)]
     assert rr == sorted(IDS)
@@ -157,7 +157,7 @@ def test_baselines() -> None:
 
 
 def test_ring_may_hold_ineligible_replicas() -> None:
-    replicas = [ReplicaView("replica-1"), ReplicaView("replica-9")]
+    replicas = [Candidate("replica-1"), Candidate("replica-9")]
     d = decide("prefix", RouteInput(CHAIN, 1030, 0), replicas, RING)
     assert {d.replica_id, *d.fallbacks} == {"replica-1", "replica-9"}
 
@@ -199,13 +199,13 @@ def test_requests_at_reconstructs_past_inflight() -> None:
 
 def test_stale_heartbeat_adds_no_phantom_load() -> None:
     # The heartbeat saw 5 running when 5 of ours were in flight; 4 have finished since.
-    view = ReplicaView("r", inflight_requests=1, engine_running=5, engine_waiting=2,
+    view = Candidate("r", inflight_requests=1, engine_running=5, engine_waiting=2,
                        ours_at_heartbeat=7, inflight_prefill_tokens=50)
     assert view.foreign_requests == 0
     assert view.load == 1
     assert view.queued_prefill_tokens(avg_prompt_tokens=1000) == 50
     # Another router's 3 requests show up as foreign load, at most the waiting ones queue.
-    shared = ReplicaView("r", inflight_requests=1, engine_running=6, engine_waiting=2,
+    shared = Candidate("r", inflight_requests=1, engine_running=6, engine_waiting=2,
                          ours_at_heartbeat=5, inflight_prefill_tokens=50)
     assert shared.foreign_requests == 3
     assert shared.load == 4
@@ -217,7 +217,7 @@ def test_default_params_keep_a_held_prefix_but_balance_cold_requests() -> None:
     while a cold request (nothing to recompute) goes to a short queue."""
     params = PolicyParams(block_size=16)
     home = home_of(CHAIN[0])
-    busy = [ReplicaView(rid, inflight_requests=1,
+    busy = [Candidate(rid, inflight_requests=1,
                         inflight_prefill_tokens=20_000 if rid in (home, "replica-2") else 0)
             for rid in IDS]
     request = RouteInput(CHAIN, 1030, ring_key=42)
@@ -237,7 +237,7 @@ def test_cold_prefix_goes_to_least_written_of_first_ring_candidates() -> None:
     """Cold: the first ``cold_candidates`` ring replicas compete on recent KV writes."""
     order = RING.order(CHAIN[0])
     writes = dict(zip(order, (100.0, 50.0, 10.0, 0.0), strict=True))
-    replicas = [ReplicaView(rid, recent_write_blocks=writes[rid]) for rid in IDS]
+    replicas = [Candidate(rid, recent_write_blocks=writes[rid]) for rid in IDS]
     request = RouteInput(CHAIN, 1030, ring_key=42)
     d = decide("prefix", request, replicas, RING, params=PARAMS)  # default: every replica competes
     assert (d.replica_id, d.reason) == (order[3], "cold_ring")
@@ -251,7 +251,7 @@ def test_cold_prefix_goes_to_least_written_of_first_ring_candidates() -> None:
 
 def test_writes_never_pull_a_request_off_its_deepest_holder() -> None:
     writes = {rid: (1e6 if rid == "replica-2" else 0.0) for rid in IDS}
-    replicas = [ReplicaView(rid, recent_write_blocks=writes[rid]) for rid in IDS]
+    replicas = [Candidate(rid, recent_write_blocks=writes[rid]) for rid in IDS]
     depths = {"replica-2": 40, "replica-1": 10}
     d = decide("prefix", RouteInput(CHAIN, 1030, 0), replicas, RING, confirmed=depths,
                combined=depths, params=PARAMS)
@@ -279,7 +279,7 @@ def test_cold_prefix_goes_to_the_fewest_writes_among_the_shortest_queues() -> No
     order = RING.order(CHAIN[0])
     writes = dict(zip(order, (0.0, 10.0, 20.0, 5.0), strict=True))
     prefill = dict(zip(order, (4000, 0, 0, 200), strict=True))
-    replicas = [ReplicaView(rid, inflight_requests=1, inflight_prefill_tokens=prefill[rid],
+    replicas = [Candidate(rid, inflight_requests=1, inflight_prefill_tokens=prefill[rid],
                             recent_write_blocks=writes[rid]) for rid in IDS]
     d = decide("prefix", RouteInput(CHAIN, 1030, ring_key=42), replicas, RING, params=PARAMS)
     # order[1] and order[2] have nothing queued, order[3] is within the cold slack (1024) of nothing

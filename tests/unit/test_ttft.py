@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from router.policy import PolicyParams, ReplicaView, RouteInput, decide
+from router.policy import Candidate, PolicyParams, RouteInput, decide
 from router.ring import HashRing
 from router.ttft import (
     MIN_SAMPLES,
@@ -115,7 +115,7 @@ class Row:
     expect_reason: str
     combined: dict[str, int] = field(default_factory=dict)
     confirmed: dict[str, int] | None = None  # None: same as combined
-    views: dict[str, dict[str, Any]] = field(default_factory=dict)  # {rid: ReplicaView kwargs}
+    views: dict[str, dict[str, Any]] = field(default_factory=dict)  # {rid: Candidate kwargs}
     num_tokens: int = 1030
     tokenized: bool = True
     avg_prompt_tokens: float = 1000.0
@@ -163,7 +163,7 @@ ROWS = [
 
 @pytest.mark.parametrize("row", ROWS, ids=[r.name for r in ROWS])
 def test_ttft_policy_table(row: Row) -> None:
-    replicas = [ReplicaView(rid, **row.views.get(rid, {})) for rid in IDS]
+    replicas = [Candidate(rid, **row.views.get(rid, {})) for rid in IDS]
     request = RouteInput(CHAIN if row.tokenized else [], row.num_tokens, ring_key=42,
                          tokenized=row.tokenized)
     decision = decide("ttft", request, replicas, RING,
@@ -184,8 +184,8 @@ def test_ttft_policy_table(row: Row) -> None:
 def test_ttft_details_give_the_seconds_of_each_term() -> None:
     """A hit of 960 tokens on a 1,030-token prompt: own work is the 70-token suffix with its
     attention against the cached 960, at the replica's learned rate plus overhead."""
-    fast = ReplicaView(HOT, s_per_token=SPT / 2, overhead_s=0.003, inflight_prefill_tokens=400)
-    others = [ReplicaView(rid) for rid in IDS if rid != HOT]
+    fast = Candidate(HOT, s_per_token=SPT / 2, overhead_s=0.003, inflight_prefill_tokens=400)
+    others = [Candidate(rid) for rid in IDS if rid != HOT]
     decision = decide("ttft", RouteInput(CHAIN, 1030, 0), [fast, *others], RING,
                       confirmed={HOT: 60}, combined={HOT: 60}, params=PARAMS)
     d = decision.details[HOT]
@@ -209,7 +209,7 @@ def test_ttft_spreads_a_cold_stream_by_writes() -> None:
     chosen = []
     for conv in range(200):
         chain = [50_000 + conv * 100 + j for j in range(64)]
-        views = [ReplicaView(rid, recent_write_blocks=tracker.recent_writes(rid, window))
+        views = [Candidate(rid, recent_write_blocks=tracker.recent_writes(rid, window))
                  for rid in IDS]
         d = decide("ttft", RouteInput(chain, 1030, 0), views, RING, params=PARAMS)
         tracker.record_writes(d.replica_id, 64, window)
@@ -220,9 +220,9 @@ def test_ttft_spreads_a_cold_stream_by_writes() -> None:
 
 def test_ttft_delay_term_counts_the_fleet_queue() -> None:
     """Own work x seconds per token x the fleet's mean waiting requests (ours + other routers')."""
-    views = [ReplicaView(IDS[0], prefilling_requests=3),
-             ReplicaView(IDS[1], engine_waiting=5, engine_running=1),  # other routers' 6, 5 waiting
-             ReplicaView(IDS[2]), ReplicaView(IDS[3])]
+    views = [Candidate(IDS[0], prefilling_requests=3),
+             Candidate(IDS[1], engine_waiting=5, engine_running=1),  # other routers' 6, 5 waiting
+             Candidate(IDS[2]), Candidate(IDS[3])]
     d = decide("ttft", RouteInput(CHAIN, 1030, 0), views, RING, params=PARAMS).details
     waiting = (3 + 5) / 4
     for rid in IDS:
