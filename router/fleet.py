@@ -1,6 +1,6 @@
-"""The router's view of the fleet: replicas, their health and load, and the block index.
+"""The router's view of the fleet: replicas, their health and load, and the block index. Pure.
 
-``Fleet`` is the in-memory state (pure). ``FleetReader`` is the Redis edge: it
+``Fleet`` is the in-memory state; ``router.fleet_sync`` keeps it current. Its ``FleetReader`` is the Redis edge: it
 follows the worker-written contract in ``router.contract`` (remember the
 stream's last id, load heartbeats and block-set snapshots, then read the
 change stream with ``XREAD BLOCK``), survives Redis outages with backoff and
@@ -13,18 +13,12 @@ master and a Redis Cluster (every command it sends stays in one hash slot). ``St
 
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
-import os
-import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any, cast
+from typing import Any
 from urllib.parse import urlsplit
-
-import aiohttp
 
 from router import contract as c
 from router.config import RouterConfig
@@ -32,15 +26,11 @@ from router.errors import ModelNotFound, NoRoutableReplica
 from router.hashing import BlockHasher
 from router.health import HealthParams, ReplicaHealth
 from router.index import BlockIndex, SpeculativePlacements
-from router.metrics import RouterMetrics
 from router.ring import HashRing
 
 logger = logging.getLogger(__name__)
 
 SUSPECT_S = 5.0  # seconds a replica is skipped after a connection failure
-STREAM_READ_INTERVAL_S = 0.01  # minimum gap between two stream reads that returned entries: at
-# 1,000 flushes/s a read carries ~10 of them, for at most 10 ms more index lag
-_BACKOFF_MAX_S = 5.0
 
 
 def static_replica_id(url: str) -> str:
@@ -265,20 +255,20 @@ class Fleet:
             replica.lora_adapters = dict(adapters) if isinstance(adapters, dict) else {}
         except json.JSONDecodeError:
             logger.warning("replica %s: malformed models/lora_adapters in heartbeat", replica_id)
-        replica.block_size = _int(fields.get(c.F_BLOCK_SIZE), None)
+        replica.block_size = int_field(fields.get(c.F_BLOCK_SIZE), None)
         replica.hash_algo = fields.get(c.F_HASH_ALGO) or None
         replica.seed_fingerprint = fields.get(c.F_SEED_FINGERPRINT) or None
         replica.hash_verified = fields.get(c.F_HASH_VERIFIED, "")
         replica.key_mode = fields.get(c.F_KEY_MODE, "")
-        replica.contract = _int(fields.get(c.F_CONTRACT), contract) or contract
-        replica.index_stride = _int(fields.get(c.F_INDEX_STRIDE), 1) or 1
-        replica.num_running = _int(fields.get(c.F_NUM_RUNNING), 0) or 0
-        replica.num_waiting = _int(fields.get(c.F_NUM_WAITING), 0) or 0
-        replica.kv_usage = _float(fields.get(c.F_KV_USAGE), 0.0)
-        replica.num_gpu_blocks = max(_int(fields.get(c.F_NUM_GPU_BLOCKS), 0) or 0, 0)
-        replica.heartbeat_ts = _float(fields.get(c.F_HEARTBEAT_TS), wall_now)
+        replica.contract = int_field(fields.get(c.F_CONTRACT), contract) or contract
+        replica.index_stride = int_field(fields.get(c.F_INDEX_STRIDE), 1) or 1
+        replica.num_running = int_field(fields.get(c.F_NUM_RUNNING), 0) or 0
+        replica.num_waiting = int_field(fields.get(c.F_NUM_WAITING), 0) or 0
+        replica.kv_usage = float_field(fields.get(c.F_KV_USAGE), 0.0)
+        replica.num_gpu_blocks = max(int_field(fields.get(c.F_NUM_GPU_BLOCKS), 0) or 0, 0)
+        replica.heartbeat_ts = float_field(fields.get(c.F_HEARTBEAT_TS), wall_now)
         replica.healthy = wall_now - replica.heartbeat_ts <= c.HEARTBEAT_TTL_S + 0.5
-        epoch = _int(fields.get(c.F_EPOCH), 0) or 0
+        epoch = int_field(fields.get(c.F_EPOCH), 0) or 0
         reload = is_new or epoch > replica.epoch
         replica.epoch = max(epoch, replica.epoch)
         return reload
@@ -357,356 +347,17 @@ class Fleet:
         return "bad_op"
 
 
-_ENTRY_FIELDS = (c.E_REPLICA, c.E_EPOCH, c.E_ENTRY_SEQ, c.E_CLEARED, c.E_STORED, c.E_REMOVED,
-                 c.E_OP, c.E_KEYS)
-_BYTES_FIELDS: dict[str, Any] = {name: name.encode() for name in _ENTRY_FIELDS}  # {field: reply key}
-_TEXT_FIELDS: dict[str, Any] = {name: name for name in _ENTRY_FIELDS}
-
-
-def write_fleet_cache(path: str, snapshot: list[dict[str, Any]]) -> None:
-    """Write ``Fleet.fleet_snapshot()`` to ``path`` atomically (JSON). Raises ``OSError``."""
-    target = Path(path)
-    tmp = target.with_name(target.name + ".tmp")
-    tmp.write_text(json.dumps({"replicas": snapshot}))
-    os.replace(tmp, target)
-
-
-def read_fleet_cache(path: str | None) -> list[dict[str, Any]]:
-    """The replicas in a fleet cache file; ``[]`` when there is none or it does not parse."""
-    if not path:
-        return []
-    try:
-        data = json.loads(Path(path).read_text())
-    except (OSError, ValueError) as exc:
-        if not isinstance(exc, FileNotFoundError):
-            logger.warning("ignoring fleet cache %s: %s", path, exc)
-        return []
-    replicas = data.get("replicas") if isinstance(data, dict) else None
-    return [r for r in replicas if isinstance(r, dict)] if isinstance(replicas, list) else []
-
-
-class _StreamGap(Exception):
-    """Entries of the events stream were trimmed before this router read them."""
-
-
-def _stream_id(entry_id: str) -> tuple[int, int]:
-    ms, _, seq = entry_id.partition("-")
-    return int(ms), int(seq or 0)
-
-
-def _int(value: str | None, default: int | None) -> int | None:
+def int_field(value: str | None, default: int | None) -> int | None:
+    """A heartbeat field as an int; ``default`` when it is absent or malformed."""
     try:
         return int(value) if value not in (None, "") else default
     except ValueError:
         return default
 
 
-def _float(value: str | None, default: float) -> float:
+def float_field(value: str | None, default: float) -> float:
+    """A heartbeat field as a float; ``default`` when it is absent or malformed."""
     try:
         return float(value) if value not in (None, "") else default
     except ValueError:
         return default
-
-
-def _text(value: Any) -> str:
-    return value.decode() if isinstance(value, bytes) else str(value)
-
-
-def _bytes(value: Any) -> bytes:
-    return value if isinstance(value, bytes) else str(value).encode("latin-1")
-
-
-class FleetReader:
-    """Follows the fleet's Redis keys and stream into a ``Fleet``. Redis edge.
-
-    ``run()`` loops until cancelled: connect, resync (remember the stream's last
-    id, load every heartbeat and block set), then ``XREAD BLOCK`` the stream and
-    refresh heartbeats every ``HEARTBEAT_INTERVAL_S``. On connection loss it
-    backs off (0.1 s doubling to 5 s) and resyncs; routing goes on meanwhile.
-    """
-
-    def __init__(self, fleet: Fleet, config: RouterConfig, metrics: RouterMetrics) -> None:
-        self.fleet = fleet
-        self.config = config
-        self.metrics = metrics
-        self.prefix = config.redis_prefix
-        self.connected = False
-        self.last_id = "0-0"
-        self.synced = asyncio.Event()
-        self.attempted = asyncio.Event()  # the first connection attempt succeeded or failed
-        self._cached_fleet: list[dict[str, Any]] | None = None  # last written to fleet_cache_file
-        # after a reconnect, replicas whose heartbeat is missing stay until then (monotonic):
-        # a Redis that restarted empty gets one heartbeat TTL for the workers to re-register
-        self._keep_missing_until = 0.0
-
-    async def run(self) -> None:
-        from redis.exceptions import RedisError
-
-        from router.redis_client import redis_client
-
-        backoff = 0.1
-        while True:
-            client = redis_client(self.config.redis_url or "", self.config.redis_password,
-                                  socket_connect_timeout=2.0, socket_timeout=5.0)
-            try:
-                await self._resync(client)
-                self._set_connected(True)
-                backoff = 0.1
-                await self._follow(client)
-            except _StreamGap as exc:
-                logger.warning("%s; full resync", exc)
-                self.metrics.stream_gaps.inc()
-            except (RedisError, OSError) as exc:
-                self.attempted.set()
-                if self.connected:
-                    logger.warning("redis connection lost (%s); routing continues on ring and "
-                                   "speculative state", exc)
-                self._set_connected(False)
-                await asyncio.sleep(backoff)
-                backoff = min(backoff * 2, _BACKOFF_MAX_S)
-            finally:
-                await client.aclose()
-
-    def _set_connected(self, value: bool) -> None:
-        self.connected = value
-        self.metrics.redis_connected.set(1 if value else 0)
-
-    async def _resync(self, client: Any) -> None:
-        last = await client.xrevrange(c.events_key(self.prefix), count=1)
-        self.last_id = _text(last[0][0]) if last else "0-0"
-        if self.synced.is_set():
-            self._keep_missing_until = time.monotonic() + c.HEARTBEAT_TTL_S
-        await self._refresh_heartbeats(client, force_reload=True)
-        self.metrics.redis_resyncs.inc()
-        self.synced.set()
-        self.attempted.set()
-
-    async def _refresh_heartbeats(self, client: Any, force_reload: bool = False) -> None:
-        # {replica_id: (heartbeat key, tagged)}: one SCAN (every master of a cluster); a
-        # replica with both forms (its worker just upgraded) is read from the tagged key
-        found: dict[str, tuple[Any, bool]] = {}
-        async for key in client.scan_iter(match=c.replica_pattern(self.prefix), count=1000):
-            try:
-                rid, tagged = c.replica_id_from_key(self.prefix, _text(key))
-            except ValueError:
-                continue
-            if tagged or rid not in found:
-                found[rid] = (key, tagged)
-        pipe = client.pipeline(transaction=False)
-        for key, _ in found.values():
-            pipe.hgetall(key)
-        results = await pipe.execute() if found else []
-        wall_now = time.time()
-        seen: set[str] = set()
-        for (rid, (_, tagged)), raw in zip(found.items(), results, strict=True):
-            if not raw:
-                continue
-            fields = {_text(k): _text(v) for k, v in raw.items()}
-            seen.add(rid)
-            reload = self.fleet.apply_heartbeat(rid, fields, wall_now,
-                                                c.CONTRACT_VERSION if tagged else 1)
-            if (reload or force_reload) and tagged:
-                await self._load_blocks(client, rid)
-        keep_missing = time.monotonic() < self._keep_missing_until
-        for rid, replica in list(self.fleet.replicas.items()):
-            if not replica.static and rid not in seen and not keep_missing:
-                logger.info("replica %s %s; out of rotation", rid, "not in Redis" if
-                            replica.fallback else "heartbeat expired")
-                self.fleet.drop_replica(rid)
-                self.metrics.forget_replica(rid)
-        self._update_gauges()
-        self._write_fleet_cache()
-
-    def _write_fleet_cache(self) -> None:
-        """Keep the fleet seen in Redis in ``fleet_cache_file`` (rewritten when it changes), so
-        a router started while Redis is down still has replicas to route to."""
-        path = self.config.fleet_cache_file
-        snapshot = self.fleet.fleet_snapshot()
-        if not path or not snapshot or snapshot == self._cached_fleet:
-            return
-        try:
-            write_fleet_cache(path, snapshot)
-            self._cached_fleet = snapshot
-        except OSError as exc:
-            logger.warning("cannot write fleet cache %s: %s", path, exc)
-
-    async def _load_blocks(self, client: Any, replica_id: str) -> None:
-        """Load a replica's set with the ``epoch``/``entry_seq`` it is at (one transaction in
-        the replica's hash slot): entries up to that ``entry_seq`` are in the set."""
-        async with client.pipeline(transaction=True) as pipe:
-            # raw commands: redis-py 8.1's cluster MULTI passes the ``keys`` keyword of
-            # ``hmget``/``smembers`` to their reply callbacks, which raise TypeError
-            pipe.execute_command("HMGET", c.replica_key(self.prefix, replica_id), c.F_EPOCH,
-                                 c.F_ENTRY_SEQ)
-            pipe.execute_command("SMEMBERS", c.blocks_key(self.prefix, replica_id))
-            (epoch_raw, entry_seq_raw), members = await pipe.execute()
-        keys = cast(list[c.BlockKey], [int.from_bytes(m, "big") for m in members if len(m) == 8])
-        replica = self.fleet.replicas.get(replica_id)
-        if replica is None:
-            return
-        epoch = _int(_text(epoch_raw), None) if epoch_raw else None
-        entry_seq = _int(_text(entry_seq_raw), None) if entry_seq_raw else None
-        replica.epoch = max(replica.epoch, epoch or 0)
-        replica.entry_seq = -1 if entry_seq is None else entry_seq
-        self.fleet.index.replace(replica_id, keys, epoch=replica.epoch)
-        logger.info("replica %s: loaded %d block keys (epoch %d, entry %d)", replica_id, len(keys),
-                    replica.epoch, replica.entry_seq)
-
-    async def _follow(self, client: Any) -> None:
-        stream = c.events_key(self.prefix)
-        next_refresh = time.monotonic() + c.HEARTBEAT_INTERVAL_S
-        block_ms = int(c.HEARTBEAT_INTERVAL_S * 250)
-        count = 1000
-        while True:
-            read_from = self.last_id
-            reply = await client.xread({stream: self.last_id}, count=count, block=block_ms)
-            for _, entries in reply or ():
-                # Trimming (MAXLEN ~ EVENTS_STREAM_MAXLEN, far above ``count``) can only have
-                # dropped unread entries when more than ``count`` of them were waiting, so only a
-                # full batch needs the (costly: XINFO returns whole entries) gap check.
-                if len(entries) >= count and read_from != "0-0":
-                    await self._check_gap(client, stream, read_from, _text(entries[0][0]))
-                gaps: set[str] = set()  # {replica_id} whose entry_seq skipped in this batch
-                for entry_id, fields in entries:
-                    self.last_id = _text(entry_id)
-                    self._apply(fields, gaps)
-                for rid in sorted(gaps):
-                    # what the missing entries held is in the replica's set (the worker writes
-                    # the set before the entry), and so is every later entry of this batch
-                    logger.warning("replica %s: stream entry missing (entry_seq gap); reloading "
-                                   "its block set", rid)
-                    self.metrics.stream_gaps.inc()
-                    await self._load_blocks(client, rid)
-                if entries:
-                    ms = int(self.last_id.split("-", 1)[0])
-                    self.metrics.event_lag.set(max(0.0, time.time() - ms / 1000.0))
-                if 0 < len(entries) < count:
-                    # a trickle of entries would cost one XREAD round trip (~0.1 ms of Python)
-                    # each: let them gather for a moment instead
-                    await asyncio.sleep(STREAM_READ_INTERVAL_S)
-            if time.monotonic() >= next_refresh:
-                await self._refresh_heartbeats(client)
-                next_refresh = time.monotonic() + c.HEARTBEAT_INTERVAL_S
-
-    async def _check_gap(self, client: Any, stream: str, read_from: str, first_read: str) -> None:
-        """Raise ``_StreamGap`` if entries after ``read_from`` were trimmed before we read them.
-
-        Trimming (``MAXLEN``) moves the stream's first entry: if it now starts after
-        ``read_from``, everything up to its first entry was trimmed, which (unless that is
-        exactly our next entry, the rare false positive that costs one resync) loses
-        entries. Redis 7 and Valkey also report ``max-deleted-entry-id``, which only
-        ``XDEL`` moves (not trimming: Valkey 9 reports ``0-0`` after an ``XTRIM``): a
-        deleted id above ``read_from`` and below the first entry returned is a lost entry.
-        """
-        info = await client.xinfo_stream(stream)
-        info = {_text(k): v for k, v in info.items()}
-        after, before = _stream_id(read_from), _stream_id(first_read)
-        deleted = info.get("max-deleted-entry-id")
-        if deleted is not None and after < _stream_id(_text(deleted)) < before:
-            raise _StreamGap(f"events stream entry {_text(deleted)} deleted before this router "
-                             f"read it (last read {read_from})")
-        first = info.get("first-entry")
-        if first and _stream_id(_text(first[0])) > after and _stream_id(_text(first[0])) >= before:
-            raise _StreamGap(f"events stream trimmed past this router (it starts at "
-                             f"{_text(first[0])}, last read {read_from})")
-
-    def _apply(self, fields: Mapping[Any, Any], gaps: set[str]) -> None:
-        """Apply one stream entry; a replica whose ``entry_seq`` skipped is added to ``gaps``."""
-        try:
-            names: Mapping[str, Any] = _TEXT_FIELDS
-            if b"replica" in fields:  # the client's usual bytes form: no re-keyed copy per entry
-                data: Mapping[Any, Any] = fields
-                names = _BYTES_FIELDS
-            else:
-                data = {_text(k): v for k, v in fields.items()}
-            get = names.__getitem__
-            rid = _text(data[get(c.E_REPLICA)])
-            epoch = int(data[get(c.E_EPOCH)])
-            if get(c.E_OP) in data:  # contract version 1: one op per entry
-                op = _text(data[get(c.E_OP)])
-                keys = c.unpack_keys(_bytes(data.get(get(c.E_KEYS), b"")))
-                dropped = self.fleet.apply_event(rid, epoch, op, keys)
-                ops = [op]
-            else:
-                cleared = _text(data.get(get(c.E_CLEARED), b"0")) == "1"
-                stored = c.unpack_keys(_bytes(data.get(get(c.E_STORED), b"")))
-                removed = c.unpack_keys(_bytes(data.get(get(c.E_REMOVED), b"")))
-                raw_seq = data.get(get(c.E_ENTRY_SEQ))
-                entry_seq = int(raw_seq) if raw_seq is not None else None  # None: version 1/2
-                dropped = self.fleet.apply_changes(rid, epoch, cleared, stored, removed, entry_seq)
-                ops = [op for op, present in ((c.OP_CLEARED, cleared), (c.OP_STORED, stored),
-                                              (c.OP_REMOVED, removed)) if present]
-        except (KeyError, ValueError, UnicodeDecodeError) as exc:
-            logger.warning("dropping malformed stream entry: %s", exc)
-            self.metrics.event_errors.labels("malformed").inc()
-            return
-        if dropped == "gap":
-            gaps.add(rid)
-        elif dropped == "duplicate":
-            pass  # already in the set loaded after this entry was written
-        elif dropped is not None:
-            self.metrics.child(self.metrics.event_errors, dropped).inc()
-        else:
-            for op in ops:
-                self.metrics.child(self.metrics.events, op).inc()
-
-    def _update_gauges(self) -> None:
-        index = self.fleet.index
-        self.metrics.index_blocks.set(len(index))
-        for rid in index.replicas():
-            self.metrics.replica_blocks.labels(rid).set(index.num_blocks(rid))
-
-
-class StaticProber:
-    """Probes static ``--replica`` URLs: ``GET /health`` for health, ``GET /v1/models`` for models.
-
-    A replica is down after ``failures`` failed probes in a row (the first one if it was never
-    up) and up again after one good probe."""
-
-    def __init__(self, fleet: Fleet, session: aiohttp.ClientSession, interval_s: float,
-                 failures: int = 3) -> None:
-        self.fleet = fleet
-        self.session = session
-        self.interval_s = interval_s
-        self.failures = failures  # consecutive failed probes before a replica is down
-        self.probed = asyncio.Event()
-
-    async def probe_once(self) -> None:
-        replicas = [r for r in self.fleet.replicas.values() if r.static or r.fallback]
-        await asyncio.gather(*(self._probe(r) for r in replicas))
-        self.probed.set()
-
-    async def _probe(self, replica: Replica) -> None:
-        timeout = aiohttp.ClientTimeout(total=2.0)
-        try:
-            async with self.session.get(f"{replica.url}/health", timeout=timeout) as resp:
-                healthy = resp.status == 200
-            if healthy and not replica.model_cards:
-                async with self.session.get(f"{replica.url}/v1/models", timeout=timeout) as resp:
-                    if resp.status == 200:
-                        data = await resp.json()
-                        cards = [card for card in data.get("data", []) if isinstance(card, dict)]
-                        replica.model_cards = cards
-                        bases = {str(k["id"]) for k in cards if not k.get("parent")}
-                        loras = {str(k["id"]): str(k.get("root", "")) for k in cards if k.get("parent")}
-                        if self.fleet.config.model:
-                            bases.add(self.fleet.config.model)
-                        replica.models = frozenset(bases) if bases else replica.models
-                        replica.lora_adapters = loras
-        except (aiohttp.ClientError, TimeoutError, ValueError):
-            healthy = False
-        # one slow or failed probe of a busy replica is not an outage: down after
-        # ``health_failures`` in a row (or the first, for a replica never seen up)
-        replica.probe_failures = 0 if healthy else replica.probe_failures + 1
-        replica.probed_ok = replica.probed_ok or healthy
-        if not healthy and replica.probed_ok and replica.probe_failures < self.failures:
-            healthy = True
-        if healthy != replica.healthy:
-            logger.info("static replica %s is %s", replica.replica_id,
-                        "healthy" if healthy else "unhealthy")
-        replica.healthy = healthy
-
-    async def run(self) -> None:
-        while True:
-            await self.probe_once()
-            await asyncio.sleep(self.interval_s)

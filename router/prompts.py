@@ -46,6 +46,7 @@ import msgspec
 import xxhash
 
 from router.chain_cache import ChainCache, PromptChain
+from router.errors import BadRequest
 from router.lru import SizedLRU
 
 logger = logging.getLogger(__name__)
@@ -74,8 +75,8 @@ _SELF_CHECK_TEXTS: Final = (
 )
 
 
-class PromptError(ValueError):
-    """The request's prompt fields are malformed (becomes HTTP 400)."""
+class PromptError(BadRequest, ValueError):
+    """The request's prompt fields are malformed (an HTTP 400 through ``router.http_errors``)."""
 
 
 @dataclass(frozen=True, slots=True)

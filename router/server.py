@@ -51,12 +51,12 @@ from router.errors import (
     NoRoutableReplica,
     RequestTimeout,
     RouterError,
-    error_middleware,
-    openai_parser_errors,
 )
-from router.fleet import Fleet, FleetReader, Replica, StaticProber, read_fleet_cache
+from router.fleet import Fleet, Replica
+from router.fleet_sync import FleetReader, StaticProber, read_fleet_cache
 from router.hashing import BlockHasher, HashConfigError
 from router.heap import HeapTrimmer
+from router.http_errors import error_middleware, openai_parser_errors
 from router.logs import REQUEST_ID, configure_logging
 from router.metrics import CONTENT_TYPE, RouterMetrics
 from router.policy import (
@@ -69,7 +69,6 @@ from router.policy import (
     decide,
 )
 from router.prompts import (
-    PromptError,
     PromptSpec,
     PromptTokenizer,
     parse_prompt,
@@ -429,10 +428,8 @@ class RouterService:
         if self.renderer is None:
             return spec  # no tokenizer: routed by hashing the text, never rendered here
         loop = asyncio.get_running_loop()
-        try:
-            text = await loop.run_in_executor(self.render_executor, self.renderer.render, spec)
-        except PromptError as exc:
-            raise BadRequest(str(exc)) from exc
+        # a PromptError is a BadRequest: the error middleware answers it
+        text = await loop.run_in_executor(self.render_executor, self.renderer.render, spec)
         return dataclasses.replace(spec, text=text)
 
     async def route(self, spec: PromptSpec, *, dry_run: bool = False) -> Routed:
@@ -447,10 +444,7 @@ class RouterService:
             follow = LAZY_HASHING and not dry_run and self._uses_index
             lazy = follow and self._queued_rests < MAX_QUEUED_RESTS
             with self.tracing.span("tokenize_hash") as span:
-                try:
-                    prompt, path = await self._prompt_chain(spec, lora, lazy, follow)
-                except PromptError as exc:
-                    raise BadRequest(str(exc)) from exc
+                prompt, path = await self._prompt_chain(spec, lora, lazy, follow)
                 if span is not None:
                     span.set_attributes({"prefix_router.num_tokens": prompt.num_tokens,
                                          "prefix_router.chain_blocks": len(prompt.keys),
@@ -639,10 +633,7 @@ class RouterService:
                 data = _JSON.decode(body)
             except (msgspec.DecodeError, RecursionError) as exc:
                 raise BadRequest(f"request body is not valid JSON: {exc}") from exc
-            try:
-                spec = parse_prompt(kind, data)
-            except PromptError as exc:
-                raise BadRequest(str(exc)) from exc
+            spec = parse_prompt(kind, data)
         spec = await self._request_template(spec)
         routed = await self.route(spec)
         decision = routed.decision
@@ -882,10 +873,7 @@ class RouterService:
             body = self.auth.salted_body(request, body)
         data = self._decode_json(body)
         kind = "chat" if isinstance(data, dict) and "messages" in data else "completion"
-        try:
-            spec = parse_prompt(kind, data)
-        except PromptError as exc:
-            raise BadRequest(str(exc)) from exc
+        spec = parse_prompt(kind, data)
         routed = await self.route(await self._request_template(spec), dry_run=True)
         d = routed.decision
         return web.json_response({

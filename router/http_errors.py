@@ -1,0 +1,90 @@
+"""The one place that maps errors to OpenAI-shaped JSON responses. HTTP edge (aiohttp).
+
+``error_middleware`` answers every ``RouterError`` (``router.errors``), aiohttp's HTTP
+exceptions and anything unexpected (500, logged); ``openai_parser_errors`` does the same for
+the errors aiohttp's HTTP parser answers before any handler runs.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable
+from http import HTTPStatus
+from typing import Any
+
+from aiohttp import web
+from aiohttp.web_protocol import RequestHandler
+
+from router.errors import (
+    HTTP_ERROR_TYPES,
+    REQUEST_ID_HEADER,
+    RequestTimeout,
+    RouterError,
+    error_body,
+)
+
+logger = logging.getLogger(__name__)
+
+
+def error_response(message: str, error_type: str, status: int,
+                   request_id: str | None = None) -> web.Response:
+    headers = {REQUEST_ID_HEADER: request_id} if request_id else None
+    return web.Response(body=error_body(message, error_type, status), status=status,
+                        content_type="application/json", headers=headers)
+
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+@web.middleware
+async def error_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """Map ``RouterError`` and aiohttp's HTTP exceptions to OpenAI-shaped JSON; 500 otherwise."""
+    request_id = request.get("request_id")
+    try:
+        return await handler(request)
+    except RouterError as exc:
+        response = error_response(exc.message, exc.error_type, exc.status, request_id)
+        response.headers.update(exc.headers)
+        if isinstance(exc, RequestTimeout):
+            response.force_close()  # the rest of the body may still come: never read it
+        return response
+    except web.HTTPRequestEntityTooLarge as exc:
+        return error_response(f"request body too large: {exc.text} (the router's max_body_bytes)",
+                              "RequestEntityTooLargeError", 413, request_id)
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        return error_response(exc.reason, HTTP_ERROR_TYPES.get(exc.status, "Error"), exc.status, request_id)
+    except Exception:
+        logger.exception("unhandled error on %s %s", request.method, request.path)
+        return error_response("internal router error", "InternalServerError", 500, request_id)
+
+
+class _OpenAIErrorHandler(RequestHandler):
+    """aiohttp's connection handler, answering its own errors (the HTTP parser's) in JSON."""
+
+    __slots__ = ()
+
+    def handle_error(self, request: Any, status: int = 500, exc: BaseException | None = None,
+                     message: str | None = None) -> web.StreamResponse:
+        super().handle_error(request, status, exc, message)  # logs it; raises once bytes were sent
+        text = message or getattr(exc, "message", None) or HTTPStatus(status).phrase
+        if status == 400:
+            text = f"malformed HTTP request: {text}"
+        response = error_response(str(text), HTTP_ERROR_TYPES.get(status, "Error"), status)
+        response.force_close()  # the parser lost the request boundary: nothing after it is valid
+        return response
+
+
+def openai_parser_errors(server: web.Server) -> None:
+    """Make the errors aiohttp answers before any handler runs (oversized or malformed request
+    heads, CR/LF/NUL in a header value, Content-Length with Transfer-Encoding) OpenAI-shaped
+    JSON like every other error. Call once on the runner's ``Server`` before listening."""
+
+    class _Server(type(server)):  # type: ignore[misc]
+        def __call__(self) -> RequestHandler:
+            handler = super().__call__()
+            handler.__class__ = _OpenAIErrorHandler  # same slots: a safe class swap
+            return handler
+
+    server.__class__ = _Server
