@@ -18,8 +18,8 @@ its worker polls too, the router on port 0), prints one JSON line of figures and
 * ``slow-clients``: 300 slow-header and 300 slow-body connections held for 60 s; the router's
   open fds before, with them open and after, and when the last one was closed.
 * ``rss``: the router's resident memory (VmRSS) before, after 12 distinct 2 MB text prompts
-  and 12 distinct 2 MB chat prompts (``/debug/route``: parsed, rendered, tokenized, hashed),
-  its peak, and after 5 s idle; the prompt caches' sizes from ``/metrics``.
+  and 36 distinct 2 MB chat prompts (``/debug/route``: parsed, rendered, tokenized, hashed),
+  its peak, and after 12 s idle; the prompt caches' sizes from ``/metrics``.
 """
 
 from __future__ import annotations
@@ -391,19 +391,19 @@ def scenario_rss(lab: Lab) -> dict[str, Any]:
         assert status == 200, body[:200]
         peak = max(peak, _rss_mib(proc.pid))
     after_text = _rss_mib(proc.pid)
-    for i in range(12):
+    for i in range(36):
         status, _, body = http("POST", router + "/debug/route", {
             "messages": [{"role": "user", "content": _text(100 + i, 2 << 20)}]})
         assert status == 200, body[:200]
         peak = max(peak, _rss_mib(proc.pid))
     after_chat = _rss_mib(proc.pid)
-    time.sleep(5)
+    time.sleep(12)
     metrics = http("GET", router + "/metrics")[2].decode()
     caches = [line for line in metrics.splitlines()
               if line.startswith("router_prompt_cache")]
     return {"router_rss_mib": {"before": before, "after_12_text_2mb": after_text,
-                               "after_12_chat_2mb": after_chat, "peak": peak,
-                               "after_5_s_idle": _rss_mib(proc.pid)}, "cache_metrics": caches}
+                               "after_36_chat_2mb": after_chat, "peak": peak,
+                               "after_12_s_idle": _rss_mib(proc.pid)}, "cache_metrics": caches}
 
 
 SCENARIOS: dict[str, Callable[[Lab], dict[str, Any]]] = {

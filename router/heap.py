@@ -4,8 +4,9 @@ Parsing, tokenizing and hashing a multi-MB prompt allocates hundreds of MB in sh
 objects across the event loop and the tokenizer threads; glibc keeps the freed pages in its
 per-thread arenas, so the router's RSS stays at its peak (issue 15: +125 MB after 24 prompts
 of 2 MB with every prompt cache off). ``malloc_trim(0)`` returns the free pages of every
-arena. It is called from the housekeeping loop, off the event loop, only when RSS grew by
-``TRIM_GROWTH_BYTES`` since the last trim; on a libc without it this does nothing.
+arena. It is called from the housekeeping loop, off the event loop, when RSS grew by
+``TRIM_GROWTH_BYTES`` since the last trim, or by ``IDLE_GROWTH_BYTES`` and the last trim is
+``IDLE_TRIM_S`` old (what a burst left behind); on a libc without it this does nothing.
 """
 
 from __future__ import annotations
@@ -13,10 +14,13 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import os
+import time
 from collections.abc import Callable
 from typing import Final
 
 TRIM_GROWTH_BYTES: Final = 64 << 20
+IDLE_GROWTH_BYTES: Final = 4 << 20
+IDLE_TRIM_S: Final = 10.0
 _PAGE: Final = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 
 
@@ -46,14 +50,20 @@ class HeapTrimmer:
         self.growth_bytes = growth_bytes
         self._trim = _malloc_trim()
         self._baseline = rss_bytes() or 0
+        self._trimmed_at = time.monotonic()
         self.num_trims = 0
 
     def due(self) -> bool:
         rss = rss_bytes()
-        return self._trim is not None and rss is not None and rss - self._baseline > self.growth_bytes
+        if self._trim is None or rss is None:
+            return False
+        growth = rss - self._baseline
+        return growth > self.growth_bytes or (
+            growth > IDLE_GROWTH_BYTES and time.monotonic() - self._trimmed_at > IDLE_TRIM_S)
 
     def trim(self) -> None:
         if self._trim is not None:
             self._trim(0)
             self.num_trims += 1
         self._baseline = rss_bytes() or 0
+        self._trimmed_at = time.monotonic()
