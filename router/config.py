@@ -19,11 +19,10 @@ from typing import Any, Final
 
 from router.contract import DEFAULT_INDEX_STRIDE, DEFAULT_REDIS_PREFIX
 from router.hashing import DEFAULT_BLOCK_SIZE, DEFAULT_HASH_ALGO, HASH_ALGOS
-from router.policy import DEFAULT_EVICTED_REUSE
+from router.policy import PolicyParams
 from router.redis_client import RedisUrlError, parse_redis_url
 from router.secrets import SecretError, resolve_redis_password
 from router.settings import ConfigError, read_config_file
-from router.ttft import DEFAULT_PRIOR_TOKENS_PER_S
 from router.version import version_line
 
 POLICIES: Final = ("prefix", "ttft", "round_robin", "least_loaded", "consistent_hash")
@@ -31,31 +30,34 @@ LOG_LEVELS: Final = ("debug", "info", "warning", "error", "critical")
 LOG_FORMATS: Final = ("text", "json")
 ENV_PREFIX: Final = "ROUTER_"
 
+# The policy's tunables are declared once, with their defaults, in ``router.policy.PolicyParams``;
+# the settings below take those defaults and ``RouterConfig.policy_params`` hands them back.
+_POLICY: Final = PolicyParams()
 DEFAULT_PORT: Final = 8000
-DEFAULT_LOAD_FACTOR: Final = 2.0  # bounded-load cap as a multiple of the mean load
+DEFAULT_LOAD_FACTOR: Final = _POLICY.load_factor  # bounded-load cap as a multiple of the mean load
 DEFAULT_VNODES: Final = 128  # virtual nodes per replica on the ring
 DEFAULT_SPECULATIVE_TTL_S: Final = 10.0  # seconds a router-side placement counts as a hit
-DEFAULT_QUEUE_SLACK_TOKENS: Final = 8192  # tokens of extra queue accepted to keep affinity/ring home
-DEFAULT_LOAD_HEADROOM: Final = 4  # requests allowed above ceil(load_factor * mean) (small counts)
-DEFAULT_RECOMPUTE_PENALTY: Final = 50.0  # extra weight on recomputed prefix tokens in a load move:
+DEFAULT_QUEUE_SLACK_TOKENS: Final = _POLICY.queue_slack_tokens  # tokens of extra queue accepted to keep affinity/ring home
+DEFAULT_LOAD_HEADROOM: Final = _POLICY.load_headroom  # requests allowed above ceil(load_factor * mean) (small counts)
+DEFAULT_RECOMPUTE_PENALTY: Final = _POLICY.recompute_penalty  # extra weight on recomputed prefix tokens in a load move:
 # a held prefix moves only behind a queue ~50x its size. Mooncake sweep (1,000 requests, 8 replicas,
 # token hit rate; the placement-only single-cache bound is 16.0%): penalty 1 -> 13.1%, 3 -> 14.5%,
 # 50 -> 15.3%; with load_factor 2.0 + headroom 4 (no count-based spills) -> 16.2%; TTFT p50 ~unchanged
-DEFAULT_MIN_HIT_FRACTION: Final = 0.2  # share of the prompt's blocks a replica must hold beyond the ring home
-DEFAULT_MIN_AFFINITY_BLOCKS: Final = 2  # and at least this many blocks, for affinity to count
-DEFAULT_CONSISTENT_HASH_TOKENS: Final = 1024  # tokens keyed by the consistent_hash baseline
-DEFAULT_COLD_CANDIDATES: Final = 0  # replicas, in ring order, a cold prefix may go to (the one with
+DEFAULT_MIN_HIT_FRACTION: Final = _POLICY.min_hit_fraction  # share of the prompt's blocks a replica must hold beyond the ring home
+DEFAULT_MIN_AFFINITY_BLOCKS: Final = _POLICY.min_affinity_blocks  # and at least this many blocks, for affinity to count
+DEFAULT_CONSISTENT_HASH_TOKENS: Final = _POLICY.consistent_hash_blocks * _POLICY.block_size  # tokens keyed by the consistent_hash baseline
+DEFAULT_COLD_CANDIDATES: Final = _POLICY.cold_candidates  # replicas, in ring order, a cold prefix may go to (the one with
 # the fewest recent KV writes wins); 0 = all, 1 = the ring home only. Mooncake placement simulation
 # (8 replicas of 512k tokens, LRU freeing tails first; token hit rate, mean over 8 ring seeds, for
 # 1,000/2,000 requests): ring home only 15.1/17.6% (range 13.8-16.4/16.9-18.4), 2 candidates
 # 15.6/18.0%, 3 -> 15.8/18.2%, all -> 16.0/18.2% (every seed; the single-cache bound is 16.0/18.3%)
-DEFAULT_COLD_QUEUE_SLACK_TOKENS: Final = 1024  # a cold prefix treats queues this close to the shortest
+DEFAULT_COLD_QUEUE_SLACK_TOKENS: Final = _POLICY.cold_queue_slack_tokens  # a cold prefix treats queues this close to the shortest
 # as equally short and picks among them by recent writes (0: the shortest queue always wins)
 DEFAULT_COLD_WRITE_WINDOW: Final = 0.5  # recent KV writes decay with e-folding at this share of the
 # fleet's KV capacity written (scale-free: the span an LRU cache remembers, not seconds)
-DEFAULT_TTFT_PRIOR_TOKENS_PER_S: Final = DEFAULT_PRIOR_TOKENS_PER_S  # ttft policy: prefill work
+DEFAULT_TTFT_PRIOR_TOKENS_PER_S: Final = _POLICY.ttft_prior_tokens_per_s  # ttft policy: prefill work
 # tokens/s a replica is assumed to do before its first few dozen requests taught the router its rate
-DEFAULT_TTFT_EVICTED_REUSE: Final = DEFAULT_EVICTED_REUSE  # ttft policy: chance that a block a new
+DEFAULT_TTFT_EVICTED_REUSE: Final = _POLICY.evicted_reuse  # ttft policy: chance that a block a new
 # prefix evicts (from a replica writing its fair share of KV) would have been hit again
 DEFAULT_REPLICA_KV_BLOCKS: Final = 32_000  # KV capacity assumed for replicas that do not report it
 DEFAULT_MAX_BODY_BYTES: Final = 32 * 1024 * 1024  # a 128k-token token-id body is ~1 MB; text ~0.5 MB
@@ -160,6 +162,15 @@ class RouterConfig:
     drain_delay_s: float = 0.0  # after a stop signal: /ready 503 while still accepting, this long
     shutdown_timeout_s: float = DEFAULT_SHUTDOWN_TIMEOUT_S
     config: str | None = field(default=None, compare=False)  # the YAML file this came from
+
+    def policy_params(self) -> PolicyParams:
+        """The policy's tunables from these settings: every ``PolicyParams`` field of the same
+        name, plus the two derived ones (``consistent_hash_blocks``, ``evicted_reuse``)."""
+        same = {f.name: getattr(self, f.name) for f in dataclasses.fields(PolicyParams)
+                if hasattr(self, f.name)}
+        return PolicyParams(
+            **same, consistent_hash_blocks=max(1, self.consistent_hash_tokens // self.block_size),
+            evicted_reuse=self.ttft_evicted_reuse)
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):

@@ -64,7 +64,6 @@ from router.policy import (
     Candidate,
     Decision,
     LoadTracker,
-    PolicyParams,
     RouteInput,
     decide,
 )
@@ -159,16 +158,7 @@ class RouterService:
         self.prefill_s_per_token: dict[str, float] = {}
         self.fleet = Fleet(config, self.hasher)
         self.tracker = LoadTracker()
-        self.params = PolicyParams(
-            block_size=config.block_size, load_factor=config.load_factor,
-            queue_slack_tokens=config.queue_slack_tokens,
-            load_headroom=config.load_headroom, recompute_penalty=config.recompute_penalty,
-            min_hit_fraction=config.min_hit_fraction, min_affinity_blocks=config.min_affinity_blocks,
-            consistent_hash_blocks=max(1, config.consistent_hash_tokens // config.block_size),
-            cold_candidates=config.cold_candidates,
-            cold_queue_slack_tokens=config.cold_queue_slack_tokens,
-            ttft_prior_tokens_per_s=config.ttft_prior_tokens_per_s,
-            evicted_reuse=config.ttft_evicted_reuse)
+        self.params = config.policy_params()
         # the ttft policy's prefill rate per replica, fitted from streamed first-token times
         self.learner = PrefillRateLearner(config.ttft_prior_tokens_per_s)
         self._uses_index = config.policy in INDEX_POLICIES
