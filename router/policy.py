@@ -203,8 +203,33 @@ class RouteInput:
 
 
 @dataclass(frozen=True, slots=True)
+class HitDepth:
+    """A replica's predicted prefix hit in blocks, capped at vLLM's max hit: ``blocks`` counts
+    the router's own speculative placements too, ``confirmed`` only what its worker reported."""
+
+    blocks: int = 0
+    confirmed: int = 0
+
+
+NO_HIT: Final = HitDepth()
+
+
+@dataclass(frozen=True, slots=True)
+class TtftPrediction:
+    """The ttft policy's prediction for one replica: ``work_tokens`` of prefill (queued ahead
+    plus its own) it expects to take ``ttft_s`` seconds there (what the learner checks)."""
+
+    work_tokens: float
+    ttft_s: float
+
+
+@dataclass(frozen=True, slots=True)
 class Decision:
-    """The chosen replica, retry order and the explanation."""
+    """The chosen replica, retry order, every candidate's hit depth and the explanation.
+
+    ``hits`` is what dispatch reads (placement, KV-write accounting, the TTFT prediction);
+    ``details`` is the explanation ``/debug/route`` shows (loads, ranks, seconds), for people.
+    """
 
     replica_id: str
     reason: str
@@ -212,6 +237,12 @@ class Decision:
     hit_blocks: int  # predicted hit on the chosen replica (capped at vLLM's max hit)
     chain_blocks: int
     details: dict[str, dict[str, Any]] = field(default_factory=dict)  # {replica_id: numbers}
+    hits: Mapping[str, HitDepth] = field(default_factory=dict)  # {replica_id: hit depth}
+    predictions: Mapping[str, TtftPrediction] = field(default_factory=dict)  # ttft policy only
+
+    def hit(self, replica_id: str) -> HitDepth:
+        """``replica_id``'s hit depth (``NO_HIT`` for a replica the policy did not score)."""
+        return self.hits.get(replica_id, NO_HIT)
 
     @property
     def predicted_hit(self) -> bool:
@@ -429,7 +460,8 @@ def _prefix(
         }
         for rid in order
     }
-    return Decision(chosen, reason, tuple(rest), depth[chosen], len(chain), details)
+    hits = {rid: HitDepth(depth[rid], conf[rid]) for rid in depth}
+    return Decision(chosen, reason, tuple(rest), depth[chosen], len(chain), details, hits)
 
 
 def _ttft(
@@ -509,7 +541,11 @@ def _ttft(
               **terms[rid]}
         for rid in order
     }
-    return Decision(chosen, reason, tuple(rest), depth[chosen], len(request.chain), details)
+    hits = {rid: HitDepth(depth[rid], conf[rid]) for rid in depth}
+    predictions = {rid: TtftPrediction(terms[rid]["work_tokens"], terms[rid]["ttft_s"])
+                   for rid in order}
+    return Decision(chosen, reason, tuple(rest), depth[chosen], len(request.chain), details, hits,
+                    predictions)
 
 
 class LoadTracker:

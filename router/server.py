@@ -496,7 +496,7 @@ class RouterService:
         urls = {r.replica_id: r.url for r in eligible}
         size = self.config.block_size
         targets = [Target(rid, urls[rid],
-                          decision.details.get(rid, {}).get("confirmed_hit_blocks", 0) * size)
+                          decision.hit(rid).confirmed * size)
                    for rid in (decision.replica_id, *decision.fallbacks)]
         return Routed(decision, num_tokens, chain, targets, tokenized,
                       prompt.complete if prompt is not None else True, lora, window)
@@ -519,7 +519,7 @@ class RouterService:
         rest is hashed in its own thread and added when done, unless withdrawn by then)."""
         if not self._uses_index or not routed.chain:
             return None
-        held = routed.decision.details.get(replica_id, {}).get("confirmed_hit_blocks", 0)
+        held = routed.decision.hit(replica_id).confirmed
         slot = self.fleet.index.bit(replica_id)
         stride = self.config.index_stride  # only anchor keys are ever looked up
         placed = _Placed(anchor_keys(routed.chain, stride, held))
@@ -555,7 +555,7 @@ class RouterService:
     def _write_blocks(self, routed: Routed, replica_id: str) -> int:
         """New KV blocks the request makes ``replica_id`` write: its full blocks beyond the hit
         predicted there."""
-        hit_blocks = routed.decision.details.get(replica_id, {}).get("hit_blocks", 0)
+        hit_blocks = routed.decision.hit(replica_id).blocks
         return max(routed.num_tokens // self.config.block_size - hit_blocks, 0)
 
     def _correct_length(self, routed: Routed, replica_id: str, placed: _Placed,
@@ -573,7 +573,7 @@ class RouterService:
                                          routed.write_window_blocks)
         placed.blocks = blocks
         if placed.ticket is not None:
-            hit_blocks = routed.decision.details.get(replica_id, {}).get("hit_blocks", 0)
+            hit_blocks = routed.decision.hit(replica_id).blocks
             placed.ticket.resize_prefill(max(num_tokens - hit_blocks * self.config.block_size, 1))
 
     # -- handlers ----------------------------------------------------------------
@@ -732,12 +732,12 @@ class RouterService:
     def _observe_first_token(self, decision: Decision, replica_id: str, ttft_s: float) -> None:
         """A streamed request's first byte came ``ttft_s`` after its dispatch to ``replica_id``:
         teach the prefill-rate learner, and record how far off the ttft policy's prediction was."""
-        predicted = decision.details.get(replica_id, {})
-        if "work_tokens" not in predicted:  # another policy: nothing predicted
+        predicted = decision.predictions.get(replica_id)
+        if predicted is None:  # another policy: nothing predicted
             return
-        self.learner.observe(replica_id, predicted["work_tokens"], ttft_s)
+        self.learner.observe(replica_id, predicted.work_tokens, ttft_s)
         self.metrics.child(self.metrics.ttft_prediction_error, replica_id).observe(
-            ttft_s - predicted["ttft_s"])
+            ttft_s - predicted.ttft_s)
 
     def _audit_request(self, spec: PromptSpec, num_tokens: int, predicted_hit_tokens: int,
                        outcome: ProxyOutcome, tenant: str | None) -> None:

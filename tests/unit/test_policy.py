@@ -8,7 +8,9 @@ from dataclasses import dataclass, field
 import pytest
 
 from router.policy import (
+    NO_HIT,
     Candidate,
+    HitDepth,
     LoadTracker,
     PolicyParams,
     RouteInput,
@@ -285,3 +287,21 @@ def test_cold_prefix_goes_to_the_fewest_writes_among_the_shortest_queues() -> No
     # order[1] and order[2] have nothing queued, order[3] is within the cold slack (1024) of nothing
     # but order[0] (the least written) is not; of the three, order[3] wrote least
     assert (d.replica_id, d.reason) == (order[3], "cold_ring")
+
+
+@pytest.mark.parametrize("policy", ["prefix", "ttft"])
+def test_the_decision_carries_typed_hit_depths_for_dispatch(policy: str) -> None:
+    replicas = [Candidate(rid) for rid in IDS]
+    combined = {"replica-0": 40, "replica-1": 10}
+    confirmed = {"replica-0": 30}
+    decision = decide(policy, RouteInput(CHAIN, 1024, ring_key=42), replicas, RING,
+                      confirmed=confirmed, combined=combined, params=PARAMS)
+    assert decision.hit("replica-0") == HitDepth(blocks=40, confirmed=30)
+    assert decision.hit("replica-1") == HitDepth(blocks=10, confirmed=0)
+    assert decision.hit("replica-3") == HitDepth() and decision.hit("unknown") is NO_HIT
+    for rid, hit in decision.hits.items():  # the explanation shows the same numbers
+        assert (hit.blocks, hit.confirmed) == (decision.details[rid]["hit_blocks"],
+                                               decision.details[rid]["confirmed_hit_blocks"])
+    assert bool(decision.predictions) == (policy == "ttft")
+    for rid, predicted in decision.predictions.items():
+        assert predicted.ttft_s == decision.details[rid]["ttft_s"] > 0
