@@ -7,7 +7,8 @@ with ``CLUSTER MEET`` (no ``redis-cli --cluster`` needed); ``url`` is the
 ``redis+cluster://`` seed list. ``RedisClusterServers(3, replicas_per_master=1)`` gives each
 master a replica (``CLUSTER REPLICATE``, started once every replica is in sync);
 ``failover(key)`` promotes the replica of the master holding ``key`` (``CLUSTER FAILOVER`` sent
-to the replica) and waits until every node sees it as the slot's master. ``RedisSentinelSet().start()`` runs a master, its replica and
+to the replica, or with ``kill=True`` SIGKILL of the master) and waits until every node sees it
+as the slot's master. ``RedisSentinelSet().start()`` runs a master, its replica and
 three sentinels watching it as ``service``; ``failover()`` has the sentinels promote the replica
 (``SENTINEL FAILOVER``) and waits until they report it as master; ``url`` is the
 ``redis+sentinel://.../SERVICE/0`` URL. Both are context managers.
@@ -222,26 +223,39 @@ class RedisClusterServers(_Topology):
                 return node
         raise RedisServerError(f"no master holds slot {slot}")
 
-    def master_port(self, key: str) -> int:
-        """The port of the master holding ``key``'s slot, as the first node sees it."""
-        return int(self._owner(_client(self.ports[0]), key_slot(key))["port"])
+    def running_ports(self) -> list[int]:
+        """The ports of the nodes not killed by ``failover(..., kill=True)``."""
+        return [p for p in self.ports if p in self._procs.procs]
 
-    def failover(self, key: str, timeout_s: float = 20.0) -> int:
-        """Promote a replica of the master holding ``key`` (``CLUSTER FAILOVER`` sent to it: the
-        coordinated manual failover, in which the master pauses its clients until the replica
-        has caught up); wait until every node sees the replica as the slot's master, it answers
-        ``ROLE`` as master, and the cluster state is ok. Returns the new master's port."""
+    def master_port(self, key: str) -> int:
+        """The port of the master holding ``key``'s slot, as the first running node sees it."""
+        return int(self._owner(_client(self.running_ports()[0]), key_slot(key))["port"])
+
+    def failover(self, key: str, timeout_s: float = 20.0, kill: bool = False) -> int:
+        """Promote a replica of the master holding ``key``: by ``CLUSTER FAILOVER`` sent to the
+        replica (the coordinated manual failover, in which the master pauses its clients until
+        the replica has caught up), or with ``kill`` by SIGKILL of the master (the cluster marks
+        it failed after ``NODE_TIMEOUT_MS`` and the replica takes over; writes it had not yet
+        replicated are lost). Waits until every running node sees the replica as the slot's
+        master, it answers ``ROLE`` as master, and the cluster state is ok. Returns the new
+        master's port."""
         slot = key_slot(key)
-        first = _client(self.ports[0])
+        first = _client(self.running_ports()[0])
         old = self._owner(first, slot)
-        replicas = [n["port"] for n in self._nodes(first) if n["master_id"] == old["id"]]
+        replicas = [n["port"] for n in self._nodes(first) if n["master_id"] == old["id"]
+                    and n["port"] in self._procs.procs]
         if not replicas:
             raise RedisServerError(f"the master on port {old['port']} has no replica")
         new = replicas[0]
-        _client(new).execute_command("CLUSTER FAILOVER")
+        if kill:
+            proc = self._procs.procs.pop(old["port"])
+            proc.kill()
+            proc.wait()
+        else:
+            _client(new).execute_command("CLUSTER FAILOVER")
 
         def promoted() -> bool:
-            for port in self.ports:
+            for port in self.running_ports():
                 client = _client(port)
                 if client.cluster("INFO").get("cluster_state") != "ok":
                     return False

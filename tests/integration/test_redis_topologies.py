@@ -275,12 +275,15 @@ def test_routing_hits_survive_a_sentinel_failover_with_no_failed_request(tmp_pat
                 stop_process(proc)
 
 
+@pytest.mark.parametrize("kill", [False, True], ids=["manual", "master-killed"])
 def test_routing_hits_survive_a_cluster_master_failover_with_no_failed_request(
-        tmp_path: Path) -> None:
+        tmp_path: Path, kill: bool) -> None:
     """3 masters, each with a replica: during traffic, the master holding the shared stream
     ``pr:events`` fails over to its replica, then the master holding a worker's keys (``{r}``);
     every request is answered, prompts sent before still hit, new ones become confirmed hits
-    (the workers write to the new masters and the router reads the stream from them)."""
+    (the workers write to the new masters and the router reads the stream from them). Either
+    by ``CLUSTER FAILOVER`` (manual) or by SIGKILL of the master (the cluster is down for about
+    ``NODE_TIMEOUT_MS`` until the replica takes over)."""
     procs: list[Any] = []
     router = None
     with RedisClusterServers(3, replicas_per_master=1) as cluster:
@@ -296,13 +299,13 @@ def test_routing_hits_survive_a_cluster_master_failover_with_no_failed_request(
             with steady_traffic(router, prompts[:3]) as statuses:
                 events = c.events_key("pr")
                 old = cluster.master_port(events)
-                moved.append((old, cluster.failover(events)))
+                moved.append((old, cluster.failover(events, kill=kill)))
                 send_and_confirm(router, prompts[3:6], "hits after the stream's master failed over")
                 # then a master holding a worker's keys (another one than the stream's, if any)
                 keys = [c.blocks_key("pr", f"replica-{i}") for i in range(2)]
                 key = next((k for k in keys if cluster.master_port(k) != moved[0][1]), keys[0])
                 old = cluster.master_port(key)
-                moved.append((old, cluster.failover(key)))
+                moved.append((old, cluster.failover(key, kill=kill)))
                 send_and_confirm(router, prompts[6:], "hits after a worker's master failed over")
             assert all(old != new for old, new in moved), moved
             assert all(w.poll() is None for w in workers), "a worker exited"
