@@ -4,7 +4,11 @@ set (a master, replicas and sentinels), all real ``redis-server`` processes (the
 
 ``RedisClusterServers(3).start()`` assigns the 16,384 hash slots evenly and joins the nodes
 with ``CLUSTER MEET`` (no ``redis-cli --cluster`` needed); ``url`` is the
-``redis+cluster://`` seed list. ``RedisSentinelSet().start()`` runs a master, its replica and
+``redis+cluster://`` seed list. ``RedisClusterServers(3, replicas_per_master=1)`` gives each
+master a replica (``CLUSTER REPLICATE``, started once every replica is in sync);
+``failover(key)`` promotes the replica of the master holding ``key`` (``CLUSTER FAILOVER`` sent
+to the replica, or with ``kill=True`` SIGKILL of the master) and waits until every node sees it
+as the slot's master. ``RedisSentinelSet().start()`` runs a master, its replica and
 three sentinels watching it as ``service``; ``failover()`` has the sentinels promote the replica
 (``SENTINEL FAILOVER``) and waits until they report it as master; ``url`` is the
 ``redis+sentinel://.../SERVICE/0`` URL. Both are context managers.
@@ -13,6 +17,8 @@ three sentinels watching it as ``service``; ``failover()`` has the sentinels pro
 from __future__ import annotations
 
 import contextlib
+import functools
+import re
 import socket
 import subprocess
 import tempfile
@@ -30,6 +36,7 @@ from loadtest.redis_server import (
     redis_server_binary,
     terminate,
 )
+from router.contract import key_slot
 
 NUM_SLOTS: Final = 16384  # Redis Cluster hash slots
 STARTUP_TIMEOUT_S: Final = 20.0
@@ -38,7 +45,7 @@ DOWN_AFTER_MS: Final = 1000  # sentinel down-after-milliseconds
 CLUSTER_BUS_OFFSET: Final = 10000  # a cluster node also listens on port + 10000
 
 
-def _wait(condition: Callable[[], bool], timeout_s: float, what: str) -> None:
+def _wait(condition: Callable[[], object], timeout_s: float, what: str) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         with contextlib.suppress(redis.RedisError, OSError):
@@ -100,6 +107,10 @@ class _Topology:
         self.stop()
 
 
+def _text(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else value
+
+
 def _client(port: int) -> Any:
     """A client of one loopback node (Any: redis-py types its sentinel replies loosely)."""
     return redis.Redis(port=port, socket_timeout=5.0)
@@ -121,12 +132,16 @@ def _cluster_port() -> int:
 
 
 class RedisClusterServers(_Topology):
-    """A Redis Cluster of ``num_masters`` masters on loopback, slots split evenly."""
+    """A Redis Cluster of ``num_masters`` masters on loopback, slots split evenly, each master
+    with ``replicas_per_master`` replicas (``CLUSTER REPLICATE``)."""
 
-    def __init__(self, num_masters: int = 3) -> None:
+    def __init__(self, num_masters: int = 3, replicas_per_master: int = 0) -> None:
         if num_masters < 1:
             raise ValueError("a cluster needs at least one master")
-        self.ports = [_cluster_port() for _ in range(num_masters)]
+        if replicas_per_master < 0:
+            raise ValueError("replicas_per_master must be >= 0")
+        self.ports = [_cluster_port() for _ in range(num_masters * (1 + replicas_per_master))]
+        self.num_masters = num_masters
         self._procs = _Processes("prefix-router-cluster-")
 
     @property
@@ -139,22 +154,39 @@ class RedisClusterServers(_Topology):
                 self._procs.start(port, ["--cluster-enabled", "yes", "--cluster-config-file",
                                          f"nodes-{port}.conf", "--cluster-node-timeout",
                                          str(NODE_TIMEOUT_MS), "--appendonly", "no"])
-            clients = [redis.Redis(port=p) for p in self.ports]
-            n = len(self.ports)
-            for i, client in enumerate(clients):
-                slots = range(i * NUM_SLOTS // n, (i + 1) * NUM_SLOTS // n)
+            clients = [_client(p) for p in self.ports]
+            n, masters = len(self.ports), self.num_masters
+            for i, client in enumerate(clients[:masters]):
+                slots = range(i * NUM_SLOTS // masters, (i + 1) * NUM_SLOTS // masters)
                 client.execute_command("CLUSTER ADDSLOTS", *slots)
             for port in self.ports[1:]:
                 clients[0].execute_command("CLUSTER MEET", "127.0.0.1", port)
+            ids = [_text(client.execute_command("CLUSTER MYID")) for client in clients]
+
+            def known(client: Any) -> bool:
+                return int(client.cluster("INFO")["cluster_known_nodes"]) == n
+
+            _wait(lambda: all(known(cl) for cl in clients), STARTUP_TIMEOUT_S,
+                  "every node to know the others")
+            for i in range(masters, n):  # replica i follows master i % masters
+                # a node learns of the master's id through gossip: retry until it does
+                replicate = functools.partial(clients[i].execute_command, "CLUSTER REPLICATE",
+                                              ids[i % masters])
+                _wait(replicate, STARTUP_TIMEOUT_S,
+                      f"node {self.ports[i]} to replicate {self.ports[i % masters]}")
 
             def ready() -> bool:
                 for client in clients:
                     fields = client.cluster("INFO")  # redis-py parses it into a dict
                     if fields.get("cluster_state") != "ok" or int(fields["cluster_known_nodes"]) != n:
                         return False
-                return True
+                    # and it sees every replica (gossip spreads the roles a little later)
+                    if sum(1 for node in self._nodes(client) if node["master_id"] != "-") != (
+                            n - masters):
+                        return False
+                return self._replicas_synced(clients[:masters], n - masters)
 
-            _wait(ready, STARTUP_TIMEOUT_S, "cluster_state:ok on every node")
+            _wait(ready, STARTUP_TIMEOUT_S, "cluster_state:ok on every node, replicas in sync")
             for client in clients:
                 client.close()
         except BaseException:
@@ -162,6 +194,77 @@ class RedisClusterServers(_Topology):
             raise
         return self
 
+    @staticmethod
+    def _replicas_synced(masters: list[Any], expected: int) -> bool:
+        """Every master reports its replicas online (``INFO replication``)."""
+        online = 0
+        for client in masters:
+            info = client.info("replication")
+            online += sum(1 for k, v in info.items() if re.fullmatch(r"slave\d+", k)
+                          and isinstance(v, dict) and v.get("state") == "online")
+        return online == expected
+
+    @staticmethod
+    def _nodes(client: Any) -> list[dict[str, Any]]:
+        """``CLUSTER NODES`` as ``client``'s node sees it: [{port, id, master, master_id,
+        slots: [(first, last)]}] (redis-py parses the reply into {"host:port@bus": fields})."""
+        nodes = []
+        for address, fields in client.cluster("NODES").items():
+            port = int(address.split("@")[0].rpartition(":")[2])
+            slots = [(int(r[0]), int(r[-1])) for r in fields["slots"]]
+            nodes.append({"port": port, "id": fields["node_id"],
+                          "master": "master" in fields["flags"],
+                          "master_id": fields["master_id"], "slots": slots})
+        return nodes
+
+    def _owner(self, client: Any, slot: int) -> dict[str, Any]:
+        for node in self._nodes(client):
+            if node["master"] and any(a <= slot <= b for a, b in node["slots"]):
+                return node
+        raise RedisServerError(f"no master holds slot {slot}")
+
+    def running_ports(self) -> list[int]:
+        """The ports of the nodes not killed by ``failover(..., kill=True)``."""
+        return [p for p in self.ports if p in self._procs.procs]
+
+    def master_port(self, key: str) -> int:
+        """The port of the master holding ``key``'s slot, as the first running node sees it."""
+        return int(self._owner(_client(self.running_ports()[0]), key_slot(key))["port"])
+
+    def failover(self, key: str, timeout_s: float = 20.0, kill: bool = False) -> int:
+        """Promote a replica of the master holding ``key``: by ``CLUSTER FAILOVER`` sent to the
+        replica (the coordinated manual failover, in which the master pauses its clients until
+        the replica has caught up), or with ``kill`` by SIGKILL of the master (the cluster marks
+        it failed after ``NODE_TIMEOUT_MS`` and the replica takes over; writes it had not yet
+        replicated are lost). Waits until every running node sees the replica as the slot's
+        master, it answers ``ROLE`` as master, and the cluster state is ok. Returns the new
+        master's port."""
+        slot = key_slot(key)
+        first = _client(self.running_ports()[0])
+        old = self._owner(first, slot)
+        replicas = [n["port"] for n in self._nodes(first) if n["master_id"] == old["id"]
+                    and n["port"] in self._procs.procs]
+        if not replicas:
+            raise RedisServerError(f"the master on port {old['port']} has no replica")
+        new = replicas[0]
+        if kill:
+            proc = self._procs.procs.pop(old["port"])
+            proc.kill()
+            proc.wait()
+        else:
+            _client(new).execute_command("CLUSTER FAILOVER")
+
+        def promoted() -> bool:
+            for port in self.running_ports():
+                client = _client(port)
+                if client.cluster("INFO").get("cluster_state") != "ok":
+                    return False
+                if self._owner(client, slot)["port"] != new:
+                    return False
+            return _text(_client(new).execute_command("ROLE")[0]) == "master"
+
+        _wait(promoted, timeout_s, f"node {new} to take over slot {slot} from {old['port']}")
+        return int(new)
 
 
 class RedisSentinelSet(_Topology):

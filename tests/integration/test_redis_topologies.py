@@ -1,8 +1,10 @@
-"""The router and workers against a real Redis Cluster (3 masters) and a real Sentinel set (a
-master, a replica, 3 sentinels) on loopback, through the ``redis+cluster://`` and
-``redis+sentinel://`` URLs.
+"""The router and workers against a real Redis Cluster (3 masters, with or without a replica
+each) and a real Sentinel set (a master, a replica, 3 sentinels) on loopback, through the
+``redis+cluster://`` and ``redis+sentinel://`` URLs.
 
-Sentinel: routing hits survive a master failover during traffic with zero failed requests.
+Sentinel and Cluster: routing hits survive a master failover during traffic with zero failed
+requests (on the cluster: the master of the shared stream ``pr:events``, then the master of a
+worker's keys).
 Cluster (contract version 3): a replica's keys share the hash tag ``{r}`` (one slot, checked
 with ``CLUSTER KEYSLOT``), workers and routers run unchanged on it, and a router following many
 replicas whose keys spread over the three masters, started in the middle of their traffic,
@@ -13,10 +15,13 @@ that replica's set.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import functools
 import json
 import random
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +44,13 @@ def confirmed_hit(router: Router, prompt: list[int], blocks: int = 8) -> bool:
     # (stride 16) holds the anchors at positions 0, 1, 3 and 7 of them: a confirmed depth of 8
     decision = json.loads(router.post("/debug/route", {"prompt": prompt})[2])
     return any(v["confirmed_hit_blocks"] >= blocks for v in decision["replicas"].values())
+
+
+def wait_routable(router: Router, workers: list[Any]) -> None:
+    """Wait until every worker's replica is routable with affinity, or a worker has exited."""
+    wait_for(lambda: any(w.poll() is not None for w in workers) or
+             sum(r["routable"] and r["affinity"] for r in router.ready()["replicas"])
+             == len(workers), 30, message="every replica routable with affinity, or a worker gone")
 
 
 def test_cluster_fixture_spreads_slots_over_three_masters() -> None:
@@ -68,9 +80,7 @@ def test_routing_hits_on_a_redis_cluster(tmp_path: Path) -> None:
             procs = _emulated_fleet(cluster.url, tmp_path, 2)
             router = Router(tmp_path, ["--redis-url", cluster.url, "--hash-seed", "0"])
             workers = procs[1:]
-            wait_for(lambda: any(w.poll() is not None for w in workers) or
-                     sum(r["routable"] and r["affinity"] for r in router.ready()["replicas"]) == 2,
-                     30, message="both replicas routable with affinity, or a worker gone")
+            wait_routable(router, workers)
             # contract version 2 exited here: its start-up read and every flush spanned slots
             assert all(w.poll() is None for w in workers), "a worker exited"
             prompt = [random.Random(3).randrange(1000, 90_000) for _ in range(160)]
@@ -204,6 +214,36 @@ def test_a_router_following_many_replicas_on_a_cluster_holds_whole_flushes(
                 print(router.stop()[-3000:])
 
 
+def send_and_confirm(router: Router, prompts: list[list[int]], message: str) -> None:
+    """Send each prompt once (answered 200), then wait until each is a confirmed hit."""
+    for p in prompts:
+        assert router.post("/v1/completions", {"prompt": p, "max_tokens": 1})[0] == 200
+    for p in prompts:
+        wait_for(functools.partial(confirmed_hit, router, p), 30, message=message)
+
+
+@contextlib.contextmanager
+def steady_traffic(router: Router, prompts: list[list[int]]) -> Iterator[list[int]]:
+    """Send ``prompts`` in turn from a thread until the block exits; yields the statuses."""
+    statuses: list[int] = []
+    stop = threading.Event()
+
+    def traffic() -> None:
+        i = 0
+        while not stop.is_set():
+            body = {"prompt": prompts[i % len(prompts)], "max_tokens": 1}
+            statuses.append(router.post("/v1/completions", body)[0])
+            i += 1
+
+    thread = threading.Thread(target=traffic)
+    thread.start()
+    try:
+        yield statuses
+    finally:
+        stop.set()
+        thread.join(30)
+
+
 def test_routing_hits_survive_a_sentinel_failover_with_no_failed_request(tmp_path: Path) -> None:
     procs: list[Any] = []
     router = None
@@ -215,35 +255,13 @@ def test_routing_hits_survive_a_sentinel_failover_with_no_failed_request(tmp_pat
                      == 2, 30, message="both replicas routable")
             rng = random.Random(11)
             prompts = [[rng.randrange(1000, 90_000) for _ in range(160)] for _ in range(6)]
-            for p in prompts[:3]:
-                assert router.post("/v1/completions", {"prompt": p, "max_tokens": 1})[0] == 200
-            for p in prompts[:3]:
-                wait_for(lambda p=p: confirmed_hit(router, p), 15, message="hits before failover")
+            send_and_confirm(router, prompts[:3], "hits before failover")
             old_master = sentinels.master_port()
-
             # traffic throughout the failover: every request must succeed
-            statuses: list[int] = []
-            stop = threading.Event()
-
-            def traffic() -> None:
-                i = 0
-                while not stop.is_set():
-                    body = {"prompt": prompts[i % 3], "max_tokens": 1}
-                    statuses.append(router.post("/v1/completions", body)[0])
-                    i += 1
-
-            thread = threading.Thread(target=traffic)
-            thread.start()
-            try:
+            with steady_traffic(router, prompts[:3]) as statuses:
                 new_master = sentinels.failover()
                 # the workers write to the new master: new prompts become hits through it
-                for p in prompts[3:]:
-                    assert router.post("/v1/completions", {"prompt": p, "max_tokens": 1})[0] == 200
-                for p in prompts[3:]:
-                    wait_for(lambda p=p: confirmed_hit(router, p), 30, message="hits after failover")
-            finally:
-                stop.set()
-                thread.join(30)
+                send_and_confirm(router, prompts[3:], "hits after failover")
             assert new_master != old_master
             assert statuses and set(statuses) == {200}, statuses
             # prompts sent before the failover still hit where they were cached
@@ -255,3 +273,48 @@ def test_routing_hits_survive_a_sentinel_failover_with_no_failed_request(tmp_pat
                 print(router.stop()[-3000:])
             for proc in reversed(procs):
                 stop_process(proc)
+
+
+@pytest.mark.parametrize("kill", [False, True], ids=["manual", "master-killed"])
+def test_routing_hits_survive_a_cluster_master_failover_with_no_failed_request(
+        tmp_path: Path, kill: bool) -> None:
+    """3 masters, each with a replica: during traffic, the master holding the shared stream
+    ``pr:events`` fails over to its replica, then the master holding a worker's keys (``{r}``);
+    every request is answered, prompts sent before still hit, new ones become confirmed hits
+    (the workers write to the new masters and the router reads the stream from them). Either
+    by ``CLUSTER FAILOVER`` (manual) or by SIGKILL of the master (the cluster is down for about
+    ``NODE_TIMEOUT_MS`` until the replica takes over)."""
+    procs: list[Any] = []
+    router = None
+    with RedisClusterServers(3, replicas_per_master=1) as cluster:
+        try:
+            procs = _emulated_fleet(cluster.url, tmp_path, 2)
+            router = Router(tmp_path, ["--redis-url", cluster.url, "--hash-seed", "0"])
+            workers = procs[1:]
+            wait_routable(router, workers)
+            rng = random.Random(13)
+            prompts = [[rng.randrange(1000, 90_000) for _ in range(160)] for _ in range(9)]
+            send_and_confirm(router, prompts[:3], "hits before failover")
+            moved = []
+            with steady_traffic(router, prompts[:3]) as statuses:
+                events = c.events_key("pr")
+                old = cluster.master_port(events)
+                moved.append((old, cluster.failover(events, kill=kill)))
+                send_and_confirm(router, prompts[3:6], "hits after the stream's master failed over")
+                # then a master holding a worker's keys (another one than the stream's, if any)
+                keys = [c.blocks_key("pr", f"replica-{i}") for i in range(2)]
+                key = next((k for k in keys if cluster.master_port(k) != moved[0][1]), keys[0])
+                old = cluster.master_port(key)
+                moved.append((old, cluster.failover(key, kill=kill)))
+                send_and_confirm(router, prompts[6:], "hits after a worker's master failed over")
+            assert all(old != new for old, new in moved), moved
+            assert all(w.poll() is None for w in workers), "a worker exited"
+            assert statuses and set(statuses) == {200}, statuses
+            for p in prompts[:6]:  # prompts sent before a failover still hit
+                assert confirmed_hit(router, p)
+            assert router.ready()["redis"]["connected"] is True
+        finally:
+            if router is not None:
+                print(router.stop()[-3000:])
+            logs = "".join(stop_process(p) for p in reversed(procs))
+            print(logs[-3000:])
