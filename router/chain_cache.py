@@ -38,6 +38,9 @@ from router.lru import SizedLRU
 SPAN_BLOCKS: Final = 16  # full blocks per token-id piece (256 tokens at block size 16)
 DEFAULT_CAPACITY: Final = 65536  # cached pieces (nodes)
 DEFAULT_MAX_BYTES: Final = 96 << 20  # about 1.5 KB per node at the default capacity
+# a token-id prompt with at most this many new blocks is hashed whole, never lazily (~1.3 us a
+# block: cheaper than the thread hop its rest would take)
+LAZY_MIN_UNCACHED_BLOCKS: Final = 64
 
 
 @dataclass(frozen=True, slots=True)
@@ -257,6 +260,33 @@ class ChainCache:
                            self.id_spans(tokens), lora, cache_salt)
         assert chain is not None  # only lazy mode gives up
         return chain
+
+    def id_chain(self, tokens: Sequence[int], lora: tuple[str, str] | None,
+                 cache_salt: str | None, max_uncached_blocks: int | None = None,
+                 held: Callable[[int], bool] | None = None,
+                 lazy_min_blocks: int = LAZY_MIN_UNCACHED_BLOCKS) -> PromptChain | None:
+        """Block-key chain of a token-id prompt (the token-id counterpart of
+        ``PromptTokenizer.text_chain``; vLLM uses given token ids as they are).
+
+        Returns ``None`` (having hashed nothing) when more than ``max_uncached_blocks``
+        blocks would be hashed: the caller then runs it again without the limit off the event
+        loop. Lazy mode (``held`` given, more than ``lazy_min_blocks`` new blocks): hashing
+        stops at the first piece holding an un-held key (``chain``; ``complete=False``); with
+        ``max_uncached_blocks`` it gives up after that many blocks' pieces, keeping them cached.
+        """
+        pieces = self.id_pieces(tokens)
+        root = self.root(lora, cache_salt)
+        path = self.walk(root, pieces)
+        done = path[-1].num_tokens if path else 0
+        uncached = (len(tokens) - done) // self.hasher.block_size
+        if uncached <= lazy_min_blocks:
+            held = None  # a short rest: hashed whole (no thread hop for it later)
+        if held is None and max_uncached_blocks is not None and uncached > max_uncached_blocks:
+            return None
+        max_pieces = (max(max_uncached_blocks // SPAN_BLOCKS, 1)
+                      if held is not None and max_uncached_blocks is not None else None)
+        return self.chain(root, pieces, self.id_spans(tokens), lora, cache_salt, path=path,
+                          held=held, num_tokens=len(tokens), max_pieces=max_pieces)
 
     def uncached_id_blocks(self, tokens: Sequence[int], lora: tuple[str, str] | None = None,
                            cache_salt: str | None = None) -> tuple[int, list[ChainNode],

@@ -8,9 +8,12 @@ these (``router.prompts.PromptError`` is a ``BadRequest``) without importing aio
 
 from __future__ import annotations
 
+from typing import Final
+
 import msgspec
 
 REQUEST_ID_HEADER = "X-Request-Id"
+STATUS_CLIENT_CLOSED: Final = 499  # nginx's convention for "client closed request"
 
 
 class RouterError(Exception):

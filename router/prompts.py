@@ -138,6 +138,25 @@ def parse_token_ids_completion(body: bytes) -> PromptSpec | None:
                       stream=bool(parsed.stream))
 
 
+_JSON_DECODER: Final = msgspec.json.Decoder()
+
+
+def decode_json_body(body: bytes) -> Any:
+    """A request body's JSON. Raises ``PromptError`` (400) for anything else."""
+    try:
+        return _JSON_DECODER.decode(body)
+    except (msgspec.DecodeError, RecursionError) as exc:
+        raise PromptError(f"request body is not valid JSON: {exc}") from exc
+
+
+def parse_request(kind: str, body: bytes) -> PromptSpec:
+    """A completions (``kind`` "completion") or chat ("chat") request body -> ``PromptSpec``:
+    the token-id fast path when it applies, else ``parse_prompt`` of its JSON. Raises
+    ``PromptError``."""
+    spec = parse_token_ids_completion(body) if kind == "completion" else None
+    return spec if spec is not None else parse_prompt(kind, decode_json_body(body))
+
+
 def _is_token_list(value: Any) -> bool:
     return isinstance(value, list) and all(
         isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in value)

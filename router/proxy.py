@@ -38,9 +38,16 @@ from aiohttp import web
 from multidict import CIMultiDict
 
 from router.config import RouterConfig
-from router.errors import REQUEST_ID_HEADER, UpstreamError, UpstreamTimeout, error_body
+from router.errors import (
+    REQUEST_ID_HEADER,
+    STATUS_CLIENT_CLOSED,
+    UpstreamError,
+    UpstreamTimeout,
+    error_body,
+)
 from router.health import ReplicaHealth
 from router.metrics import RouterMetrics
+from router.routing import Target
 from router.tracing import Tracing
 from router.usage import TAIL_BYTES, keep_tail
 
@@ -58,7 +65,6 @@ HOP_BY_HOP: Final = frozenset({
 # answered before any byte: try the next replica (vLLM answers 500 for an engine failure, which
 # another replica need not share; a request it cannot serve is a 4xx)
 RETRY_STATUSES: Final = frozenset({500, 502, 503, 504})
-STATUS_CLIENT_CLOSED: Final = 499  # nginx's convention for "client closed request"
 # failures that say the replica cannot take connections or does not speak HTTP (it is benched for
 # a few seconds); a connection it dropped or a 502/503/504 it answered may be about one request
 SUSPECT_CAUSES: Final = frozenset({"connect_error", "connect_timeout", "bad_response"})
@@ -70,15 +76,6 @@ class ProxyTicket(Protocol):
     def first_token(self) -> None: ...
 
     def finish(self) -> None: ...
-
-
-@dataclass(frozen=True, slots=True)
-class Target:
-    """One candidate replica for an attempt."""
-
-    replica_id: str
-    url: str  # base URL, no trailing slash
-    confirmed_hit_tokens: int = 0  # engine-confirmed prefix hit the index predicts there
 
 
 @dataclass(slots=True)

