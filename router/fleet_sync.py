@@ -98,9 +98,9 @@ class FleetReader:
         self._keep_missing_until = 0.0
 
     async def run(self) -> None:
-        from redis.exceptions import RedisError
+        from router.redis_client import redis_client, redis_errors
 
-        from router.redis_client import redis_client
+        unreachable = redis_errors()
 
         backoff = 0.1
         while True:
@@ -114,7 +114,7 @@ class FleetReader:
             except _StreamGap as exc:
                 logger.warning("%s; full resync", exc)
                 self.metrics.stream_gaps.inc()
-            except (RedisError, OSError) as exc:
+            except unreachable as exc:
                 self.attempted.set()
                 if self.connected:
                     logger.warning("redis connection lost (%s); routing continues on ring and "

@@ -146,6 +146,16 @@ def parse_redis_url(url: str) -> RedisTarget:
     return RedisTarget("sentinel", url, hosts, tls, db, segments[0], username, ca)
 
 
+def redis_errors() -> tuple[type[Exception], ...]:
+    """The exceptions that mean the fleet's Redis failed or cannot be reached, for a retry loop:
+    redis-py's ``RedisError``, ``OSError``, and ``RedisClusterException``, which is *not* a
+    ``RedisError`` (redis-py 5-7 ``redis/exceptions.py``) yet is what ``RedisCluster`` raises
+    when no seed answers ("Redis Cluster cannot be connected") or a slot is not covered."""
+    from redis.exceptions import RedisClusterException, RedisError
+
+    return (RedisError, RedisClusterException, OSError)
+
+
 def redis_client(url: str, password: str | None = None, **connection: Any) -> Any:
     """A redis-py asyncio client for ``url`` (``redis.asyncio.Redis``, ``RedisCluster``, or a
     Sentinel-managed ``Redis``). ``connection`` holds redis-py connection keywords

@@ -27,10 +27,9 @@ from typing import Any, Final
 
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
-from redis.exceptions import RedisError
 
 from router import contract
-from worker.redis_writer import RedisWriter
+from worker.redis_writer import REDIS_ERRORS, RedisWriter
 
 logger = logging.getLogger(__name__)
 
@@ -309,7 +308,7 @@ class Heartbeat:
                                   load=load, now_s=time.time(), **self.fields())  # type: ignore[arg-type]
         try:
             await self.writer.write_heartbeat(fields, self.ttl_s)
-        except (RedisError, OSError) as exc:
+        except REDIS_ERRORS as exc:
             self.num_redis_errors += 1
             logger.warning("heartbeat write failed: %s", exc)
             return False

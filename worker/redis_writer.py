@@ -40,16 +40,19 @@ from typing import Any, Final
 
 import redis.asyncio as aioredis
 from redis.asyncio.cluster import RedisCluster
-from redis.exceptions import NoScriptError, RedisError
+from redis.exceptions import NoScriptError
 
 from router import contract
 from router.contract import OP_CLEARED, OP_STORED, BlockKey
+from router.redis_client import redis_errors
 from worker.replica_view import NO_SEQ, Change
 
 logger = logging.getLogger(__name__)
 
 BACKOFF_INITIAL_S: Final = 0.1
 BACKOFF_MAX_S: Final = 5.0
+# what a retry loop catches: Redis failed or unreachable (a cluster's seeds too)
+REDIS_ERRORS: Final = redis_errors()
 
 # One flush: the replica's two keys, one hash slot (tag {r}). KEYS: blocks set, heartbeat hash.
 # ARGV: 1 epoch, 2 seq, 3 cleared ("1"/"0"), 4 packed stored keys, 5 packed removed keys,
@@ -273,7 +276,7 @@ class RedisWriter:
                 else:
                     await self.client.ping()
                 await self._commit(heartbeat=(mapping, ttl_ms))
-            except (RedisError, OSError) as exc:
+            except REDIS_ERRORS as exc:
                 self._disconnect(exc)
                 raise
 
@@ -293,7 +296,7 @@ class RedisWriter:
                     backoff = BACKOFF_INITIAL_S
                 except asyncio.CancelledError:
                     raise
-                except (RedisError, OSError) as exc:
+                except REDIS_ERRORS as exc:
                     self.stats.num_errors += 1
                     self._disconnect(exc)
                     await asyncio.sleep(backoff)
@@ -330,7 +333,7 @@ class RedisWriter:
         async with self._lock:
             try:
                 await self._commit()
-            except (RedisError, OSError) as exc:
+            except REDIS_ERRORS as exc:
                 self._disconnect(exc)
                 raise
 

@@ -23,7 +23,6 @@ from typing import Any, Final
 
 import aiohttp
 import redis.asyncio as aioredis
-from redis.exceptions import RedisError
 
 from router.contract import OP_CLEARED
 from router.hashing import BlockHasher, HashConfigError
@@ -36,7 +35,7 @@ from worker.heartbeat import EngineClient, EngineLoad, EngineModels, EngineUnrea
 from worker.kv_events import BlockStored, KVEventBatch
 from worker.metrics import WorkerSnapshot, make_registry, start_metrics_server
 from worker.probe import PROBE_TIMEOUT_S, ProbeCatcher, judge, probe_tokens
-from worker.redis_writer import BACKOFF_MAX_S, RedisWriter, StoredState
+from worker.redis_writer import BACKOFF_MAX_S, REDIS_ERRORS, RedisWriter, StoredState
 from worker.replica_view import NO_SEQ, Change, ReplicaView
 from worker.report_config import ConfigError, WorkerConfig, load_config
 from worker.subscriber import KVEventSubscriber
@@ -269,7 +268,7 @@ class Worker:
                     self.writer.committed_epoch = state.epoch
                     self.writer.committed_seq = state.seq
                 return state
-            except (RedisError, OSError) as exc:
+            except REDIS_ERRORS as exc:
                 logger.warning("Redis not reachable yet (%s); retrying", exc)
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, BACKOFF_MAX_S)

@@ -93,6 +93,36 @@ def test_routing_hits_on_a_redis_cluster(tmp_path: Path) -> None:
             print(logs[-3000:])
 
 
+
+def test_a_router_and_workers_started_before_the_cluster_connect_once_it_is_up(
+        tmp_path: Path) -> None:
+    """No cluster seed answers at start (a rolling restart of everything, or the cluster still
+    coming up): redis-py raises ``RedisClusterException``, which is not a ``RedisError``. The
+    router's stream reader must keep retrying rather than die (the router then never connected),
+    and the workers must wait for Redis rather than exit."""
+    procs: list[Any] = []
+    router = None
+    cluster = RedisClusterServers(3)  # ports chosen, nothing listening yet
+    try:
+        procs = _emulated_fleet(cluster.url, tmp_path, 2)
+        router = Router(tmp_path, ["--redis-url", cluster.url, "--hash-seed", "0"])
+        time.sleep(3.0)  # several connection attempts of router and workers fail
+        workers = procs[1:]
+        assert all(w.poll() is None for w in workers), "a worker exited while the cluster was down"
+        assert router.ready()["redis"]["connected"] is False
+        with cluster:
+            wait_for(lambda: router.ready()["redis"]["connected"], 30,
+                     message="the router connects once the cluster is up")
+            wait_routable(router, workers)
+            assert all(w.poll() is None for w in workers), "a worker exited"
+            prompt = [random.Random(4).randrange(1000, 90_000) for _ in range(160)]
+            send_and_confirm(router, [prompt], "KV events reach the index")
+    finally:
+        if router is not None:
+            print(router.stop()[-3000:])
+        logs = "".join(stop_process(p) for p in reversed(procs))
+        print(logs[-3000:])
+
 K = 5  # keys stored (and, from the 4th flush on, removed) per flush
 NUM_REPLICAS = 16
 KEPT_FLUSHES = 3  # a replica holds the keys of its last 3 flushes: 15
