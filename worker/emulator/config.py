@@ -26,6 +26,7 @@ from urllib.parse import urlsplit
 
 from router.hashing import DEFAULT_BLOCK_SIZE, DEFAULT_HASH_ALGO, DEFAULT_NONE_HASH_SEED, HASH_ALGOS
 from router.settings import ConfigError
+from router.version import version_line
 from worker.emulator.offload import num_cpu_blocks
 from worker.emulator.profiles import GpuProfile, ModelProfile, default_num_gpu_blocks
 from worker.emulator.scheduler import DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_NUM_SEQS
@@ -181,6 +182,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Run K emulated vLLM replicas (OpenAI API, paged KV cache with prefix "
         "caching, continuous batching, KV events, metrics) on a CPU.",
     )
+    p.add_argument("--version", action="version", version=version_line("prefix-worker"))
     p.add_argument("model_tag", nargs="?", default=None, help="model name (as `vllm serve MODEL`)")
     p.add_argument("--model", default=None, help=f"model name/path (default {DEFAULT_MODEL})")
     p.add_argument("--host", default="127.0.0.1")
