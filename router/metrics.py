@@ -113,6 +113,10 @@ class RouterMetrics:
         self.replica_affinity = Gauge(
             "router_replica_affinity", "1 when a replica gets prefix-hit credit (hash verified, "
             "same block size and hash settings)", ["replica"], registry=registry)
+        self.replica_info = Gauge(
+            "router_replica_info", "1 per replica: the URL its requests go to and the engine's "
+            "data-parallel rank they select (dp_rank \"\" without data parallelism)",
+            ["replica", "url", "dp_rank"], registry=registry)
         self.replica_config_mismatch = Gauge(
             "router_replica_config_mismatch", "1 when a replica's worker uses another Redis "
             "contract version or index_stride than this router (it gets no prefix-hit credit)",
