@@ -67,7 +67,7 @@ class Worker:
         self.config = config
         self.client = client
         self.view = ReplicaView(index_stride=config.index_stride)
-        self.event_filter = EventFilter(tiers=parse_kv_tiers(config.kv_tiers))
+        self.event_filter = EventFilter(tiers=parse_kv_tiers(config.kv_tiers), dp_rank=dp_rank)
         self.writer = RedisWriter(client, config.redis_prefix, config.replica_id,
                                   on_recovered=self._on_redis_recovered)
         self.engine = EngineClient(session, config.engine_url, dp_rank)
