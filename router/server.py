@@ -253,8 +253,7 @@ class RouterService:
             for rid, replica in self.fleet.replicas.items():
                 routable = self.fleet.routable_problem(replica, now) is None
                 self.metrics.replica_routable.labels(rid).set(1 if routable else 0)
-                self.metrics.replica_info.labels(
-                    rid, replica.url, "" if replica.dp_rank is None else str(replica.dp_rank)).set(1)
+                self.metrics.set_replica_target(rid, replica.url, replica.dp_rank)
                 affinity = self.fleet.affinity_problem(replica) is None
                 self.metrics.replica_affinity.labels(rid).set(1 if affinity else 0)
                 mismatch = self.fleet.config_mismatch(replica) is not None

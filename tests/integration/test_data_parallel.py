@@ -17,7 +17,7 @@ import requests
 import zmq
 
 from router import contract
-from tests.helpers import EMULATE, PYTHON, start_process, stop_process, wait_for
+from tests.helpers import EMULATE, PYTHON, free_port, start_process, stop_process, wait_for
 from tests.integration.test_router_fleet import Router
 from tests.integration.test_worker_emulator import (
     KV_EVENTS,
@@ -36,10 +36,12 @@ RANKS = (f"{ENGINE}#0", f"{ENGINE}#1")
 BLOCK = 16
 
 
-def start_dp_emulator(where: Path, started: list[subprocess.Popen[bytes]]) -> dict[str, Any]:
-    """An emulator replica with two DP ranks on ephemeral event ports; its ready-file entry."""
+def start_dp_emulator(where: Path, started: list[subprocess.Popen[bytes]],
+                      ports: tuple[int, int] = (0, 0)) -> dict[str, Any]:
+    """An emulator replica with two DP ranks, rank r's event and replay ports at ``ports`` + r
+    (0: ephemeral); its ready-file entry."""
     ready = where / f"dp-ready-{random.random()}.json"
-    config = dict(KV_EVENTS, endpoint="tcp://*:0", replay_endpoint="tcp://*:0")
+    config = dict(KV_EVENTS, endpoint=f"tcp://*:{ports[0]}", replay_endpoint=f"tcp://*:{ports[1]}")
     proc = start_process([*EMULATE, "--port", "0", "--ready-file", str(ready),
                           "--data-parallel-size", "2", "--num-gpu-blocks-override", "400",
                           "--enable-prompt-tokens-details",
@@ -115,14 +117,24 @@ def blocks(client: redis.Redis, replica_id: str) -> set[int]:
     return {contract.unpack_key(m) for m in members}
 
 
+@pytest.mark.parametrize("sources", ["discovered", "configured"])
 def test_a_dp2_engine_gets_requests_on_both_ranks_with_per_rank_hits(
-        tmp: Path, redis_url: str, procs: list[subprocess.Popen[bytes]]) -> None:  # noqa: F811
+        sources: str, tmp: Path, redis_url: str,  # noqa: F811
+        procs: list[subprocess.Popen[bytes]]) -> None:  # noqa: F811
     client = redis.Redis.from_url(redis_url)
     client.flushall()
-    replica = start_dp_emulator(tmp, procs)
+    if sources == "discovered":  # ephemeral ports, read from GET /kv_event_sources
+        replica = start_dp_emulator(tmp, procs)
+        endpoints = ["--kv-events-endpoint", "auto"]
+    else:  # rank 0's ports given, rank 1's derived (+1) as vLLM offsets them
+        ports = (free_port(), free_port())
+        replica = start_dp_emulator(tmp, procs, ports)
+        endpoints = ["--kv-events-endpoint", f"tcp://127.0.0.1:{ports[0]}",
+                     "--kv-replay-endpoint", f"tcp://127.0.0.1:{ports[1]}",
+                     "--data-parallel-size", "2"]
     url = replica["url"]
     procs.append(start_process([
-        PYTHON, "-m", "worker.cli", "report", "--engine-url", url, "--kv-events-endpoint", "auto",
+        PYTHON, "-m", "worker.cli", "report", "--engine-url", url, *endpoints,
         "--redis-url", redis_url, "--replica-id", ENGINE, "--hash-seed", SEED,
         "--index-stride", "1", "--log-level", "debug"]))
     # one routing target per rank: its own heartbeat (engine URL + rank), verified by a probe
@@ -176,6 +188,12 @@ def test_a_dp2_engine_gets_requests_on_both_ranks_with_per_rank_hits(
         got, reply = send([*tokens, 7, 7])
         assert got == rid
         assert reply["usage"]["prompt_tokens_details"]["cached_tokens"] == 4 * BLOCK
+    # each rank's heartbeat carries that rank's load, not the engine's sum
+    for rank, rid in enumerate(RANKS):
+        wait_for(lambda rank=rank, rid=rid: float(heartbeat(client, rid)[
+            contract.F_PREFIX_CACHE_QUERIES]) == engine_metric(
+            url, "vllm:prefix_cache_queries_total", rank) > 0, 10,
+            message=f"rank {rank}'s prefix-cache counters in its heartbeat")
     info = router.metrics()
     for rank, rid in enumerate(RANKS):
         assert (f'router_replica_info{{dp_rank="{rank}",replica="{rid}",url="{url}"}} 1.0'

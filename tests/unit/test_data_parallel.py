@@ -131,3 +131,16 @@ def test_a_targets_rank_is_the_header_vllm_reads() -> None:
     assert ranked[DP_RANK_HEADER] == "1"
     assert DP_RANK_HEADER not in shared  # the attempts of one request share the client's headers
     assert target_headers(shared, Target("e", "http://e:8000")) is shared
+
+
+def test_a_replicas_target_series_follows_its_url_and_rank() -> None:
+    from router.metrics import RouterMetrics
+
+    metrics = RouterMetrics()
+    metrics.set_replica_target("e#1", "http://a:1", 1)
+    metrics.set_replica_target("e#1", "http://b:1", 1)  # the engine moved
+    page = metrics.render().decode()
+    assert 'router_replica_info{dp_rank="1",replica="e#1",url="http://b:1"} 1.0' in page
+    assert "http://a:1" not in page
+    metrics.forget_replica("e#1")
+    assert "router_replica_info{" not in metrics.render().decode()
