@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import random
 import subprocess
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -96,6 +97,18 @@ def test_the_emulator_fronts_two_ranks_as_vllm_does(
         assert not subs[0].poll(300), "rank 0 published events of a request it did not run"
         assert engine_metric(url, "vllm:prompt_tokens_total", 1) > 0
         assert engine_metric(url, "vllm:prompt_tokens_total", 0) == 0
+        # without the header: vLLM's own balancing (lowest waiting * 4 + running) spreads
+        # concurrent requests over both ranks
+        before = [engine_metric(url, "vllm:request_success_total", rank) for rank in (0, 1)]
+        bodies = [{"model": "emulated-llm", "prompt": prompt(8 * BLOCK, rng), "max_tokens": 4}
+                  for _ in range(6)]
+        with ThreadPoolExecutor(6) as pool:
+            replies = list(pool.map(lambda body: requests.post(
+                f"{url}/v1/completions", json=body, timeout=30).status_code, bodies))
+        assert replies == [200] * 6
+        after = [engine_metric(url, "vllm:request_success_total", rank) for rank in (0, 1)]
+        assert after[0] > before[0] and after[1] > before[1], (before, after)
+        assert sum(after) - sum(before) == 6
         bad = requests.post(f"{url}/v1/completions", timeout=30,
                             headers={"X-data-parallel-rank": "2"},
                             json={"model": "emulated-llm", "prompt": tokens, "max_tokens": 1})
