@@ -6,7 +6,7 @@ each core has its own KV block pool and publishes its own KV event stream (vLLM 
 ephemeral; every ``KVEventBatch`` carries its ``data_parallel_rank``). ``GET /kv_event_sources``
 (``vllm/entrypoints/serve/kv_events/api_router.py``) lists the resolved endpoints of the ready
 ranks. The worker keeps one replica view per rank and publishes each (engine, rank) as its own
-routing target (replica id ``rank_replica_id``); the router sends a target's requests to the
+routing target (replica id ``{replica_id}#{rank}``, ``worker.report.rank_configs``); the router sends a target's requests to the
 engine URL with vLLM's ``X-data-parallel-rank`` header.
 """
 
@@ -30,12 +30,6 @@ class RankSource:
     endpoint: str
     replay_endpoint: str | None = None
     topic: str = ""
-
-
-def rank_replica_id(replica_id: str, dp_rank: int, dp_size: int) -> str:
-    """The routing target id of rank ``dp_rank``: ``replica_id`` itself for an engine without
-    data parallelism (``dp_size`` 1), else ``{replica_id}#{dp_rank}``."""
-    return replica_id if dp_size == 1 else f"{replica_id}{RANK_SEPARATOR}{dp_rank}"
 
 
 def _connectable(endpoint: str, engine_host: str) -> str:

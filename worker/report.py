@@ -39,10 +39,10 @@ from worker.event_filter import EventFilter, parse_kv_tiers
 from worker.heartbeat import EngineClient, EngineLoad, EngineModels, EngineUnreachable, Heartbeat
 from worker.kv_event_sources import (
     AUTO_ENDPOINT,
+    RANK_SEPARATOR,
     RankSource,
     offset_sources,
     parse_kv_event_sources,
-    rank_replica_id,
 )
 from worker.kv_events import BlockStored, KVEventBatch
 from worker.metrics import WorkerSnapshot, make_registry, start_metrics_server
@@ -422,16 +422,21 @@ async def discover_sources(engine: EngineClient, stop: asyncio.Event) -> list[Ra
     return None
 
 
+def is_data_parallel(sources: list[RankSource]) -> bool:
+    """True when the engine has several ranks (or lists one rank other than 0)."""
+    return len(sources) > 1 or sources[0].dp_rank > 0
+
+
 def rank_configs(config: WorkerConfig, sources: list[RankSource]) -> list[WorkerConfig]:
-    """One worker config per rank: its replica id (``name#rank`` when there are several
-    ranks), its sockets, and its metrics port (the configured one + the rank unless 0)."""
-    if len(sources) == 1:
+    """One worker config per rank: its replica id (``name#rank`` for a data-parallel engine),
+    its sockets, and its metrics port (the configured one + the rank unless 0)."""
+    if not is_data_parallel(sources):
         source = sources[0]
         return [dataclasses.replace(config, kv_events_endpoint=source.endpoint,
                                     kv_replay_endpoint=source.replay_endpoint,
                                     kv_events_topic=source.topic)]
     return [dataclasses.replace(
-        config, replica_id=rank_replica_id(config.replica_id, s.dp_rank, len(sources)),
+        config, replica_id=f"{config.replica_id}{RANK_SEPARATOR}{s.dp_rank}",
         kv_events_endpoint=s.endpoint, kv_replay_endpoint=s.replay_endpoint,
         kv_events_topic=s.topic,
         metrics_port=config.metrics_port + s.dp_rank if config.metrics_port else 0)
@@ -457,15 +462,13 @@ async def serve(config: WorkerConfig) -> None:
             else:
                 sources = offset_sources(config.kv_events_endpoint, config.kv_replay_endpoint,
                                          config.kv_events_topic, config.data_parallel_size)
-            ranked = len(sources) > 1
+            ranked = is_data_parallel(sources)
+            configs = rank_configs(config, sources)
             if ranked:
                 logger.info("engine %s: %d data-parallel ranks, replicas %s", config.engine_url,
-                            len(sources), ", ".join(rank_replica_id(config.replica_id, s.dp_rank,
-                                                                    len(sources))
-                                                    for s in sources))
+                            len(sources), ", ".join(c.replica_id for c in configs))
             workers = [Worker(rank_config, client, session, s.dp_rank if ranked else None)
-                       for rank_config, s in zip(rank_configs(config, sources), sources,
-                                                 strict=True)]
+                       for rank_config, s in zip(configs, sources, strict=True)]
             await asyncio.gather(*(worker.run(stop) for worker in workers))
     finally:
         await client.aclose()

@@ -17,9 +17,9 @@ from worker.kv_event_sources import (
     RankSource,
     offset_sources,
     parse_kv_event_sources,
-    rank_replica_id,
 )
 from worker.kv_events import BlockStored, KVEventBatch
+from worker.report import rank_configs
 from worker.report_config import load_config
 
 ENGINE = "http://10.0.0.5:8000"
@@ -70,13 +70,17 @@ def test_configured_ranks_offset_the_port_as_vllm_does() -> None:
 
 
 def test_replica_ids_and_worker_settings() -> None:
-    assert rank_replica_id("a", 0, 1) == "a"
-    assert rank_replica_id("a", 1, 2) == "a#1"
     base = ["--engine-url", ENGINE, "--redis-url", "redis://127.0.0.1:6379/0", "--replica-id", "a"]
     assert load_config([*base, "--kv-events-endpoint", "auto"], env={}).kv_events_endpoint == "auto"
     config = load_config([*base, "--kv-events-endpoint", "tcp://h:5557",
                           "--data-parallel-size", "2"], env={})
     assert config.data_parallel_size == 2
+    ranks = rank_configs(config, offset_sources("tcp://h:5557", None, "", 2))
+    assert [(c.replica_id, c.kv_events_endpoint) for c in ranks] == [
+        ("a#0", "tcp://h:5557"), ("a#1", "tcp://h:5558")]
+    single = rank_configs(config, [RankSource(0, "tcp://h:5557")])
+    assert [c.replica_id for c in single] == ["a"]  # no data parallelism: the id as given
+    assert [c.replica_id for c in rank_configs(config, [RankSource(1, "tcp://h:5558")])] == ["a#1"]
     for bad in (["--kv-events-endpoint", "tcp://h:0", "--data-parallel-size", "2"],
                 ["--kv-events-endpoint", "tcp://h:5557", "--data-parallel-size", "0"],
                 ["--kv-events-endpoint", "automatic"]):
