@@ -148,3 +148,29 @@ def test_a_replicas_target_series_follows_its_url_and_rank() -> None:
     assert "http://a:1" not in page
     metrics.forget_replica("e#1")
     assert "router_replica_info{" not in metrics.render().decode()
+
+
+def test_a_ranks_heartbeat_makes_a_target_and_survives_the_fleet_cache() -> None:
+    import time
+
+    from router import contract as c
+    from tests.unit.router_service import MODEL, service_with_replicas
+
+    service = service_with_replicas(0)
+    now = time.time()
+    for rank in (0, 1):
+        service.fleet.apply_heartbeat(f"e#{rank}", {
+            c.F_URL: "http://127.0.0.1:9000/", c.F_DP_RANK: str(rank),
+            c.F_MODELS: f'["{MODEL}"]', c.F_HEARTBEAT_TS: str(now)}, now)
+    service.fleet.apply_heartbeat("plain", {c.F_URL: "http://127.0.0.1:9001",
+                                            c.F_DP_RANK: "", c.F_HEARTBEAT_TS: str(now)}, now)
+    fleet = service.fleet
+    assert [(r.url, r.dp_rank) for r in map(fleet.replicas.get, ("e#0", "e#1", "plain"))] == [
+        ("http://127.0.0.1:9000", 0), ("http://127.0.0.1:9000", 1), ("http://127.0.0.1:9001", None)]
+    _, targets = service.router.least_loaded(MODEL)
+    assert targets and all(t.dp_rank == {"e#0": 0, "e#1": 1, "plain": None}[t.replica_id]
+                           for t in targets)
+    restarted = service_with_replicas(0).fleet
+    assert restarted.add_fallbacks(fleet.fleet_snapshot(), ()) == 3
+    assert restarted.replicas["e#1"].dp_rank == 1
+    assert restarted.replicas["plain"].dp_rank is None
