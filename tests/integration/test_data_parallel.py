@@ -169,9 +169,9 @@ def test_a_dp2_engine_gets_requests_on_both_ranks_with_per_rank_hits(
     placed: dict[str, list[list[int]]] = {rid: [] for rid in RANKS}
     before = [engine_metric(url, "vllm:request_success_total", rank) for rank in (0, 1)]
 
-    def send(tokens: list[int]) -> tuple[str, dict[str, Any]]:
+    def send(tokens: list[int], **kw: Any) -> tuple[str, dict[str, Any]]:
         status, headers, body = router.post("/v1/completions", {
-            "model": "emulated-llm", "prompt": tokens, "max_tokens": 1})
+            "model": "emulated-llm", "prompt": tokens, "max_tokens": 1}, **kw)
         assert status == 200, body
         return headers["x-prefix-router-replica"], json.loads(body)
 
@@ -198,7 +198,9 @@ def test_a_dp2_engine_gets_requests_on_both_ranks_with_per_rank_hits(
         route = json.loads(router.post("/debug/route", {"prompt": [*tokens, 7, 7]})[2])
         assert route["replica"] == rid
         assert route["targets"][rid] == {"url": url, "dp_rank": RANKS.index(rid)}
-        got, reply = send([*tokens, 7, 7])
+        # a client's own rank header does not override the router's choice
+        other = str(1 - RANKS.index(rid))
+        got, reply = send([*tokens, 7, 7], headers={"X-data-parallel-rank": other})
         assert got == rid
         assert reply["usage"]["prompt_tokens_details"]["cached_tokens"] == 4 * BLOCK
     # each rank's heartbeat carries that rank's load, not the engine's sum
