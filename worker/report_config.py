@@ -22,6 +22,7 @@ from router.secrets import SecretError, resolve_redis_password
 from router.settings import ConfigError, read_config_file
 from router.version import version_line
 from worker.event_filter import DEFAULT_KV_TIERS, parse_kv_tiers
+from worker.kv_event_sources import AUTO_ENDPOINT, offset_sources
 
 ENV_PREFIX: Final = "WORKER_"
 DEFAULT_METRICS_HOST: Final = "127.0.0.1"  # set 0.0.0.0 in a pod so Prometheus can scrape
@@ -34,11 +35,16 @@ class WorkerConfig:
     """Settings of one worker sidecar (one replica)."""
 
     engine_url: str  # the engine's HTTP base URL, e.g. http://127.0.0.1:8000
-    kv_events_endpoint: str  # the engine's KV event PUB socket, tcp://HOST:PORT
+    # the engine's KV event PUB socket, tcp://HOST:PORT (rank 0's with data parallelism), or
+    # "auto": every rank's sockets from the engine's GET /kv_event_sources
+    kv_events_endpoint: str
     redis_url: str
     replica_id: str
     kv_replay_endpoint: str | None = None  # the engine's replay ROUTER socket; None: no replay
     kv_events_topic: str = ""  # vLLM KVEventsConfig.topic
+    # DP ranks of the engine (vLLM --data-parallel-size) when the endpoints are given by hand:
+    # rank r's ports are rank 0's + r; each rank is published as replica "{replica_id}#{r}"
+    data_parallel_size: int = 1
     advertise_url: str = ""  # URL routers send traffic to; default engine_url
     redis_password: str | None = field(default=None, repr=False)  # resolved from the file/env
     redis_password_file: str | None = None  # file holding the password (a mounted Secret)
@@ -67,10 +73,14 @@ _HELP: Final = {
                       f"{ENV_PREFIX}REDIS_PASSWORD / REDIS_PASSWORD; ",
     "redis_password_file": "file holding the Redis password (e.g. a mounted Secret); ",
     "log_format": "text or json (one object per line); ",
+    "kv_events_endpoint": "tcp://HOST:PORT of the PUB socket (rank 0's with data parallelism) "
+                          "or 'auto' (every rank's from the engine's GET /kv_event_sources); ",
+    "data_parallel_size": "DP ranks of the engine when the endpoints are given by hand (rank "
+                          "r: ports + r); each rank is the replica REPLICA_ID#r; ",
     "kv_tiers": "mediums whose KV events are indexed, comma-separated: GPU (always), CPU, "
                 "STORAGE; default GPU,CPU; GPU alone makes the CPU tier invisible; ",
 }
-_INT_FIELDS: Final = ("block_size", "metrics_port", "index_stride")
+_INT_FIELDS: Final = ("block_size", "metrics_port", "index_stride", "data_parallel_size")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -141,8 +151,18 @@ def _validate(config: WorkerConfig) -> None:
             raise ConfigError(f"--{name.replace('_', '-')} must be an http(s) URL, got {value!r}")
     for name in ("kv_events_endpoint", "kv_replay_endpoint"):
         value = getattr(config, name)
-        if value and "://" not in value:
-            raise ConfigError(f"--{name.replace('_', '-')} must be a ZMQ endpoint like tcp://host:port")
+        if value and "://" not in value and not (name == "kv_events_endpoint"
+                                                 and value == AUTO_ENDPOINT):
+            raise ConfigError(f"--{name.replace('_', '-')} must be a ZMQ endpoint like "
+                              f"tcp://host:port (or {AUTO_ENDPOINT!r})")
+    if config.data_parallel_size < 1:
+        raise ConfigError("--data-parallel-size must be >= 1")
+    if config.kv_events_endpoint != AUTO_ENDPOINT:
+        try:
+            offset_sources(config.kv_events_endpoint, config.kv_replay_endpoint,
+                           config.kv_events_topic, config.data_parallel_size)
+        except ValueError as exc:
+            raise ConfigError(f"--data-parallel-size {config.data_parallel_size}: {exc}") from exc
     try:
         parse_redis_url(config.redis_url)
     except RedisUrlError as exc:

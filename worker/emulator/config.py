@@ -6,7 +6,7 @@ Flags that vLLM has keep vLLM's names and meanings (``--block-size``,
 ``--kv-events-config``, ``--max-num-batched-tokens``, ``--max-num-seqs``,
 ``--max-model-len``, ``--served-model-name``, ``--lora-modules``,
 ``--enable-prompt-tokens-details``, ``--tokenizer``, ``--kv-offloading-size``,
-``--kv-offloading-backend``). The root-parent seed comes
+``--kv-offloading-backend``, ``--data-parallel-size``). The root-parent seed comes
 from ``PYTHONHASHSEED`` exactly as in vLLM; without it the xxhash variants get a
 random seed per process (as vLLM does, with a warning). Emulator-only flags:
 the model and GPU profiles, ``--time-scale``, ``--replicas``, ``--ready-file``,
@@ -94,15 +94,21 @@ class ResolvedEndpoint:
     bind: bool
 
 
-def replica_endpoint(endpoint: str, index: int, host: str) -> ResolvedEndpoint:
-    """Endpoint of replica ``index``: tcp port + index (unless 0), ``*`` bound on ``host``;
-    ipc/inproc paths get ``_replica{index}`` appended for index > 0.
+def replica_endpoint(endpoint: str, index: int, host: str, dp_rank: int = 0,
+                     dp_size: int = 1) -> ResolvedEndpoint:
+    """Endpoint of DP rank ``dp_rank`` of replica ``index``: tcp port + ``index * dp_size +
+    dp_rank`` (unless 0), ``*`` bound on ``host``; ipc/inproc paths get ``_replica{index}``
+    appended for index > 0, and ``_dp{rank}`` when ``dp_size`` > 1.
 
+    vLLM 0.33 ``offset_endpoint_port`` (vllm/distributed/kv_events.py): each DP rank's publisher
+    offsets the tcp port by its rank (port 0 stays ephemeral), inproc gets ``_dp{rank}``; with
+    one replica per process (``--replicas 1``) the ports are exactly vLLM's.
     Bind rule: vLLM binds when the endpoint contains ``*`` or ``::`` or is ipc/inproc.
     """
     bind = "*" in endpoint or "::" in endpoint or endpoint.startswith(("ipc://", "inproc://"))
     if endpoint.startswith(("ipc://", "inproc://")):
-        return ResolvedEndpoint(endpoint + (f"_replica{index}" if index else ""), bind)
+        return ResolvedEndpoint(endpoint + (f"_replica{index}" if index else "")
+                                + (f"_dp{dp_rank}" if dp_size > 1 else ""), bind)
     parts = urlsplit(endpoint)
     try:
         port_number = parts.port
@@ -113,7 +119,7 @@ def replica_endpoint(endpoint: str, index: int, host: str) -> ResolvedEndpoint:
     netloc_host = parts.netloc.rsplit(":", 1)[0]
     if netloc_host == "*":
         netloc_host = f"[{host}]" if ":" in host else host
-    port = parts.port + index if parts.port else 0
+    port = parts.port + index * dp_size + dp_rank if parts.port else 0
     return ResolvedEndpoint(f"tcp://{netloc_host}:{port}", bind)
 
 
@@ -124,6 +130,8 @@ class EmulatorConfig:
     host: str = "127.0.0.1"
     port: int = DEFAULT_PORT
     replicas: int = 1
+    # engines (DP ranks) behind each replica's one HTTP server, vLLM --data-parallel-size
+    data_parallel_size: int = 1
     model: str = DEFAULT_MODEL
     served_model_names: tuple[str, ...] = (DEFAULT_MODEL,)
     block_size: int = DEFAULT_BLOCK_SIZE
@@ -188,6 +196,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=DEFAULT_PORT, help="replica i listens on port+i; 0 = ephemeral")
     p.add_argument("--replicas", type=int, default=1, help="independent replicas in this process")
+    p.add_argument("--data-parallel-size", "-dp", type=int, default=1,
+                   help="engines (DP ranks) behind each replica's HTTP server, each with its own "
+                        "KV pool, scheduler and KV event publisher (port + rank)")
     p.add_argument("--served-model-name", nargs="+", default=None)
     p.add_argument("--block-size", type=int, default=DEFAULT_BLOCK_SIZE, help="tokens per KV block")
     p.add_argument("--num-gpu-blocks-override", type=int, default=None,
@@ -274,6 +285,8 @@ def from_args(argv: Sequence[str], env: Mapping[str, str] | None = None) -> Emul
         raise ConfigError("--max-num-seqs and --max-num-batched-tokens must be >= 1")
     if a.replicas < 1:
         raise ConfigError("--replicas must be >= 1")
+    if a.data_parallel_size < 1:
+        raise ConfigError("--data-parallel-size must be >= 1")
     if a.block_size < 1:
         raise ConfigError("--block-size must be >= 1")
     if a.time_scale <= 0:
@@ -324,7 +337,8 @@ def from_args(argv: Sequence[str], env: Mapping[str, str] | None = None) -> Emul
     if len({n for n, _ in loras}) != len(loras):
         raise ConfigError("--lora-modules names must be unique")
     return EmulatorConfig(
-        host=a.host, port=a.port, replicas=a.replicas, model=model, served_model_names=served,
+        host=a.host, port=a.port, replicas=a.replicas, data_parallel_size=a.data_parallel_size,
+        model=model, served_model_names=served,
         block_size=a.block_size, num_gpu_blocks=num_blocks,
         num_cpu_blocks=num_cpu_blocks, kv_offloading_size_gib=a.kv_offloading_size,
         hash_algo=a.prefix_caching_hash_algo, hash_seed=seed, hash_seed_is_random=random_seed,
