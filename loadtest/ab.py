@@ -35,7 +35,7 @@ from typing import Any, Final
 import aiohttp
 import numpy as np
 
-from loadtest.harness import EMULATE, ProcessExited, start_process, stop_process, wait_ready
+from loadtest.harness import ProcessExited, start_emulator, stop_process
 from loadtest.replay import RequestRecord, send_one
 from loadtest.trace import TokenMapper, read_trace
 
@@ -296,18 +296,16 @@ def fresh_emulator(caching: bool, extra_args: Sequence[str] = (), time_scale: fl
     tmp = Path(tempfile.mkdtemp(prefix="prefix-ab-"))
     ready = tmp / "ready.json"
     log_path = (log_dir or tmp) / f"emulator-{'on' if caching else 'off'}.log"
-    args = [*EMULATE,
-            "--served-model-name", model, "--enable-prompt-tokens-details",
+    args = ["--served-model-name", model, "--enable-prompt-tokens-details",
             "--enable-prefix-caching" if caching else "--no-enable-prefix-caching",
-            "--time-scale", repr(time_scale), "--ready-file", str(ready), *extra_args]
-    proc = start_process(args, log_path=log_path)
+            "--time-scale", repr(time_scale), *extra_args]
     try:
-        try:
-            data = wait_ready(ready, [proc], START_TIMEOUT_S)
-        except (TimeoutError, ProcessExited) as exc:
-            raise ABError(f"the emulator (caching {'on' if caching else 'off'}) did not "
-                          f"start; see {log_path}") from exc
-        yield str(data["replicas"][0]["url"])
+        proc, replicas = start_emulator(ready, args, log_path=log_path, timeout_s=START_TIMEOUT_S)
+    except (TimeoutError, ProcessExited) as exc:
+        raise ABError(f"the emulator (caching {'on' if caching else 'off'}) did not "
+                      f"start; see {log_path}") from exc
+    try:
+        yield str(replicas[0]["url"])
     finally:
         stop_process(proc)
 

@@ -21,14 +21,7 @@ from pathlib import Path
 
 import aiohttp
 
-from loadtest.harness import (
-    EMULATE,
-    ProcessExited,
-    cpu_seconds,
-    start_process,
-    stop_process,
-    wait_ready,
-)
+from loadtest.harness import ProcessExited, cpu_seconds, start_emulator, stop_process
 
 
 def _bodies(count: int, prompt_tokens: int, max_tokens: int, seed: int) -> list[bytes]:
@@ -86,15 +79,14 @@ def main(argv: list[str] | None = None) -> int:
     bodies = _bodies(count, args.prompt_tokens, args.max_tokens, seed=1)
     with tempfile.TemporaryDirectory() as tmp:
         ready = Path(tmp) / "ready.json"
-        proc = start_process([*EMULATE, "--replicas", str(args.replicas), "--time-scale",
-                              str(args.time_scale), "--ready-file", str(ready),
-                              "--log-level", "warning"])
         try:
-            try:
-                urls = [r["url"] for r in wait_ready(ready, [proc], 60)["replicas"]]
-            except (TimeoutError, ProcessExited) as exc:
-                print(f"emulator did not start: {exc}", file=sys.stderr)
-                return 1
+            proc, replicas = start_emulator(ready, ["--replicas", str(args.replicas), "--time-scale",
+                                                    str(args.time_scale), "--log-level", "warning"])
+        except (TimeoutError, ProcessExited) as exc:
+            print(f"emulator did not start: {exc}", file=sys.stderr)
+            return 1
+        try:
+            urls = [r["url"] for r in replicas]
             cpu0 = cpu_seconds(proc.pid)
             elapsed, latencies, errors = asyncio.run(_drive(urls, bodies, args.rate))
             cpu = cpu_seconds(proc.pid) - cpu0

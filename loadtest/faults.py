@@ -87,9 +87,9 @@ class Lab:
 
     def emulator(self, *args: str, env: dict[str, str] | None = None) -> list[dict[str, Any]]:
         """An emulator process (``harness.EMULATE`` plus ``args``); its replicas once ready."""
-        ready = self.ready("emu")
-        proc = self.spawn(*harness.EMULATE, *args, "--ready-file", str(ready), env=env)
-        replicas: list[dict[str, Any]] = harness.wait_ready(ready, [proc])["replicas"]
+        proc, replicas = harness.start_emulator(self.ready("emu"), args, env,
+                                                self.tmp / f"p{len(self.procs)}.log", 90)
+        self.procs.append(proc)
         return replicas
 
     def fleet(self, replicas: int = 4) -> tuple[list[dict[str, Any]], str]:

@@ -312,13 +312,8 @@ class LoopbackFleet:
         self.priority = self._describe_priority(proc.popen.pid)
         self.progress(f"emulator priority: {self.priority['note']}")
 
-        def read_ready() -> dict[str, Any] | None:
-            if not ready.exists():
-                return None
-            data: dict[str, Any] = json.loads(ready.read_text())
-            return data
-
-        data = self._wait("the emulator's ready file", read_ready, [proc])
+        data = self._wait("the emulator's ready file", lambda: json.loads(ready.read_text()),
+                          [proc])
         self.replicas = [
             ReplicaInfo(index=int(r["index"]), replica_id=f"replica-{int(r['index'])}",
                         url=str(r["url"]).rstrip("/"),
@@ -383,12 +378,9 @@ class LoopbackFleet:
         proc = self._spawn("router", args)
         watched = [p for p in self._procs]
 
-        def read_ready() -> str | None:
-            if not ready.exists():
-                return None
-            return str(json.loads(ready.read_text())["url"]).rstrip("/")
-
-        self.router_url = self._wait("the router's ready file", read_ready, [proc])
+        self.router_url = str(self._wait("the router's ready file",
+                                         lambda: json.loads(ready.read_text()), [proc])["url"]
+                              ).rstrip("/")
         with contextlib.suppress(OSError):
             ready.unlink()
         want = {r.replica_id for r in self.replicas}

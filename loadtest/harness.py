@@ -23,8 +23,8 @@ from typing import IO, Any, TypeVar
 from loadtest.redis_server import free_port
 
 __all__ = ["EMULATE", "PYTHON", "ProcessExited", "cpu_seconds", "describe", "free_port", "output",
-           "output_hint", "start_process", "stop_process", "stop_processes", "wait_for",
-           "wait_ready"]
+           "output_hint", "start_emulator", "start_process", "stop_process", "stop_processes",
+           "wait_for", "wait_ready"]
 
 logger = logging.getLogger(__name__)
 
@@ -86,6 +86,23 @@ def start_process(args: Sequence[str], env: Mapping[str, str] | None = None,
     proc._log = log  # type: ignore[attr-defined]
     proc._log_path = log_path  # type: ignore[attr-defined]
     return proc
+
+
+def start_emulator(ready_file: Path, args: Sequence[str] = (), env: Mapping[str, str] | None = None,
+                   log_path: Path | None = None, timeout_s: float = 60.0,
+                   ) -> tuple[subprocess.Popen[bytes], list[dict[str, Any]]]:
+    """Start ``prefix-worker emulate`` (``EMULATE`` plus ``args``, writing ``ready_file``) and
+    wait until it serves: ``(process, replicas)``, each replica as its ready file lists it
+    (``index``, ``url``, ``kv_events_endpoint``, ``kv_replay_endpoint``). When it does not
+    start, it is stopped and ``ProcessExited`` or ``TimeoutError`` (with its output) raised."""
+    proc = start_process([*EMULATE, *args, "--ready-file", str(ready_file)], env, log_path)
+    try:
+        data = wait_ready(ready_file, [proc], timeout_s, "the emulator's ready file")
+    except BaseException:
+        stop_process(proc)
+        raise
+    replicas: list[dict[str, Any]] = data["replicas"]
+    return proc, replicas
 
 
 def describe(proc: subprocess.Popen[bytes]) -> str:

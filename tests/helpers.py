@@ -6,10 +6,19 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from loadtest.harness import EMULATE, PYTHON, free_port, start_process, stop_process, wait_for
+from loadtest.harness import (
+    EMULATE,
+    PYTHON,
+    free_port,
+    start_emulator,
+    start_process,
+    stop_process,
+    wait_for,
+    wait_ready,
+)
 
-__all__ = ["EMULATE", "PYTHON", "free_port", "start_process", "stop_process", "wait_for",
-           "wait_routable"]
+__all__ = ["EMULATE", "PYTHON", "free_port", "start_emulator", "start_process", "stop_process",
+           "wait_for", "wait_ready", "wait_routable"]
 
 
 def wait_routable(router: Any, count: int, procs: Sequence[Any] = ()) -> None:
