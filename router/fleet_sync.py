@@ -78,9 +78,9 @@ class FleetReader:
 
     ``run()`` loops until cancelled: connect, resync (remember the stream's last
     id, load every heartbeat and block set), then ``XREAD BLOCK`` the stream and
-    refresh heartbeats every ``HEARTBEAT_INTERVAL_S``. On connection loss it reconnects at
-    once, then backs off (redis-py's ``Retry`` with ``ExponentialBackoff``: 0.1 s doubling to
-    5 s) until a resync goes through; routing goes on meanwhile.
+    refresh heartbeats every ``HEARTBEAT_INTERVAL_S``. On connection loss it waits 0.1 s,
+    reconnects, and backs off (redis-py's ``Retry`` with ``ExponentialBackoff``: 0.1 s doubling
+    to 5 s) until a resync goes through; routing goes on meanwhile.
     """
 
     def __init__(self, fleet: Fleet, config: RouterConfig, metrics: RouterMetrics) -> None:
@@ -100,7 +100,7 @@ class FleetReader:
     async def run(self) -> None:
         from redis.exceptions import RedisError
 
-        from router.redis_client import reconnect_retry
+        from router.redis_client import FIRST_RECONNECT_WAIT_S, reconnect_retry
 
         retry = reconnect_retry()
         while True:
@@ -117,7 +117,8 @@ class FleetReader:
                 logger.warning("%s; full resync", exc)
                 self.metrics.stream_gaps.inc()
             except (RedisError, OSError) as exc:  # ... and a connection that worked was lost:
-                await self._lost(exc)  # reconnect at once, the backoff starts afresh
+                await self._lost(exc)  # the backoff starts afresh after the first step's wait,
+                await asyncio.sleep(FIRST_RECONNECT_WAIT_S)  # so a failing XREAD cannot spin
             finally:
                 await client.aclose()
 

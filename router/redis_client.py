@@ -175,6 +175,7 @@ def redis_client(url: str, password: str | None = None, **connection: Any) -> An
 
 RECONNECT_BASE_S: Final = 0.05  # the first wait is 2 x this: 0.1 s, then doubling ...
 RECONNECT_CAP_S: Final = 5.0  # ... up to this, for as long as Redis stays away
+FIRST_RECONNECT_WAIT_S: Final = 2 * RECONNECT_BASE_S  # ExponentialBackoff.compute(1)
 
 
 def reconnect_retry(base_s: float = RECONNECT_BASE_S, cap_s: float = RECONNECT_CAP_S) -> Any:
