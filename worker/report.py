@@ -31,7 +31,7 @@ import redis.asyncio as aioredis
 from router.contract import OP_CLEARED
 from router.hashing import BlockHasher, HashConfigError
 from router.logs import configure_logging
-from router.redis_client import redis_client
+from router.redis_client import reconnect_retry, redis_client
 from router.settings import StartupError
 from worker.block_keys import KEY_MODE_RECOMPUTED, EngineKeys, RecomputedKeys
 from worker.event_filter import EventFilter, parse_kv_tiers
@@ -46,13 +46,14 @@ from worker.kv_event_sources import (
 from worker.kv_events import BlockStored, KVEventBatch
 from worker.metrics import WorkerSnapshot, make_registry, start_metrics_server
 from worker.probe import PROBE_TIMEOUT_S, ProbeCatcher, judge, probe_tokens
-from worker.redis_writer import BACKOFF_MAX_S, REDIS_ERRORS, RedisWriter, StoredState
+from worker.redis_writer import RedisWriter, StoredState
 from worker.replica_view import NO_SEQ, Change, ReplicaView
 from worker.report_config import ConfigError, WorkerConfig, load_config
 from worker.subscriber import KVEventSubscriber
 
 logger = logging.getLogger(__name__)
 
+SOURCES_RETRY_MAX_S: Final = 5.0  # longest wait between asks of an engine still starting
 ENGINE_WAIT_S: Final = 10.0  # wait this long for the engine's cache config before subscribing
 PROBE_RETRY_S: Final = 2.0
 SHUTDOWN_FLUSH_S: Final = 2.0
@@ -264,25 +265,25 @@ class Worker:
         deleted at once under an epoch newer than any before (a ms clock), so a
         heartbeat never advertises it.
         """
-        backoff = 0.1
-        while True:
-            try:
-                state = await self.writer.read_state()
-                if state.epoch is None:
-                    epoch = int(time.time() * 1000)
-                    self.view = ReplicaView(epoch=epoch, index_stride=self.config.index_stride)
-                    self.writer.enqueue(Change(OP_CLEARED, [], epoch, NO_SEQ))
-                    await self.writer.flush()
-                    logger.info("no previous state for replica %s: starting at epoch %d",
-                                self.config.replica_id, epoch)
-                else:
-                    self.writer.committed_epoch = state.epoch
-                    self.writer.committed_seq = state.seq
-                return state
-            except REDIS_ERRORS as exc:
-                logger.warning("Redis not reachable yet (%s); retrying", exc)
-                await asyncio.sleep(backoff)
-                backoff = min(backoff * 2, BACKOFF_MAX_S)
+        return await reconnect_retry().call_with_retry(self._read_state_once, self._unreachable)
+
+    async def _read_state_once(self) -> StoredState:
+        state = await self.writer.read_state()
+        if state.epoch is None:
+            epoch = int(time.time() * 1000)
+            self.view = ReplicaView(epoch=epoch, index_stride=self.config.index_stride)
+            self.writer.enqueue(Change(OP_CLEARED, [], epoch, NO_SEQ))
+            await self.writer.flush()
+            logger.info("no previous state for replica %s: starting at epoch %d",
+                        self.config.replica_id, epoch)
+        else:
+            self.writer.committed_epoch = state.epoch
+            self.writer.committed_seq = state.seq
+        return state
+
+    @staticmethod
+    async def _unreachable(exc: Exception) -> None:
+        logger.warning("Redis not reachable yet (%s); retrying", exc)
 
     def restore(self, state: StoredState) -> bool:
         """Continue from ``state``. Returns True when continuing from its seq (no reset)."""
@@ -417,7 +418,7 @@ async def discover_sources(engine: EngineClient, stop: asyncio.Event) -> list[Ra
                        problem)
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(stop.wait(), backoff)
-        backoff = min(backoff * 2, BACKOFF_MAX_S)
+        backoff = min(backoff * 2, SOURCES_RETRY_MAX_S)
     return None
 
 
