@@ -106,7 +106,7 @@ def test_a_router_and_workers_started_before_the_cluster_connect_once_it_is_up(
         with cluster:
             wait_for(lambda: router.ready()["redis"]["connected"], 30,
                      message="the router connects once the cluster is up")
-            wait_routable(router, workers)
+            wait_routable(router, len(workers), workers)
             assert all(w.poll() is None for w in workers), "a worker exited"
             prompt = [random.Random(4).randrange(1000, 90_000) for _ in range(160)]
             send_and_confirm(router, [prompt], "KV events reach the index")
