@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import operator
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final
 
@@ -83,7 +83,7 @@ class EventFilter:
                 kept.append(event)
         return KVEventBatch(batch.ts, kept, batch.data_parallel_rank)
 
-    def _reasons_by_shape(self, events: list[object]) -> list[str | None] | None:
+    def _reasons_by_shape(self, events: Sequence[object]) -> list[str | None] | None:
         """The reasons of a batch of stores and removals only, removals decided once per
         distinct (medium, group) rather than per event (a loaded replica publishes hundreds of
         one-block removals per batch; these maps run at C speed); stores one by one. ``None``

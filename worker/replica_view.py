@@ -111,7 +111,7 @@ class ReplicaView:
                     changes = [self._reset("engine cleared its prefix cache (AllBlocksCleared)")]
                     continue
                 elif isinstance(event, _RemovedRun):
-                    op, keys = OP_REMOVED, self._removed_run(event, stats)
+                    op, keys = OP_REMOVED, self._removed_run(event, stats, seq)
                 else:  # pragma: no cover - decode_batch only yields the three types
                     raise KVEventDecodeError(f"unknown event {type(event).__name__}")
             except KVEventDecodeError as exc:
@@ -138,13 +138,16 @@ class ReplicaView:
         keys = self.mapper.removed(event)
         if self.index_stride > 1:
             self._forget_depths(event, keys)
-            keys = [k for k in keys if k in self.blocks]  # non-anchors were never published
+            # non-anchors were never published; a key gone by an earlier removal of the same
+            # run is skipped as it would be one event at a time (checked before each removal)
+            return self.blocks.discard(keys)
         return self.blocks.remove(keys)
 
-    def _removed_run(self, run: _RemovedRun, stats: ViewStats) -> list[BlockKey]:
-        """A run of consecutive evictions applied as one event (same state as one by one); if
-        a hash in it is bad, event by event, so only the bad event is dropped. Only for key
-        mappers whose ``removed`` changes nothing before it raises (``EngineKeys``)."""
+    def _removed_run(self, run: _RemovedRun, stats: ViewStats, seq: int) -> list[BlockKey]:
+        """A run of consecutive evictions applied as one event (same state, changes and
+        counters as one by one: tests/unit/test_removal_runs.py); if a hash in it is bad,
+        event by event, so only the bad event is dropped. Only for key mappers whose
+        ``removed`` changes nothing before it raises (``EngineKeys``)."""
         try:
             keys = self._removed(run.merged)
         except KVEventDecodeError:
@@ -154,7 +157,7 @@ class ReplicaView:
                     keys.extend(self._removed(event))
                 except KVEventDecodeError as exc:
                     stats.num_bad_events += 1
-                    logger.warning("dropping BlockRemoved: %s", exc)
+                    logger.warning("dropping BlockRemoved in batch seq %d: %s", seq, exc)
                     continue
                 stats.events["BlockRemoved"] += 1
             return keys
