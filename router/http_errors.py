@@ -61,16 +61,21 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
         return error_response("internal router error", "InternalServerError", 500, request_id)
 
 
-def body_limit_middleware(max_body_bytes: int) -> Any:
+def body_limit_middleware(max_body_bytes: int,
+                          refused: Callable[[web.Request, int], None] | None = None) -> Any:
     """Refuse a request whose declared ``Content-Length`` exceeds ``max_body_bytes`` with a 413
     at once, before any handler reads the body. (aiohttp's ``client_max_size`` only counts the
     bytes as they are read, so a client that declares 300 MB and sends little waited for the
-    body timeout's 408.) A chunked body has no length up front: ``client_max_size`` bounds it."""
+    body timeout's 408.) A chunked body has no length up front: ``client_max_size`` bounds it.
+    ``refused(request, 413)`` is called for each refusal (the router counts it as a request
+    its handler would have counted)."""
 
     @web.middleware
     async def body_limit(request: web.Request, handler: Handler) -> web.StreamResponse:
         declared = request.content_length
         if declared is not None and declared > max_body_bytes:
+            if refused is not None:
+                refused(request, BodyTooLarge.status)
             raise BodyTooLarge(f"request body too large: Content-Length {declared} exceeds "
                                f"the router's max_body_bytes ({max_body_bytes})")
         return await handler(request)

@@ -25,7 +25,7 @@ from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Final
 
 import aiohttp
 from aiohttp import web
@@ -144,7 +144,7 @@ class RouterService:
 
     def build_app(self) -> web.Application:
         middlewares = [_request_id_middleware, error_middleware,
-                       body_limit_middleware(self.config.max_body_bytes)]
+                       body_limit_middleware(self.config.max_body_bytes, self._refused_unread)]
         if self.auth is not None:
             middlewares.append(auth_middleware(self.auth))
         if self.tracing.enabled:  # outside the error middleware: it sees the status sent
@@ -329,6 +329,12 @@ class RouterService:
         finally:
             self.metrics.child(self.metrics.requests, counted.replica_id, counted.reason,
                                counted.endpoint, str(counted.status)).inc()
+
+    def _refused_unread(self, request: web.Request, status: int) -> None:
+        """A completions or chat request refused before its handler ran (a declared body over
+        ``max_body_bytes``) is counted in ``router_requests_total`` as the handler counts it."""
+        if request.path in GENERATE_PATHS:
+            self.metrics.child(self.metrics.requests, "", "none", request.path, str(status)).inc()
 
     async def _generate(self, kind: str, request: web.Request,
                         counted: _Counted) -> web.StreamResponse:
@@ -578,6 +584,9 @@ async def _request_id_middleware(request: web.Request, handler: Any) -> web.Stre
     if REQUEST_ID_HEADER not in response.headers and not response.prepared:
         response.headers[REQUEST_ID_HEADER] = request_id
     return response
+
+
+GENERATE_PATHS: Final = frozenset({"/v1/completions", "/v1/chat/completions"})
 
 
 @dataclass(slots=True)
