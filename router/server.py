@@ -389,6 +389,12 @@ class RouterService:
         predicted_hit = hit_tokens if replica_id == decision.replica_id else 0
         self.metrics.child(self.metrics.prompt_tokens, replica_id).inc(routed.num_tokens)
         self.metrics.child(self.metrics.predicted_hit_tokens, replica_id).inc(predicted_hit)
+        if replica_id == decision.replica_id and decision.predicted_hit:  # per tier
+            hit = decision.hit(replica_id)
+            self.metrics.child(self.metrics.predicted_tier_hit_blocks, replica_id,
+                               "GPU").inc(hit.blocks)
+            self.metrics.child(self.metrics.predicted_tier_hit_blocks, replica_id,
+                               "CPU").inc(hit.cpu_blocks)
         if status == 200:
             self._audit_request(spec, routed.num_tokens, predicted_hit, outcome, tenant)
 
@@ -537,7 +543,7 @@ class RouterService:
             "num_tokens": routed.num_tokens, "chain_blocks": len(routed.chain),
             "block_size": self.config.block_size, "replica": d.replica_id, "reason": d.reason,
             "hit_blocks": d.hit_blocks, "hit_tokens": d.hit_blocks * self.config.block_size,
-            "fallbacks": list(d.fallbacks), "replicas": d.details,
+            "cpu_hit_blocks": d.hit(d.replica_id).cpu_blocks, "fallbacks": list(d.fallbacks), "replicas": d.details,
             "load": self.tracker.snapshot(),
             "prefill_rates": {
                 rid: {"tokens_per_s": round(est.tokens_per_s, 1),

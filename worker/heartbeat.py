@@ -151,7 +151,8 @@ def _number(value: float) -> int | float:
 def heartbeat_fields(*, replica_id: str, url: str, models: EngineModels, load: EngineLoad,
                      seed_fingerprint: str, hash_verified: str, key_mode: str,
                      num_blocks: int, now_s: float,
-                     index_stride: int = 1) -> dict[str, str | int | float]:
+                     index_stride: int = 1,
+                     kv_tiers: str = contract.TIER_GPU) -> dict[str, str | int | float]:
     """The ``F_*`` fields of one heartbeat except epoch/seq (the writer adds the committed ones)."""
     return {
         contract.F_REPLICA_ID: replica_id,
@@ -165,6 +166,7 @@ def heartbeat_fields(*, replica_id: str, url: str, models: EngineModels, load: E
         contract.F_KEY_MODE: key_mode,
         contract.F_CONTRACT: contract.CONTRACT_VERSION,
         contract.F_INDEX_STRIDE: index_stride,
+        contract.F_KV_TIERS: kv_tiers,
         contract.F_NUM_RUNNING: _number(load.num_running),
         contract.F_NUM_WAITING: _number(load.num_waiting),
         contract.F_KV_USAGE: load.kv_usage,

@@ -67,8 +67,8 @@ _HELP: Final = {
                       f"{ENV_PREFIX}REDIS_PASSWORD / REDIS_PASSWORD; ",
     "redis_password_file": "file holding the Redis password (e.g. a mounted Secret); ",
     "log_format": "text or json (one object per line); ",
-    "kv_tiers": "mediums whose KV events are indexed, comma-separated: GPU (always), CPU, "
-                "STORAGE; default GPU,CPU; GPU alone makes the CPU tier invisible; ",
+    "kv_tiers": "mediums whose KV events are indexed, comma-separated: GPU (always), CPU; "
+                "default GPU,CPU; GPU alone makes the CPU tier invisible (STORAGE is not indexed); ",
 }
 _INT_FIELDS: Final = ("block_size", "metrics_port", "index_stride")
 
