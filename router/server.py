@@ -43,6 +43,7 @@ from router.auth import (
 from router.chain_cache import ChainCache
 from router.chat_render import UNTRUSTED_TEMPLATE_MESSAGE, TemplateRenderer, has_request_template
 from router.config import ConfigError, RouterConfig, load_config
+from router.contract import TIER_CPU
 from router.dispatch import Dispatch, Dispatcher, GaugedTicket
 from router.errors import (
     REQUEST_ID_HEADER,
@@ -507,6 +508,8 @@ class RouterService:
                 "lora_adapters": sorted(r.lora_adapters), "num_running": r.num_running,
                 "num_waiting": r.num_waiting, "kv_usage": r.kv_usage,
                 "index_blocks": self.fleet.index.num_blocks(rid),
+                "index_cpu_blocks": self.fleet.index.num_blocks(rid, TIER_CPU),
+                "kv_tiers": list(r.kv_tiers),
                 "circuit": self.fleet.health.state(rid),
                 "inflight_requests": self.tracker.requests(rid),
                 "inflight_prefill_tokens": self.tracker.prefill_tokens(rid),

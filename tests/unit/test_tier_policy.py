@@ -98,3 +98,24 @@ def test_the_hit_cap_covers_both_tiers() -> None:
                tiered={"replica-0": 32}, params=PARAMS)
     assert d.hit("replica-0").blocks == 20 and d.hit("replica-0").cpu_blocks == 11
     assert d.hit("replica-0").total_blocks == 31 and d.predicted_hit
+
+
+def test_fleet_applies_entries_per_tier_and_a_cleared_entry_resets_every_tier() -> None:
+    from router import contract as c
+    from router.config import load_config
+    from router.fleet import Fleet
+    from router.hashing import BlockHasher
+
+    fleet = Fleet(load_config(["--redis-url", "redis://127.0.0.1:1/0", "--index-stride", "1"],
+                              env={}), BlockHasher(16, "sha256"))
+    fleet.apply_heartbeat("r", {c.F_URL: "http://127.0.0.1:1", c.F_CONTRACT: "4",
+                                c.F_KV_TIERS: "GPU,CPU"}, 0.0)
+    assert fleet.replicas["r"].kv_tiers == ("GPU", "CPU")
+    assert fleet.apply_changes("r", 0, False, [1, 2], [], cpu_stored=[1, 2, 3]) is None
+    assert fleet.apply_changes("r", 0, False, [], [2], cpu_removed=[1]) is None
+    index = fleet.index
+    assert (index.num_blocks("r"), index.num_blocks("r", c.TIER_CPU)) == (1, 2)
+    _, combined = index.hit_depths([1, 2, 3], index.mask_of(["r"]))
+    assert combined == {"r": 1} and index.tier_depths([1, 2, 3], combined) == {"r": 3}
+    assert fleet.apply_changes("r", 0, True, [7], []) is None
+    assert (index.num_blocks("r"), index.num_blocks("r", c.TIER_CPU)) == (1, 0)
