@@ -460,7 +460,7 @@ TABLE_COLUMNS = (
     ("router ms CPU/req", "router_cpu_s_per_request", ".2f", 1000.0),
     ("trusted", "trusted", "t", 1.0),
 )
-RANGED = ("token_hit_rate", "ttft_p50_s", "ttft_p99_s")  # shown as median (min-max)
+RANGED = ("token_hit_rate", "tiers_token_hit_rate", "ttft_p50_s", "ttft_p99_s")  # shown as median (min-max)
 
 
 def _cell(m: dict[str, Any], key: str, spec: str, scale: float) -> str:
