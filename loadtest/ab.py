@@ -23,8 +23,6 @@ import contextlib
 import json
 import logging
 import math
-import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -37,7 +35,7 @@ from typing import Any, Final
 import aiohttp
 import numpy as np
 
-from loadtest.harness import EMULATE, stop_process
+from loadtest.harness import ProcessExited, start_emulator, stop_process
 from loadtest.replay import RequestRecord, send_one
 from loadtest.trace import TokenMapper, read_trace
 
@@ -298,23 +296,18 @@ def fresh_emulator(caching: bool, extra_args: Sequence[str] = (), time_scale: fl
     tmp = Path(tempfile.mkdtemp(prefix="prefix-ab-"))
     ready = tmp / "ready.json"
     log_path = (log_dir or tmp) / f"emulator-{'on' if caching else 'off'}.log"
-    args = [*EMULATE,
-            "--served-model-name", model, "--enable-prompt-tokens-details",
+    args = ["--served-model-name", model, "--enable-prompt-tokens-details",
             "--enable-prefix-caching" if caching else "--no-enable-prefix-caching",
-            "--time-scale", repr(time_scale), "--ready-file", str(ready), *extra_args]
-    with log_path.open("wb") as log:
-        proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT,
-                                env=dict(os.environ))
-        try:
-            deadline = time.monotonic() + START_TIMEOUT_S
-            while not ready.exists():
-                if proc.poll() is not None or time.monotonic() > deadline:
-                    raise ABError(f"the emulator (caching {'on' if caching else 'off'}) did not "
-                                  f"start; see {log_path}")
-                time.sleep(0.1)
-            yield str(json.loads(ready.read_text())["replicas"][0]["url"])
-        finally:
-            stop_process(proc)
+            "--time-scale", repr(time_scale), *extra_args]
+    try:
+        proc, replicas = start_emulator(ready, args, log_path=log_path, timeout_s=START_TIMEOUT_S)
+    except (TimeoutError, ProcessExited) as exc:
+        raise ABError(f"the emulator (caching {'on' if caching else 'off'}) did not "
+                      f"start; see {log_path}") from exc
+    try:
+        yield str(replicas[0]["url"])
+    finally:
+        stop_process(proc)
 
 
 def run_ab(prompts: Sequence[Prompt], output_dir: Path, on_url: str | None = None,

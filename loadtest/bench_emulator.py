@@ -14,7 +14,6 @@ import argparse
 import asyncio
 import json
 import random
-import subprocess
 import sys
 import tempfile
 import time
@@ -22,7 +21,7 @@ from pathlib import Path
 
 import aiohttp
 
-from loadtest.harness import EMULATE, cpu_seconds
+from loadtest.harness import ProcessExited, cpu_seconds, start_emulator, stop_process
 
 
 def _bodies(count: int, prompt_tokens: int, max_tokens: int, seed: int) -> list[bytes]:
@@ -80,24 +79,19 @@ def main(argv: list[str] | None = None) -> int:
     bodies = _bodies(count, args.prompt_tokens, args.max_tokens, seed=1)
     with tempfile.TemporaryDirectory() as tmp:
         ready = Path(tmp) / "ready.json"
-        proc = subprocess.Popen(
-            [*EMULATE, "--replicas",
-             str(args.replicas), "--time-scale", str(args.time_scale), "--ready-file", str(ready),
-             "--log-level", "warning"])
         try:
-            deadline = time.monotonic() + 60
-            while not ready.exists():
-                if proc.poll() is not None or time.monotonic() > deadline:
-                    print("emulator did not start", file=sys.stderr)
-                    return 1
-                time.sleep(0.05)
-            urls = [r["url"] for r in json.loads(ready.read_text())["replicas"]]
+            proc, replicas = start_emulator(ready, ["--replicas", str(args.replicas), "--time-scale",
+                                                    str(args.time_scale), "--log-level", "warning"])
+        except (TimeoutError, ProcessExited) as exc:
+            print(f"emulator did not start: {exc}", file=sys.stderr)
+            return 1
+        try:
+            urls = [r["url"] for r in replicas]
             cpu0 = cpu_seconds(proc.pid)
             elapsed, latencies, errors = asyncio.run(_drive(urls, bodies, args.rate))
             cpu = cpu_seconds(proc.pid) - cpu0
         finally:
-            proc.terminate()
-            proc.wait(timeout=10)
+            stop_process(proc)
     done = len(latencies)
     latencies.sort()
 

@@ -34,27 +34,12 @@ from typing import Any
 
 import aiohttp
 
-from loadtest.harness import cpu_seconds
+from loadtest.harness import EMULATE, PYTHON, cpu_seconds, start_process, stop_processes, wait_ready
 from router.prompts import default_tokenizer_dir
 
 
 def _start(args: list[str], log: Path) -> Any:
-    import subprocess
-    import sys
-
-    return subprocess.Popen([sys.executable, "-m", *args], stdout=log.open("wb"),
-                            stderr=subprocess.STDOUT)
-
-
-def _wait_file(path: Path, timeout_s: float = 60.0) -> Any:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if path.exists():
-            return json.loads(path.read_text())
-        time.sleep(0.1)
-    raise TimeoutError(f"{path} not written")
-
-
+    return start_process([PYTHON, "-m", *args] if args[0] != PYTHON else args, log_path=log)
 
 
 def _pct(values: list[float], q: float) -> float:
@@ -186,17 +171,16 @@ async def run(args: argparse.Namespace) -> None:
         emulator = _start(["loadtest.bench_router", "--serve-null", str(tmp / "emu.json")],
                           tmp / "emu.log")
     else:
-        emulator = _start(["worker.cli", "emulate", "--host", "127.0.0.1", "--port", "0",
-                           "--replicas", "1", "--time-scale", str(args.time_scale),
+        emulator = _start([*EMULATE, "--replicas", "1", "--time-scale", str(args.time_scale),
                            "--num-gpu-blocks-override", "20000", "--ready-file",
                            str(tmp / "emu.json")], tmp / "emu.log")
     router = None
     try:
-        replica_url = _wait_file(tmp / "emu.json")["replicas"][0]["url"]
+        replica_url = wait_ready(tmp / "emu.json", [emulator], 60)["replicas"][0]["url"]
         router = _start(["router.cli", "serve", "--port", "0", "--replica", replica_url,
                          "--tokenizer", str(tokenizer_dir), "--ready-file", str(tmp / "router.json"),
                          "--log-level", "warning"], tmp / "router.log")
-        router_url = _wait_file(tmp / "router.json")["url"]
+        router_url = wait_ready(tmp / "router.json", [router], 60)["url"]
         from transformers import AutoTokenizer
 
         tok = AutoTokenizer.from_pretrained(tokenizer_dir)
@@ -262,10 +246,7 @@ async def run(args: argparse.Namespace) -> None:
                       f"(replica-bound), router CPU {cpu * 1e3 / len(prompts):.2f} ms/request "
                       f"= {len(prompts) / cpu:.0f} req/s per router core")
     finally:
-        for proc in (router, emulator):
-            if proc is not None:
-                proc.terminate()
-                proc.wait(10)
+        stop_processes([p for p in (emulator, router) if p is not None])
 
 
 def main() -> None:

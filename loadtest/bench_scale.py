@@ -48,8 +48,9 @@ from typing import Any
 
 import aiohttp
 
-from loadtest.bench_router import _start, _wait_file
+from loadtest.bench_router import _start
 from loadtest.harness import cpu_seconds as _cpu_seconds
+from loadtest.harness import stop_process, wait_ready
 from loadtest.redis_server import RedisServer
 from router import contract as c
 from worker.redis_writer import _FLUSH
@@ -204,7 +205,7 @@ async def run_one(args: argparse.Namespace, tmp: Path, null_url: str, num_replic
                          str(ready), "--log-level", "warning"], tmp / "router.log")
         client = aioredis.Redis.from_url(server.url)
         try:
-            router_url = _wait_file(ready)["url"]
+            router_url = wait_ready(ready, [router], 60)["url"]
             async with aiohttp.ClientSession() as session:
                 deadline = time.monotonic() + 30
                 while time.monotonic() < deadline:
@@ -267,12 +268,7 @@ async def run_one(args: argparse.Namespace, tmp: Path, null_url: str, num_replic
         finally:
             await client.aclose()
             sync.close()
-            router.terminate()
-            try:
-                router.wait(10)
-            except Exception:  # still busy applying a backlog: do not wait for it
-                router.kill()
-                router.wait(10)
+            stop_process(router)  # SIGKILL after 10 s: still busy applying a backlog
 
 
 def _print(r: dict[str, Any]) -> None:
@@ -292,7 +288,7 @@ async def run(args: argparse.Namespace) -> list[dict[str, Any]]:
                   tmp / "null.log")
     results = []
     try:
-        null_url = _wait_file(tmp / "null.json")["replicas"][0]["url"]
+        null_url = wait_ready(tmp / "null.json", [null], 60)["replicas"][0]["url"]
         prompts = _prompts(random.Random(0), 4 * DOCS)
         print(f"{args.seconds:g} s of traffic per phase, {args.blocks_per_request} blocks stored "
               f"and evicted per request; router upkeep measured alone, then with "
@@ -309,8 +305,7 @@ async def run(args: argparse.Namespace) -> list[dict[str, Any]]:
                     results.append(result)
                     _print(result)
     finally:
-        null.terminate()
-        null.wait(10)
+        stop_process(null)
     return results
 
 

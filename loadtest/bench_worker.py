@@ -25,7 +25,7 @@ from typing import Any
 
 import redis
 
-from loadtest.harness import EMULATE, PYTHON, cpu_seconds, start_process, stop_process, wait_for
+from loadtest.harness import PYTHON, cpu_seconds, start_emulator, start_process, stop_process
 from loadtest.kv_publisher import KVEventPublisher
 from loadtest.redis_server import RedisServer
 from router import contract
@@ -59,12 +59,10 @@ async def _run(args: argparse.Namespace) -> dict[str, Any]:
     payloads, num_keys, num_resident = _payloads(args.keys, args.min_batch, args.max_batch, rng)
     with RedisServer() as server, tempfile.TemporaryDirectory() as tmp:
         client = redis.Redis.from_url(server.url)
-        ready = Path(tmp) / "ready.json"
-        emu = start_process([*EMULATE, "--ready-file", str(ready)])
+        emu, replicas = start_emulator(Path(tmp) / "ready.json")
         worker = None
         try:
-            wait_for(ready.exists, 60, 0.02, "emulator")
-            url = json.loads(ready.read_text())["replicas"][0]["url"]
+            url = replicas[0]["url"]
             async with KVEventPublisher() as pub:
                 worker = start_process([PYTHON, "-m", "worker.cli", "report", "--engine-url", url,
                                         "--kv-events-endpoint", pub.endpoint,

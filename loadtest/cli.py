@@ -122,6 +122,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_compare_parsers(sub, _add_slice_args, _replay_config)
     add_ab_parser(sub)
+    for command in sub.choices.values():  # ``prefix-loadtest demo --version`` too
+        command.add_argument("--version", action="version", version=version_line("prefix-loadtest"))
 
     return parser
 

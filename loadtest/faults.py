@@ -30,7 +30,6 @@ import os
 import random
 import socket
 import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -40,6 +39,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from loadtest import harness
 from loadtest.redis_server import RedisServer
 
 KV_EVENTS = json.dumps({"enable_kv_cache_events": True, "publisher": "zmq",
@@ -63,20 +63,12 @@ def http(method: str, url: str, body: Any = None, timeout: float = 120.0) -> tup
 
 
 def wait_for(cond: Callable[[], Any], timeout_s: float, interval_s: float = 0.05) -> Any:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            value = cond()
-        except (OSError, ValueError, KeyError):
-            value = None
-        if value:
-            return value
-        time.sleep(interval_s)
-    raise TimeoutError("condition not met")
+    """``loadtest.harness.wait_for`` with this module's positional timeout."""
+    return harness.wait_for(cond, timeout_s, interval_s)
 
 
 class Lab:
-    """The processes of one scenario, stopped in reverse order."""
+    """The processes of one scenario (``loadtest.harness``), stopped newest first."""
 
     def __init__(self) -> None:
         self.tmp = Path(tempfile.mkdtemp(prefix="faults-"))
@@ -84,28 +76,32 @@ class Lab:
         self.redis: RedisServer | None = None
 
     def spawn(self, *args: str, env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
-        log = open(self.tmp / f"p{len(self.procs)}.log", "wb")
-        proc = subprocess.Popen([sys.executable, "-m", *args], stdout=log, stderr=subprocess.STDOUT,
-                                env={**os.environ, **(env or {})})
+        """``python -m ARGS`` (or the command ``ARGS`` when it starts with the interpreter)."""
+        command = list(args) if args[0] == harness.PYTHON else [harness.PYTHON, "-m", *args]
+        proc = harness.start_process(command, env, self.tmp / f"p{len(self.procs)}.log")
         self.procs.append(proc)
         return proc
 
     def ready(self, name: str) -> Path:
         return self.tmp / f"{name}-{time.monotonic_ns()}.json"
 
+    def emulator(self, *args: str, env: dict[str, str] | None = None) -> list[dict[str, Any]]:
+        """An emulator process (``harness.EMULATE`` plus ``args``); its replicas once ready."""
+        proc, replicas = harness.start_emulator(self.ready("emu"), args, env,
+                                                self.tmp / f"p{len(self.procs)}.log", 90)
+        self.procs.append(proc)
+        return replicas
+
     def fleet(self, replicas: int = 4) -> tuple[list[dict[str, Any]], str]:
         """Redis, emulators and workers; replica-3 behind the fault proxy. Returns the replicas
         and the proxy URL."""
         self.redis = RedisServer().start()
-        ready = self.ready("emu")
-        self.spawn("worker.cli", "emulate", "--host", "127.0.0.1", "--port", "0", "--replicas",
-                   str(replicas), "--kv-events-config", KV_EVENTS, "--time-scale", "20",
-                   "--ready-file", str(ready), env={"PYTHONHASHSEED": "0"})
-        reps: list[dict[str, Any]] = wait_for(lambda: json.loads(ready.read_text()), 90)["replicas"]
+        reps = self.emulator("--replicas", str(replicas), "--kv-events-config", KV_EVENTS,
+                             "--time-scale", "20", env={"PYTHONHASHSEED": "0"})
         proxy_ready = self.ready("proxy")
-        self.spawn("loadtest.fault_proxy", "--target", reps[-1]["url"], "--ready-file",
-                   str(proxy_ready))
-        proxy = wait_for(lambda: json.loads(proxy_ready.read_text()), 30)["url"]
+        proc = self.spawn("loadtest.fault_proxy", "--target", reps[-1]["url"], "--ready-file",
+                          str(proxy_ready))
+        proxy = harness.wait_ready(proxy_ready, [proc], 30)["url"]
         for rep in reps:
             url = proxy if rep["index"] == replicas - 1 else rep["url"]
             self.spawn("worker.cli", "report", "--engine-url", url, "--kv-events-endpoint",
@@ -117,19 +113,14 @@ class Lab:
     def router(self, *args: str, wait: int | None = None) -> tuple[str, subprocess.Popen[bytes]]:
         ready = self.ready("router")
         proc = self.spawn("router.cli", "serve", "--port", "0", "--ready-file", str(ready), *args)
-        url: str = wait_for(lambda: json.loads(ready.read_text())["url"], 90)
+        url: str = harness.wait_ready(ready, [proc])["url"]
         if wait is not None:
-            wait_for(lambda: sum(r["routable"] for r in ready_of(url)["replicas"]) == wait, 60)
+            harness.wait_for(lambda: sum(r["routable"] for r in ready_of(url)["replicas"]) == wait,
+                             60, message=f"{wait} routable replicas", procs=[proc])
         return url, proc
 
     def close(self) -> None:
-        for proc in reversed(self.procs):
-            proc.terminate()
-        for proc in reversed(self.procs):
-            try:
-                proc.wait(10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+        harness.stop_processes(self.procs)
         if self.redis is not None:
             self.redis.stop()
 
@@ -214,10 +205,7 @@ def scenario_template(lab: Lab) -> dict[str, Any]:
     from router.prompts import default_tokenizer_dir
 
     tokenizer = default_tokenizer_dir() or ""
-    ready = lab.ready("emu")
-    lab.spawn("worker.cli", "emulate", "--host", "127.0.0.1", "--port", "0", "--time-scale", "20",
-              "--ready-file", str(ready))
-    url = wait_for(lambda: json.loads(ready.read_text()), 90)["replicas"][0]["url"]
+    url = lab.emulator("--time-scale", "20")[0]["url"]
     messages = [{"role": "user", "content": "hello there"}]
     out: dict[str, Any] = {}
     for label, extra in (("default", []), ("trusted", ["--trust-request-chat-template"])):
@@ -377,10 +365,7 @@ def _text(seed: int, num_chars: int) -> str:
 def scenario_rss(lab: Lab) -> dict[str, Any]:
     from router.prompts import default_tokenizer_dir
 
-    ready = lab.ready("emu")
-    lab.spawn("worker.cli", "emulate", "--host", "127.0.0.1", "--port", "0", "--time-scale", "20",
-              "--ready-file", str(ready))
-    url = wait_for(lambda: json.loads(ready.read_text()), 90)["replicas"][0]["url"]
+    url = lab.emulator("--time-scale", "20")[0]["url"]
     router, proc = lab.router("--replica", url, "--tokenizer", default_tokenizer_dir() or "",
                               wait=1)
     http("POST", router + "/debug/route", {"prompt": "warm up"})

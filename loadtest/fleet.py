@@ -30,8 +30,9 @@ import urllib.request
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
+from loadtest import harness
 from loadtest.redis_server import RedisServer, free_port
 from router.contract import DEFAULT_INDEX_STRIDE
 
@@ -49,7 +50,6 @@ OURS = "prefix-router"
 SGLANG = "sglang"
 VLLM_ROUTER = "vllm-router"
 
-_LAUNCH = "import sys; from {module} import main; sys.exit(main(sys.argv[1:]))"
 # The emulated GPUs come first: a real GPU does not slow down when the router's host is busy,
 # so the process standing in for them runs at a higher priority than the router stack, the peers
 # and the replayer (all at the default 0), the same for every run. Lowering a nice value needs
@@ -123,9 +123,7 @@ class ReplicaInfo:
 @dataclass
 class _Proc:
     name: str
-    popen: subprocess.Popen[bytes]
-    log_path: Path | None
-    log_file: IO[bytes] | None = None
+    popen: subprocess.Popen[bytes]  # started by loadtest.harness.start_process
 
 
 def _set_pdeathsig() -> None:  # runs in the child between fork and exec
@@ -157,9 +155,9 @@ def process_priority(pid: int) -> dict[str, int | None]:
 
 
 def python_entry(module: str) -> list[str]:
-    """Command prefix that runs ``module.main(argv)`` with this interpreter (works from an
+    """Command prefix that runs ``python -m module`` with this interpreter (works from an
     editable or a regular install without relying on console scripts being on PATH)."""
-    return [sys.executable, "-c", _LAUNCH.format(module=module)]
+    return [harness.PYTHON, "-m", module]
 
 
 def peer_available(kind: str) -> bool:
@@ -241,23 +239,7 @@ class LoopbackFleet:
         if self._stopped:
             return
         self._stopped = True
-        for proc in reversed(self._procs):
-            if proc.popen.poll() is None:
-                with contextlib.suppress(OSError):
-                    proc.popen.terminate()
-        deadline = time.monotonic() + STOP_GRACE_S
-        for proc in reversed(self._procs):
-            try:
-                proc.popen.wait(timeout=max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                logger.warning("%s did not stop within %.0f s; killing it", proc.name, STOP_GRACE_S)
-                with contextlib.suppress(OSError):
-                    proc.popen.kill()
-                with contextlib.suppress(subprocess.TimeoutExpired):
-                    proc.popen.wait(timeout=5)
-            if proc.log_file is not None:
-                with contextlib.suppress(OSError):
-                    proc.log_file.close()
+        harness.stop_processes([proc.popen for proc in self._procs], STOP_GRACE_S)
         if self._redis is not None:
             self._redis.stop()
             self._redis = None
@@ -284,52 +266,27 @@ class LoopbackFleet:
     # -- internals ---------------------------------------------------------------------------
 
     def _log_hint(self, proc: _Proc) -> str:
-        if proc.log_path is None:
-            return ""
-        tail = ""
-        with contextlib.suppress(OSError):
-            tail = proc.log_path.read_text(errors="replace")[-2000:]
-        return f" (log {proc.log_path}):\n{tail}"
+        return harness.output_hint(proc.popen)
 
     def _spawn(self, name: str, args: Sequence[str], prioritised: bool = False) -> _Proc:
-        log_path: Path | None = None
-        log_file: IO[bytes] | None = None
-        if self.config.log_dir is not None:
-            log_path = self.config.log_dir / f"{name}.log"
-            log_file = open(log_path, "wb")
-            out: Any = log_file
-        else:
-            out = subprocess.DEVNULL
+        log_dir = self.config.log_dir
         logger.info("starting %s: %s", name, " ".join(args))
-        popen = subprocess.Popen(
-            list(args), env=self._env, stdout=out, stderr=subprocess.STDOUT,
+        popen = harness.start_process(
+            args, self._env, log_dir / f"{name}.log" if log_dir is not None else None,
             stdin=subprocess.DEVNULL, start_new_session=True,
             preexec_fn=(None if not sys.platform.startswith("linux")
                         else _set_pdeathsig_and_priority if prioritised else _set_pdeathsig))
-        proc = _Proc(name, popen, log_path, log_file)
+        proc = _Proc(name, popen)
         self._procs.append(proc)
         return proc
 
     def _wait(self, what: str, cond: Callable[[], Any], procs: Sequence[_Proc],
               timeout_s: float | None = None) -> Any:
         timeout_s = self.config.start_timeout_s if timeout_s is None else timeout_s
-        deadline = time.monotonic() + timeout_s
-        last_exc: Exception | None = None
-        while time.monotonic() < deadline:
-            for proc in procs:
-                if proc.popen.poll() is not None:
-                    raise FleetError(f"{proc.name} exited with status {proc.popen.returncode} "
-                                     f"while waiting for {what}{self._log_hint(proc)}")
-            try:
-                value = cond()
-                if value:
-                    return value
-            except (OSError, ValueError) as exc:
-                last_exc = exc
-            time.sleep(0.1)
-        hints = "".join(self._log_hint(p) for p in procs)
-        raise FleetError(f"timed out after {timeout_s:.0f} s waiting for {what}; "
-                         f"last error: {last_exc!r}{hints}")
+        try:
+            return harness.wait_for(cond, timeout_s, 0.1, what, [p.popen for p in procs])
+        except (TimeoutError, harness.ProcessExited) as exc:
+            raise FleetError(str(exc)) from exc
 
     def _ready_file(self, name: str) -> Path:
         base = self.config.log_dir or Path(os.environ.get("TMPDIR", "/tmp"))
@@ -343,8 +300,7 @@ class LoopbackFleet:
         ready = self._ready_file("emulator")
         kv_events = {"enable_kv_cache_events": True, "publisher": "zmq",
                      "endpoint": "tcp://*:0", "replay_endpoint": "tcp://*:0"}
-        args = [*python_entry("worker.cli"), "emulate", "--host", "127.0.0.1", "--port", "0",
-                "--replicas", str(cfg.replicas), "--served-model-name", cfg.model,
+        args = [*harness.EMULATE, "--replicas", str(cfg.replicas), "--served-model-name", cfg.model,
                 "--block-size", str(cfg.block_size), "--prefix-caching-hash-algo", cfg.hash_algo,
                 "--kv-events-config", json.dumps(kv_events), "--enable-prompt-tokens-details",
                 "--time-scale", repr(cfg.time_scale), "--ready-file", str(ready)]
@@ -356,13 +312,8 @@ class LoopbackFleet:
         self.priority = self._describe_priority(proc.popen.pid)
         self.progress(f"emulator priority: {self.priority['note']}")
 
-        def read_ready() -> dict[str, Any] | None:
-            if not ready.exists():
-                return None
-            data: dict[str, Any] = json.loads(ready.read_text())
-            return data
-
-        data = self._wait("the emulator's ready file", read_ready, [proc])
+        data = self._wait("the emulator's ready file", lambda: json.loads(ready.read_text()),
+                          [proc])
         self.replicas = [
             ReplicaInfo(index=int(r["index"]), replica_id=f"replica-{int(r['index'])}",
                         url=str(r["url"]).rstrip("/"),
@@ -427,12 +378,9 @@ class LoopbackFleet:
         proc = self._spawn("router", args)
         watched = [p for p in self._procs]
 
-        def read_ready() -> str | None:
-            if not ready.exists():
-                return None
-            return str(json.loads(ready.read_text())["url"]).rstrip("/")
-
-        self.router_url = self._wait("the router's ready file", read_ready, [proc])
+        self.router_url = str(self._wait("the router's ready file",
+                                         lambda: json.loads(ready.read_text()), [proc])["url"]
+                              ).rstrip("/")
         with contextlib.suppress(OSError):
             ready.unlink()
         want = {r.replica_id for r in self.replicas}

@@ -22,20 +22,14 @@ import re
 import socket
 import subprocess
 import tempfile
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Final, Self
 
 import redis
 
-from loadtest.redis_server import (
-    RedisServerError,
-    _ping,
-    free_port,
-    redis_server_binary,
-    terminate,
-)
+from loadtest import harness
+from loadtest.redis_server import RedisServerError, _ping, free_port, redis_server_binary
 from router.contract import key_slot
 
 NUM_SLOTS: Final = 16384  # Redis Cluster hash slots
@@ -46,13 +40,10 @@ CLUSTER_BUS_OFFSET: Final = 10000  # a cluster node also listens on port + 10000
 
 
 def _wait(condition: Callable[[], object], timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        with contextlib.suppress(redis.RedisError, OSError):
-            if condition():
-                return
-        time.sleep(0.05)
-    raise RedisServerError(f"timed out after {timeout_s} s waiting for {what}")
+    try:
+        harness.wait_for(condition, timeout_s, 0.05, what)
+    except TimeoutError as exc:
+        raise RedisServerError(str(exc)) from exc
 
 
 class _Processes:
@@ -72,9 +63,7 @@ class _Processes:
             cmd.append(str(path))
         cmd += ["--port", str(port), "--bind", "127.0.0.1", "--protected-mode", "no",
                 "--dir", str(self.dir), "--save", "", "--loglevel", "warning", *args]
-        log = (self.dir / f"{port}.log").open("wb")
-        self.procs[port] = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
-        proc = self.procs[port]
+        proc = self.procs[port] = harness.start_process(cmd, log_path=self.dir / f"{port}.log")
         _wait(lambda: proc.poll() is None and _ping("127.0.0.1", port), STARTUP_TIMEOUT_S,
               f"redis-server on port {port} ({(self.dir / f'{port}.log')})")
 
@@ -83,7 +72,7 @@ class _Processes:
         for p in [port] if port is not None else list(self.procs):
             proc = self.procs.pop(p, None)
             if proc is not None:
-                terminate(proc)
+                harness.stop_processes([proc], 5.0)
         if port is None:
             with contextlib.suppress(OSError):
                 self._dir.cleanup()

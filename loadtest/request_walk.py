@@ -34,7 +34,7 @@ from typing import Any
 import aiohttp
 
 import router
-from loadtest.harness import EMULATE, start_process, stop_process, wait_for
+from loadtest.harness import start_emulator, stop_process
 
 ROUTER_DIR = str(Path(router.__file__).parent)
 SKIPPED = {"<genexpr>", "<listcomp>", "<dictcomp>", "<setcomp>"}
@@ -189,15 +189,9 @@ def main(argv: list[str] | None = None) -> int:
     tokenizer = default_tokenizer_dir()
     model = "Qwen/Qwen3-0.6B"
     with tempfile.TemporaryDirectory() as tmp:
-        ready = Path(tmp) / "ready.json"
-        proc = start_process([*EMULATE, "--ready-file", str(ready), "--replicas", "2",
-                              "--model", model])
+        proc, replicas = start_emulator(Path(tmp) / "ready.json", ["--replicas", "2", "--model", model])
         try:
-            wait_for(lambda: ready.exists() or proc.poll() is not None, timeout_s=60,
-                     message="emulator ready file")
-            if proc.poll() is not None:
-                raise RuntimeError(f"emulator exited with {proc.returncode}")
-            urls = [r["url"] for r in json.loads(ready.read_text())["replicas"]]
+            urls = [r["url"] for r in replicas]
             time.sleep(0.2)
             results = asyncio.run(walk(urls, model, tokenizer))
         finally:

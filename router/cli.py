@@ -32,7 +32,12 @@ class UsageError(ValueError):
 
 
 class _OneLineParser(argparse.ArgumentParser):
-    """argparse that reports a usage error as one line on stderr (exit 2), not a usage block."""
+    """argparse that reports a usage error as one line on stderr (exit 2), not a usage block, and
+    takes ``--version`` like every command of the project (its subcommands' parsers too)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.add_argument("--version", action="version", version=version_line("prefix-router"))
 
     def error(self, message: str) -> NoReturn:
         self.exit(2, f"{self.prog}: error: {message}\n")
@@ -81,7 +86,6 @@ def _hash_parser() -> argparse.ArgumentParser:
     parser.add_argument("--mm", action="append", default=[], metavar="ID:OFFSET:LENGTH",
                         help="multimodal item (repeatable), in prompt order")
     parser.add_argument("--tokens", default=None, help="JSON array of token ids (default: stdin)")
-    parser.add_argument("--version", action="version", version=version_line("prefix-router"))
     return parser
 
 

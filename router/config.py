@@ -1,10 +1,11 @@
 """Router configuration: one frozen dataclass, built from CLI flags > ``ROUTER_*`` env > YAML > defaults.
 
 Pure apart from reading the YAML file named by ``--config`` / ``ROUTER_CONFIG``.
-Every setting is a field of ``RouterConfig``; its CLI flag is ``--field-name``,
-its environment variable ``ROUTER_FIELD_NAME`` and its YAML key ``field_name``.
-List settings (``replicas``) take repeated flags, a comma-separated env value or
-a YAML list.
+Every setting is a field of ``RouterConfig``; ``SETTINGS`` (``router.settings.Settings``, the
+mechanism the worker and the emulator share) derives its CLI flag ``--field-name``, its
+environment variable ``ROUTER_FIELD_NAME`` and its YAML key ``field_name``. List settings
+(``replicas``) take repeated singular flags (``--replica``), a comma-separated env value
+(``ROUTER_REPLICAS`` or ``ROUTER_REPLICA``) or a YAML list.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from router.hashing import DEFAULT_BLOCK_SIZE, DEFAULT_HASH_ALGO, HASH_ALGOS
 from router.policy import PolicyParams
 from router.redis_client import RedisUrlError, parse_redis_url
 from router.secrets import SecretError, resolve_redis_password
-from router.settings import ConfigError, read_config_file
+from router.settings import ConfigError, Settings
 from router.version import version_line
 
 POLICIES: Final = ("prefix", "ttft", "round_robin", "least_loaded", "consistent_hash")
@@ -88,6 +89,26 @@ DEFAULT_SHUTDOWN_TIMEOUT_S: Final = 120.0  # in-flight requests' time to finish 
 # signal (the stream idle timeout: a stream silent longer is cut anyway)
 DEFAULT_CHAT_TEMPLATE_TIMEOUT_S: Final = 2.0  # a request-supplied chat template's render, at most
 DEFAULT_CHAT_TEMPLATE_MAX_BYTES: Final = 4 * 1024 * 1024  # and its rendered text, at most
+
+
+# RouterConfig's checks, by kind: {setting: allowed values}, {setting: least value}, settings > 0
+_ONE_OF: Final = {"log_format": LOG_FORMATS, "policy": POLICIES, "hash_algo": HASH_ALGOS,
+                  "log_level": LOG_LEVELS, "client_cache_salt": ("override", "reject"),
+                  "debug_access": ("admin", "tenant"), "metrics_access": ("open", "admin")}
+_AT_LEAST: Final = {
+    "block_size": 1, "index_stride": 1, "load_factor": 1.0, "vnodes": 1, "max_body_bytes": 1024,
+    "replica_kv_blocks": 1, "health_failures": 1, "circuit_failures": 1,
+    "chat_template_max_bytes": 1, "tokenizer_threads": 1, "audit_head_tokens": 16,
+    **dict.fromkeys(("drain_delay_s", "shutdown_timeout_s", "queue_slack_tokens",
+                     "consistent_hash_tokens", "token_cache_chunks", "prompt_cache_mib",
+                     "load_headroom", "recompute_penalty", "min_affinity_blocks", "cold_candidates",
+                     "cold_queue_slack_tokens", "audit_families", "audit_top_k",
+                     "max_idle_client_connections"), 0)}
+_POSITIVE: Final = ("ttft_prior_tokens_per_s", "cpu_load_tokens_per_s", "cold_write_window",
+                    "speculative_ttl_s", "connect_timeout_s", "first_byte_timeout_s", "stream_idle_timeout_s",
+                    "static_probe_interval_s", "circuit_window_s", "circuit_ejection_s",
+                    "circuit_max_ejection_s", "stall_timeout_s", "client_idle_timeout_s",
+                    "client_body_timeout_s", "chat_template_timeout_s")
 
 
 @dataclass(frozen=True, slots=True)
@@ -186,75 +207,28 @@ class RouterConfig:
                 parse_redis_url(self.redis_url)
             except RedisUrlError as exc:
                 raise ConfigError(f"redis_url: {exc}") from exc
-        if self.log_format not in LOG_FORMATS:
-            raise ConfigError(f"log_format must be one of {', '.join(LOG_FORMATS)}, "
-                              f"got {self.log_format!r}")
+        for name, allowed in _ONE_OF.items():
+            if getattr(self, name) not in allowed:
+                raise ConfigError(f"{name} must be one of {', '.join(allowed)}, "
+                                  f"got {getattr(self, name)!r}")
         if self.otlp_traces_endpoint is not None and not self.otlp_traces_endpoint.startswith(
                 ("http://", "https://")):
             raise ConfigError(f"otlp_traces_endpoint must be an http(s) URL (OTLP/HTTP), "
                               f"got {self.otlp_traces_endpoint!r}")
         if not 0 <= self.port <= 65535:
             raise ConfigError(f"port must be 0..65535, got {self.port}")
-        if self.policy not in POLICIES:
-            raise ConfigError(f"policy must be one of {', '.join(POLICIES)}, got {self.policy!r}")
-        if self.hash_algo not in HASH_ALGOS:
-            raise ConfigError(f"hash_algo must be one of {', '.join(HASH_ALGOS)}, got {self.hash_algo!r}")
-        if self.block_size < 1:
-            raise ConfigError(f"block_size must be >= 1, got {self.block_size}")
-        if self.index_stride < 1:
-            raise ConfigError(f"index_stride must be >= 1, got {self.index_stride}")
-        if self.load_factor < 1.0:
-            raise ConfigError(f"load_factor must be >= 1.0, got {self.load_factor}")
-        if self.log_level not in LOG_LEVELS:
-            raise ConfigError(f"log_level must be one of {', '.join(LOG_LEVELS)}, got {self.log_level!r}")
-        if self.vnodes < 1:
-            raise ConfigError(f"vnodes must be >= 1, got {self.vnodes}")
-        if self.max_body_bytes < 1024:
-            raise ConfigError(f"max_body_bytes must be >= 1024, got {self.max_body_bytes}")
-        if self.replica_kv_blocks < 1:
-            raise ConfigError(f"replica_kv_blocks must be >= 1, got {self.replica_kv_blocks}")
-        if self.ttft_prior_tokens_per_s <= 0:
-            raise ConfigError(f"ttft_prior_tokens_per_s must be > 0, got {self.ttft_prior_tokens_per_s}")
-        if self.cpu_load_tokens_per_s <= 0:
-            raise ConfigError(f"cpu_load_tokens_per_s must be > 0, got {self.cpu_load_tokens_per_s}")
-        if not 0.0 <= self.ttft_evicted_reuse <= 1.0:
-            raise ConfigError(f"ttft_evicted_reuse must be in [0, 1], got {self.ttft_evicted_reuse}")
-        if self.cold_write_window <= 0:
-            raise ConfigError(f"cold_write_window must be > 0, got {self.cold_write_window}")
-        for name in ("drain_delay_s", "shutdown_timeout_s"):
-            if getattr(self, name) < 0:
-                raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)}")
-        for name in ("health_failures", "circuit_failures", "chat_template_max_bytes"):
-            if getattr(self, name) < 1:
-                raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.tokenizer_threads < 1:
-            raise ConfigError(f"tokenizer_threads must be >= 1, got {self.tokenizer_threads}")
-        for name in ("speculative_ttl_s", "connect_timeout_s", "first_byte_timeout_s",
-                     "stream_idle_timeout_s", "static_probe_interval_s", "circuit_window_s",
-                     "circuit_ejection_s", "circuit_max_ejection_s", "stall_timeout_s",
-                     "client_idle_timeout_s", "client_body_timeout_s", "chat_template_timeout_s"):
+        for name, least in _AT_LEAST.items():
+            if getattr(self, name) < least:
+                raise ConfigError(f"{name} must be >= {least}, got {getattr(self, name)}")
+        for name in _POSITIVE:
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be > 0, got {getattr(self, name)}")
-        if not 0.0 <= self.min_hit_fraction <= 1.0:
-            raise ConfigError(f"min_hit_fraction must be in [0, 1], got {self.min_hit_fraction}")
-        for name in ("queue_slack_tokens", "consistent_hash_tokens", "token_cache_chunks",
-                     "prompt_cache_mib",
-                     "load_headroom", "recompute_penalty", "min_affinity_blocks", "cold_candidates",
-                     "cold_queue_slack_tokens", "audit_families", "audit_top_k",
-                     "max_idle_client_connections"):
-            if getattr(self, name) < 0:
-                raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)}")
+        for name in ("min_hit_fraction", "ttft_evicted_reuse"):
+            if not 0.0 <= getattr(self, name) <= 1.0:
+                raise ConfigError(f"{name} must be in [0, 1], got {getattr(self, name)}")
         for url in (*self.replicas, *self.fallback_replicas):
             if not url.startswith(("http://", "https://")):
                 raise ConfigError(f"replica URL must start with http:// or https://, got {url!r}")
-        for name, allowed in (("client_cache_salt", ("override", "reject")),
-                              ("debug_access", ("admin", "tenant")),
-                              ("metrics_access", ("open", "admin"))):
-            if getattr(self, name) not in allowed:
-                raise ConfigError(f"{name} must be one of {', '.join(allowed)}, "
-                                  f"got {getattr(self, name)!r}")
-        if self.audit_head_tokens < 16:
-            raise ConfigError(f"audit_head_tokens must be >= 16, got {self.audit_head_tokens}")
         if self.api_keys and not self.cache_salt_secret_file:
             raise ConfigError("api_keys needs cache_salt_secret_file (every router process "
                               "must derive the same per-tenant cache salts)")
@@ -262,8 +236,6 @@ class RouterConfig:
             raise ConfigError("need --redis-url (worker-reported fleet) or at least one --replica URL")
 
 
-_FIELDS: Final = {f.name: f for f in dataclasses.fields(RouterConfig)}
-_LIST_FLAGS: Final = {"replicas": "--replica", "fallback_replicas": "--fallback-replica"}
 _HELP: Final = {
     "replicas": "static replica base URL (repeatable; env ROUTER_REPLICA(S), comma-separated); "
                 "id is host:port",
@@ -320,7 +292,6 @@ _HELP: Final = {
                         "at start-up",
     "index_stride": "blocks between the block index's anchor keys (1 = exact index); must equal "
                     "the workers' --index-stride (a replica that differs gets no prefix credit)",
-    "config": "YAML file with the same keys (underscored)",
     "api_keys": "turn on API-key auth: file of 'TENANT sha256:HEX' lines, or a directory "
                 "(a mounted Secret) of one file per tenant with 'sha256:HEX' lines",
     "cache_salt_secret_file": "file with the secret the per-tenant cache_salt is derived from "
@@ -335,100 +306,37 @@ _HELP: Final = {
 }
 
 
-def _kind(name: str) -> str:
-    ann = str(_FIELDS[name].type)
-    for kind in ("tuple", "int", "float", "bool"):
-        if ann.startswith(kind):
-            return kind
-    return "str"
-
-
-def _convert(name: str, value: Any, source: str) -> Any:
-    kind = _kind(name)
-    try:
-        if value is None:
-            return None
-        if kind == "tuple":
-            if isinstance(value, str):
-                return tuple(v.strip() for v in value.split(",") if v.strip())
-            if isinstance(value, Sequence):
-                return tuple(str(v) for v in value)
-            raise TypeError("expected a list")
-        if kind == "bool":
-            if isinstance(value, bool):
-                return value
-            text = str(value).strip().lower()
-            if text in ("1", "true", "yes", "on"):
-                return True
-            if text in ("0", "false", "no", "off"):
-                return False
-            raise ValueError("expected true or false")
-        if kind == "int":
-            if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
-                raise TypeError("expected an integer")
-            return int(value)
-        if kind == "float":
-            if isinstance(value, bool):
-                raise TypeError("expected a number")
-            number = float(value)
-            if not math.isfinite(number):
-                raise ValueError("expected a finite number")
-            return number
-        return str(value)
-    except (TypeError, ValueError) as exc:
-        raise ConfigError(f"{source}: bad value {value!r} for {name}: {exc}") from exc
+SETTINGS: Final = Settings(
+    RouterConfig, prog="prefix-router serve", env_prefix=ENV_PREFIX,
+    description="Prefix-aware, load-aware router for vLLM replicas.",
+    version=version_line("prefix-router"), help=_HELP,
+    flags={"replicas": "--replica", "fallback_replicas": "--fallback-replica"})
 
 
 def build_parser() -> argparse.ArgumentParser:
     """The ``prefix-router serve`` argument parser; every flag defaults to ``None`` (= not given)."""
-    parser = argparse.ArgumentParser(prog="prefix-router serve",
-                                     description="Prefix-aware, load-aware router for vLLM replicas.")
-    parser.add_argument("--version", action="version", version=version_line("prefix-router"))
-    for name in _FIELDS:
-        flag = _LIST_FLAGS.get(name) or "--" + name.replace("_", "-")
-        if name in _LIST_FLAGS:
-            parser.add_argument(flag, dest=name, action="append", default=None, help=_HELP[name])
-        elif _kind(name) == "bool":
-            parser.add_argument(flag, dest=name, action=argparse.BooleanOptionalAction,
-                                default=None, help=_HELP.get(name))
-        else:
-            default = _FIELDS[name].default
-            shown = "" if default is None or default == "" else f"default {default}"
-            text = "; ".join(t for t in (_HELP.get(name), shown) if t) or None
-            parser.add_argument(flag, dest=name, default=None, help=text,
-                                metavar=_kind(name).upper())
-    return parser
+    return SETTINGS.parser()
 
 
 def load_config(argv: Sequence[str], env: Mapping[str, str] | None = None) -> RouterConfig:
-    """Parse ``argv`` and merge: CLI flag > ``ROUTER_*`` env var > YAML file > default.
+    """Parse ``argv`` and merge: CLI flag > ``ROUTER_*`` env var > YAML file > default
+    (``router.settings.Settings``).
 
     Raises ``ConfigError`` for unknown YAML keys, bad values or an unreadable file;
     ``SystemExit`` from argparse for unknown flags.
     """
+    return RouterConfig(**values_with_redis_password(SETTINGS, argv, env))
+
+
+def values_with_redis_password(settings: Settings, argv: Sequence[str],
+                               env: Mapping[str, str] | None) -> dict[str, Any]:
+    """``settings.values(argv, env)`` (``env`` None: the process environment) with the Redis
+    password resolved from its flag, env, YAML, file or ``REDIS_PASSWORD``
+    (``router.secrets``); the router's and the worker's loaders. Raises ``ConfigError``."""
     env = os.environ if env is None else env
-    args = vars(build_parser().parse_args(list(argv)))
-    values: dict[str, Any] = {}
-    config_path = args.get("config") or env.get(ENV_PREFIX + "CONFIG")
-    if config_path:
-        for key, value in read_config_file(config_path).items():
-            if key not in _FIELDS or key == "config":
-                raise ConfigError(f"config file {config_path}: unknown key {key!r}")
-            values[key] = _convert(key, value, f"config file {config_path}")
-        values["config"] = str(config_path)
-    for name in _FIELDS:
-        raw = env.get(ENV_PREFIX + name.upper())
-        if raw is None and name in _LIST_FLAGS:  # the flag is singular: --replica
-            raw = env.get(ENV_PREFIX + _LIST_FLAGS[name][2:].replace("-", "_").upper())
-        if raw is not None and name != "config":
-            values[name] = _convert(name, raw, f"env {ENV_PREFIX + name.upper()}")
-    for name, value in args.items():
-        if value is not None and name != "config":
-            values[name] = _convert(name, value, f"--{name.replace('_', '-')}")
-    if "log_level" in values and isinstance(values["log_level"], str):
-        values["log_level"] = values["log_level"].lower()
+    values = settings.values(argv, env)
     try:
         values["redis_password"] = resolve_redis_password(values, argv, env)
     except SecretError as exc:
         raise ConfigError(str(exc)) from exc
-    return RouterConfig(**values)
+    return values

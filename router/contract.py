@@ -70,6 +70,16 @@ rare; ``loadtest/replay.py`` measures it against the engine's cached tokens). A
 replica whose ``index_stride`` or ``contract`` differs from the router's gets
 no prefix-hit credit (reported on ``/ready`` and ``router_replica_config_mismatch``).
 
+**Data-parallel engines.** A vLLM engine with ``--data-parallel-size N`` runs N engine cores
+(each its own KV block pool and KV event stream) behind one URL. Each rank is a replica of its
+own here: the worker publishes rank ``r`` of engine ``name`` as replica ``name#r`` with
+``url`` = the engine's URL and ``dp_rank`` = ``r`` (its load, block set, health and epoch are
+the rank's). A router sends that replica's requests to ``url`` with the header
+``X-data-parallel-rank: r`` (vLLM's API server then skips its own DP load balancing) and drops
+that header from clients. ``dp_rank`` is a field added within contract version 3: an older
+router ignores it and sends a rank's requests without the header (they still run; vLLM
+balances them itself, so the rank's hit credit may be wrong).
+
 The worker is the only writer for its replica. Routers remember the stream's last id, load
 the snapshot sets, then read the stream from the remembered id. An entry whose ``epoch`` is
 newer than the router's view of the replica resets that replica first.
@@ -106,6 +116,10 @@ OPS: Final = (OP_STORED, OP_REMOVED, OP_CLEARED)
 # Heartbeat hash fields ({prefix}:{r}:replica); values are strings in Redis.
 F_REPLICA_ID: Final = "replica_id"
 F_URL: Final = "url"  # advertised base URL, e.g. http://10.0.0.5:8000
+# the engine's data-parallel rank this replica is ("" or absent: no data parallelism); requests
+# go to F_URL with DP_RANK_HEADER set to it
+F_DP_RANK: Final = "dp_rank"
+DP_RANK_HEADER: Final = "X-data-parallel-rank"  # vLLM serving engine _get_data_parallel_rank
 F_MODELS: Final = "models"  # JSON list of served model names (base models)
 F_LORA_ADAPTERS: Final = "lora_adapters"  # JSON {lora_name: lora_path}
 F_BLOCK_SIZE: Final = "block_size"  # tokens

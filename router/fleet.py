@@ -47,6 +47,9 @@ class Replica:
     replica_id: str
     url: str
     static: bool = False
+    # the engine's data-parallel rank this replica is (heartbeat F_DP_RANK): requests go to
+    # ``url`` with vLLM's X-data-parallel-rank header; None: no data parallelism, no header
+    dp_rank: int | None = None
     models: frozenset[str] | None = None  # served base models; None = unknown, accept any
     lora_adapters: dict[str, str] = field(default_factory=dict)  # {lora_name: lora_path}
     block_size: int | None = None
@@ -221,8 +224,10 @@ class Fleet:
                 continue
             models = entry.get("models")
             adapters = entry.get("lora_adapters")
+            dp_rank = entry.get("dp_rank")
             self.replicas[rid] = Replica(
                 rid, url.rstrip("/"), fallback=True,
+                dp_rank=dp_rank if type(dp_rank) is int and dp_rank >= 0 else None,
                 models=frozenset(map(str, models)) if isinstance(models, list) else None,
                 lora_adapters=dict(adapters) if isinstance(adapters, dict) else {})
             added += 1
@@ -230,7 +235,7 @@ class Fleet:
 
     def fleet_snapshot(self) -> list[dict[str, Any]]:
         """The worker-reported replicas, as ``add_fallbacks`` reads them back (fleet cache)."""
-        return [{"replica_id": r.replica_id, "url": r.url,
+        return [{"replica_id": r.replica_id, "url": r.url, "dp_rank": r.dp_rank,
                  "models": sorted(r.models) if r.models is not None else None,
                  "lora_adapters": dict(sorted(r.lora_adapters.items()))}
                 for rid, r in sorted(self.replicas.items()) if not r.static and not r.fallback]
@@ -248,6 +253,8 @@ class Fleet:
         if replica is None:
             replica = self.replicas[replica_id] = Replica(replica_id, fields.get(c.F_URL, ""))
         replica.url = fields.get(c.F_URL, replica.url).rstrip("/")
+        dp_rank = int_field(fields.get(c.F_DP_RANK), None)
+        replica.dp_rank = dp_rank if dp_rank is not None and dp_rank >= 0 else None
         replica.fallback = False
         try:
             models = json.loads(fields.get(c.F_MODELS) or "null")

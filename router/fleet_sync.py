@@ -27,7 +27,6 @@ logger = logging.getLogger(__name__)
 
 STREAM_READ_INTERVAL_S = 0.01  # minimum gap between two stream reads that returned entries: at
 # 1,000 flushes/s a read carries ~10 of them, for at most 10 ms more index lag
-_BACKOFF_MAX_S = 5.0
 
 _ENTRY_FIELDS = (c.E_REPLICA, c.E_EPOCH, c.E_ENTRY_SEQ, c.E_CLEARED, c.E_STORED, c.E_REMOVED,
                  c.E_CPU_STORED, c.E_CPU_REMOVED, c.E_OP, c.E_KEYS)
@@ -79,8 +78,9 @@ class FleetReader:
 
     ``run()`` loops until cancelled: connect, resync (remember the stream's last
     id, load every heartbeat and block set), then ``XREAD BLOCK`` the stream and
-    refresh heartbeats every ``HEARTBEAT_INTERVAL_S``. On connection loss it
-    backs off (0.1 s doubling to 5 s) and resyncs; routing goes on meanwhile.
+    refresh heartbeats every ``HEARTBEAT_INTERVAL_S``. On connection loss it waits 0.1 s,
+    reconnects, and backs off (redis-py's ``Retry`` with ``ExponentialBackoff``: 0.1 s doubling
+    to 5 s) until a resync goes through; routing goes on meanwhile.
     """
 
     def __init__(self, fleet: Fleet, config: RouterConfig, metrics: RouterMetrics) -> None:
@@ -98,32 +98,51 @@ class FleetReader:
         self._keep_missing_until = 0.0
 
     async def run(self) -> None:
-        from redis.exceptions import RedisError
+        from router.redis_client import FIRST_RECONNECT_WAIT_S, reconnect_retry, redis_errors
 
-        from router.redis_client import redis_client
+        unreachable = redis_errors()
 
-        backoff = 0.1
+        retry = reconnect_retry()
         while True:
-            client = redis_client(self.config.redis_url or "", self.config.redis_password,
-                                  socket_connect_timeout=2.0, socket_timeout=5.0)
             try:
-                await self._resync(client)
-                self._set_connected(True)
-                backoff = 0.1
+                # connect and resync, retried by redis-py's Retry (0.1 s doubling to 5 s) ...
+                client = await retry.call_with_retry(self._connect, self._lost)
+            except _StreamGap as exc:
+                logger.warning("%s; full resync", exc)
+                self.metrics.stream_gaps.inc()
+                continue
+            try:
                 await self._follow(client)
             except _StreamGap as exc:
                 logger.warning("%s; full resync", exc)
                 self.metrics.stream_gaps.inc()
-            except (RedisError, OSError) as exc:
-                self.attempted.set()
-                if self.connected:
-                    logger.warning("redis connection lost (%s); routing continues on ring and "
-                                   "speculative state", exc)
-                self._set_connected(False)
-                await asyncio.sleep(backoff)
-                backoff = min(backoff * 2, _BACKOFF_MAX_S)
+            except unreachable as exc:  # ... and a connection that worked was lost:
+                await self._lost(exc)  # the backoff starts afresh after the first step's wait,
+                await asyncio.sleep(FIRST_RECONNECT_WAIT_S)  # so a failing XREAD cannot spin
             finally:
                 await client.aclose()
+
+    async def _connect(self) -> Any:
+        """A client whose resync went through (the reader is connected); raises ``RedisError``
+        or ``OSError`` (the client closed) when Redis does not answer."""
+        from router.redis_client import redis_client
+
+        client = redis_client(self.config.redis_url or "", self.config.redis_password,
+                              socket_connect_timeout=2.0, socket_timeout=5.0)
+        try:
+            await self._resync(client)
+        except BaseException:
+            await client.aclose()
+            raise
+        self._set_connected(True)
+        return client
+
+    async def _lost(self, exc: Exception) -> None:
+        self.attempted.set()
+        if self.connected:
+            logger.warning("redis connection lost (%s); routing continues on ring and "
+                           "speculative state", exc)
+        self._set_connected(False)
 
     def _set_connected(self, value: bool) -> None:
         self.connected = value

@@ -120,6 +120,11 @@ class RouterMetrics:
         self.replica_affinity = Gauge(
             "router_replica_affinity", "1 when a replica gets prefix-hit credit (hash verified, "
             "same block size and hash settings)", ["replica"], registry=registry)
+        self.replica_info = Gauge(
+            "router_replica_info", "1 per replica: the URL its requests go to and the engine's "
+            "data-parallel rank they select (dp_rank \"\" without data parallelism)",
+            ["replica", "url", "dp_rank"], registry=registry)
+        self._replica_targets: dict[str, tuple[str, str, str]] = {}  # {replica: info labels}
         self.replica_config_mismatch = Gauge(
             "router_replica_config_mismatch", "1 when a replica's worker uses another Redis "
             "contract version or index_stride than this router (it gets no prefix-hit credit)",
@@ -140,6 +145,18 @@ class RouterMetrics:
             found = self._children[key] = metric.labels(*values)
         return found
 
+    def set_replica_target(self, replica_id: str, url: str, dp_rank: int | None) -> None:
+        """``router_replica_info`` of one replica: the URL and DP rank its requests go to (a
+        changed URL or rank replaces the replica's old series instead of adding one)."""
+        labels = (replica_id, url, "" if dp_rank is None else str(dp_rank))
+        previous = self._replica_targets.get(replica_id)
+        if previous == labels:
+            return
+        if previous is not None:
+            self.replica_info.remove(*previous)
+        self._replica_targets[replica_id] = labels
+        self.replica_info.labels(*labels).set(1)
+
     def forget_replica(self, replica_id: str) -> int:
         """Remove every series labelled ``replica=replica_id`` (the replica left the fleet: its
         gauges would otherwise report it forever). Returns how many series were removed."""
@@ -152,6 +169,7 @@ class RouterMetrics:
                       if sample.labels.get("replica") == replica_id}
             for values in combos:
                 metric.remove(*values)
+                self._replica_targets.pop(replica_id, None)
                 self._children.pop((id(metric), values), None)
                 removed += 1
         return removed

@@ -38,6 +38,7 @@ from aiohttp import web
 from multidict import CIMultiDict
 
 from router.config import RouterConfig
+from router.contract import DP_RANK_HEADER
 from router.errors import (
     REQUEST_ID_HEADER,
     STATUS_CLIENT_CLOSED,
@@ -88,15 +89,31 @@ class ProxyOutcome:
     tail: bytes = b""  # the answer's last ``router.usage.TAIL_BYTES`` (SSE, or a one-read body)
 
 
+_DP_RANK: Final = DP_RANK_HEADER.lower()
+
+
+def target_headers(headers: CIMultiDict[str], target: Target) -> CIMultiDict[str]:
+    """``headers`` for one attempt at ``target``: with vLLM's ``X-data-parallel-rank`` set to the
+    target's rank when it is one rank of a data-parallel engine (a copy; ``headers`` is shared
+    by the attempts of one request)."""
+    if target.dp_rank is None:
+        return headers
+    ranked = headers.copy()
+    ranked[DP_RANK_HEADER] = str(target.dp_rank)
+    return ranked
+
+
 def upstream_headers(request: web.Request, request_id: str) -> CIMultiDict[str]:
     """Client headers minus hop-by-hop ones, with the request id set. The body goes upstream
-    decoded (aiohttp decodes a gzip/deflate request body), so its Content-Encoding is dropped."""
+    decoded (aiohttp decodes a gzip/deflate request body), so its Content-Encoding is dropped.
+    A client's ``X-data-parallel-rank`` is dropped too: the router picks the rank (``Target``),
+    and a client's choice would put the request where the index does not expect it."""
     headers: CIMultiDict[str] = CIMultiDict()
     # a key the router checked itself (router/auth.py) is the client's secret: it stays here
     authenticated = request.get("tenant") is not None
     for name, value in request.headers.items():
         lower = name.lower()
-        if lower not in HOP_BY_HOP and lower != "content-encoding" and not (
+        if lower not in HOP_BY_HOP and lower != "content-encoding" and lower != _DP_RANK and not (
                 authenticated and lower == "authorization"):
             headers.add(name, value)
     headers[REQUEST_ID_HEADER] = request_id
@@ -256,7 +273,7 @@ class Proxy:
                     waiting.add(first_byte)
                     upstream = await self.session.request(
                         request.method, f"{target.url}{path}", data=body or None,
-                        headers=headers, timeout=timeout, auto_decompress=False,
+                        headers=target_headers(headers, target), timeout=timeout, auto_decompress=False,
                         allow_redirects=False)
                     if retry_status and upstream.status in RETRY_STATUSES:
                         raise _Retryable(f"http_{upstream.status}")

@@ -146,6 +146,16 @@ def parse_redis_url(url: str) -> RedisTarget:
     return RedisTarget("sentinel", url, hosts, tls, db, segments[0], username, ca)
 
 
+def redis_errors() -> tuple[type[Exception], ...]:
+    """The exceptions that mean the fleet's Redis failed or cannot be reached, for a retry loop:
+    redis-py's ``RedisError``, ``OSError``, and ``RedisClusterException``, which is *not* a
+    ``RedisError`` (redis-py 5-7 ``redis/exceptions.py``) yet is what ``RedisCluster`` raises
+    when no seed answers ("Redis Cluster cannot be connected") or a slot is not covered."""
+    from redis.exceptions import RedisClusterException, RedisError
+
+    return (RedisError, RedisClusterException, OSError)
+
+
 def redis_client(url: str, password: str | None = None, **connection: Any) -> Any:
     """A redis-py asyncio client for ``url`` (``redis.asyncio.Redis``, ``RedisCluster``, or a
     Sentinel-managed ``Redis``). ``connection`` holds redis-py connection keywords
@@ -171,3 +181,23 @@ def redis_client(url: str, password: str | None = None, **connection: Any) -> An
                         **connection)
     assert target.service is not None
     return sentinel.master_for(target.service, db=target.db, **auth)
+
+
+RECONNECT_BASE_S: Final = 0.05  # the first wait is 2 x this: 0.1 s, then doubling ...
+RECONNECT_CAP_S: Final = 5.0  # ... up to this, for as long as Redis stays away
+FIRST_RECONNECT_WAIT_S: Final = 2 * RECONNECT_BASE_S  # ExponentialBackoff.compute(1)
+
+
+def reconnect_retry(base_s: float = RECONNECT_BASE_S, cap_s: float = RECONNECT_CAP_S) -> Any:
+    """redis-py's own asyncio ``Retry`` for the edges' reconnect loops: forever (``retries=-1``),
+    waiting ``min(cap_s, base_s * 2**failures)`` seconds after each failure
+    (``ExponentialBackoff``), on any ``RedisError`` or ``OSError`` (connection refused or reset,
+    timeouts, a failover's ``READONLY``/``MOVED`` storms; ``redis_errors()``: a cluster none of
+    whose seeds answers too). Use ``call_with_retry(do, fail)``:
+    ``fail(exc)`` runs after each failure (log it, count it, mark the edge disconnected);
+    ``CancelledError`` and errors of other types pass through."""
+    from redis.asyncio.retry import Retry
+    from redis.backoff import ExponentialBackoff
+
+    return Retry(ExponentialBackoff(cap=cap_s, base=base_s), retries=-1,
+                 supported_errors=redis_errors())  # type: ignore[arg-type]

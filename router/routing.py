@@ -46,6 +46,7 @@ class Target:
     replica_id: str
     url: str  # base URL, no trailing slash
     confirmed_hit_tokens: int = 0  # engine-confirmed prefix hit the index predicts there
+    dp_rank: int | None = None  # the engine's DP rank to select (X-data-parallel-rank); None: none
 
 
 @dataclass(slots=True)
@@ -185,9 +186,9 @@ class RequestRouter:
 
     def targets(self, decision: Decision, eligible: Sequence[Replica]) -> list[Target]:
         """Step 6: the chosen replica, then the fallbacks, with the confirmed hit there."""
-        urls = {r.replica_id: r.url for r in eligible}
+        by_id = {r.replica_id: r for r in eligible}
         size = self.config.block_size
-        return [Target(rid, urls[rid], decision.hit(rid).confirmed * size)
+        return [Target(rid, by_id[rid].url, decision.hit(rid).confirmed * size, by_id[rid].dp_rank)
                 for rid in (decision.replica_id, *decision.fallbacks)]
 
     def least_loaded(self, model: str | None) -> tuple[Decision, list[Target]]:
@@ -201,8 +202,8 @@ class RequestRouter:
         decision = decide("least_loaded", RouteInput([], 0, 0), candidates,
                           self.fleet.ring(eligible), rr_counter=self.rr_counter)
         self.rr_counter += 1
-        urls = {r.replica_id: r.url for r in eligible}
-        return decision, [Target(rid, urls[rid])
+        by_id = {r.replica_id: r for r in eligible}
+        return decision, [Target(rid, by_id[rid].url, dp_rank=by_id[rid].dp_rank)
                           for rid in (decision.replica_id, *decision.fallbacks)]
 
     def write_window(self, replicas: Sequence[Replica]) -> float:

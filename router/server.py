@@ -254,6 +254,7 @@ class RouterService:
             for rid, replica in self.fleet.replicas.items():
                 routable = self.fleet.routable_problem(replica, now) is None
                 self.metrics.replica_routable.labels(rid).set(1 if routable else 0)
+                self.metrics.set_replica_target(rid, replica.url, replica.dp_rank)
                 affinity = self.fleet.affinity_problem(replica) is None
                 self.metrics.replica_affinity.labels(rid).set(1 if affinity else 0)
                 mismatch = self.fleet.config_mismatch(replica) is not None
@@ -500,7 +501,8 @@ class RouterService:
             problem = self.fleet.routable_problem(r, now)
             affinity_problem = self.fleet.affinity_problem(r)
             replicas.append({
-                "replica_id": rid, "url": r.url, "static": r.static, "routable": problem is None,
+                "replica_id": rid, "url": r.url, "dp_rank": r.dp_rank, "static": r.static,
+                "routable": problem is None,
                 "not_routable_reason": problem, "affinity": affinity_problem is None,
                 "no_affinity_reason": affinity_problem, "hash_verified": r.hash_verified,
                 "config_mismatch": self.fleet.config_mismatch(r), "index_stride": r.index_stride,
@@ -546,7 +548,11 @@ class RouterService:
             "num_tokens": routed.num_tokens, "chain_blocks": len(routed.chain),
             "block_size": self.config.block_size, "replica": d.replica_id, "reason": d.reason,
             "hit_blocks": d.hit_blocks, "hit_tokens": d.hit_blocks * self.config.block_size,
-            "cpu_hit_blocks": d.hit(d.replica_id).cpu_blocks, "fallbacks": list(d.fallbacks), "replicas": d.details,
+            "cpu_hit_blocks": d.hit(d.replica_id).cpu_blocks,
+            "fallbacks": list(d.fallbacks), "replicas": d.details,
+            # where each candidate's attempt would go: engine URL and DP rank (vLLM header)
+            "targets": {t.replica_id: {"url": t.url, "dp_rank": t.dp_rank}
+                        for t in routed.targets},
             "load": self.tracker.snapshot(),
             "prefill_rates": {
                 rid: {"tokens_per_s": round(est.tokens_per_s, 1),

@@ -3,9 +3,30 @@ loopback, waits on conditions) and a fake replica script."""
 
 from __future__ import annotations
 
-from loadtest.harness import EMULATE, PYTHON, free_port, start_process, stop_process, wait_for
+from collections.abc import Sequence
+from typing import Any
 
-__all__ = ["EMULATE", "PYTHON", "free_port", "start_process", "stop_process", "wait_for"]
+from loadtest.harness import (
+    EMULATE,
+    PYTHON,
+    free_port,
+    start_emulator,
+    start_process,
+    stop_process,
+    wait_for,
+    wait_ready,
+)
+
+__all__ = ["EMULATE", "PYTHON", "free_port", "start_emulator", "start_process", "stop_process",
+           "wait_for", "wait_ready", "wait_routable"]
+
+
+def wait_routable(router: Any, count: int, procs: Sequence[Any] = ()) -> None:
+    """Wait until ``count`` replicas are routable with prefix affinity on ``router``'s
+    ``/ready`` (``router.ready()``); raises ``ProcessExited`` at once, with its output, when one
+    of ``procs`` (the workers, say) exits first."""
+    wait_for(lambda: sum(r["routable"] and r["affinity"] for r in router.ready()["replicas"])
+             == count, 30, message=f"{count} replicas routable with affinity", procs=procs)
 
 
 # the rest of a fake replica script after its ``completions`` handler (health, models, serving)

@@ -23,7 +23,10 @@ never treated as errors (one bad event must not cost the batch or fill the log):
   publishes ``BlockStored`` without ``token_ids`` and without a parent, so those stores
   cannot be re-hashed. (The coarse index places them by the depth of the GPU store of the
   same hash: ``worker.replica_view``);
-* ``unknown_type``: an event type this worker does not know (``UnknownEvent``).
+* ``unknown_type``: an event type this worker does not know (``UnknownEvent``);
+* ``dp_rank``: every event of a batch whose ``data_parallel_rank`` is not the rank this view
+  follows (``dp_rank``; a data-parallel engine publishes one stream per rank, and a stream
+  connected to the wrong rank's port must not put that rank's blocks on this one).
 """
 
 from __future__ import annotations
@@ -39,7 +42,7 @@ MEDIUM_GPU: Final = "GPU"
 DEFAULT_KV_TIERS: Final = ("GPU", "CPU")  # mediums indexed by default (vLLM native offloading)
 KNOWN_MEDIUMS: Final = ("GPU", "CPU", "STORAGE")
 INDEXED_MEDIUMS: Final = ("GPU", "CPU")  # router.contract.TIERS: the tiers routers value
-SKIP_REASONS: Final = ("tier", "group", "no_chain", "block_size", "unknown_type")
+SKIP_REASONS: Final = ("tier", "group", "no_chain", "block_size", "unknown_type", "dp_rank")
 
 
 def parse_kv_tiers(text: str) -> frozenset[str]:
@@ -68,11 +71,16 @@ class EventFilter:
     block_size: int | None = None
     tiers: frozenset[str] = frozenset(DEFAULT_KV_TIERS)
     needs_chain: bool = False
+    dp_rank: int | None = None  # the engine's DP rank this view follows; None: any batch
     skipped: Counter[str] = field(default_factory=Counter)  # {reason: events skipped}
     by_medium: Counter[str] = field(default_factory=Counter)  # {medium: events kept}
 
     def apply(self, batch: KVEventBatch) -> KVEventBatch:
         """``batch`` itself when every event is usable, else a copy without the others."""
+        rank = batch.data_parallel_rank
+        if self.dp_rank is not None and rank is not None and rank != self.dp_rank:
+            self.skipped["dp_rank"] += len(batch.events)
+            return KVEventBatch(batch.ts, [], rank)
         reasons = [self._reason(event) for event in batch.events]
         if not any(reasons):
             return batch

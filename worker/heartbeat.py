@@ -27,10 +27,9 @@ from typing import Any, Final
 
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
-from redis.exceptions import RedisError
 
 from router import contract
-from worker.redis_writer import RedisWriter
+from worker.redis_writer import REDIS_ERRORS, RedisWriter
 
 logger = logging.getLogger(__name__)
 
@@ -104,11 +103,13 @@ _CREATED_SAMPLE: Final = "vllm:prefix_cache_queries_created"
 _WANTED_PREFIXES: Final = (*_SAMPLES, "vllm:cache_config_info", _CREATED_SAMPLE)
 
 
-def parse_metrics(text: str) -> EngineLoad:
+def parse_metrics(text: str, engine: str | None = None) -> EngineLoad:
     """Prometheus text of the engine's ``/metrics`` -> ``EngineLoad``.
 
-    Sums over engines/models, except ``kv_usage`` (the maximum).
-    Raises ``ValueError`` when a line of those metrics is malformed.
+    Sums over engines/models, except ``kv_usage`` (the maximum). ``engine``: only the series
+    of that engine (a data-parallel rank; vLLM labels each rank's series ``engine="<rank>"``,
+    ``vllm/v1/metrics/loggers.py``). Raises ``ValueError`` when a line of those metrics is
+    malformed.
     """
     values: dict[str, float] = {}
     cache_labels: dict[str, str] = {}
@@ -118,6 +119,8 @@ def parse_metrics(text: str) -> EngineLoad:
     wanted = "\n".join(line for line in text.splitlines() if line.startswith(_WANTED_PREFIXES))
     for family in text_string_to_metric_families(wanted + "\n"):
         for sample in family.samples:
+            if engine is not None and sample.labels.get("engine") != engine:
+                continue
             name = _SAMPLES.get(sample.name)
             if name == "kv_usage":
                 values[name] = max(values.get(name, 0.0), sample.value)
@@ -150,13 +153,16 @@ def _number(value: float) -> int | float:
 
 def heartbeat_fields(*, replica_id: str, url: str, models: EngineModels, load: EngineLoad,
                      seed_fingerprint: str, hash_verified: str, key_mode: str,
-                     num_blocks: int, now_s: float,
-                     index_stride: int = 1,
+                     num_blocks: int, now_s: float, index_stride: int = 1,
+                     dp_rank: int | None = None,
                      kv_tiers: str = contract.TIER_GPU) -> dict[str, str | int | float]:
-    """The ``F_*`` fields of one heartbeat except epoch/seq (the writer adds the committed ones)."""
+    """The ``F_*`` fields of one heartbeat except epoch/seq (the writer adds the committed ones).
+    ``dp_rank``: the engine's data-parallel rank this replica is (None: no data parallelism);
+    ``kv_tiers``: the tiers the worker indexes (``router.contract.TIERS``, comma-separated)."""
     return {
         contract.F_REPLICA_ID: replica_id,
         contract.F_URL: url,
+        contract.F_DP_RANK: "" if dp_rank is None else dp_rank,
         contract.F_MODELS: json.dumps(list(models.models)),
         contract.F_LORA_ADAPTERS: json.dumps(dict(models.lora_adapters)),
         contract.F_BLOCK_SIZE: "" if load.block_size is None else load.block_size,
@@ -179,11 +185,16 @@ def heartbeat_fields(*, replica_id: str, url: str, models: EngineModels, load: E
 
 
 class EngineClient:
-    """HTTP client of the engine's ``/v1/models``, ``/metrics`` and ``/v1/completions``."""
+    """HTTP client of the engine's ``/v1/models``, ``/metrics``, ``/v1/completions`` and
+    ``/kv_event_sources``. ``dp_rank``: the data-parallel rank this client speaks for (its
+    ``engine`` label in ``/metrics``, vLLM's ``X-data-parallel-rank`` header on completions);
+    None for an engine without data parallelism."""
 
-    def __init__(self, session: aiohttp.ClientSession, engine_url: str) -> None:
+    def __init__(self, session: aiohttp.ClientSession, engine_url: str,
+                 dp_rank: int | None = None) -> None:
         self.session = session
         self.engine_url = engine_url.rstrip("/")
+        self.dp_rank = dp_rank
         self._timeout = aiohttp.ClientTimeout(total=ENGINE_TIMEOUT_S)
 
     async def _get(self, path: str) -> str:
@@ -208,21 +219,31 @@ class EngineClient:
         """Raises ``EngineUnreachable``."""
         text = await self._get("/metrics")
         try:
-            return parse_metrics(text)
+            return parse_metrics(text, None if self.dp_rank is None else str(self.dp_rank))
         except ValueError as exc:
             raise EngineUnreachable(f"GET /metrics: {exc}") from exc
 
     async def complete(self, model: str, prompt: list[int], timeout_s: float) -> None:
         """POST a token-id completion with ``max_tokens`` 1. Raises ``EngineUnreachable``."""
         body = {"model": model, "prompt": prompt, "max_tokens": 1, "temperature": 0.0}
+        headers = {} if self.dp_rank is None else {contract.DP_RANK_HEADER: str(self.dp_rank)}
         try:
             async with self.session.post(self.engine_url + "/v1/completions", json=body,
+                                         headers=headers,
                                          timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
                 text = await resp.text()
                 if resp.status != 200:
                     raise EngineUnreachable(f"POST /v1/completions: HTTP {resp.status}: {text:.200}")
         except (aiohttp.ClientError, TimeoutError) as exc:
             raise EngineUnreachable(f"POST /v1/completions: {exc!r}") from exc
+
+    async def kv_event_sources(self) -> Any:
+        """The JSON body of ``GET /kv_event_sources``. Raises ``EngineUnreachable``."""
+        text = await self._get("/kv_event_sources")
+        try:
+            return json.loads(text)
+        except ValueError as exc:
+            raise EngineUnreachable(f"GET /kv_event_sources: {exc}") from exc
 
 
 class Heartbeat:
@@ -308,10 +329,11 @@ class Heartbeat:
         if models is None or load is None:
             return False
         fields = heartbeat_fields(replica_id=self.replica_id, url=self.url, models=models,
-                                  load=load, now_s=time.time(), **self.fields())  # type: ignore[arg-type]
+                                  load=load, now_s=time.time(), dp_rank=self.engine.dp_rank,
+                                  **self.fields())  # type: ignore[arg-type]
         try:
             await self.writer.write_heartbeat(fields, self.ttl_s)
-        except (RedisError, OSError) as exc:
+        except REDIS_ERRORS as exc:
             self.num_redis_errors += 1
             logger.warning("heartbeat write failed: %s", exc)
             return False

@@ -19,7 +19,7 @@ after its script, makes them reload the replica's set).
 
 Redis outage or lost state: the failed changes are dropped (the in-memory
 view is the buffer) and the writer marks itself disconnected, whether a change
-transaction or a heartbeat failed. It retries with exponential backoff and, once
+transaction or a heartbeat failed. It retries with exponential backoff (redis-py's ``Retry``) and, once
 Redis answers, asks ``on_recovered`` for a full rewrite under a new epoch. Redis
 can also come back EMPTY without this worker seeing an error (a restart between
 two writes, a failover to an empty replica, FLUSHALL, or the heartbeat hash
@@ -41,16 +41,17 @@ from typing import Any, Final
 
 import redis.asyncio as aioredis
 from redis.asyncio.cluster import RedisCluster
-from redis.exceptions import NoScriptError, RedisError
+from redis.exceptions import NoScriptError
 
 from router import contract
 from router.contract import OP_CLEARED, OP_STORED, TIER_CPU, TIER_GPU, BlockKey
+from router.redis_client import reconnect_retry, redis_errors
 from worker.replica_view import NO_SEQ, Change
 
 logger = logging.getLogger(__name__)
 
-BACKOFF_INITIAL_S: Final = 0.1
-BACKOFF_MAX_S: Final = 5.0
+# what a retry loop catches: Redis failed or unreachable (a cluster's seeds too)
+REDIS_ERRORS: Final = redis_errors()
 
 # One flush: the replica's three keys, one hash slot (tag {r}). KEYS: GPU-tier blocks set,
 # heartbeat hash, CPU-tier blocks set.
@@ -287,32 +288,32 @@ class RedisWriter:
                 else:
                     await self.client.ping()
                 await self._commit(heartbeat=(mapping, ttl_ms))
-            except (RedisError, OSError) as exc:
+            except REDIS_ERRORS as exc:
                 self._disconnect(exc)
                 raise
 
     # -- flushing ----------------------------------------------------------------
 
     async def run(self) -> None:
-        """Flush queued changes until cancelled; survive Redis outages."""
-        backoff = BACKOFF_INITIAL_S
+        """Flush queued changes until cancelled; survive Redis outages (redis-py's ``Retry``
+        with exponential backoff, ``router.redis_client.reconnect_retry``: 0.1 s doubling to
+        5 s, reset by a flush that went through)."""
+        retry = reconnect_retry()
         while True:
             await self._wake.wait()
             self._wake.clear()
             while self._pending or self._position is not None or not self.connected:
-                try:
-                    if not self.connected:
-                        await self.client.ping()
-                    await self.flush()
-                    backoff = BACKOFF_INITIAL_S
-                except asyncio.CancelledError:
-                    raise
-                except (RedisError, OSError) as exc:
-                    self.stats.num_errors += 1
-                    self._disconnect(exc)
-                    await asyncio.sleep(backoff)
-                    backoff = min(backoff * 2, BACKOFF_MAX_S)
+                await retry.call_with_retry(self._flush_reconnecting, self._flush_failed)
             self._idle.set()
+
+    async def _flush_reconnecting(self) -> None:
+        if not self.connected:
+            await self.client.ping()
+        await self.flush()
+
+    async def _flush_failed(self, exc: Exception) -> None:
+        self.stats.num_errors += 1
+        self._disconnect(exc)
 
     def _disconnect(self, exc: BaseException) -> None:
         """A write failed: what Redis holds is unknown, rewrite everything once it answers."""
@@ -344,7 +345,7 @@ class RedisWriter:
         async with self._lock:
             try:
                 await self._commit()
-            except (RedisError, OSError) as exc:
+            except REDIS_ERRORS as exc:
                 self._disconnect(exc)
                 raise
 

@@ -3,7 +3,10 @@
 Wires the pieces together on one asyncio (uvloop) loop:
 ``KVEventSubscriber`` (ZMQ) -> ``ReplicaView`` (pure) -> ``RedisWriter`` (Redis),
 plus the ``Heartbeat`` (engine HTTP -> Redis), the hash agreement probe and
-the metrics endpoint. On start it reads back what a previous worker of the
+the metrics endpoint. A data-parallel engine (vLLM ``--data-parallel-size`` N) gets one
+``Worker`` per rank in this process (``serve``): each subscribes to its rank's stream, keeps its
+own view and publishes the rank as replica ``{replica_id}#{rank}``
+(``worker.kv_event_sources``). On start it reads back what a previous worker of the
 same replica left in Redis (block set, epoch, seq) and continues from the
 last sequence number through the engine's replay socket. When Redis loses the
 replica's state (outage, restart, failover, FLUSHALL, expired heartbeat) the
@@ -14,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import signal
 import sys
@@ -23,26 +27,33 @@ from typing import Any, Final
 
 import aiohttp
 import redis.asyncio as aioredis
-from redis.exceptions import RedisError
 
 from router.contract import OP_CLEARED, TIERS
 from router.hashing import BlockHasher, HashConfigError
 from router.logs import configure_logging
-from router.redis_client import redis_client
+from router.redis_client import reconnect_retry, redis_client
 from router.settings import StartupError
 from worker.block_keys import KEY_MODE_RECOMPUTED, EngineKeys, RecomputedKeys
 from worker.event_filter import EventFilter, parse_kv_tiers
 from worker.heartbeat import EngineClient, EngineLoad, EngineModels, EngineUnreachable, Heartbeat
+from worker.kv_event_sources import (
+    AUTO_ENDPOINT,
+    RANK_SEPARATOR,
+    RankSource,
+    offset_sources,
+    parse_kv_event_sources,
+)
 from worker.kv_events import BlockStored, KVEventBatch
 from worker.metrics import WorkerSnapshot, make_registry, start_metrics_server
 from worker.probe import PROBE_TIMEOUT_S, ProbeCatcher, judge, probe_tokens
-from worker.redis_writer import BACKOFF_MAX_S, RedisWriter, StoredState
+from worker.redis_writer import RedisWriter, StoredState
 from worker.replica_view import NO_SEQ, Change, ReplicaView
 from worker.report_config import ConfigError, WorkerConfig, load_config
 from worker.subscriber import KVEventSubscriber
 
 logger = logging.getLogger(__name__)
 
+SOURCES_RETRY_MAX_S: Final = 5.0  # longest wait between asks of an engine still starting
 ENGINE_WAIT_S: Final = 10.0  # wait this long for the engine's cache config before subscribing
 PROBE_RETRY_S: Final = 2.0
 SHUTDOWN_FLUSH_S: Final = 2.0
@@ -52,14 +63,14 @@ class Worker:
     """One replica's sidecar. ``apply``/``resync`` are the subscriber's sink (synchronous, cheap)."""
 
     def __init__(self, config: WorkerConfig, client: aioredis.Redis,
-                 session: aiohttp.ClientSession) -> None:
+                 session: aiohttp.ClientSession, dp_rank: int | None = None) -> None:
         self.config = config
         self.client = client
         self.view = ReplicaView(index_stride=config.index_stride)
-        self.event_filter = EventFilter(tiers=parse_kv_tiers(config.kv_tiers))
+        self.event_filter = EventFilter(tiers=parse_kv_tiers(config.kv_tiers), dp_rank=dp_rank)
         self.writer = RedisWriter(client, config.redis_prefix, config.replica_id,
                                   on_recovered=self._on_redis_recovered)
-        self.engine = EngineClient(session, config.engine_url)
+        self.engine = EngineClient(session, config.engine_url, dp_rank)
         self.heartbeat = Heartbeat(self.engine, self.writer, replica_id=config.replica_id,
                                    url=config.url, fields=self._heartbeat_fields,
                                    on_engine=self._on_engine)
@@ -256,25 +267,25 @@ class Worker:
         deleted at once under an epoch newer than any before (a ms clock), so a
         heartbeat never advertises it.
         """
-        backoff = 0.1
-        while True:
-            try:
-                state = await self.writer.read_state()
-                if state.epoch is None:
-                    epoch = int(time.time() * 1000)
-                    self.view = ReplicaView(epoch=epoch, index_stride=self.config.index_stride)
-                    self.writer.enqueue(Change(OP_CLEARED, [], epoch, NO_SEQ))
-                    await self.writer.flush()
-                    logger.info("no previous state for replica %s: starting at epoch %d",
-                                self.config.replica_id, epoch)
-                else:
-                    self.writer.committed_epoch = state.epoch
-                    self.writer.committed_seq = state.seq
-                return state
-            except (RedisError, OSError) as exc:
-                logger.warning("Redis not reachable yet (%s); retrying", exc)
-                await asyncio.sleep(backoff)
-                backoff = min(backoff * 2, BACKOFF_MAX_S)
+        return await reconnect_retry().call_with_retry(self._read_state_once, self._unreachable)
+
+    async def _read_state_once(self) -> StoredState:
+        state = await self.writer.read_state()
+        if state.epoch is None:
+            epoch = int(time.time() * 1000)
+            self.view = ReplicaView(epoch=epoch, index_stride=self.config.index_stride)
+            self.writer.enqueue(Change(OP_CLEARED, [], epoch, NO_SEQ))
+            await self.writer.flush()
+            logger.info("no previous state for replica %s: starting at epoch %d",
+                        self.config.replica_id, epoch)
+        else:
+            self.writer.committed_epoch = state.epoch
+            self.writer.committed_seq = state.seq
+        return state
+
+    @staticmethod
+    async def _unreachable(exc: Exception) -> None:
+        logger.warning("Redis not reachable yet (%s); retrying", exc)
 
     def restore(self, state: StoredState) -> bool:
         """Continue from ``state``. Returns True when continuing from its seq (no reset)."""
@@ -396,8 +407,49 @@ class _Rekeying:
         self.view.reset(reason)
 
 
+async def discover_sources(engine: EngineClient, stop: asyncio.Event) -> list[RankSource] | None:
+    """The engine's KV event sources from ``GET /kv_event_sources``, retried (the engine may
+    not be up yet, or list no ready rank) until it answers or ``stop`` is set (None)."""
+    backoff = 0.2
+    while not stop.is_set():
+        try:
+            sources = parse_kv_event_sources(await engine.kv_event_sources(), engine.engine_url)
+            if sources:
+                return sources
+            problem = "no rank publishes KV events (is --kv-events-config enabled?)"
+        except (EngineUnreachable, ValueError) as exc:
+            problem = str(exc)
+        logger.warning("KV event sources of %s not known yet: %s; retrying", engine.engine_url,
+                       problem)
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(stop.wait(), backoff)
+        backoff = min(backoff * 2, SOURCES_RETRY_MAX_S)
+    return None
+
+
+def is_data_parallel(sources: list[RankSource]) -> bool:
+    """True when the engine has several ranks (or lists one rank other than 0)."""
+    return len(sources) > 1 or sources[0].dp_rank > 0
+
+
+def rank_configs(config: WorkerConfig, sources: list[RankSource]) -> list[WorkerConfig]:
+    """One worker config per rank: its replica id (``name#rank`` for a data-parallel engine),
+    its sockets, and its metrics port (the configured one + the rank unless 0)."""
+    if not is_data_parallel(sources):
+        source = sources[0]
+        return [dataclasses.replace(config, kv_events_endpoint=source.endpoint,
+                                    kv_replay_endpoint=source.replay_endpoint,
+                                    kv_events_topic=source.topic)]
+    return [dataclasses.replace(
+        config, replica_id=f"{config.replica_id}{RANK_SEPARATOR}{s.dp_rank}",
+        kv_events_endpoint=s.endpoint, kv_replay_endpoint=s.replay_endpoint,
+        kv_events_topic=s.topic,
+        metrics_port=config.metrics_port + s.dp_rank if config.metrics_port else 0)
+        for s in sources]
+
+
 async def serve(config: WorkerConfig) -> None:
-    """Run a worker until SIGINT/SIGTERM."""
+    """Run the worker(s) of one engine until SIGINT/SIGTERM: one per data-parallel rank."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -407,7 +459,22 @@ async def serve(config: WorkerConfig) -> None:
                           socket_timeout=5.0, socket_connect_timeout=2.0)
     try:
         async with aiohttp.ClientSession() as session:
-            await Worker(config, client, session).run(stop)
+            if config.kv_events_endpoint == AUTO_ENDPOINT:
+                found = await discover_sources(EngineClient(session, config.engine_url), stop)
+                if found is None:
+                    return
+                sources = found
+            else:
+                sources = offset_sources(config.kv_events_endpoint, config.kv_replay_endpoint,
+                                         config.kv_events_topic, config.data_parallel_size)
+            ranked = is_data_parallel(sources)
+            configs = rank_configs(config, sources)
+            if ranked:
+                logger.info("engine %s: %d data-parallel ranks, replicas %s", config.engine_url,
+                            len(sources), ", ".join(c.replica_id for c in configs))
+            workers = [Worker(rank_config, client, session, s.dp_rank if ranked else None)
+                       for rank_config, s in zip(configs, sources, strict=True)]
+            await asyncio.gather(*(worker.run(stop) for worker in workers))
     finally:
         await client.aclose()
 

@@ -2,26 +2,25 @@
 
 Pure apart from reading the YAML file named by ``--config`` / ``WORKER_CONFIG``.
 Each field ``name`` has the flag ``--name-with-dashes``, the environment variable
-``WORKER_NAME`` and the YAML key ``name``.
+``WORKER_NAME`` and the YAML key ``name``, derived by ``SETTINGS`` (``router.settings.Settings``,
+the mechanism the router and the emulator share); the fields without a default are required.
 """
 
 from __future__ import annotations
 
-import argparse
-import os
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field, fields
-from typing import Any, Final
+from dataclasses import dataclass, field
+from typing import Final
 from urllib.parse import urlsplit
 
-from router.config import LOG_FORMATS
+from router.config import LOG_FORMATS, values_with_redis_password
 from router.contract import DEFAULT_INDEX_STRIDE, DEFAULT_REDIS_PREFIX
 from router.hashing import HASH_ALGOS
 from router.redis_client import RedisUrlError, parse_redis_url
-from router.secrets import SecretError, resolve_redis_password
-from router.settings import ConfigError, read_config_file
+from router.settings import ConfigError, Settings
 from router.version import version_line
 from worker.event_filter import DEFAULT_KV_TIERS, parse_kv_tiers
+from worker.kv_event_sources import AUTO_ENDPOINT, offset_sources
 
 ENV_PREFIX: Final = "WORKER_"
 DEFAULT_METRICS_HOST: Final = "127.0.0.1"  # set 0.0.0.0 in a pod so Prometheus can scrape
@@ -34,11 +33,16 @@ class WorkerConfig:
     """Settings of one worker sidecar (one replica)."""
 
     engine_url: str  # the engine's HTTP base URL, e.g. http://127.0.0.1:8000
-    kv_events_endpoint: str  # the engine's KV event PUB socket, tcp://HOST:PORT
+    # the engine's KV event PUB socket, tcp://HOST:PORT (rank 0's with data parallelism), or
+    # "auto": every rank's sockets from the engine's GET /kv_event_sources
+    kv_events_endpoint: str
     redis_url: str
     replica_id: str
     kv_replay_endpoint: str | None = None  # the engine's replay ROUTER socket; None: no replay
     kv_events_topic: str = ""  # vLLM KVEventsConfig.topic
+    # DP ranks of the engine (vLLM --data-parallel-size) when the endpoints are given by hand:
+    # rank r's ports are rank 0's + r; each rank is published as replica "{replica_id}#{r}"
+    data_parallel_size: int = 1
     advertise_url: str = ""  # URL routers send traffic to; default engine_url
     redis_password: str | None = field(default=None, repr=False)  # resolved from the file/env
     redis_password_file: str | None = None  # file holding the password (a mounted Secret)
@@ -59,77 +63,32 @@ class WorkerConfig:
         return self.advertise_url or self.engine_url
 
 
-_REQUIRED: Final = ("engine_url", "kv_events_endpoint", "redis_url", "replica_id")
 _HELP: Final = {
     "redis_url": "redis[s]://HOST:PORT/DB, unix:///PATH, redis[s]+cluster://HOST:PORT[,...] or "
-                 "redis[s]+sentinel://HOST:PORT[,...]/SERVICE[/DB]; ",
+                 "redis[s]+sentinel://HOST:PORT[,...]/SERVICE[/DB]",
     "redis_password": "DEPRECATED (visible in ps): use --redis-password-file or "
-                      f"{ENV_PREFIX}REDIS_PASSWORD / REDIS_PASSWORD; ",
-    "redis_password_file": "file holding the Redis password (e.g. a mounted Secret); ",
-    "log_format": "text or json (one object per line); ",
+                      f"{ENV_PREFIX}REDIS_PASSWORD / REDIS_PASSWORD",
+    "redis_password_file": "file holding the Redis password (e.g. a mounted Secret)",
+    "log_format": "text or json (one object per line)",
+    "kv_events_endpoint": "tcp://HOST:PORT of the PUB socket (rank 0's with data parallelism) "
+                          "or 'auto' (every rank's from the engine's GET /kv_event_sources)",
+    "data_parallel_size": "DP ranks of the engine when the endpoints are given by hand (rank "
+                          "r: ports + r); each rank is the replica REPLICA_ID#r",
     "kv_tiers": "mediums whose KV events are indexed, comma-separated: GPU (always), CPU; "
-                "default GPU,CPU; GPU alone makes the CPU tier invisible (STORAGE is not indexed); ",
+                "default GPU,CPU; GPU alone makes the CPU tier invisible (STORAGE is not indexed)",
 }
-_INT_FIELDS: Final = ("block_size", "metrics_port", "index_stride")
-
-
-def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="prefix-worker report",
-        description="Publish one replica's resident KV-cache block keys, heartbeat and load to "
-        "Redis. Every flag can also be set as WORKER_<FLAG> (e.g. WORKER_REDIS_URL) or in the "
-        "YAML file given by --config; precedence: flag > env > YAML > default.",
-    )
-    for f in fields(WorkerConfig):
-        flag = "--" + f.name.replace("_", "-")
-        kind = int if f.name in _INT_FIELDS else float if f.name.endswith("_s") else str
-        parser.add_argument(flag, type=kind, default=None, dest=f.name,
-                            help=_HELP.get(f.name, "") + f"env {ENV_PREFIX}{f.name.upper()}")
-    parser.add_argument("--config", default=None, help=f"YAML file (env {ENV_PREFIX}CONFIG)")
-    parser.add_argument("--version", action="version", version=version_line("prefix-worker"))
-    return parser
+SETTINGS: Final = Settings(
+    WorkerConfig, prog="prefix-worker report", env_prefix=ENV_PREFIX,
+    description="Publish one replica's resident KV-cache block keys, heartbeat and load to "
+    "Redis. Every flag can also be set as WORKER_<FLAG> (e.g. WORKER_REDIS_URL) or in the "
+    "YAML file given by --config; precedence: flag > env > YAML > default.",
+    version=version_line("prefix-worker"), help=_HELP)
 
 
 def load_config(argv: Sequence[str], env: Mapping[str, str] | None = None) -> WorkerConfig:
-    """Parse ``argv`` and merge with env and YAML. Raises ``ConfigError``."""
-    env = os.environ if env is None else env
-    args = vars(_parser().parse_args(list(argv)))
-    config_path = args.pop("config") or env.get(f"{ENV_PREFIX}CONFIG")
-    from_yaml = read_config_file(config_path) if config_path else {}
-    known = {f.name: f for f in fields(WorkerConfig)}
-    unknown = set(from_yaml) - set(known)
-    if unknown:
-        raise ConfigError(f"unknown config keys: {', '.join(sorted(unknown))}")
-    values: dict[str, Any] = {}
-    for name in known:
-        value = args.get(name)
-        if value is None:
-            value = env.get(f"{ENV_PREFIX}{name.upper()}")
-        if value is None:
-            value = from_yaml.get(name)
-        if value is not None:
-            values[name] = value
-    missing = [n for n in _REQUIRED if not values.get(n)]
-    if missing:
-        flags = ", ".join("--" + n.replace("_", "-") for n in missing)
-        raise ConfigError(f"missing required settings: {flags}")
-    try:
-        for name in _INT_FIELDS:
-            if name in values:
-                values[name] = int(values[name])
-        if "replay_timeout_s" in values:
-            values["replay_timeout_s"] = float(values["replay_timeout_s"])
-        for name in ("hash_seed", "kv_replay_endpoint", "redis_password", "redis_password_file",
-                     "hash_algo"):
-            if name in values:
-                values[name] = str(values[name]) or None
-    except (TypeError, ValueError) as exc:
-        raise ConfigError(f"bad numeric setting: {exc}") from exc
-    try:
-        values["redis_password"] = resolve_redis_password(values, argv, env)
-    except SecretError as exc:
-        raise ConfigError(str(exc)) from exc
-    config = WorkerConfig(**values)
+    """Parse ``argv`` and merge with env and YAML (``router.settings.Settings``). Raises
+    ``ConfigError``."""
+    config = WorkerConfig(**values_with_redis_password(SETTINGS, argv, env))
     _validate(config)
     return config
 
@@ -141,8 +100,18 @@ def _validate(config: WorkerConfig) -> None:
             raise ConfigError(f"--{name.replace('_', '-')} must be an http(s) URL, got {value!r}")
     for name in ("kv_events_endpoint", "kv_replay_endpoint"):
         value = getattr(config, name)
-        if value and "://" not in value:
-            raise ConfigError(f"--{name.replace('_', '-')} must be a ZMQ endpoint like tcp://host:port")
+        if value and "://" not in value and not (name == "kv_events_endpoint"
+                                                 and value == AUTO_ENDPOINT):
+            raise ConfigError(f"--{name.replace('_', '-')} must be a ZMQ endpoint like "
+                              f"tcp://host:port (or {AUTO_ENDPOINT!r})")
+    if config.data_parallel_size < 1:
+        raise ConfigError("--data-parallel-size must be >= 1")
+    if config.kv_events_endpoint != AUTO_ENDPOINT:
+        try:
+            offset_sources(config.kv_events_endpoint, config.kv_replay_endpoint,
+                           config.kv_events_topic, config.data_parallel_size)
+        except ValueError as exc:
+            raise ConfigError(f"--data-parallel-size {config.data_parallel_size}: {exc}") from exc
     try:
         parse_redis_url(config.redis_url)
     except RedisUrlError as exc:

@@ -16,7 +16,8 @@ import aiohttp
 import pytest
 import zmq
 
-from tests.helpers import EMULATE, start_process, stop_process, wait_for
+from tests import helpers
+from tests.helpers import stop_process
 from worker.emulator.config import QWEN3_TOKENIZER_VOCAB_SIZE
 from worker.emulator.openai_server import output_text
 from worker.emulator.tokenizer import default_tokenizer_dir
@@ -40,17 +41,9 @@ def start_emulator(tmp_path: Path) -> Iterator[Any]:
     started: list[subprocess.Popen[bytes]] = []
 
     def start(*args: str, env: dict[str, str] | None = None) -> Emulator:
-        ready = tmp_path / f"ready-{len(started)}.json"
-        proc = start_process([*EMULATE, "--ready-file", str(ready), *args], env=env)
+        proc, replicas = helpers.start_emulator(tmp_path / f"ready-{len(started)}.json", args, env, timeout_s=30)
         started.append(proc)
-
-        def is_ready() -> bool:
-            if proc.poll() is not None:
-                raise RuntimeError(f"emulator exited: {stop_process(proc)}")
-            return ready.exists()
-
-        wait_for(is_ready, timeout_s=30, message="emulator ready file")
-        return Emulator(proc, json.loads(ready.read_text())["replicas"])
+        return Emulator(proc, replicas)
 
     yield start
     for proc in started:

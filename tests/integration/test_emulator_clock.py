@@ -5,7 +5,6 @@ it runs again, and its lag metric shows the stall. Real ``prefix-worker emulate`
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import signal
 import subprocess
@@ -18,7 +17,7 @@ import pytest
 
 from loadtest.compare import LagHistogram
 from loadtest.compare import parse_metrics as sum_samples
-from tests.helpers import EMULATE, start_process, stop_process, wait_for
+from tests.helpers import start_emulator, stop_process
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -30,10 +29,8 @@ MAX_TOKENS = 256  # 8B profile, H100: ~1.8 engine s for the whole batch at time 
 
 
 def _start(tmp_path: Path, name: str) -> tuple[subprocess.Popen[bytes], str]:
-    ready = tmp_path / f"{name}.json"
-    proc = start_process([*EMULATE, "--time-scale", "1", "--ready-file", str(ready)])
-    wait_for(ready.exists, timeout_s=30, message="emulator ready file")
-    return proc, json.loads(ready.read_text())["replicas"][0]["url"]
+    proc, replicas = start_emulator(tmp_path / f"{name}.json", ["--time-scale", "1"], timeout_s=30)
+    return proc, replicas[0]["url"]
 
 
 async def _run(url: str, stall: subprocess.Popen[bytes] | None) -> dict[str, Any]:

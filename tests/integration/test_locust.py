@@ -4,7 +4,6 @@ replica on loopback; TTFT and end-to-end entries reported without failures."""
 from __future__ import annotations
 
 import csv
-import json
 import subprocess
 import sys
 from pathlib import Path
@@ -12,7 +11,7 @@ from pathlib import Path
 import pytest
 import requests
 
-from tests.helpers import start_process, stop_process, wait_for
+from tests.helpers import start_emulator, stop_process
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -22,13 +21,9 @@ SCENARIOS = ("DocumentQAUser", "MultiTurnChatUser", "TenantUser", "UniquePromptU
 
 def test_locust_scenarios_headless(tmp_path: Path) -> None:
     ready = tmp_path / "emulator.json"
-    emulator = start_process([sys.executable, "-c",
-                              "import sys; from worker.cli import main; sys.exit(main(sys.argv[1:]))",
-                              "emulate", "--host", "127.0.0.1", "--port", "0", "--replicas", "1",
-                              "--time-scale", "20", "--ready-file", str(ready)])
+    emulator, replicas = start_emulator(ready, ["--replicas", "1", "--time-scale", "20"], timeout_s=30)
     try:
-        wait_for(ready.exists, timeout_s=30, message="emulator ready file")
-        url = json.loads(ready.read_text())["replicas"][0]["url"]
+        url = replicas[0]["url"]
         # The emulator loads its tokenizer (transformers) on the first text prompt: ~1.5 s idle,
         # ~20 s at load average 10. One chat request first keeps that out of the 8 s run.
         warm = requests.post(url + "/v1/chat/completions", timeout=60, json={

@@ -30,7 +30,7 @@ import pytest
 from loadtest.redis_topology import NUM_SLOTS, RedisClusterServers, RedisSentinelSet
 from router import contract as c
 from router.redis_client import redis_client
-from tests.helpers import stop_process, wait_for
+from tests.helpers import stop_process, wait_for, wait_routable
 from tests.integration.test_router_failover import _emulated_fleet
 from tests.integration.test_router_fleet import Router, prometheus_value
 from worker.redis_writer import _FLUSH, RedisWriter
@@ -44,13 +44,6 @@ def confirmed_hit(router: Router, prompt: list[int], blocks: int = 8) -> bool:
     # (stride 16) holds the anchors at positions 0, 1, 3 and 7 of them: a confirmed depth of 8
     decision = json.loads(router.post("/debug/route", {"prompt": prompt})[2])
     return any(v["confirmed_hit_blocks"] >= blocks for v in decision["replicas"].values())
-
-
-def wait_routable(router: Router, workers: list[Any]) -> None:
-    """Wait until every worker's replica is routable with affinity, or a worker has exited."""
-    wait_for(lambda: any(w.poll() is not None for w in workers) or
-             sum(r["routable"] and r["affinity"] for r in router.ready()["replicas"])
-             == len(workers), 30, message="every replica routable with affinity, or a worker gone")
 
 
 def test_cluster_fixture_spreads_slots_over_three_masters() -> None:
@@ -80,7 +73,7 @@ def test_routing_hits_on_a_redis_cluster(tmp_path: Path) -> None:
             procs = _emulated_fleet(cluster.url, tmp_path, 2)
             router = Router(tmp_path, ["--redis-url", cluster.url, "--hash-seed", "0"])
             workers = procs[1:]
-            wait_routable(router, workers)
+            wait_routable(router, len(workers), workers)
             # contract version 2 exited here: its start-up read and every flush spanned slots
             assert all(w.poll() is None for w in workers), "a worker exited"
             prompt = [random.Random(3).randrange(1000, 90_000) for _ in range(160)]
@@ -92,6 +85,36 @@ def test_routing_hits_on_a_redis_cluster(tmp_path: Path) -> None:
             logs = "".join(stop_process(p) for p in reversed(procs))
             print(logs[-3000:])
 
+
+
+def test_a_router_and_workers_started_before_the_cluster_connect_once_it_is_up(
+        tmp_path: Path) -> None:
+    """No cluster seed answers at start (a rolling restart of everything, or the cluster still
+    coming up): redis-py raises ``RedisClusterException``, which is not a ``RedisError``. The
+    router's stream reader must keep retrying rather than die (the router then never connected),
+    and the workers must wait for Redis rather than exit."""
+    procs: list[Any] = []
+    router = None
+    cluster = RedisClusterServers(3)  # ports chosen, nothing listening yet
+    try:
+        procs = _emulated_fleet(cluster.url, tmp_path, 2)
+        router = Router(tmp_path, ["--redis-url", cluster.url, "--hash-seed", "0"])
+        time.sleep(3.0)  # several connection attempts of router and workers fail
+        workers = procs[1:]
+        assert all(w.poll() is None for w in workers), "a worker exited while the cluster was down"
+        assert router.ready()["redis"]["connected"] is False
+        with cluster:
+            wait_for(lambda: router.ready()["redis"]["connected"], 30,
+                     message="the router connects once the cluster is up")
+            wait_routable(router, len(workers), workers)
+            assert all(w.poll() is None for w in workers), "a worker exited"
+            prompt = [random.Random(4).randrange(1000, 90_000) for _ in range(160)]
+            send_and_confirm(router, [prompt], "KV events reach the index")
+    finally:
+        if router is not None:
+            print(router.stop()[-3000:])
+        logs = "".join(stop_process(p) for p in reversed(procs))
+        print(logs[-3000:])
 
 K = 5  # keys stored (and, from the 4th flush on, removed) per flush
 NUM_REPLICAS = 16
@@ -252,8 +275,7 @@ def test_routing_hits_survive_a_sentinel_failover_with_no_failed_request(tmp_pat
         try:
             procs = _emulated_fleet(sentinels.url, tmp_path, 2)
             router = Router(tmp_path, ["--redis-url", sentinels.url, "--hash-seed", "0"])
-            wait_for(lambda: sum(r["routable"] and r["affinity"] for r in router.ready()["replicas"])
-                     == 2, 30, message="both replicas routable")
+            wait_routable(router, 2, procs)
             rng = random.Random(11)
             prompts = [[rng.randrange(1000, 90_000) for _ in range(160)] for _ in range(6)]
             send_and_confirm(router, prompts[:3], "hits before failover")
@@ -292,7 +314,7 @@ def test_routing_hits_survive_a_cluster_master_failover_with_no_failed_request(
             procs = _emulated_fleet(cluster.url, tmp_path, 2)
             router = Router(tmp_path, ["--redis-url", cluster.url, "--hash-seed", "0"])
             workers = procs[1:]
-            wait_routable(router, workers)
+            wait_routable(router, len(workers), workers)
             rng = random.Random(13)
             prompts = [[rng.randrange(1000, 90_000) for _ in range(160)] for _ in range(9)]
             send_and_confirm(router, prompts[:3], "hits before failover")

@@ -16,7 +16,15 @@ from typing import Any
 import pytest
 
 from router.contract import HEARTBEAT_TTL_S
-from tests.helpers import EMULATE, FAKE_REPLICA_TAIL, PYTHON, start_process, stop_process, wait_for
+from tests.helpers import (
+    EMULATE,
+    FAKE_REPLICA_TAIL,
+    PYTHON,
+    start_process,
+    stop_process,
+    wait_for,
+    wait_routable,
+)
 from tests.integration.test_router_fleet import (
     KV_EVENTS,
     Router,
@@ -282,8 +290,7 @@ def test_redis_outage_keeps_routing_and_index_resyncs_after_restart(tmp_path: Pa
     try:
         procs = _emulated_fleet(redis.url, tmp_path, 2)
         router = Router(tmp_path, ["--redis-url", redis.url, "--hash-seed", "0"])
-        wait_for(lambda: sum(r["routable"] and r["affinity"] for r in router.ready()["replicas"])
-                 == 2, 30, message="both replicas routable")
+        wait_routable(router, 2, procs)
         rng = random.Random(6)
 
         def prompt() -> list[int]:

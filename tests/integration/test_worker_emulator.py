@@ -21,7 +21,8 @@ import redis
 import requests
 
 from router import contract
-from tests.helpers import EMULATE, PYTHON, free_port, start_process, stop_process, wait_for
+from tests import helpers
+from tests.helpers import PYTHON, free_port, start_process, stop_process, wait_for
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -44,18 +45,10 @@ def start_emulator(tmp: Path, *, seed: str = SEED, num_gpu_blocks: int = 4000,
     port, ev, rp = ports or (free_port(), free_port(), free_port())
     ready = tmp / f"ready-{port}-{random.random()}.json"
     config = dict(KV_EVENTS, endpoint=f"tcp://*:{ev}", replay_endpoint=f"tcp://*:{rp}")
-    proc = start_process([*EMULATE, "--port", str(port), "--ready-file", str(ready),
-                          "--num-gpu-blocks-override", str(num_gpu_blocks),
-                          "--kv-events-config", json.dumps(config), *extra],
-                         env={"PYTHONHASHSEED": seed})
-    try:
-        wait_for(lambda: ready.exists() or proc.poll() is not None, 60, message="emulator ready")
-    except TimeoutError:
-        print(stop_process(proc))
-        raise
-    if proc.poll() is not None:
-        raise RuntimeError(f"emulator exited: {stop_process(proc)}")
-    replica = json.loads(ready.read_text())["replicas"][0]
+    proc, replicas = helpers.start_emulator(
+        ready, ["--port", str(port), "--num-gpu-blocks-override", str(num_gpu_blocks),
+                "--kv-events-config", json.dumps(config), *extra], {"PYTHONHASHSEED": seed})
+    replica = replicas[0]
     return Emulator(proc, replica["url"], replica["kv_events_endpoint"], replica["kv_replay_endpoint"],
                     (port, ev, rp))
 

@@ -22,6 +22,15 @@ VERSION = metadata.version("prefix-router")
     ("worker.cli", ["--version"], "prefix-worker"),
     ("worker.cli", ["report", "--version"], "prefix-worker"),
     ("loadtest.cli", ["--version"], "prefix-loadtest"),
+    # every subcommand, the ones with required arguments too
+    ("router.cli", ["capacity", "--version"], "prefix-router"),
+    ("router.cli", ["audit", "--version"], "prefix-router"),
+    ("router.cli", ["auth", "--version"], "prefix-router"),
+    ("worker.cli", ["emulate", "--version"], "prefix-worker"),
+    ("loadtest.cli", ["replay", "--version"], "prefix-loadtest"),
+    ("loadtest.cli", ["compare", "--version"], "prefix-loadtest"),
+    ("loadtest.cli", ["demo", "--version"], "prefix-loadtest"),
+    ("loadtest.cli", ["ab", "--version"], "prefix-loadtest"),
 ])
 def test_version(module: str, args: list[str], prog: str) -> None:
     result = subprocess.run([sys.executable, "-m", module, *args], capture_output=True, text=True,

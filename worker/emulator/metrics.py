@@ -1,8 +1,8 @@
 """Prometheus metrics of one emulated replica, with vLLM 0.33's names and labels. Does I/O (exposition).
 
 Names, labels and buckets copy ``vllm/v1/metrics/loggers.py``: every series has
-``model_name`` (first served model name) and ``engine="0"``; counters gain the
-``_total`` suffix. Each replica has its own ``CollectorRegistry`` so K replicas
+``model_name`` (first served model name) and ``engine="<DP rank>"`` (``"0"`` without data
+parallelism); counters gain the ``_total`` suffix. Each replica has its own ``CollectorRegistry`` so K replicas
 in one process expose only their own figures. Gauges read the scheduler when
 scraped (no per-step cost). Times are engine seconds (wall time multiplied by
 ``--time-scale``), so dashboards show what the emulated GPU would show.
@@ -10,11 +10,13 @@ scraped (no per-step cost). Times are engine seconds (wall time multiplied by
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Final
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.metrics_core import Metric
 from prometheus_client.openmetrics import exposition as openmetrics
+from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
 from worker.emulator.offload import OffloadStats
@@ -46,7 +48,8 @@ class ReplicaMetrics:
     ) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         self._text = TextExposition()
-        labels = {"model_name": model_name, "engine": "0"}
+        # vLLM loggers.py: one series per engine, labelled with its DP rank
+        labels = {"model_name": model_name, "engine": cache_config.get("engine", "0")}
         names = ["model_name", "engine"]
         reg = self.registry
         self._labels = labels
@@ -144,6 +147,41 @@ def _escape_label_value(value: str) -> str:
     """Label values allow UTF-8; backslash, newline and double quote are escaped (the library's
     ``_escape`` with ``ALLOWUTF8``)."""
     return value.replace("\\", r"\\").replace("\n", r"\n").replace('"', r'\"')
+
+
+class _EngineFamilies(Collector):
+    """The families of several engines' registries merged by name (one ``# HELP``/``# TYPE``
+    per family, the engines' series in rank order), as vLLM's one ``/metrics`` page shows the
+    series of every DP rank under their ``engine`` label."""
+
+    def __init__(self, registries: list[CollectorRegistry]) -> None:
+        self.registries = registries
+
+    def collect(self) -> Iterator[Metric]:
+        merged: dict[str, Metric] = {}
+        for registry in self.registries:
+            for family in registry.collect():
+                into = merged.get(family.name)
+                if into is None:
+                    into = merged[family.name] = Metric(family.name, family.documentation,
+                                                        family.type)
+                into.samples.extend(family.samples)
+        yield from merged.values()
+
+
+class EnginesExposition:
+    """``/metrics`` of one API server fronting ``engines`` (DP ranks): their families merged."""
+
+    def __init__(self, engines: list[ReplicaMetrics]) -> None:
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.registry.register(_EngineFamilies([m.registry for m in engines]))
+        self._text = TextExposition()
+        self._single = engines[0] if len(engines) == 1 else None
+
+    def exposition(self) -> bytes:
+        if self._single is not None:  # one engine: its own page, nothing to merge
+            return self._single.exposition()
+        return self._text.render(self.registry)
 
 
 class TextExposition:

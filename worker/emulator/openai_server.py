@@ -18,6 +18,7 @@ from aiohttp import web
 
 from worker.emulator.config import VLLM_VERSION, EmulatorConfig
 from worker.emulator.engine import EmulatedEngine, OutputCollector, SubmittedPrompt
+from worker.emulator.metrics import EnginesExposition
 from worker.emulator.scheduler import FinishReason, Request
 from worker.emulator.tokenizer import SharedTokenizer, TokenizerError
 
@@ -140,15 +141,27 @@ class GenerationParams:
 
 
 
+DP_RANK_HEADER: Final = "X-data-parallel-rank"  # vLLM serving engine _get_data_parallel_rank
+
+
 class ReplicaServer:
     """The HTTP application of one replica; ``start(port)`` listens, ``stop()`` shuts down
-    (the engine too)."""
+    (the engines too).
 
-    def __init__(self, engine: EmulatedEngine, tokenizer: SharedTokenizer) -> None:
-        self.engine = engine
-        self.config: EmulatorConfig = engine.config
-        self.index = engine.index
+    ``engines`` are the replica's data-parallel ranks in rank order (one without
+    ``--data-parallel-size``), as vLLM's API server fronts one EngineCore per DP rank; a
+    request goes to the rank ``select_engine`` picks.
+    """
+
+    def __init__(self, engines: list[EmulatedEngine], tokenizer: SharedTokenizer) -> None:
+        if not engines:
+            raise ValueError("a replica needs at least one engine")
+        self.engines = engines
+        self.engine = engines[0]  # the rank answering what every rank shares (LoRA adapters)
+        self.config: EmulatorConfig = self.engine.config
+        self.index = self.engine.index
         self.tokenizer = tokenizer
+        self.metrics = EnginesExposition([e.metrics for e in engines])
         self._num_inflight = 0
         self.url = ""
         self.app = self._build_app()
@@ -157,7 +170,8 @@ class ReplicaServer:
     # ---------------------------------------------------------------- lifecycle
 
     async def start(self, port: int) -> None:
-        self.engine.start()
+        for engine in self.engines:
+            engine.start()
         # handler_cancellation: a client that goes away cancels its handler (aiohttp >= 3.9
         # defaults to not cancelling), so _generate's finally aborts the request as vLLM does.
         self._runner = web.AppRunner(self.app, access_log=None, handle_signals=False,
@@ -173,18 +187,54 @@ class ReplicaServer:
         self.url = f"http://{url_host}:{bound_port}"
 
     async def stop(self) -> None:
-        await self.engine.stop()
+        for engine in self.engines:
+            await engine.stop()
         if self._runner is not None:
             await self._runner.cleanup()
 
     def describe(self) -> dict[str, Any]:
-        pub = self.engine.publisher
+        """``kv_events_endpoint``/``kv_replay_endpoint`` are rank 0's; ``ranks`` lists every
+        rank's (``data_parallel_rank``, ``kv_events_endpoint``, ``kv_replay_endpoint``)."""
+        ranks = [{"data_parallel_rank": e.dp_rank,
+                  "kv_events_endpoint": e.publisher.endpoint if e.publisher else None,
+                  "kv_replay_endpoint": e.publisher.replay_endpoint if e.publisher else None}
+                 for e in self.engines]
         return {
             "index": self.index,
             "url": self.url,
-            "kv_events_endpoint": pub.endpoint if pub else None,
-            "kv_replay_endpoint": pub.replay_endpoint if pub else None,
+            "kv_events_endpoint": ranks[0]["kv_events_endpoint"],
+            "kv_replay_endpoint": ranks[0]["kv_replay_endpoint"],
+            "data_parallel_size": len(self.engines),
+            "ranks": ranks,
         }
+
+    def select_engine(self, request: web.Request) -> EmulatedEngine:
+        """The DP rank a request runs on, as vLLM picks it.
+
+        The ``X-data-parallel-rank`` header names it (vLLM serving engine
+        ``_get_data_parallel_rank``: a value that is not an int is ignored); a rank outside
+        ``[0, data_parallel_size)`` is a 400 (vLLM's input processor rejects it). Without one,
+        vLLM's internal load balancing (``DPLBAsyncMPClient.get_core_engine_for_request``): the
+        lowest ``waiting * 4 + running``, the first rank on ties. vLLM reads those counts from
+        the coordinator every 100 ms and counts its own sends in between; the emulator reads the
+        engines' live queues, which is what that bookkeeping approximates.
+        """
+        engines = self.engines
+        text = request.headers.get(DP_RANK_HEADER)
+        rank: int | None = None
+        if text is not None:
+            try:
+                rank = int(text)
+            except ValueError:
+                rank = None
+        if rank is not None:
+            if not 0 <= rank < len(engines):
+                raise bad_request(f"data_parallel_rank {rank} is out of range "
+                                  f"[0, {len(engines)}).")
+            return engines[rank]
+        if len(engines) == 1:
+            return engines[0]
+        return min(engines, key=lambda e: (e.num_waiting() * 4 + e.num_running(), e.dp_rank))
 
     # ---------------------------------------------------------------- HTTP
 
@@ -348,14 +398,14 @@ class ReplicaServer:
                 "the completion). Please reduce the length of the messages or completion.")
         return max_tokens
 
-    def _submit(self, prompts: list[list[int]], params: GenerationParams, lora: str | None,
-                request_id: str) -> tuple[OutputCollector, list[Sequence_]]:
-        """Check each prompt's length, then hand the prompts to the engine."""
+    def _submit(self, engine: EmulatedEngine, prompts: list[list[int]], params: GenerationParams,
+                lora: str | None, request_id: str) -> tuple[OutputCollector, list[Sequence_]]:
+        """Check each prompt's length, then hand the prompts to ``engine``."""
         submitted = [SubmittedPrompt(p, self._check_length(len(p), params.max_tokens))
                      for p in prompts]
         reason = (FinishReason.LENGTH if params.max_tokens is not None or params.ignore_eos
                   else FinishReason.STOP)
-        collector, requests = self.engine.submit(
+        collector, requests = engine.submit(
             submitted, n=params.n, finish_at_limit=reason, lora=lora,
             cache_salt=params.cache_salt, request_id=request_id)
         return collector, [Sequence_(i, r) for i, r in enumerate(requests)]
@@ -388,7 +438,8 @@ class ReplicaServer:
         kind = "chatcmpl" if chat else "cmpl"
         rid = f"{kind}-{uuid.uuid4().hex}"
         created = int(time.time())
-        collector, seqs = self._submit(prompts, params, lora, rid)
+        engine = self.select_engine(request)
+        collector, seqs = self._submit(engine, prompts, params, lora, rid)
         prompt_lens = [len(p) for p in prompts]  # one per prompt: usage counts each once
         by_index = {s.index: s for s in seqs}
         self._num_inflight += 1
@@ -427,7 +478,7 @@ class ReplicaServer:
             return web.Response(body=_json_encode(body), content_type="application/json")
         finally:
             self._num_inflight -= 1
-            self.engine.abort([s.request for s in seqs])
+            engine.abort([s.request for s in seqs])
 
     async def _stream(self, request: web.Request, collector: OutputCollector, seqs: list[Sequence_],
                       by_index: dict[int, Sequence_], prompt_lens: list[int],
@@ -548,7 +599,7 @@ class ReplicaServer:
         return web.json_response({"server_load": self._num_inflight})
 
     async def handle_metrics(self, request: web.Request) -> web.Response:
-        return web.Response(body=self.engine.metrics.exposition(),
+        return web.Response(body=self.metrics.exposition(),
                             headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
 
     async def handle_tokenize(self, request: web.Request) -> web.Response:
@@ -580,16 +631,16 @@ class ReplicaServer:
         return web.json_response({"prompt": text})
 
     async def handle_kv_event_sources(self, request: web.Request) -> web.Response:
-        """vLLM 0.33: a bare JSON array, one entry per DP rank with the resolved endpoints."""
-        pub = self.engine.publisher
-        if pub is None:
-            return web.json_response([])
-        return web.json_response([{"data_parallel_rank": 0, "endpoint": pub.endpoint,
-                                   "replay_endpoint": pub.replay_endpoint,
-                                   "topic": self.config.kv_events.topic}])
+        """vLLM 0.33: a bare JSON array, one entry per DP rank (rank order) with the resolved
+        endpoints (vllm/entrypoints/serve/kv_events/api_router.py)."""
+        return web.json_response([
+            {"data_parallel_rank": e.dp_rank, "endpoint": e.publisher.endpoint,
+             "replay_endpoint": e.publisher.replay_endpoint, "topic": self.config.kv_events.topic}
+            for e in self.engines if e.publisher is not None])
 
     async def handle_reset_prefix_cache(self, request: web.Request) -> web.Response:
-        if not self.engine.reset_prefix_cache():
+        # vLLM resets every engine's cache (a collective over the DP ranks)
+        if not all([engine.reset_prefix_cache() for engine in self.engines]):
             raise ApiError(409, "Cannot reset the prefix cache while requests hold blocks.",
                            "ConflictError")
         return web.Response(status=200)

@@ -1,0 +1,59 @@
+"""The one harness (``loadtest.harness``) that tests, benchmarks, the fault lab and the compare
+fleet start real processes with: waits fail fast when a watched process dies, ready files are
+read once complete, and stopping escalates to SIGKILL."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+
+from loadtest.harness import (
+    PYTHON,
+    ProcessExited,
+    output,
+    start_process,
+    stop_process,
+    wait_for,
+    wait_ready,
+)
+
+
+def test_a_wait_fails_fast_with_the_dead_process_output() -> None:
+    proc = start_process([PYTHON, "-c", "print('no such model', flush=True); raise SystemExit(3)"])
+    started = time.monotonic()
+    try:
+        with pytest.raises(ProcessExited, match=r"exited with status 3 while waiting for it"
+                                                r"(.|\n)*no such model"):
+            wait_for(lambda: False, 30, message="it", procs=[proc])
+        assert time.monotonic() - started < 10  # not the 30 s timeout
+    finally:
+        stop_process(proc)
+
+
+def test_wait_ready_reads_a_complete_ready_file(tmp_path: Path) -> None:
+    ready = tmp_path / "ready.json"
+    script = (f"import time, pathlib; p = pathlib.Path({str(ready)!r}); p.write_text('{{\"url\"');"
+              "time.sleep(0.5); p.write_text('{\"url\": \"http://127.0.0.1:1\"}'); "
+              "print('serving', flush=True); time.sleep(60)")
+    proc = start_process([PYTHON, "-c", script], log_path=tmp_path / "proc.log")
+    try:
+        assert wait_ready(ready, [proc], 30) == {"url": "http://127.0.0.1:1"}
+        wait_for(lambda: "serving" in output(proc), 30)
+    finally:
+        out = stop_process(proc)
+    assert proc.returncode is not None and "serving" in out
+    assert "serving" in (tmp_path / "proc.log").read_text()  # a named log is kept
+
+
+def test_stopping_escalates_to_sigkill() -> None:
+    script = ("import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+              "print('up', flush=True); time.sleep(60)")
+    proc = start_process([PYTHON, "-c", script])
+    wait_for(lambda: "up" in output(proc), 30)
+    started = time.monotonic()
+    out = stop_process(proc, timeout_s=1.0)
+    assert proc.returncode == -9 and "up" in out
+    assert time.monotonic() - started < 10
+
