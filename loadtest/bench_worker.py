@@ -1,14 +1,17 @@
 """Benchmark of the worker sidecar: block keys ingested per second into Redis, and Redis memory per block.
 
-``python -m loadtest.bench_worker [--keys 1000000] [--min-batch 32] [--max-batch 512]``
+``python -m loadtest.bench_worker [--keys 1000000] [--min-batch 32] [--max-batch 512]
+[--evict-beyond N]``
 
 Starts a local Redis, one emulator replica (the worker's engine for heartbeat
 and probe) and a real ``prefix-worker report`` process whose KV events come
 from a fast vLLM-format ZMQ publisher in this process: BlockStored batches of
 random 64-bit hashes, sizes uniform in [min, max] blocks, plus one BlockRemoved
-of a few earlier keys every tenth batch. Reports keys/s from the first publish
-until Redis holds the last batch's seq, the worker's CPU seconds, and Redis
-memory per resident block (INFO memory, plus MEMORY USAGE of the set and stream),
+of a few earlier keys every tenth batch; or, with ``--evict-beyond N``, the shape of a loaded
+replica: once N blocks are resident each batch also evicts its oldest blocks, one
+``BlockRemoved`` per block as vLLM publishes them (``_maybe_evict_cached_block``).
+Reports keys/s from the first publish until Redis holds the last batch's seq, the worker's
+CPU seconds, and Redis memory per resident block (INFO memory, plus MEMORY USAGE of the set and stream),
 also per engine block (with ``--index-stride`` N > 1 only anchor keys are written).
 """
 
@@ -34,8 +37,10 @@ from worker.kv_events import BlockRemoved, BlockStored, KVEventBatch, encode_bat
 REPLICA = "bench-0"
 
 
-def _payloads(num_keys: int, lo: int, hi: int, rng: random.Random) -> tuple[list[bytes], int, int]:
-    """Pre-encoded batches; returns (payloads, keys stored, keys resident at the end)."""
+def _payloads(num_keys: int, lo: int, hi: int, rng: random.Random,
+              evict_beyond: int = 0) -> tuple[list[bytes], int, int]:
+    """Pre-encoded batches; returns (payloads, keys stored, keys resident at the end).
+    ``evict_beyond`` > 0: evict the oldest blocks past that many, one event per block."""
     payloads: list[bytes] = []
     resident: list[int | bytes] = []
     total = 0
@@ -47,7 +52,12 @@ def _payloads(num_keys: int, lo: int, hi: int, rng: random.Random) -> tuple[list
                                          medium="GPU", lora_name=None, extra_keys=[None] * n)]
         resident.extend(hashes)
         total += n
-        if len(payloads) % 10 == 9 and len(resident) > 64:
+        if evict_beyond:
+            num_evicted = max(0, len(resident) - evict_beyond)
+            events.extend(BlockRemoved(block_hashes=[h], medium="GPU")
+                          for h in resident[:num_evicted])
+            del resident[:num_evicted]
+        elif len(payloads) % 10 == 9 and len(resident) > 64:
             gone = [resident.pop(rng.randrange(len(resident))) for _ in range(16)]
             events.append(BlockRemoved(block_hashes=gone, medium="GPU"))
         payloads.append(encode_batch(KVEventBatch(ts=time.time(), events=events, data_parallel_rank=0)))
@@ -56,7 +66,8 @@ def _payloads(num_keys: int, lo: int, hi: int, rng: random.Random) -> tuple[list
 
 async def _run(args: argparse.Namespace) -> dict[str, Any]:
     rng = random.Random(args.seed)
-    payloads, num_keys, num_resident = _payloads(args.keys, args.min_batch, args.max_batch, rng)
+    payloads, num_keys, num_resident = _payloads(args.keys, args.min_batch, args.max_batch, rng,
+                                                 args.evict_beyond)
     with RedisServer() as server, tempfile.TemporaryDirectory() as tmp:
         client = redis.Redis.from_url(server.url)
         emu, replicas = start_emulator(Path(tmp) / "ready.json")
@@ -113,6 +124,7 @@ async def _run(args: argparse.Namespace) -> dict[str, Any]:
         "worker_cpu_s": round(cpu, 3),
         "keys_per_worker_cpu_s": round(num_keys / cpu) if cpu else None,
         "index_stride": args.index_stride,
+        "evict_beyond": args.evict_beyond,
         "redis_bytes_per_engine_block_info": round((mem_after - mem_before) / num_resident, 1),
         "redis_bytes_per_resident_block_info": round((mem_after - mem_before) / resident, 1),
         "redis_set_bytes_per_block": round(set_bytes / resident, 1),
@@ -125,6 +137,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--keys", type=int, default=1_000_000, help="block keys to store")
     parser.add_argument("--min-batch", type=int, default=32, help="blocks per BlockStored, min")
     parser.add_argument("--max-batch", type=int, default=512, help="blocks per BlockStored, max")
+    parser.add_argument("--evict-beyond", type=int, default=0,
+                        help="resident blocks past which each batch evicts its oldest, one "
+                             "BlockRemoved per block (0: a few removals every tenth batch)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--index-stride", type=int, default=contract.DEFAULT_INDEX_STRIDE,
                         help="the worker's coarse-index stride (1 = every key)")

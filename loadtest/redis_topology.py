@@ -311,12 +311,18 @@ class RedisSentinelSet(_Topology):
             raise
         return self
 
-    def failover(self, timeout_s: float = 20.0) -> int:
-        """Promote a replica (``SENTINEL FAILOVER``); wait until every sentinel reports it and
-        it answers as master. Returns the new master's port."""
+    def failover(self, timeout_s: float = 20.0, kill: bool = False) -> int:
+        """Promote a replica: by ``SENTINEL FAILOVER``, or with ``kill`` by SIGKILL of the
+        master (the sentinels agree it is down after ``DOWN_AFTER_MS`` and elect a replica;
+        writes it had not yet replicated are lost). Waits until every sentinel reports the new
+        master and it answers as master. Returns the new master's port."""
         old = self.master_port()
-        _client(self.sentinel_ports[0]).execute_command(
-            "SENTINEL FAILOVER", self.service)
+        if kill:
+            proc = self._procs.procs.pop(old)
+            proc.kill()
+            proc.wait()
+        else:
+            _client(self.sentinel_ports[0]).execute_command("SENTINEL FAILOVER", self.service)
 
         def promoted() -> bool:
             ports = {int(_client(p).sentinel_get_master_addr_by_name(self.service)[1])

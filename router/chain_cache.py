@@ -27,12 +27,12 @@ import threading
 from array import array
 from collections.abc import Callable, Hashable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Final, cast
+from typing import Final
 
 import xxhash
 
 from router.contract import BlockKey, is_anchor
-from router.hashing import BlockHasher
+from router.hashing import BlockHasher, block_keys
 from router.lru import SizedLRU
 
 SPAN_BLOCKS: Final = 16  # full blocks per token-id piece (256 tokens at block size 16)
@@ -127,7 +127,7 @@ class ChainCache:
             head = (head + tuple(tokens[: size - len(head)]))
         return ChainNode(
             next(self._ids), num_tokens,
-            cast(tuple[BlockKey, ...], tuple(int.from_bytes(d[-8:], "big") for d in digests)),
+            tuple(block_keys(digests)),
             digests[-1] if digests else parent.digest, seq[len(digests) * size:], head)
 
     def root(self, lora: tuple[str, str] | None, cache_salt: str | None,

@@ -18,6 +18,7 @@ from aiohttp.web_protocol import RequestHandler
 from router.errors import (
     HTTP_ERROR_TYPES,
     REQUEST_ID_HEADER,
+    BodyTooLarge,
     RequestTimeout,
     RouterError,
     error_body,
@@ -45,7 +46,7 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
     except RouterError as exc:
         response = error_response(exc.message, exc.error_type, exc.status, request_id)
         response.headers.update(exc.headers)
-        if isinstance(exc, RequestTimeout):
+        if isinstance(exc, RequestTimeout | BodyTooLarge):
             response.force_close()  # the rest of the body may still come: never read it
         return response
     except web.HTTPRequestEntityTooLarge as exc:
@@ -60,6 +61,23 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
         return error_response("internal router error", "InternalServerError", 500, request_id)
 
 
+def body_limit_middleware(max_body_bytes: int) -> Any:
+    """Refuse a request whose declared ``Content-Length`` exceeds ``max_body_bytes`` with a 413
+    at once, before any handler reads the body. (aiohttp's ``client_max_size`` only counts the
+    bytes as they are read, so a client that declares 300 MB and sends little waited for the
+    body timeout's 408.) A chunked body has no length up front: ``client_max_size`` bounds it."""
+
+    @web.middleware
+    async def body_limit(request: web.Request, handler: Handler) -> web.StreamResponse:
+        declared = request.content_length
+        if declared is not None and declared > max_body_bytes:
+            raise BodyTooLarge(f"request body too large: Content-Length {declared} exceeds "
+                               f"the router's max_body_bytes ({max_body_bytes})")
+        return await handler(request)
+
+    return body_limit
+
+
 class _OpenAIErrorHandler(RequestHandler):
     """aiohttp's connection handler, answering its own errors (the HTTP parser's) in JSON."""
 
@@ -67,8 +85,18 @@ class _OpenAIErrorHandler(RequestHandler):
 
     def handle_error(self, request: Any, status: int = 500, exc: BaseException | None = None,
                      message: str | None = None) -> web.StreamResponse:
-        super().handle_error(request, status, exc, message)  # logs it; raises once bytes were sent
         text = message or getattr(exc, "message", None) or HTTPStatus(status).phrase
+        if status >= 500:
+            super().handle_error(request, status, exc, message)  # logs with the traceback
+        else:
+            # the client's fault: one line, no traceback (aiohttp logs ERROR with one, so any
+            # client could flood the log); not rate-limited, since each such request costs the
+            # client a new connection (the answer closes it), like a line of an access log
+            first = str(text).strip().splitlines()[0] if str(text).strip() else ""
+            self.logger.info("malformed HTTP request from %s: %d %s", request.remote, status,
+                             first[:200])
+            if request.writer.output_size > 0:  # as aiohttp: the connection is broken
+                raise ConnectionError("response already started; cannot send the error")
         if status == 400:
             text = f"malformed HTTP request: {text}"
         response = error_response(str(text), HTTP_ERROR_TYPES.get(status, "Error"), status)

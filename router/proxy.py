@@ -28,10 +28,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Final, Protocol
+from typing import Any, Final, Protocol
 
 import aiohttp
 from aiohttp import web
@@ -351,30 +352,78 @@ class Proxy:
 
     async def _relay(self, upstream: aiohttp.ClientResponse, response: web.StreamResponse,
                      target: Target, outcome: ProxyOutcome) -> None:
+        """Relay the rest of the body chunk by chunk. The stream-idle timeout covers the reads
+        only (a slow client is not the replica's fault); it is one watchdog per response whose
+        timer is re-armed only when it fires, a chunk just moving its deadline (``asyncio.timeout``
+        per read created and cancelled a timer per chunk; ``loadtest.bench_relay``)."""
         idle = self.config.stream_idle_timeout_s
         is_sse = upstream.content_type == "text/event-stream"
-        while True:
-            try:
-                async with asyncio.timeout(idle):
-                    chunk = await upstream.content.readany()
-            except (TimeoutError, aiohttp.ClientError) as exc:
-                kind = "stream_idle_timeout" if isinstance(exc, TimeoutError) else "stream_broken"
-                self.metrics.upstream_errors.labels(target.replica_id, kind).inc()
-                outcome.status = 504 if kind == "stream_idle_timeout" else 502
-                logger.warning("upstream %s failed mid-response: %s", target.replica_id, kind)
-                if is_sse:
-                    message = (f"replica {target.replica_id} stream failed: {kind}")
-                    await response.write(b"data: " + error_body(
-                        message, "BadGatewayError" if outcome.status == 502 else "GatewayTimeoutError",
-                        outcome.status) + b"\n\n")
-                    await response.write_eof()
-                else:
-                    response.force_close()
-                return
-            if not chunk:
-                break
+        rid = target.replica_id
+        read, write, progress = upstream.content.readany, response.write, self.health.progress
+        loop = asyncio.get_running_loop()
+        reading = False
+        try:
+            async with _IdleWatch(loop, idle) as watch:
+                while True:
+                    reading = True
+                    watch.deadline = loop.time() + idle
+                    chunk = await read()
+                    watch.deadline = math.inf
+                    reading = False
+                    if not chunk:
+                        break
+                    if is_sse:
+                        outcome.tail = keep_tail(outcome.tail, chunk)
+                    progress(rid, time.monotonic())
+                    await write(chunk)
+        except (TimeoutError, aiohttp.ClientError) as exc:
+            if not reading:  # the client's side failed (aiohttp raises a ClientError subclass)
+                raise
+            kind = "stream_idle_timeout" if isinstance(exc, TimeoutError) else "stream_broken"
+            self.metrics.upstream_errors.labels(rid, kind).inc()
+            outcome.status = 504 if kind == "stream_idle_timeout" else 502
+            logger.warning("upstream %s failed mid-response: %s", rid, kind)
             if is_sse:
-                outcome.tail = keep_tail(outcome.tail, chunk)
-            self.health.progress(target.replica_id, time.monotonic())
-            await response.write(chunk)
+                message = (f"replica {rid} stream failed: {kind}")
+                await response.write(b"data: " + error_body(
+                    message, "BadGatewayError" if outcome.status == 502 else "GatewayTimeoutError",
+                    outcome.status) + b"\n\n")
+                await response.write_eof()
+            else:
+                response.force_close()
+            return
         await response.write_eof()
+
+
+class _IdleWatch:
+    """An ``asyncio.timeout`` that expires once the loop time passes ``deadline`` (``math.inf``:
+    not while it is), checked by one timer re-armed only when it fires: moving the deadline
+    costs an assignment, where ``asyncio.timeout`` per read created and cancelled a timer."""
+
+    __slots__ = ("_handle", "_idle_s", "_loop", "_timeout", "deadline")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, idle_s: float) -> None:
+        self._loop = loop
+        self._idle_s = idle_s
+        self._timeout = asyncio.timeout(None)
+        self._handle: asyncio.TimerHandle | None = None
+        self.deadline = math.inf
+
+    async def __aenter__(self) -> _IdleWatch:
+        await self._timeout.__aenter__()
+        self._handle = self._loop.call_at(self._loop.time() + self._idle_s, self._check)
+        return self
+
+    async def __aexit__(self, *exc_info: Any) -> None:
+        if self._handle is not None:
+            self._handle.cancel()
+        await self._timeout.__aexit__(*exc_info)  # (raises TimeoutError if it expired)
+
+    def _check(self) -> None:
+        now = self._loop.time()
+        if now >= self.deadline:
+            self._handle = None
+            self._timeout.reschedule(now)  # expires: the read raises TimeoutError
+        else:
+            when = self.deadline if self.deadline != math.inf else now + self._idle_s
+            self._handle = self._loop.call_at(when, self._check)

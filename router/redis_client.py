@@ -125,9 +125,12 @@ def parse_redis_url(url: str) -> RedisTarget:
         username = unquote(user) or None
     cluster = scheme in CLUSTER_SCHEMES
     default_port = DEFAULT_REDIS_PORT if cluster else DEFAULT_SENTINEL_PORT
-    hosts = tuple(_host_port(item, default_port, url) for item in netloc.split(",") if item.strip())
-    if not hosts:
+    if not netloc.strip():
         raise RedisUrlError(f"no host in Redis URL {url!r}")
+    items = netloc.split(",")
+    if any(not item.strip() for item in items):  # "h:7000,,h:7001": a seed left out by mistake
+        raise RedisUrlError(f"empty host entry in the host list {netloc!r} of Redis URL {url!r}")
+    hosts = tuple(_host_port(item, default_port, url) for item in items)
     options = parse_qs(query, keep_blank_values=True)
     unknown = sorted(set(options) - set(MULTI_HOST_OPTIONS))
     if unknown:

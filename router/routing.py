@@ -98,8 +98,10 @@ class RequestRouter:
         chain = prompt.keys if prompt is not None else []
         confirmed, combined, tiered = self.hit_depths(chain, eligible, now)  # 4
         if prompt is not None:
-            request = RouteInput(chain, prompt.num_tokens,
-                                 text_key(json.dumps(prompt.head)) if prompt.head else 0)
+            # the ring key of a prompt shorter than one block (the policies use the chain's keys
+            # otherwise, so it is computed only then)
+            head_key = text_key(json.dumps(prompt.head)) if prompt.head and not chain else 0
+            request = RouteInput(chain, prompt.num_tokens, head_key)
         else:  # no tokenizer: a length estimate and the text's ring position
             request = RouteInput([], max(1, len(spec.fallback_text()) // 4),
                                  text_key(spec.fallback_text()), tokenized=False)

@@ -57,7 +57,7 @@ from router.fleet import Fleet
 from router.fleet_sync import FleetReader, StaticProber, read_fleet_cache
 from router.hashing import BlockHasher, HashConfigError
 from router.heap import HeapTrimmer
-from router.http_errors import error_middleware, openai_parser_errors
+from router.http_errors import body_limit_middleware, error_middleware, openai_parser_errors
 from router.logs import REQUEST_ID, configure_logging
 from router.metrics import CONTENT_TYPE, RouterMetrics
 from router.policy import Decision, LoadTracker
@@ -144,7 +144,8 @@ class RouterService:
     # -- lifecycle ---------------------------------------------------------------
 
     def build_app(self) -> web.Application:
-        middlewares = [_request_id_middleware, error_middleware]
+        middlewares = [_request_id_middleware, error_middleware,
+                       body_limit_middleware(self.config.max_body_bytes)]
         if self.auth is not None:
             middlewares.append(auth_middleware(self.auth))
         if self.tracing.enabled:  # outside the error middleware: it sees the status sent

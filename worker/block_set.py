@@ -63,6 +63,20 @@ class BlockSet:
                 counts[key] = count - 1
         return gone
 
+    def discard(self, keys: Iterable[BlockKey]) -> list[BlockKey]:
+        """``remove`` for keys that may never have entered the set (the coarse index's
+        non-anchors): an absent key is skipped, not counted as an unknown removal."""
+        counts = self._counts
+        gone: list[BlockKey] = []
+        for key in keys:
+            count = counts.get(key)
+            if count == 1:
+                del counts[key]
+                gone.append(key)
+            elif count is not None:
+                counts[key] = count - 1
+        return gone
+
     def clear(self) -> list[BlockKey]:
         """Drop everything (vLLM ``AllBlocksCleared``); return the keys that were resident."""
         gone = list(self._counts)

@@ -31,10 +31,11 @@ never treated as errors (one bad event must not cost the batch or fill the log):
 
 from __future__ import annotations
 
+import operator
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Final
+from typing import Any, Final
 
 from worker.kv_events import BlockRemoved, BlockStored, KVEventBatch, UnknownEvent
 
@@ -43,6 +44,8 @@ DEFAULT_KV_TIERS: Final = ("GPU", "CPU")  # mediums indexed by default (vLLM nat
 KNOWN_MEDIUMS: Final = ("GPU", "CPU", "STORAGE")
 INDEXED_MEDIUMS: Final = ("GPU", "CPU")  # router.contract.TIERS: the tiers routers value
 SKIP_REASONS: Final = ("tier", "group", "no_chain", "block_size", "unknown_type", "dp_rank")
+_BLOCK_EVENTS: Final = frozenset({BlockStored, BlockRemoved})
+_MEDIUM_GROUP: Final = operator.attrgetter("medium", "group_idx")
 
 
 def parse_kv_tiers(text: str) -> frozenset[str]:
@@ -81,33 +84,65 @@ class EventFilter:
         if self.dp_rank is not None and rank is not None and rank != self.dp_rank:
             self.skipped["dp_rank"] += len(batch.events)
             return KVEventBatch(batch.ts, [], rank)
-        reasons = [self._reason(event) for event in batch.events]
+        events = batch.events
+        reasons = self._reasons_by_shape(events)
+        if reasons is None:  # events of other types among them: one by one
+            reasons = [self._reason(event) for event in events]
         if not any(reasons):
             return batch
         kept = []
-        for event, reason in zip(batch.events, reasons, strict=True):
+        for event, reason in zip(events, reasons, strict=True):
             if reason:
                 self.skipped[reason] += 1
             else:
                 kept.append(event)
         return KVEventBatch(batch.ts, kept, batch.data_parallel_rank)
 
+    def _reasons_by_shape(self, events: Sequence[object]) -> list[str | None] | None:
+        """The reasons of a batch of stores and removals only, removals decided once per
+        distinct (medium, group) rather than per event (a loaded replica publishes hundreds of
+        one-block removals per batch; these maps run at C speed); stores one by one. ``None``
+        when the batch holds other event types."""
+        types = set(map(type, events))
+        if not types <= _BLOCK_EVENTS:
+            return None
+        shapes = list(zip(map(type, events), map(_MEDIUM_GROUP, events), strict=True))
+        decided: dict[Any, str | None] = {}
+        for shape, count in Counter(shapes).items():
+            if shape[0] is BlockRemoved:
+                medium, group_idx = shape[1]
+                reason = decided[shape] = self._shape_reason(BlockRemoved, medium, group_idx, None)
+                if reason is None:
+                    self.by_medium[medium or MEDIUM_GPU] += count
+        if BlockStored not in types and len(decided) == 1 and None in decided.values():
+            return [None] * len(events)  # (the usual removal batch: all usable)
+        return [decided[shape] if shape[0] is BlockRemoved else self._reason(event)
+                for shape, event in zip(shapes, events, strict=True)]
+
     def _reason(self, event: object) -> str | None:
         if isinstance(event, BlockStored | BlockRemoved):
-            medium = event.medium or MEDIUM_GPU
-            if medium not in self.tiers:
-                return "tier"
-            if event.group_idx:
-                return "group"
-            if self.needs_chain and medium != MEDIUM_GPU:
-                return "no_chain"
-            if isinstance(event, BlockStored) and (
-                    self.block_size is not None and event.block_size != self.block_size):
-                return "block_size"
-            self.by_medium[medium] += 1
-            return None
+            reason = self._shape_reason(type(event), event.medium, event.group_idx,
+                                        event.block_size if isinstance(event, BlockStored) else None)
+            if reason is None:
+                self.by_medium[event.medium or MEDIUM_GPU] += 1
+            return reason
         if isinstance(event, UnknownEvent):
             return "unknown_type"
+        return None
+
+    def _shape_reason(self, event_type: type, medium: str | None, group_idx: int | None,
+                      block_size: int | None) -> str | None:
+        """Why a store or removal of this shape is skipped (None: usable)."""
+        medium = medium or MEDIUM_GPU
+        if medium not in self.tiers:
+            return "tier"
+        if group_idx:
+            return "group"
+        if self.needs_chain and medium != MEDIUM_GPU:
+            return "no_chain"
+        if event_type is BlockStored and (
+                self.block_size is not None and block_size != self.block_size):
+            return "block_size"
         return None
 
     def skipped_by_reason(self) -> Iterable[tuple[str, int]]:

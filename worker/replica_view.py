@@ -120,41 +120,34 @@ class ReplicaView:
         An event whose keys cannot be computed is dropped and counted.
         """
         changes: list[Change] = []
-        mapper, stats = self.mapper, self.stats
-        coarse = self.index_stride > 1
-        for event in batch.events:
+        stats = self.stats
+        for event in _coalesced_removals(batch.events, self.mapper.mode == KEY_MODE_ENGINE):
             try:
-                if isinstance(event, BlockStored | BlockRemoved):
-                    medium = event.medium or TIER_GPU
+                if isinstance(event, BlockStored | BlockRemoved | _RemovedRun):
+                    medium = (event.merged if isinstance(event, _RemovedRun) else event).medium
+                    medium = medium or TIER_GPU
                     if medium not in (TIER_GPU, TIER_CPU):
                         continue  # another offload tier (the EventFilter counts these)
                     tier = medium
-                    blocks = self.blocks if tier == TIER_GPU else self.cpu_blocks
                 if isinstance(event, BlockStored):
-                    keys = mapper.stored(event)
-                    if coarse:
-                        keys = (self._anchors(event, keys) if tier == TIER_GPU
-                                else self._cpu_anchors(event, keys))
-                    op, keys = OP_STORED, blocks.store(keys)
+                    op, keys = OP_STORED, self._stored(event, tier)
                 elif isinstance(event, BlockRemoved):
-                    keys = mapper.removed(event)
-                    if coarse:
-                        if tier == TIER_GPU:
-                            self._forget_depths(event, keys)
-                        keys = [k for k in keys if k in blocks]  # non-anchors were never published
-                    op, keys = OP_REMOVED, blocks.remove(keys)
+                    op, keys = OP_REMOVED, self._removed(event, tier)
                 elif isinstance(event, AllBlocksCleared):
                     stats.events["AllBlocksCleared"] += 1
                     self.seq = seq
                     changes = [self._reset("engine cleared its prefix cache (AllBlocksCleared)")]
                     continue
+                elif isinstance(event, _RemovedRun):
+                    op, keys = OP_REMOVED, self._removed_run(event, stats, seq, tier)
                 else:  # pragma: no cover - decode_batch only yields the three types
                     raise KVEventDecodeError(f"unknown event {type(event).__name__}")
             except KVEventDecodeError as exc:
                 stats.num_bad_events += 1
                 logger.warning("dropping %s in batch seq %d: %s", type(event).__name__, seq, exc)
                 continue
-            stats.events[type(event).__name__] += 1
+            if not isinstance(event, _RemovedRun):
+                stats.events[type(event).__name__] += 1
             if not keys:
                 continue
             if changes and changes[-1].op == op and changes[-1].tier == tier:
@@ -164,6 +157,51 @@ class ReplicaView:
         self.seq = seq
         stats.last_batch_ts = batch.ts
         return changes
+
+    def _stored(self, event: BlockStored, tier: str) -> list[BlockKey]:
+        keys = self.mapper.stored(event)
+        if self.index_stride > 1:
+            # a host-tier store has no parent of its own: it takes the depth of the GPU store
+            # of the same hash (write-through: that store came first)
+            keys = (self._anchors(event, keys) if tier == TIER_GPU
+                    else self._cpu_anchors(event, keys))
+        return self._tier_blocks(tier).store(keys)
+
+    def _removed(self, event: BlockRemoved, tier: str) -> list[BlockKey]:
+        keys = self.mapper.removed(event)
+        blocks = self._tier_blocks(tier)
+        if self.index_stride > 1:
+            if tier == TIER_GPU:
+                self._forget_depths(event, keys)
+            # non-anchors were never published; a key gone by an earlier removal of the same
+            # run is skipped as it would be one event at a time (checked before each removal)
+            return blocks.discard(keys)
+        return blocks.remove(keys)
+
+    def _tier_blocks(self, tier: str) -> BlockSet:
+        return self.blocks if tier == TIER_GPU else self.cpu_blocks
+
+    def _removed_run(self, run: _RemovedRun, stats: ViewStats, seq: int,
+                     tier: str) -> list[BlockKey]:
+        """A run of consecutive evictions applied as one event (same state, changes and
+        counters as one by one: tests/unit/test_removal_runs.py); if a hash in it is bad,
+        event by event, so only the bad event is dropped. Only for key mappers whose
+        ``removed`` changes nothing before it raises (``EngineKeys``)."""
+        try:
+            keys = self._removed(run.merged, tier)
+        except KVEventDecodeError:
+            keys = []
+            for event in run.events:
+                try:
+                    keys.extend(self._removed(event, tier))
+                except KVEventDecodeError as exc:
+                    stats.num_bad_events += 1
+                    logger.warning("dropping BlockRemoved in batch seq %d: %s", seq, exc)
+                    continue
+                stats.events["BlockRemoved"] += 1
+            return keys
+        stats.events["BlockRemoved"] += len(run.events)
+        return keys
 
     def _engine_keys(self, hashes: list[Any], keys: list[BlockKey]) -> list[BlockKey]:
         # in key_mode=engine the mapper's keys ARE the engine keys: no second reduction
@@ -263,3 +301,42 @@ class ReplicaView:
         self.stats.num_epoch_resets += 1
         logger.warning("epoch %d: replica view reset: %s", self.epoch, reason)
         return Change(OP_CLEARED, [], self.epoch, self.seq)
+
+
+@dataclass(slots=True)
+class _RemovedRun:
+    """Consecutive ``BlockRemoved`` events of one medium and group, and their merge."""
+
+    events: list[BlockRemoved]
+    merged: BlockRemoved
+
+
+def _coalesced_removals(events: list[Any], enabled: bool) -> list[Any]:
+    """``events`` with each run of consecutive ``BlockRemoved`` of one medium and group (vLLM
+    publishes one per evicted block, ``_maybe_evict_cached_block``: about 96% of a loaded
+    replica's events) as one ``_RemovedRun``: the per-event work is then done once per run."""
+    if not enabled or len(events) < 2:
+        return events
+    out: list[Any] = []
+    run: list[BlockRemoved] = []
+
+    def close() -> None:
+        if len(run) == 1:
+            out.append(run[0])
+        elif run:
+            first = run[0]
+            hashes = [h for event in run for h in event.block_hashes]
+            out.append(_RemovedRun(list(run), BlockRemoved(
+                block_hashes=hashes, medium=first.medium, group_idx=first.group_idx)))
+        run.clear()
+
+    for event in events:
+        if type(event) is BlockRemoved:
+            if run and (event.medium != run[0].medium or event.group_idx != run[0].group_idx):
+                close()
+            run.append(event)
+        else:
+            close()
+            out.append(event)
+    close()
+    return out

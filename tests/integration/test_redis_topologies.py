@@ -3,7 +3,7 @@ each) and a real Sentinel set (a master, a replica, 3 sentinels) on loopback, th
 ``redis+cluster://`` and ``redis+sentinel://`` URLs.
 
 Sentinel and Cluster: routing hits survive a master failover during traffic with zero failed
-requests (on the cluster: the master of the shared stream ``pr:events``, then the master of a
+requests, whether the failover is asked for or the master is killed (SIGKILL) (on the cluster: the master of the shared stream ``pr:events``, then the master of a
 worker's keys).
 Cluster (contract version 3): a replica's keys share the hash tag ``{r}`` (one slot, checked
 with ``CLUSTER KEYSLOT``), workers and routers run unchanged on it, and a router following many
@@ -268,7 +268,9 @@ def steady_traffic(router: Router, prompts: list[list[int]]) -> Iterator[list[in
         thread.join(30)
 
 
-def test_routing_hits_survive_a_sentinel_failover_with_no_failed_request(tmp_path: Path) -> None:
+@pytest.mark.parametrize("kill", [False, True], ids=["manual", "master-killed"])
+def test_routing_hits_survive_a_sentinel_failover_with_no_failed_request(
+        tmp_path: Path, kill: bool) -> None:
     procs: list[Any] = []
     router = None
     with RedisSentinelSet() as sentinels:
@@ -282,7 +284,7 @@ def test_routing_hits_survive_a_sentinel_failover_with_no_failed_request(tmp_pat
             old_master = sentinels.master_port()
             # traffic throughout the failover: every request must succeed
             with steady_traffic(router, prompts[:3]) as statuses:
-                new_master = sentinels.failover()
+                new_master = sentinels.failover(30.0, kill=kill)
                 # the workers write to the new master: new prompts become hits through it
                 send_and_confirm(router, prompts[3:], "hits after failover")
             assert new_master != old_master

@@ -8,6 +8,7 @@ token ids of random vocabularies so tests never share cache blocks by accident.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gzip
 import json
 import random
@@ -365,27 +366,36 @@ async def completions(request):
     return resp""" + FAKE_REPLICA_TAIL
 
 
-def test_sse_relay_is_byte_identical(tmp_path: Path) -> None:
+@contextlib.contextmanager
+def scripted_replica(tmp: Path, source: str) -> Iterator[str]:
+    """A replica process running ``source`` (a ``completions`` handler + ``FAKE_REPLICA_TAIL``)
+    on a free loopback port; yields its URL once it answers ``/health``."""
     from tests.helpers import free_port
 
     port = free_port()
-    script = tmp_path / "fixed_sse.py"
-    script.write_text(FIXED_SSE_SERVER)
+    script = tmp / f"replica-{port}.py"
+    script.write_text(source)
     upstream = start_process([PYTHON, str(script), str(port)])
-    router = None
     try:
         url = f"http://127.0.0.1:{port}"
-        wait_for(lambda: http("GET", url + "/health")[0] == 200, 20, message="fixed upstream")
-        router = Router(tmp_path, ["--replica", url])
-        body = {"model": "fixed", "prompt": [1, 2, 3], "stream": True}
-        _, _, direct = http("POST", url + "/v1/completions", body)
-        status, headers, relayed = router.post("/v1/completions", body)
-        assert status == 200 and headers["x-upstream"] == "yes"
-        assert relayed == direct == b'data: {"a": 1}\n\ndata: {"b": "\xc3\xa9"}\n\ndata: [DONE]\n\n'
+        wait_for(lambda: http("GET", url + "/health")[0] == 200, 20, message="scripted replica")
+        yield url
     finally:
-        if router is not None:
-            router.stop()
         stop_process(upstream)
+
+
+def test_sse_relay_is_byte_identical(tmp_path: Path) -> None:
+    with scripted_replica(tmp_path, FIXED_SSE_SERVER) as url:
+        router = Router(tmp_path, ["--replica", url])
+        try:
+            body = {"model": "fixed", "prompt": [1, 2, 3], "stream": True}
+            _, _, direct = http("POST", url + "/v1/completions", body)
+            status, headers, relayed = router.post("/v1/completions", body)
+            assert status == 200 and headers["x-upstream"] == "yes"
+            assert relayed == direct == (
+                b'data: {"a": 1}\n\ndata: {"b": "\xc3\xa9"}\n\ndata: [DONE]\n\n')
+        finally:
+            router.stop()
 
 
 def test_client_disconnect_mid_prefill_releases_load_and_cancels(fleet: Fleet, router: Router) -> None:

@@ -66,6 +66,16 @@ def test_malformed_requests_get_openai_json(tmp_path: Path) -> None:
 
         status, headers, body = router.post("/v1/completions", b"x" * 2000)
         assert status == 413 and "max_body_bytes" in json.loads(body)["error"]["message"]
+        # a declared length beyond max_body_bytes is refused at once, the body never awaited
+        # (before: the client waited client_body_timeout_s, 30 s, for a 408)
+        started = time.monotonic()
+        head, _, body = raw(router, b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n"
+                                    b"Content-Type: application/json\r\n"
+                                    b"Content-Length: 300000000\r\n\r\n{\"prompt\": ").partition(b"\r\n\r\n")
+        assert time.monotonic() - started < 5.0
+        assert head.split(b" ", 2)[1] == b"413", head
+        error = json.loads(body)["error"]
+        assert error["type"] == "RequestEntityTooLargeError" and "max_body_bytes" in error["message"]
 
         status, headers, _ = http("GET", router.url + "/health", headers={"X-Request-Id": "a" * 8000})
         assert status == 200 and len(headers["x-request-id"]) == 32  # replaced by a fresh id
@@ -77,8 +87,18 @@ def test_malformed_requests_get_openai_json(tmp_path: Path) -> None:
         wait_for(lambda: not router.ready()["replicas"][0]["routable"], 10)
         status, _, body = http("GET", router.url + "/v1/models")
         assert status == 503 and json.loads(body)["error"]["type"] == "ServiceUnavailableError"
+
+        # client errors in the handlers: bad JSON, wrong types, a body that does not decode
+        for bad in (b"{bad", b"[]", b'{"prompt": 5}', b'{"messages": "x"}', b"\xff\xfe",
+                    b'{"prompt": "x", "stream": "yes"}'):
+            for path in ("/v1/completions", "/v1/chat/completions"):
+                assert router.post(path, bad)[0] == 400, (path, bad)
     finally:
-        router.stop()
+        output = router.stop()
+    # no client error is logged with a traceback or at ERROR (aiohttp logged each parser-level
+    # 400 at ERROR with its traceback): at most one line per malformed request
+    assert "Traceback" not in output and " ERROR " not in output, output
+    assert output.count("malformed HTTP request") <= len(cases), output
 
 
 def test_a_departed_replica_leaves_no_metric_series(redis_url: str, tmp_path: Path) -> None:

@@ -17,6 +17,7 @@ from router.hashing import (
     MultiModalItem,
     block_extra_keys,
     block_key,
+    block_keys,
     max_hit_blocks,
 )
 from tests.conftest import load_vectors
@@ -132,6 +133,16 @@ def test_shared_prefix_shares_keys(prefix: list[int], suffix_a: list[int], suffi
 def _cli(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "router.cli", "hash", *args], input=stdin,
                           capture_output=True, text=True, timeout=60)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.sampled_from([8, 16, 32, 12, 3]).flatmap(
+    lambda width: st.lists(st.binary(min_size=width, max_size=width), max_size=40)),
+    st.lists(st.binary(min_size=8, max_size=40), max_size=3))
+def test_bulk_block_keys_equal_one_by_one(digests: list[bytes], odd: list[bytes]) -> None:
+    # one hasher's digests take the one-pass path; mixed or odd lengths the per-digest one
+    for batch in (digests, digests + odd):
+        assert block_keys(batch) == [block_key(d) for d in batch]
 
 
 def test_cli_prints_range40_vectors() -> None:

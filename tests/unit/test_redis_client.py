@@ -41,6 +41,9 @@ def test_accepted_forms(url: str, want: RedisTarget) -> None:
     ("http://r:6379", "must start with"),
     ("redis+cluster://", "no host"),
     ("redis+cluster://a:7000/1", "database 0 only"),
+    ("redis+cluster://h:7000,,h:7001", "empty host entry"),
+    ("redis+cluster://h:7000,", "empty host entry"),
+    ("redis+sentinel://s1, ,s2/m", "empty host entry"),
     ("redis+cluster://a:port", "bad port"),
     ("redis+cluster://a:70000", "out of range"),
     ("redis+sentinel://s1:26379", "needs /SERVICE"),
@@ -92,3 +95,12 @@ async def test_sentinel_client_follows_the_named_master() -> None:
     # the data-node password is not sent to the sentinels (they usually have none)
     assert all(s.connection_pool.connection_kwargs.get("password") is None for s in sentinels)
     await client.aclose()
+
+
+def test_router_config_refuses_an_empty_seed() -> None:
+    """An empty entry in the seed list is a ConfigError at start, not silently dropped."""
+    from router.config import load_config
+    from router.settings import ConfigError
+
+    with pytest.raises(ConfigError, match="redis_url: empty host entry"):
+        load_config(["--redis-url", "redis+cluster://h:7000,,h:7001"], env={})
