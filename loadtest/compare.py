@@ -9,6 +9,10 @@ read. Per policy (``results.json``, the table and the plots):
 * ``token_hit_rate``: fleet prefix-cache hit rate, sum over replicas of
   ``vllm:prefix_cache_hits_total`` / sum of ``vllm:prefix_cache_queries_total`` (the increase over
   the replay; the engine's own counters, so peers are measured exactly like us);
+* ``tiers_token_hit_rate``: the same with the CPU tier's hits (vLLM native offloading): GPU hits
+  plus ``vllm:external_prefix_cache_hits_total`` (prompt tokens past the GPU hit found in host
+  memory and loaded, not recomputed) over the same queries; ``cpu_tier_token_hit_rate`` the latter
+  alone (both equal ``token_hit_rate`` / 0 on a fleet without a CPU tier);
 * ``ttft_p50_s/p90_s/p99_s``, ``e2e_p50_s``: client-side, over successful requests;
 * ``throughput_rps``: successful requests / (last completion - first send);
 * ``imbalance``: max / mean over replicas of busy time, where a replica's busy time is the time
@@ -101,7 +105,9 @@ M_PROMPT_CACHED = "vllm:prompt_tokens_cached_total"
 M_RUNNING = "vllm:num_requests_running"
 M_WAITING = "vllm:num_requests_waiting"
 M_PREEMPTIONS = "vllm:num_preemptions_total"
-COUNTERS = (M_QUERIES, M_HITS, M_SUCCESS, M_PROMPT, M_PROMPT_CACHED, M_PREEMPTIONS)
+M_EXTERNAL_HITS = "vllm:external_prefix_cache_hits_total"  # tokens found in the CPU tier
+COUNTERS = (M_QUERIES, M_HITS, M_SUCCESS, M_PROMPT, M_PROMPT_CACHED, M_PREEMPTIONS,
+            M_EXTERNAL_HITS)
 M_LAG = "emulator_engine_lag_seconds"
 M_LAG_MAX = "emulator_engine_lag_max_seconds"
 
@@ -360,11 +366,14 @@ async def _measure(fleet: LoopbackFleet, requests: Sequence[TraceRequest], confi
     delta = [{k: a[k] - b[k] for k in COUNTERS} for a, b in zip(after, before, strict=True)]
     queries = sum(d[M_QUERIES] for d in delta)
     hits = sum(d[M_HITS] for d in delta)
+    cpu_hits = sum(d[M_EXTERNAL_HITS] for d in delta)
     summary = summarize(records)
     cpu = cpu_delta(cpu_before, cpu_after)
     ids = [r.replica_id for r in fleet.replicas]
     metrics: dict[str, Any] = {
         "token_hit_rate": hits / queries if queries > 0 else None,
+        "tiers_token_hit_rate": (hits + cpu_hits) / queries if queries > 0 else None,
+        "cpu_tier_token_hit_rate": cpu_hits / queries if queries > 0 else None,
         "ttft_p50_s": summary["ttft_p50_s"],
         "ttft_p90_s": summary["ttft_p90_s"],
         "ttft_p99_s": summary["ttft_p99_s"],
@@ -438,6 +447,7 @@ def _fmt(value: Any, spec: str, scale: float = 1.0) -> str:
 TABLE_COLUMNS = (
     ("policy", None, "", 1.0),
     ("hit %", "token_hit_rate", ".1f", 100.0),
+    ("+CPU tier %", "tiers_token_hit_rate", ".1f", 100.0),
     ("TTFT p50 s", "ttft_p50_s", ".3f", 1.0),
     ("p90 s", "ttft_p90_s", ".3f", 1.0),
     ("p99 s", "ttft_p99_s", ".3f", 1.0),
@@ -450,7 +460,7 @@ TABLE_COLUMNS = (
     ("router ms CPU/req", "router_cpu_s_per_request", ".2f", 1000.0),
     ("trusted", "trusted", "t", 1.0),
 )
-RANGED = ("token_hit_rate", "ttft_p50_s", "ttft_p99_s")  # shown as median (min-max)
+RANGED = ("token_hit_rate", "tiers_token_hit_rate", "ttft_p50_s", "ttft_p99_s")  # shown as median (min-max)
 
 
 def _cell(m: dict[str, Any], key: str, spec: str, scale: float) -> str:
@@ -673,7 +683,7 @@ def run_compare(config: CompareConfig, requests: Sequence[TraceRequest],
 
 
 # Figures aggregated over rounds: the median, with the range beside it.
-AGGREGATED = ("token_hit_rate", "ttft_p50_s", "ttft_p90_s", "ttft_p99_s", "e2e_p50_s",
+AGGREGATED = ("token_hit_rate", "tiers_token_hit_rate", "cpu_tier_token_hit_rate", "ttft_p50_s", "ttft_p90_s", "ttft_p99_s", "e2e_p50_s",
               "throughput_rps", "imbalance", "imbalance_work", "router_cpu_s_per_request",
               "emulator_cpu_s_per_request", "emulator_lag_p50_s", "emulator_lag_p99_s",
               "emulator_lag_max_s", "client_token_hit_rate", "max_send_lag_s")
@@ -809,6 +819,13 @@ def add_compare_parsers(sub: Any, add_slice_args: Callable[[argparse.ArgumentPar
                        help="extra argument for prefix-worker emulate (repeatable)")
         p.add_argument("--router-arg", action="append", default=[], metavar="ARG",
                        help="extra argument for the router of every run (repeatable)")
+        p.add_argument("--worker-arg", action="append", default=[], metavar="ARG",
+                       help="extra argument for every worker (repeatable; e.g. "
+                            "--worker-arg=--kv-tiers --worker-arg=GPU hides the CPU tier)")
+        p.add_argument("--cpu-tier-ratio", type=float, default=0.0, metavar="R",
+                       help="give every replica a CPU tier (vLLM native KV offloading) of R x "
+                            "its GPU KV capacity (emulator --num-cpu-blocks-override; needs "
+                            "--num-gpu-blocks); the bounds then include the two-tier single cache")
         p.add_argument("--sample-interval", type=float, default=DEFAULT_SAMPLE_INTERVAL_S,
                        help="seconds between gauge scrapes for busy time")
         p.add_argument("--output-dir", type=Path, default=None,
@@ -848,11 +865,19 @@ def cmd_compare(args: argparse.Namespace,
     stamp = dt.datetime.now().strftime("%Y%m%d-%H%M%S")
     output_dir = args.output_dir or Path("results") / f"{'demo' if demo else 'compare'}-{stamp}"
     time_scale = args.time_scale if args.time_scale is not None else args.speedup
+    emulator_args = list(args.emulator_arg)
+    cpu_blocks = 0
+    if args.cpu_tier_ratio:
+        if args.cpu_tier_ratio < 0 or not args.num_gpu_blocks:
+            print("error: --cpu-tier-ratio needs a ratio > 0 and --num-gpu-blocks", file=sys.stderr)
+            return 2
+        cpu_blocks = round(args.cpu_tier_ratio * args.num_gpu_blocks)
+        emulator_args += ["--num-cpu-blocks-override", str(cpu_blocks)]
     fleet = FleetConfig(router=runs[0] if runs else RouterSpec(OURS, "prefix"),
                         replicas=args.replicas, model=args.model, block_size=args.block_size,
                         num_gpu_blocks=args.num_gpu_blocks, time_scale=time_scale,
-                        redis_url=args.redis_url, emulator_args=tuple(args.emulator_arg),
-                        router_args=tuple(args.router_arg),
+                        redis_url=args.redis_url, emulator_args=tuple(emulator_args),
+                        router_args=tuple(args.router_arg), worker_args=tuple(args.worker_arg),
                         emulator_priority=not args.no_priority, index_stride=args.index_stride)
     config = CompareConfig(runs=runs, fleet=fleet,
                            replay=make_replay_config(args, "http://unused", args.model),
@@ -871,14 +896,16 @@ def cmd_compare(args: argparse.Namespace,
         from loadtest.simulate import simulate_bounds
 
         capacity_tokens = (args.num_gpu_blocks * args.block_size) if args.num_gpu_blocks else None
-        bounds = simulate_bounds(requests, args.replicas, capacity_tokens)
+        bounds = simulate_bounds(requests, args.replicas, capacity_tokens,
+                                 cpu_capacity_tokens_per_replica=cpu_blocks * args.block_size)
         bounds["ttft_floor"] = slice_ttft_floor(requests, args.block_size, time_scale,
                                                 args.emulator_arg)
     _progress(f"comparing {len(runs)} runs ({', '.join(s.label for s in runs)}"
               f"{f', {args.repeat} rounds interleaved' if args.repeat > 1 else ''}) on "
               f"{len(requests)} requests ({span_s:.0f} s of trace, about {span_s / args.speedup:.0f} s "
               f"each at speedup {args.speedup}), {args.replicas} replicas, "
-              f"{args.num_gpu_blocks or 'default'} KV blocks each, time scale {time_scale}; "
+              f"{args.num_gpu_blocks or 'default'} KV blocks each"
+              f"{f' + a CPU tier of {cpu_blocks}' if cpu_blocks else ''}, time scale {time_scale}; "
               f"output in {output_dir}")
     try:
         results = run_compare(config, requests, trace_info, _progress, bounds,
@@ -1012,10 +1039,21 @@ def format_bounds(bounds: dict[str, Any], policies: dict[str, dict[str, Any]]) -
              f"{bounds['capacity_blocks_per_replica'] or 'unlimited'} {bounds['block_tokens']}-token "
              f"blocks each, LRU): single-cache bound {single:.1%}, round-robin "
              f"{bounds['round_robin']['token_hit_rate']:.1%}"]
+    two_tier = bounds.get("single_cache_two_tier")
+    if two_tier:
+        lines.append(f"with a CPU tier of {bounds['cpu_capacity_blocks_per_replica']} blocks per "
+                     f"replica (write-through, LRU): two-tier single-cache bound "
+                     f"{two_tier['token_hit_rate']:.1%} (GPU {two_tier['gpu_token_hit_rate']:.1%} "
+                     f"+ CPU tier {two_tier['cpu_token_hit_rate']:.1%})")
     for label, m in policies.items():
         rate = m.get("token_hit_rate")
         if rate is not None and single > 0:
-            lines.append(f"  {label}: {rate:.1%} = {rate / single:.0%} of the single-cache bound")
+            line = f"  {label}: {rate:.1%} = {rate / single:.0%} of the single-cache bound"
+            both = m.get("tiers_token_hit_rate")
+            if two_tier and both is not None and two_tier["token_hit_rate"] > 0:
+                line += (f"; both tiers {both:.1%} = {both / two_tier['token_hit_rate']:.0%} of "
+                         "the two-tier bound")
+            lines.append(line)
     floor = bounds.get("ttft_floor")
     if floor:
         lines.append(

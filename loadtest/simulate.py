@@ -14,7 +14,12 @@ Placements:
 * ``single_cache``: one cache holding the whole fleet's capacity (``replicas`` x capacity): what a
   perfect router that turns the fleet's caches into one could reach, ignoring load;
 * ``round_robin``: request ``i`` goes to replica ``i mod replicas``;
-* ``single_cache_unlimited``: one cache without capacity limit (the slice's reuse ceiling).
+* ``single_cache_unlimited``: one cache without capacity limit (the slice's reuse ceiling);
+* ``single_cache_two_tier`` (with a CPU tier): one cache of the fleet's GPU capacity backed by one
+  host (CPU-tier) cache of the fleet's host capacity, as vLLM's native offloading runs it
+  (``simulate_two_tier``): a request hits its GPU run, then the blocks past it the host holds;
+  every block is written to both (write-through), each tier is LRU. What a perfect router could
+  reach when the fleet's replicas offload to host memory.
 
 And a timing floor (``ttft_floor``): each request's own prefill alone on an idle replica with
 that ceiling's hit, in the emulator's roofline model: no policy's TTFT quantile can be lower.
@@ -96,12 +101,42 @@ def simulate(requests: Sequence[TraceRequest], caches: Sequence[LRUBlockCache],
             "input_tokens": total, "requests_per_replica": per_replica}
 
 
+def simulate_two_tier(requests: Sequence[TraceRequest], gpu: LRUBlockCache, cpu: LRUBlockCache,
+                      block_size: int = 16) -> dict[str, Any]:
+    """Run ``requests`` in order on one GPU cache backed by one host (CPU-tier) cache.
+
+    A request hits its leading run on ``gpu`` and then the blocks past it that ``cpu`` holds
+    consecutively (vLLM: the offloading connector is asked for the blocks past the GPU hit), the
+    total capped as ``hit_tokens``; then its blocks are touched in both (write-through; the host
+    tier's LRU is touched by every lookup and store, ``worker/emulator/offload.py``). Returns the
+    token hit rate of both tiers and of each (``gpu_token_hit_rate``, ``cpu_token_hit_rate``)."""
+    gpu_hits = total_hits = total = 0
+    for req in requests:
+        ids = req.hash_ids
+        g = gpu.lookup(ids)
+        c = cpu.lookup(ids[g:])
+        gpu_hit = hit_tokens(req, g, block_size)
+        total_hit = hit_tokens(req, g + c, block_size)
+        gpu_hits += gpu_hit
+        total_hits += total_hit
+        total += req.input_length
+        order = ids[::-1]  # freed tail first: the head ends most recently used
+        gpu.touch(order)
+        cpu.touch(order)
+    return {"token_hit_rate": total_hits / total if total else 0.0,
+            "gpu_token_hit_rate": gpu_hits / total if total else 0.0,
+            "cpu_token_hit_rate": (total_hits - gpu_hits) / total if total else 0.0,
+            "hit_tokens": total_hits, "input_tokens": total}
+
+
 def simulate_bounds(requests: Sequence[TraceRequest], replicas: int,
                     capacity_tokens_per_replica: int | None,
-                    block_size: int = 16) -> dict[str, Any]:
+                    block_size: int = 16,
+                    cpu_capacity_tokens_per_replica: int | None = None) -> dict[str, Any]:
     """Single-cache, round-robin and unlimited bounds for a slice on ``replicas`` replicas of
-    ``capacity_tokens_per_replica`` tokens of KV each (None: unlimited). Raises ``ValueError`` for
-    fewer than one replica."""
+    ``capacity_tokens_per_replica`` tokens of KV each (None: unlimited), and with
+    ``cpu_capacity_tokens_per_replica`` (a host tier per replica, tokens) the two-tier single
+    cache. Raises ``ValueError`` for fewer than one replica."""
     if replicas < 1:
         raise ValueError("replicas must be at least 1")
     cap_blocks = (None if capacity_tokens_per_replica is None
@@ -113,9 +148,16 @@ def simulate_bounds(requests: Sequence[TraceRequest], replicas: int,
     unlimited = simulate(requests, [LRUBlockCache(None)], lambda i, r: 0, block_size)
     for result in (single, rr, unlimited):
         result.pop("requests_per_replica", None)
-    return {"replicas": replicas, "capacity_blocks_per_replica": cap_blocks,
-            "block_tokens": TRACE_BLOCK_TOKENS, "num_requests": len(requests),
-            "single_cache": single, "round_robin": rr, "single_cache_unlimited": unlimited}
+    out = {"replicas": replicas, "capacity_blocks_per_replica": cap_blocks,
+           "block_tokens": TRACE_BLOCK_TOKENS, "num_requests": len(requests),
+           "single_cache": single, "round_robin": rr, "single_cache_unlimited": unlimited}
+    if cpu_capacity_tokens_per_replica and fleet_blocks is not None:
+        cpu_blocks = max(1, math.floor(cpu_capacity_tokens_per_replica / TRACE_BLOCK_TOKENS))
+        out["cpu_capacity_blocks_per_replica"] = cpu_blocks
+        out["single_cache_two_tier"] = simulate_two_tier(
+            requests, LRUBlockCache(fleet_blocks), LRUBlockCache(cpu_blocks * replicas),
+            block_size)
+    return out
 
 
 class WriteBalancedPlacement:
@@ -288,6 +330,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--replicas", type=int, default=8)
     p.add_argument("--capacity-tokens", type=int, default=512_000,
                    help="KV capacity per replica in tokens (0: unlimited)")
+    p.add_argument("--cpu-capacity-tokens", type=int, default=0,
+                   help="host (CPU-tier) KV capacity per replica in tokens: adds the two-tier "
+                        "single-cache bound (vLLM native offloading)")
     p.add_argument("--placements", action="store_true",
                    help="also simulate consistent_hash (several rings) and prefix's write-balanced "
                         "placement (exact and perturbed); needs a capacity")
@@ -296,7 +341,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--perturb-seeds", type=int, default=8)
     args = p.parse_args(argv)
     requests = read_trace(args.trace or packaged_trace_path(), start=args.start, limit=args.limit)
-    out = simulate_bounds(requests, args.replicas, args.capacity_tokens or None)
+    out = simulate_bounds(requests, args.replicas, args.capacity_tokens or None,
+                          cpu_capacity_tokens_per_replica=args.cpu_capacity_tokens or None)
     if args.placements:
         if not args.capacity_tokens:
             p.error("--placements needs --capacity-tokens > 0")

@@ -60,6 +60,9 @@ DEFAULT_TTFT_PRIOR_TOKENS_PER_S: Final = _POLICY.ttft_prior_tokens_per_s  # ttft
 # tokens/s a replica is assumed to do before its first few dozen requests taught the router its rate
 DEFAULT_TTFT_EVICTED_REUSE: Final = _POLICY.evicted_reuse  # ttft policy: chance that a block a new
 # prefix evicts (from a replica writing its fair share of KV) would have been hit again
+DEFAULT_CPU_LOAD_TOKENS_PER_S: Final = _POLICY.cpu_load_tokens_per_s  # tokens/s a replica loads
+# from its CPU tier (host memory) into the GPU: what a CPU-tier hit costs instead of its prefill
+# (router.ttft: 50 GB/s host link / 128 KiB of KV per token, an 8B model; the emulator's profile)
 DEFAULT_REPLICA_KV_BLOCKS: Final = 32_000  # KV capacity assumed for replicas that do not report it
 DEFAULT_MAX_BODY_BYTES: Final = 32 * 1024 * 1024  # a 128k-token token-id body is ~1 MB; text ~0.5 MB
 DEFAULT_CONNECT_TIMEOUT_S: Final = 5.0
@@ -101,8 +104,8 @@ _AT_LEAST: Final = {
                      "load_headroom", "recompute_penalty", "min_affinity_blocks", "cold_candidates",
                      "cold_queue_slack_tokens", "audit_families", "audit_top_k",
                      "max_idle_client_connections"), 0)}
-_POSITIVE: Final = ("ttft_prior_tokens_per_s", "cold_write_window", "speculative_ttl_s",
-                    "connect_timeout_s", "first_byte_timeout_s", "stream_idle_timeout_s",
+_POSITIVE: Final = ("ttft_prior_tokens_per_s", "cpu_load_tokens_per_s", "cold_write_window",
+                    "speculative_ttl_s", "connect_timeout_s", "first_byte_timeout_s", "stream_idle_timeout_s",
                     "static_probe_interval_s", "circuit_window_s", "circuit_ejection_s",
                     "circuit_max_ejection_s", "stall_timeout_s", "client_idle_timeout_s",
                     "client_body_timeout_s", "chat_template_timeout_s")
@@ -145,6 +148,7 @@ class RouterConfig:
     replica_kv_blocks: int = DEFAULT_REPLICA_KV_BLOCKS  # static replicas (no heartbeat capacity)
     ttft_prior_tokens_per_s: float = DEFAULT_TTFT_PRIOR_TOKENS_PER_S
     ttft_evicted_reuse: float = DEFAULT_TTFT_EVICTED_REUSE
+    cpu_load_tokens_per_s: float = DEFAULT_CPU_LOAD_TOKENS_PER_S
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     connect_timeout_s: float = DEFAULT_CONNECT_TIMEOUT_S
     first_byte_timeout_s: float = DEFAULT_FIRST_BYTE_TIMEOUT_S
@@ -257,6 +261,9 @@ _HELP: Final = {
     "recompute_penalty": "extra weight of recomputed prefix tokens when moving for load",
     "queue_slack_tokens": "queue advantage (tokens) a load move must exceed beyond the recompute",
     "ttft_prior_tokens_per_s": "ttft policy: prefill tokens/s assumed per replica until learned",
+    "cpu_load_tokens_per_s": "tokens/s a replica loads from its CPU tier (host memory) into the "
+                             "GPU: a CPU-tier hit costs this transfer instead of its prefill "
+                             "(default: 50 GB/s host link / 128 KiB KV per token)",
     "ttft_evicted_reuse": "ttft policy: hit chance (0-1) of a KV block a new prefix evicts, at a "
                           "fair write share",
     "speculative_ttl_s": "seconds this router's own placements count as hits",

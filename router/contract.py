@@ -7,12 +7,24 @@ per-replica keys carry the hash tag ``{r}``, so on a Redis Cluster they share on
   heartbeats; fields are the ``F_*`` names below. A missing key means the replica is out of
   rotation. The router discovers replicas by ``SCAN``-ning for these keys (on every master of
   a cluster: redis-py's cluster ``scan_iter``), so there is no registry key to keep.
-* ``{prefix}:{r}:blocks``: set of 8-byte big-endian block keys resident on ``r``; only the keys
-  at *anchor positions* of their chain (``is_anchor``).
+* ``{prefix}:{r}:blocks``: set of 8-byte big-endian block keys resident on ``r``'s GPU (the
+  ``GPU`` tier); only the keys at *anchor positions* of their chain (``is_anchor``).
+* ``{prefix}:{r}:blocks:CPU``: the same for the ``CPU`` tier (vLLM native KV offloading: host
+  memory behind the GPU, KV events with ``medium`` ``"CPU"``). A block held by both tiers is in
+  both sets (vLLM offloads write-through: the GPU copy and the host copy live side by side).
 * ``{prefix}:events``: the fleet's one stream (approximately trimmed), one entry per worker
   flush with fields ``replica``, ``epoch``, ``entry_seq``, ``cleared`` (``"1"``: the replica's
-  set was reset before this entry's keys), ``stored`` and ``removed`` (packed 8-byte big-endian
-  block keys; one key is in at most one of them).
+  sets, every tier, were reset before this entry's keys), ``stored`` and ``removed`` (packed
+  8-byte big-endian block keys of the GPU tier; one key is in at most one of them), and, when
+  not empty, ``cpu_stored`` and ``cpu_removed`` (the same for the CPU tier).
+
+**Tiers** (version 4). The worker keeps one resident set per (replica, tier): ``GPU`` and
+``CPU`` (``TIERS``; heartbeat field ``kv_tiers`` lists the tiers it indexes, ``GPU`` alone when
+its ``--kv-tiers`` hides the host tier). A router's hit depth per replica is per tier, as vLLM
+looks blocks up: the GPU hit is the leading run of the chain in the GPU set
+(``KVCacheManager.get_computed_blocks``), and the CPU-tier hit continues from there with the
+blocks the host holds (``OffloadingConnectorScheduler.get_num_new_matched_tokens`` looks up the
+blocks past the GPU hit), which are loaded over the host link instead of being recomputed.
 
 **Atomicity and its check.** A flush is ONE single-slot Lua script on the replica's two keys
 (the set change, and ``epoch``, ``seq`` and ``entry_seq`` in the heartbeat hash), THEN the
@@ -34,8 +46,10 @@ about 0.5 of a core against 0.07 to 0.08 for the one blocking ``XREAD`` of one s
 5 times the index lag. The shared stream holds only the change entries (trimmed); the
 per-replica data (sets, heartbeats, and the set writes) spread over the masters.
 
-Contract version 3 (``CONTRACT_VERSION``; heartbeat field ``contract``): hash-tagged keys and
-``entry_seq``. Version 2 added the coarse index and the one-entry-per-flush stream format.
+Contract version 4 (``CONTRACT_VERSION``; heartbeat field ``contract``): per-tier sets and
+stream fields (above). Version 3: hash-tagged keys and ``entry_seq``; a version 3 worker folds
+the CPU tier into its one set, so a version 4 router reports it as ``config_mismatch``
+(routable, no prefix-hit credit, its entries dropped), as it does older versions. Version 2 added the coarse index and the one-entry-per-flush stream format.
 Entries without ``entry_seq`` (version 2, and version 1: ``op`` = ``stored``/``removed``/
 ``cleared`` and ``keys``) are still parsed, unchecked; but a version 1/2 worker writes its keys
 without hash tags (``{prefix}:replica:{r}``), which a version 3 router reads only to report it
@@ -82,12 +96,17 @@ BlockKey = NewType("BlockKey", int)
 int, ``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=1``), as the index, the stream and the workers
 use it. Distinct from a token id (both are ints; mypy keeps them apart)."""
 
-CONTRACT_VERSION: Final = 3  # heartbeat field ``contract``; absent: 1 (3 in a tagged key)
+CONTRACT_VERSION: Final = 4  # heartbeat field ``contract``; absent: 1 (3 in a tagged key)
+TAGGED_KEYS_VERSION: Final = 3  # first version with hash-tagged keys (a tagged key: at least 3)
 DEFAULT_REDIS_PREFIX: Final = "pr"
 DEFAULT_INDEX_STRIDE: Final = 16  # blocks between anchors (N); 1 = exact index. See README
 HEARTBEAT_INTERVAL_S: Final = 1.0  # worker refresh period
 HEARTBEAT_TTL_S: Final = 3.0  # about 3 heartbeats; expiry takes the replica out
 EVENTS_STREAM_MAXLEN: Final = 200_000  # approximate MAXLEN for {prefix}:events
+
+TIER_GPU: Final = "GPU"  # vLLM KV event ``medium`` of the GPU's own pool
+TIER_CPU: Final = "CPU"  # vLLM native KV offloading (host memory), ``medium`` "CPU"
+TIERS: Final = (TIER_GPU, TIER_CPU)
 
 OP_STORED: Final = "stored"
 OP_REMOVED: Final = "removed"
@@ -111,6 +130,7 @@ F_KEY_MODE: Final = "key_mode"  # "engine" (event hashes) or "recomputed" (from 
 KEY_MODE_RECOMPUTED: Final = "recomputed"  # keys are the routers' hashes of BlockStored.token_ids
 F_CONTRACT: Final = "contract"  # CONTRACT_VERSION of the worker ("" or absent: 1)
 F_INDEX_STRIDE: Final = "index_stride"  # N of the coarse index ("" or absent: 1)
+F_KV_TIERS: Final = "kv_tiers"  # tiers the worker indexes, comma-separated ("GPU" or "GPU,CPU")
 F_EPOCH: Final = "epoch"  # int, bumped on engine restart / cache clear / resync
 F_SEQ: Final = "seq"  # last KV event batch sequence number applied
 F_ENTRY_SEQ: Final = "entry_seq"  # stream entries written so far (the last one's E_ENTRY_SEQ)
@@ -130,6 +150,8 @@ E_ENTRY_SEQ: Final = "entry_seq"  # the replica's entry count: +1 per entry (ver
 E_CLEARED: Final = "cleared"  # "1": reset the replica's set before applying this entry
 E_STORED: Final = "stored"  # packed keys that became resident
 E_REMOVED: Final = "removed"  # packed keys that stopped being resident
+E_CPU_STORED: Final = "cpu_stored"  # packed CPU-tier keys that became resident (version 4)
+E_CPU_REMOVED: Final = "cpu_removed"  # packed CPU-tier keys that stopped being resident
 E_OP: Final = "op"  # version 1 entries only
 E_KEYS: Final = "keys"  # version 1 entries only
 
@@ -172,10 +194,14 @@ def replica_id_from_key(prefix: str, key: str | bytes) -> tuple[str, bool]:
     raise ValueError(f"not a replica key: {text!r}")
 
 
-def blocks_key(prefix: str, replica_id: str) -> str:
-    """Redis key of a replica's resident block set: ``{prefix}:{r}:blocks`` (hash tag ``{r}``,
-    the slot of ``replica_key``). Raises ``ValueError`` for an empty ``replica_id``."""
-    return f"{prefix}:{{{_check_replica_id(replica_id)}}}:blocks"
+def blocks_key(prefix: str, replica_id: str, tier: str = TIER_GPU) -> str:
+    """Redis key of a replica's resident block set of ``tier``: ``{prefix}:{r}:blocks`` (GPU)
+    or ``{prefix}:{r}:blocks:{tier}`` (hash tag ``{r}``, the slot of ``replica_key``). Raises
+    ``ValueError`` for an empty ``replica_id`` or a tier not in ``TIERS``."""
+    if tier not in TIERS:
+        raise ValueError(f"unknown tier {tier!r}; known: {', '.join(TIERS)}")
+    suffix = "" if tier == TIER_GPU else f":{tier}"
+    return f"{prefix}:{{{_check_replica_id(replica_id)}}}:blocks{suffix}"
 
 
 def events_key(prefix: str) -> str:

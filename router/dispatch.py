@@ -139,8 +139,9 @@ class Dispatch:
         self._d = dispatcher
         self.routed = routed
         self.spec = spec
-        self.prefill_tokens = max(
-            routed.num_tokens - routed.decision.hit_blocks * dispatcher.block_size, 1)
+        # a CPU-tier hit is loaded, not prefilled
+        self.prefill_tokens = max(routed.num_tokens - routed.decision.hit(
+            routed.decision.replica_id).total_blocks * dispatcher.block_size, 1)
         self.placements: list[Placement] = []  # one per send, in order
         self._tickets: dict[str, GaugedTicket] = {}
         self._rest: asyncio.Future[PromptChain] | None = None
@@ -244,7 +245,7 @@ class Dispatch:
                                               routed.write_window_blocks)
                 placement.blocks = blocks
                 if placement.ticket is not None:
-                    hit_tokens = routed.decision.hit(rid).blocks * d.block_size
+                    hit_tokens = routed.decision.hit(rid).total_blocks * d.block_size
                     placement.ticket.resize_prefill(max(whole.num_tokens - hit_tokens, 1))
             d.fleet.speculative.place(d.fleet.index.bit(rid), rest, now)
             placement.keys.extend(rest)

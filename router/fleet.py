@@ -60,6 +60,7 @@ class Replica:
     contract: int = c.CONTRACT_VERSION  # the worker's Redis contract version (absent: 3, untagged key: 1)
     entry_seq: int = -1  # E_ENTRY_SEQ of the last stream entry applied (loaded set: its F_ENTRY_SEQ)
     index_stride: int = 1  # the worker's coarse-index stride (absent field: 1, the exact index)
+    kv_tiers: tuple[str, ...] = (c.TIER_GPU,)  # tiers the worker indexes (heartbeat kv_tiers)
     epoch: int = 0
     num_running: int = 0
     num_waiting: int = 0
@@ -269,6 +270,9 @@ class Fleet:
         replica.key_mode = fields.get(c.F_KEY_MODE, "")
         replica.contract = int_field(fields.get(c.F_CONTRACT), contract) or contract
         replica.index_stride = int_field(fields.get(c.F_INDEX_STRIDE), 1) or 1
+        tiers = fields.get(c.F_KV_TIERS)
+        if tiers is not None:
+            replica.kv_tiers = tuple(t for t in c.TIERS if t in tiers.split(","))
         replica.num_running = int_field(fields.get(c.F_NUM_RUNNING), 0) or 0
         replica.num_waiting = int_field(fields.get(c.F_NUM_WAITING), 0) or 0
         replica.kv_usage = float_field(fields.get(c.F_KV_USAGE), 0.0)
@@ -304,9 +308,12 @@ class Fleet:
         self.index.drop(replica_id)
 
     def apply_changes(self, replica_id: str, epoch: int, cleared: bool, stored: Any,
-                      removed: Any, entry_seq: int | None = None) -> str | None:
-        """Apply one change-stream entry: reset the replica's keys if ``cleared``, then add
-        ``stored`` and forget ``removed`` (disjoint). Returns ``None`` or why it was dropped.
+                      removed: Any, entry_seq: int | None = None, cpu_stored: Any = (),
+                      cpu_removed: Any = ()) -> str | None:
+        """Apply one change-stream entry: reset the replica's keys (every tier) if ``cleared``,
+        then add ``stored`` and forget ``removed`` (disjoint; the GPU tier), and the same with
+        ``cpu_stored`` and ``cpu_removed`` on the CPU tier. Returns ``None`` or why it was
+        dropped.
 
         ``entry_seq`` (contract version 3; ``None``: unchecked) must follow the replica's last
         one in the same epoch, or open a newer epoch with ``cleared``. At or below the last one:
@@ -341,6 +348,10 @@ class Fleet:
             self.index.remove(replica_id, removed)
         if stored:
             self.index.add(replica_id, stored)
+        if cpu_removed:
+            self.index.remove(replica_id, cpu_removed, c.TIER_CPU)
+        if cpu_stored:
+            self.index.add(replica_id, cpu_stored, c.TIER_CPU)
         return None
 
     def apply_event(self, replica_id: str, epoch: int, op: str, keys: Any) -> str | None:

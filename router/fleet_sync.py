@@ -29,7 +29,7 @@ STREAM_READ_INTERVAL_S = 0.01  # minimum gap between two stream reads that retur
 # 1,000 flushes/s a read carries ~10 of them, for at most 10 ms more index lag
 
 _ENTRY_FIELDS = (c.E_REPLICA, c.E_EPOCH, c.E_ENTRY_SEQ, c.E_CLEARED, c.E_STORED, c.E_REMOVED,
-                 c.E_OP, c.E_KEYS)
+                 c.E_CPU_STORED, c.E_CPU_REMOVED, c.E_OP, c.E_KEYS)
 _BYTES_FIELDS: dict[str, Any] = {name: name.encode() for name in _ENTRY_FIELDS}  # {field: reply key}
 _TEXT_FIELDS: dict[str, Any] = {name: name for name in _ENTRY_FIELDS}
 
@@ -208,16 +208,20 @@ class FleetReader:
             logger.warning("cannot write fleet cache %s: %s", path, exc)
 
     async def _load_blocks(self, client: Any, replica_id: str) -> None:
-        """Load a replica's set with the ``epoch``/``entry_seq`` it is at (one transaction in
-        the replica's hash slot): entries up to that ``entry_seq`` are in the set."""
+        """Load a replica's sets (GPU and CPU tier) with the ``epoch``/``entry_seq`` they are at
+        (one transaction in the replica's hash slot): entries up to that ``entry_seq`` are in
+        them."""
         async with client.pipeline(transaction=True) as pipe:
             # raw commands: redis-py 8.1's cluster MULTI passes the ``keys`` keyword of
             # ``hmget``/``smembers`` to their reply callbacks, which raise TypeError
             pipe.execute_command("HMGET", c.replica_key(self.prefix, replica_id), c.F_EPOCH,
                                  c.F_ENTRY_SEQ)
             pipe.execute_command("SMEMBERS", c.blocks_key(self.prefix, replica_id))
-            (epoch_raw, entry_seq_raw), members = await pipe.execute()
+            pipe.execute_command("SMEMBERS", c.blocks_key(self.prefix, replica_id, c.TIER_CPU))
+            (epoch_raw, entry_seq_raw), members, cpu_members = await pipe.execute()
         keys = cast(list[c.BlockKey], [int.from_bytes(m, "big") for m in members if len(m) == 8])
+        cpu_keys = cast(list[c.BlockKey],
+                        [int.from_bytes(m, "big") for m in cpu_members if len(m) == 8])
         replica = self.fleet.replicas.get(replica_id)
         if replica is None:
             return
@@ -225,9 +229,9 @@ class FleetReader:
         entry_seq = int_field(_text(entry_seq_raw), None) if entry_seq_raw else None
         replica.epoch = max(replica.epoch, epoch or 0)
         replica.entry_seq = -1 if entry_seq is None else entry_seq
-        self.fleet.index.replace(replica_id, keys, epoch=replica.epoch)
-        logger.info("replica %s: loaded %d block keys (epoch %d, entry %d)", replica_id, len(keys),
-                    replica.epoch, replica.entry_seq)
+        self.fleet.index.replace(replica_id, keys, epoch=replica.epoch, cpu_keys=cpu_keys)
+        logger.info("replica %s: loaded %d block keys, %d on the CPU tier (epoch %d, entry %d)",
+                    replica_id, len(keys), len(cpu_keys), replica.epoch, replica.entry_seq)
 
     async def _follow(self, client: Any) -> None:
         stream = c.events_key(self.prefix)
@@ -308,9 +312,14 @@ class FleetReader:
                 cleared = _text(data.get(get(c.E_CLEARED), b"0")) == "1"
                 stored = c.unpack_keys(_bytes(data.get(get(c.E_STORED), b"")))
                 removed = c.unpack_keys(_bytes(data.get(get(c.E_REMOVED), b"")))
+                cpu_stored = c.unpack_keys(_bytes(data.get(get(c.E_CPU_STORED), b"")))
+                cpu_removed = c.unpack_keys(_bytes(data.get(get(c.E_CPU_REMOVED), b"")))
                 raw_seq = data.get(get(c.E_ENTRY_SEQ))
                 entry_seq = int(raw_seq) if raw_seq is not None else None  # None: version 1/2
-                dropped = self.fleet.apply_changes(rid, epoch, cleared, stored, removed, entry_seq)
+                dropped = self.fleet.apply_changes(rid, epoch, cleared, stored, removed, entry_seq,
+                                                   cpu_stored, cpu_removed)
+                stored = stored or cpu_stored
+                removed = removed or cpu_removed
                 ops = [op for op, present in ((c.OP_CLEARED, cleared), (c.OP_STORED, stored),
                                               (c.OP_REMOVED, removed)) if present]
         except (KeyError, ValueError, UnicodeDecodeError) as exc:
@@ -332,6 +341,7 @@ class FleetReader:
         self.metrics.index_blocks.set(len(index))
         for rid in index.replicas():
             self.metrics.replica_blocks.labels(rid).set(index.num_blocks(rid))
+            self.metrics.replica_cpu_blocks.labels(rid).set(index.num_blocks(rid, c.TIER_CPU))
 
 
 class StaticProber:

@@ -12,6 +12,12 @@ the chain the replica holds, which is exactly vLLM's prefix-hit rule (longest
 run of consecutive matching block hashes from block 0,
 ``KVCacheManager.get_computed_blocks``).
 
+Tiers (``router.contract.TIERS``): the table above is the GPU tier's; a second table of the same
+shape holds the CPU tier's keys (vLLM native offloading: host memory), with the same slot per
+replica, so clearing or dropping a replica forgets both at once. ``tier_depths`` continues a
+replica's GPU hit with the blocks its CPU tier holds, as vLLM looks them up (the offloading
+connector is asked for the blocks past the GPU hit).
+
 ``SpeculativePlacements`` holds the router's own recent placements (keys it sent
 to a replica in the last ``ttl_s`` seconds) so a burst of one new prefix sticks
 to one replica before the engine's KV events arrive. Time is an argument, so
@@ -23,7 +29,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Iterable, Sequence
 
-from router.contract import BlockKey, anchor_positions
+from router.contract import TIER_CPU, TIER_GPU, BlockKey, anchor_positions
 
 _MAX_INTERNED_MASKS = 1 << 16
 
@@ -55,23 +61,26 @@ class BlockIndex:
     by retired slots until they are swept.
     """
 
-    __slots__ = ("_bit_to_id", "_free_bits", "_id_to_bit", "_interned", "_key_to_mask",
-                 "_num_blocks", "_retired", "_sweep_keys", "_sweep_mask", "_sweep_pos", "epochs",
-                 "stride")
+    __slots__ = ("_bit_to_id", "_cpu_key_to_mask", "_cpu_sweep_keys", "_free_bits", "_id_to_bit",
+                 "_interned", "_key_to_mask", "_num_blocks", "_num_cpu_blocks", "_retired",
+                 "_sweep_keys", "_sweep_mask", "_sweep_pos", "epochs", "stride")
 
     def __init__(self, stride: int = 1) -> None:
         if stride < 1:
             raise ValueError(f"stride must be >= 1, got {stride}")
         self.stride = stride  # blocks between the anchors the table holds (router.contract)
-        self._key_to_mask: dict[int, int] = {}  # {block_key: slot bitmask}
+        self._key_to_mask: dict[int, int] = {}  # {block_key: slot bitmask}, GPU tier
+        self._cpu_key_to_mask: dict[int, int] = {}  # {block_key: slot bitmask}, CPU tier
         self._id_to_bit: dict[str, int] = {}  # {replica_id: current slot index}
         self._bit_to_id: dict[int, str] = {}  # {current slot index: replica_id}
         self._free_bits: list[int] = []  # swept slot indexes, reused lowest first
         self._retired = 0  # bitmask of retired slots not yet being swept
         self._sweep_mask = 0  # bitmask of retired slots the running sweep removes
         self._sweep_keys: list[int] = []  # snapshot of the table's keys for the running sweep
+        self._cpu_sweep_keys: list[int] = []  # the CPU tier table's, swept after it
         self._sweep_pos = 0
-        self._num_blocks: dict[str, int] = {}  # {replica_id: resident keys}
+        self._num_blocks: dict[str, int] = {}  # {replica_id: resident keys}, GPU tier
+        self._num_cpu_blocks: dict[str, int] = {}  # {replica_id: resident keys}, CPU tier
         self._interned: dict[int, int] = {}  # {mask: the shared int object for it}
         self.epochs: dict[str, int] = {}  # {replica_id: epoch the index reflects}
 
@@ -97,6 +106,7 @@ class BlockIndex:
             self._id_to_bit[replica_id] = bit
             self._bit_to_id[bit] = replica_id
             self._num_blocks[replica_id] = 0
+            self._num_cpu_blocks[replica_id] = 0
         return bit
 
     def mask_of(self, replica_ids: Iterable[str]) -> int:
@@ -112,13 +122,20 @@ class BlockIndex:
     def replicas(self) -> list[str]:
         return sorted(self._id_to_bit)
 
-    def num_blocks(self, replica_id: str) -> int:
-        """Resident keys recorded for ``replica_id`` (0 if unknown)."""
-        return self._num_blocks.get(replica_id, 0)
+    def num_blocks(self, replica_id: str, tier: str = TIER_GPU) -> int:
+        """Resident keys recorded for ``replica_id`` in ``tier`` (0 if unknown)."""
+        counts = self._num_blocks if tier == TIER_GPU else self._num_cpu_blocks
+        return counts.get(replica_id, 0)
 
     def __len__(self) -> int:
-        """Distinct keys in the table (including ones held only by retired slots, until swept)."""
+        """Distinct GPU-tier keys in the table (including ones held only by retired slots,
+        until swept)."""
         return len(self._key_to_mask)
+
+    @property
+    def num_cpu_keys(self) -> int:
+        """Distinct CPU-tier keys (as ``len()`` for the GPU tier)."""
+        return len(self._cpu_key_to_mask)
 
     # -- updates --------------------------------------------------------------------
 
@@ -130,25 +147,30 @@ class BlockIndex:
             self._interned[mask] = shared = mask
         return shared
 
-    def add(self, replica_id: str, keys: Iterable[BlockKey]) -> None:
-        """Record ``keys`` as resident on the replica (idempotent: set semantics)."""
+    def _table(self, tier: str) -> tuple[dict[int, int], dict[str, int]]:
+        if tier == TIER_GPU:
+            return self._key_to_mask, self._num_blocks
+        return self._cpu_key_to_mask, self._num_cpu_blocks
+
+    def add(self, replica_id: str, keys: Iterable[BlockKey], tier: str = TIER_GPU) -> None:
+        """Record ``keys`` as resident on the replica's ``tier`` (idempotent: set semantics)."""
         bit = 1 << self.bit(replica_id)
-        table, intern = self._key_to_mask, self._intern
+        (table, counts), intern = self._table(tier), self._intern
         added = 0
         for key in keys:
             mask = table.get(key, 0)
             if not mask & bit:
                 table[key] = intern(mask | bit)
                 added += 1
-        self._num_blocks[replica_id] += added
+        counts[replica_id] += added
 
-    def remove(self, replica_id: str, keys: Iterable[BlockKey]) -> None:
-        """Forget ``keys`` on the replica; unknown keys are ignored."""
+    def remove(self, replica_id: str, keys: Iterable[BlockKey], tier: str = TIER_GPU) -> None:
+        """Forget ``keys`` on the replica's ``tier``; unknown keys are ignored."""
         index = self._id_to_bit.get(replica_id)
         if index is None:
             return
         bit = 1 << index
-        table, intern = self._key_to_mask, self._intern
+        (table, counts), intern = self._table(tier), self._intern
         removed = 0
         for key in keys:
             mask = table.get(key, 0)
@@ -159,7 +181,7 @@ class BlockIndex:
                     table[key] = intern(mask)
                 else:
                     del table[key]
-        self._num_blocks[replica_id] -= removed
+        counts[replica_id] -= removed
 
     def _retire(self, replica_id: str) -> None:
         slot = self._id_to_bit.pop(replica_id)
@@ -167,22 +189,26 @@ class BlockIndex:
         self._retired |= 1 << slot
 
     def clear(self, replica_id: str) -> None:
-        """Forget every key of the replica (vLLM AllBlocksCleared, epoch reset). O(1).
+        """Forget every key of the replica, every tier (vLLM AllBlocksCleared, epoch reset). O(1).
 
         The replica gets a fresh slot; the old one is swept by ``sweep_step``.
         """
-        if not self._num_blocks.get(replica_id):
+        if not self._num_blocks.get(replica_id) and not self._num_cpu_blocks.get(replica_id):
             return
         self._retire(replica_id)
         slot = self._new_slot()
         self._id_to_bit[replica_id] = slot
         self._bit_to_id[slot] = replica_id
         self._num_blocks[replica_id] = 0
+        self._num_cpu_blocks[replica_id] = 0
 
-    def replace(self, replica_id: str, keys: Iterable[BlockKey], epoch: int | None = None) -> None:
-        """Load a snapshot: clear the replica, add ``keys``, set its epoch if given."""
+    def replace(self, replica_id: str, keys: Iterable[BlockKey], epoch: int | None = None,
+                cpu_keys: Iterable[BlockKey] = ()) -> None:
+        """Load a snapshot: clear the replica, add ``keys`` (GPU tier) and ``cpu_keys`` (CPU
+        tier), set its epoch if given."""
         self.clear(replica_id)
         self.add(replica_id, keys)
+        self.add(replica_id, cpu_keys, TIER_CPU)
         if epoch is not None:
             self.epochs[replica_id] = epoch
 
@@ -192,6 +218,7 @@ class BlockIndex:
             return
         self._retire(replica_id)
         del self._num_blocks[replica_id]
+        del self._num_cpu_blocks[replica_id]
         self.epochs.pop(replica_id, None)
 
     @property
@@ -213,26 +240,34 @@ class BlockIndex:
                 return []
             self._sweep_mask, self._retired = self._retired, 0
             self._sweep_keys = list(self._key_to_mask)  # C speed: ~5 ms per 1M keys
+            self._cpu_sweep_keys = list(self._cpu_key_to_mask)
             self._sweep_pos = 0
             return []
         dead, keep = self._sweep_mask, ~self._sweep_mask
-        table, intern = self._key_to_mask, self._intern
-        end = min(self._sweep_pos + max_keys, len(self._sweep_keys))
-        for key in self._sweep_keys[self._sweep_pos:end]:
-            mask = table.get(key, 0)
-            if mask & dead:
-                mask &= keep
-                if mask:
-                    table[key] = intern(mask)
-                else:
-                    del table[key]
+        intern = self._intern
+        # one position over both snapshots: the GPU table's keys, then the CPU table's
+        num_gpu = len(self._sweep_keys)
+        total = num_gpu + len(self._cpu_sweep_keys)
+        end = min(self._sweep_pos + max_keys, total)
+        for table, keys in ((self._key_to_mask, self._sweep_keys[self._sweep_pos:end]),
+                            (self._cpu_key_to_mask, self._cpu_sweep_keys[
+                                max(self._sweep_pos - num_gpu, 0):max(end - num_gpu, 0)])):
+            for key in keys:
+                mask = table.get(key, 0)
+                if mask & dead:
+                    mask &= keep
+                    if mask:
+                        table[key] = intern(mask)
+                    else:
+                        del table[key]
         self._sweep_pos = end
-        if end < len(self._sweep_keys):
+        if end < total:
             return []
         freed = list(_bits(dead))
         self._free_bits.extend(freed)
         self._sweep_mask = 0
         self._sweep_keys = []
+        self._cpu_sweep_keys = []
         return freed
 
     def sweep_all(self) -> list[int]:
@@ -243,8 +278,8 @@ class BlockIndex:
         return freed
 
     def holds(self, key: int) -> bool:
-        """True if some slot (current or retired, not yet swept) holds ``key``."""
-        return key in self._key_to_mask
+        """True if some slot (current or retired, not yet swept) holds ``key`` in any tier."""
+        return key in self._key_to_mask or key in self._cpu_key_to_mask
 
     # -- lookups --------------------------------------------------------------------
 
@@ -298,6 +333,49 @@ class BlockIndex:
         names = self._bit_to_id
         return ({names[b]: d for b, d in confirmed.items()},
                 {names[b]: d for b, d in combined.items()})
+
+
+    def tier_depths(self, chain: Sequence[int], gpu_depths: dict[str, int]) -> dict[str, int]:
+        """Each replica's hit depth in blocks when its CPU tier continues its GPU hit.
+
+        ``gpu_depths``: ``{replica_id: GPU hit depth in blocks}`` (``hit_depths``); a replica
+        joins the walk at its GPU depth and goes on while its CPU tier holds the chain's next
+        anchor (vLLM: the offloading connector looks up the blocks past the GPU hit,
+        ``OffloadingConnectorScheduler.get_num_new_matched_tokens``, and only a consecutive run
+        is loaded). Returns ``{replica_id: depth}`` >= the GPU depth; the CPU-tier hit is the
+        difference. Replicas unknown to the index keep their GPU depth.
+        """
+        out = dict(gpu_depths)
+        cpu = self._cpu_key_to_mask
+        if not cpu or not chain:
+            return out
+        ids = self._id_to_bit
+        joins = sorted((d, 1 << ids[rid]) for rid, d in gpu_depths.items() if rid in ids)
+        get = cpu.get
+        alive = 0
+        nxt = 0
+        depth = 0  # blocks covered by the anchors walked so far
+        reached: dict[int, int] = {}  # {slot: depth}
+        for pos in anchor_positions(len(chain), self.stride):
+            while nxt < len(joins) and joins[nxt][0] <= pos:
+                alive |= joins[nxt][1]
+                nxt += 1
+            if alive:
+                kept = get(chain[pos], 0) & alive
+                if kept != alive:
+                    for b in _bits(alive ^ kept):
+                        reached[b] = depth
+                    alive = kept
+            elif nxt == len(joins):
+                break
+            depth = pos + 1
+        for b in _bits(alive):
+            reached[b] = depth
+        names = self._bit_to_id
+        for b, d in reached.items():
+            rid = names[b]
+            out[rid] = max(out[rid], d)
+        return out
 
 
 class SpeculativePlacements:

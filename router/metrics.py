@@ -37,7 +37,11 @@ class RouterMetrics:
             registry=registry)
         self.predicted_hit_tokens = Counter(
             "router_predicted_hit_tokens_total", "Prompt tokens predicted to hit the chosen "
-            "replica's prefix cache", ["replica"], registry=registry)
+            "replica's prefix cache (GPU tier)", ["replica"], registry=registry)
+        self.predicted_tier_hit_blocks = Counter(
+            "router_predicted_hit_blocks_total", "Prompt blocks predicted to hit the chosen "
+            "replica, per tier: GPU (its own pool) or CPU (host memory, loaded instead of "
+            "recomputed)", ["replica", "tier"], registry=registry)
         self.ttft = Histogram(
             "router_ttft_seconds", "Streamed requests: time from request arrival to the first "
             "response byte from the replica, per model, split by prefix-cache hit (cache=hit: "
@@ -83,8 +87,11 @@ class RouterMetrics:
             "router_prompt_cache_entries", "Entries held by a prompt cache", ["cache"],
             registry=registry)
         self.replica_blocks = Gauge(
-            "router_index_replica_blocks", "Block keys the index holds per replica", ["replica"],
-            registry=registry)
+            "router_index_replica_blocks", "Block keys the index holds per replica (GPU tier)",
+            ["replica"], registry=registry)
+        self.replica_cpu_blocks = Gauge(
+            "router_index_replica_cpu_blocks", "Block keys the index holds per replica in its CPU "
+            "tier (host memory, vLLM native KV offloading)", ["replica"], registry=registry)
         self.speculative_blocks = Gauge(
             "router_speculative_blocks", "Block keys in the speculative placement table",
             registry=registry)

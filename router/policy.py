@@ -88,7 +88,12 @@ from typing import Any, Final
 from router.contract import BlockKey
 from router.hashing import max_hit_blocks
 from router.ring import HashRing
-from router.ttft import DEFAULT_PRIOR_TOKENS_PER_S, prefill_work_tokens
+from router.ttft import (
+    DEFAULT_CPU_LOAD_TOKENS_PER_S,
+    DEFAULT_PRIOR_TOKENS_PER_S,
+    cpu_hit_value,
+    prefill_work_tokens,
+)
 
 REASON_PREFIX_HIT: Final = "prefix_hit"
 REASON_SPECULATIVE_HIT: Final = "speculative_hit"
@@ -184,6 +189,7 @@ class PolicyParams:
     cold_queue_slack_tokens: int = 1024  # queued prefill within this of the shortest counts as short
     ttft_prior_tokens_per_s: float = DEFAULT_PRIOR_TOKENS_PER_S  # ttft: prefill rate before learning
     evicted_reuse: float = DEFAULT_EVICTED_REUSE  # ttft: hit chance of an evicted block, fair share
+    cpu_load_tokens_per_s: float = DEFAULT_CPU_LOAD_TOKENS_PER_S  # CPU tier -> GPU load rate
 
 
 @dataclass(frozen=True, slots=True)
@@ -204,11 +210,19 @@ class RouteInput:
 
 @dataclass(frozen=True, slots=True)
 class HitDepth:
-    """A replica's predicted prefix hit in blocks, capped at vLLM's max hit: ``blocks`` counts
-    the router's own speculative placements too, ``confirmed`` only what its worker reported."""
+    """A replica's predicted prefix hit in blocks, capped at vLLM's max hit: ``blocks`` (GPU
+    tier) counts the router's own speculative placements too, ``confirmed`` only what its worker
+    reported; ``cpu_blocks`` the blocks past ``blocks`` its CPU tier holds (loaded from host
+    memory, not recomputed)."""
 
     blocks: int = 0
     confirmed: int = 0
+    cpu_blocks: int = 0
+
+    @property
+    def total_blocks(self) -> int:
+        """Blocks the engine will not prefill: the GPU hit plus the CPU-tier hit."""
+        return self.blocks + self.cpu_blocks
 
 
 NO_HIT: Final = HitDepth()
@@ -246,7 +260,8 @@ class Decision:
 
     @property
     def predicted_hit(self) -> bool:
-        return self.hit_blocks > 0
+        """A hit on the chosen replica in either tier (vLLM's ``cached_tokens`` counts both)."""
+        return self.hit_blocks > 0 or self.hit(self.replica_id).cpu_blocks > 0
 
 
 def decide(
@@ -260,11 +275,13 @@ def decide(
     params: PolicyParams | None = None,
     rr_counter: int = 0,
     avg_prompt_tokens: float = 0.0,
+    tiered: Mapping[str, int] | None = None,
 ) -> Decision:
     """Route one request among ``replicas`` (already filtered for health and model).
 
-    ``confirmed``/``combined`` are hit depths in blocks per replica id
-    (``BlockIndex.hit_depths``); missing ids count as 0. ``ring`` may contain
+    ``confirmed``/``combined`` are GPU-tier hit depths in blocks per replica id
+    (``BlockIndex.hit_depths``); missing ids count as 0. ``tiered``: the depth with the CPU
+    tier continuing ``combined`` (``BlockIndex.tier_depths``; missing: no CPU-tier hit). ``ring`` may contain
     more replicas than are eligible. ``rr_counter`` rotates the round_robin
     baseline and least_loaded's ties. Raises ``ValueError`` if ``replicas`` is
     empty or ``policy`` unknown.
@@ -274,6 +291,7 @@ def decide(
     params = params or PolicyParams()
     confirmed = confirmed or {}
     combined = combined or {}
+    tiered = tiered or {}
     if policy == "round_robin":
         return _round_robin(request, replicas, rr_counter)
     if policy == "least_loaded":
@@ -281,9 +299,13 @@ def decide(
     if policy == "consistent_hash":
         return _consistent_hash(request, replicas, ring, params)
     if policy == "prefix":
-        return _prefix(request, replicas, ring, confirmed, combined, params, avg_prompt_tokens)
+        return _prefix(request, replicas, ring, _hit_depths(request, replicas, ring, confirmed,
+                                                            combined, tiered, params.block_size),
+                       params, avg_prompt_tokens)
     if policy == "ttft":
-        return _ttft(request, replicas, ring, confirmed, combined, params, avg_prompt_tokens)
+        return _ttft(request, replicas, ring, _hit_depths(request, replicas, ring, confirmed,
+                                                          combined, tiered, params.block_size),
+                     params, avg_prompt_tokens)
     raise ValueError(f"unknown policy {policy!r}")
 
 
@@ -322,19 +344,41 @@ def _consistent_hash(request: RouteInput, replicas: Sequence[Candidate], ring: H
     return Decision(order[0], REASON_CONSISTENT_HASH, tuple(order[1:]), 0, len(chain))
 
 
+@dataclass(frozen=True, slots=True)
+class _Hits:
+    """Per replica id: GPU hit depth (confirmed + speculative), its confirmed part and the
+    CPU-tier blocks past it, in blocks; and the eligible replicas in ring order."""
+
+    depth: dict[str, int]
+    conf: dict[str, int]
+    cpu: dict[str, int]
+    order: list[str]
+    rank: dict[str, int] = field(default_factory=dict)  # {replica_id: position in ``order``}
+
+    def __post_init__(self) -> None:
+        self.rank.update((rid, i) for i, rid in enumerate(self.order))
+
+    def hit_depths(self) -> dict[str, HitDepth]:
+        return {rid: HitDepth(d, self.conf[rid], self.cpu[rid]) for rid, d in self.depth.items()}
+
+
 def _hit_depths(request: RouteInput, replicas: Sequence[Candidate], ring: HashRing,
                 confirmed: Mapping[str, int], combined: Mapping[str, int],
-                block_size: int) -> tuple[dict[str, int], dict[str, int], list[str]]:
-    """Per replica: hit depth (confirmed + speculative) and confirmed depth in blocks, both capped
-    at vLLM's ``floor((N-1)/B)`` and 0 without affinity; and the eligible replicas in ring order of
-    the chain's first block beyond the deepest hit (of ``request.ring_key`` without a chain)."""
+                tiered: Mapping[str, int], block_size: int) -> _Hits:
+    """Per replica: hit depth (confirmed + speculative), confirmed depth and the CPU-tier blocks
+    past the hit, in blocks, all capped at vLLM's ``floor((N-1)/B)`` in total and 0 without
+    affinity; and the eligible replicas in ring order of the chain's first block beyond the
+    deepest GPU hit (of ``request.ring_key`` without a chain)."""
     cap_blocks = max_hit_blocks(request.num_tokens, block_size)
     depth: dict[str, int] = {}
     conf: dict[str, int] = {}
+    cpu: dict[str, int] = {}
     for r in replicas:
         d = combined.get(r.replica_id, 0) if r.affinity else 0
         depth[r.replica_id] = min(d, cap_blocks)
         conf[r.replica_id] = min(confirmed.get(r.replica_id, 0) if r.affinity else 0, cap_blocks)
+        total = min(tiered.get(r.replica_id, 0), cap_blocks) if r.affinity else 0
+        cpu[r.replica_id] = max(total - depth[r.replica_id], 0)
     raw_best = max((combined.get(r.replica_id, 0) if r.affinity else 0) for r in replicas)
     chain = request.chain
     ring_key: BlockKey | int
@@ -342,7 +386,7 @@ def _hit_depths(request: RouteInput, replicas: Sequence[Candidate], ring: HashRi
         ring_key = chain[raw_best] if raw_best < len(chain) else chain[-1]
     else:
         ring_key = request.ring_key
-    return depth, conf, _ring_order(ring, ring_key, replicas)
+    return _Hits(depth, conf, cpu, _ring_order(ring, ring_key, replicas))
 
 
 def _over_load_cap(replicas: Sequence[Candidate], load_factor: float,
@@ -355,12 +399,12 @@ def _over_load_cap(replicas: Sequence[Candidate], load_factor: float,
     return {r.replica_id: r.load + 1 > cap_load for r in replicas}
 
 
-def _view_details(r: Candidate, confirmed_blocks: int, hit_blocks: int, over: bool,
-                  ring_rank: int) -> dict[str, Any]:
+def _view_details(r: Candidate, hits: _Hits, rid: str, over: bool) -> dict[str, Any]:
     """What ``Decision.details`` shows of every candidate, whatever the index policy."""
     return {
-        "confirmed_hit_blocks": confirmed_blocks,
-        "hit_blocks": hit_blocks,
+        "confirmed_hit_blocks": hits.conf[rid],
+        "hit_blocks": hits.depth[rid],
+        "cpu_hit_blocks": hits.cpu[rid],
         "affinity": r.affinity,
         "load": r.load,
         "over_load_cap": over,
@@ -368,7 +412,7 @@ def _view_details(r: Candidate, confirmed_blocks: int, hit_blocks: int, over: bo
         "inflight_prefill_tokens": r.inflight_prefill_tokens,
         "engine_running": r.engine_running,
         "engine_waiting": r.engine_waiting,
-        "ring_rank": ring_rank,
+        "ring_rank": hits.rank[rid],
         "recent_write_blocks": round(r.recent_write_blocks, 1),
     }
 
@@ -377,15 +421,19 @@ def _prefix(
     request: RouteInput,
     replicas: Sequence[Candidate],
     ring: HashRing,
-    confirmed: Mapping[str, int],
-    combined: Mapping[str, int],
+    hits: _Hits,
     params: PolicyParams,
     avg_prompt_tokens: float,
 ) -> Decision:
     chain = request.chain
     size = params.block_size
     cap_blocks = max_hit_blocks(request.num_tokens, size)
-    depth, conf, order = _hit_depths(request, replicas, ring, confirmed, combined, size)
+    order, conf = hits.order, hits.conf
+    # A CPU-tier block counts as the share of a GPU hit it saves: its transfer replaces its
+    # prefill (``router.ttft.cpu_hit_value``; ~0.93 for an 8B model over a 50 GB/s host link).
+    # Every step below weighs hits in these GPU-equivalent blocks.
+    cpu_value = cpu_hit_value(params.ttft_prior_tokens_per_s, params.cpu_load_tokens_per_s)
+    depth = {rid: d + hits.cpu[rid] * cpu_value for rid, d in hits.depth.items()}
     rank = {rid: i for i, rid in enumerate(order)}
     by_id = {r.replica_id: r for r in replicas}
 
@@ -396,14 +444,14 @@ def _prefix(
     home_depth = depth[order[0]]
     min_credit = max(params.min_affinity_blocks,
                      math.ceil(params.min_hit_fraction * max(cap_blocks, 1)))
-    credit = {rid: (d - home_depth if d - home_depth >= min_credit else 0)
+    credit = {rid: (d - home_depth if d - home_depth >= min_credit else 0.0)
               for rid, d in depth.items()}
 
     over = _over_load_cap(replicas, params.load_factor, params.load_headroom)
     queued = {r.replica_id: r.queued_prefill_tokens(avg_prompt_tokens) for r in replicas}
     cost = {rid: queued[rid] + max(request.num_tokens - depth[rid] * size, 0) for rid in order}
 
-    def preference(rid: str) -> tuple[int, int]:
+    def preference(rid: str) -> tuple[float, int]:
         return (-credit[rid], rank[rid])
 
     # Where several replicas hold as much of the chain as the preferred one (every replica, for a
@@ -445,7 +493,8 @@ def _prefix(
         reason = REASON_LOAD_BALANCE
     elif credit[chosen] > 0 or (depth[chosen] > 0 and depth[chosen] == max(depth.values())
                                 and depth[chosen] > min(depth.values())):
-        reason = REASON_PREFIX_HIT if conf[chosen] >= depth[chosen] else REASON_SPECULATIVE_HIT
+        reason = (REASON_PREFIX_HIT if conf[chosen] >= hits.depth[chosen]
+                  else REASON_SPECULATIVE_HIT)
     else:
         reason = REASON_COLD_RING
 
@@ -453,23 +502,23 @@ def _prefix(
                   key=lambda rid: (over[rid], cost[rid], preference(rid)))
     details = {
         rid: {
-            **_view_details(by_id[rid], conf[rid], depth[rid], over[rid], rank[rid]),
-            "affinity_credit_blocks": credit[rid],
+            **_view_details(by_id[rid], hits, rid, over[rid]),
+            "effective_hit_blocks": round(depth[rid], 2),
+            "affinity_credit_blocks": round(credit[rid], 2),
             "queued_prefill_tokens": queued[rid],
             "cost_tokens": cost[rid],
         }
         for rid in order
     }
-    hits = {rid: HitDepth(depth[rid], conf[rid]) for rid in depth}
-    return Decision(chosen, reason, tuple(rest), depth[chosen], len(chain), details, hits)
+    return Decision(chosen, reason, tuple(rest), hits.depth[chosen], len(chain), details,
+                    hits.hit_depths())
 
 
 def _ttft(
     request: RouteInput,
     replicas: Sequence[Candidate],
     ring: HashRing,
-    confirmed: Mapping[str, int],
-    combined: Mapping[str, int],
+    hits: _Hits,
     params: PolicyParams,
     avg_prompt_tokens: float,
 ) -> Decision:
@@ -478,10 +527,13 @@ def _ttft(
     ``details[replica_id]`` holds, besides the hit depths and loads, ``wait_s``, ``prefill_s``,
     ``delay_s``, ``evict_s``, ``ttft_s`` (wait + prefill: the predicted TTFT), ``total_s`` (+
     delay + evict: what is minimised) and ``work_tokens`` (queued + own prefill work, what the
-    rate learner fits).
+    rate learner fits). A CPU-tier hit is not prefilled: the request's own work is the tokens
+    past the GPU and CPU hits, and ``load_s``, the CPU-tier blocks' transfer at
+    ``cpu_load_tokens_per_s``, is part of its prefill (and TTFT); ``evict_s`` counts only the
+    new KV blocks (past both hits).
     """
     size = params.block_size
-    depth, conf, order = _hit_depths(request, replicas, ring, confirmed, combined, size)
+    depth, order = hits.depth, hits.order
     rank = {rid: i for i, rid in enumerate(order)}
     by_id = {r.replica_id: r for r in replicas}
     over = _over_load_cap(replicas, params.load_factor, TTFT_LOAD_HEADROOM)
@@ -493,21 +545,26 @@ def _ttft(
     for rid in order:
         r = by_id[rid]
         s_per_token = r.s_per_token or prior_s_per_token
-        hit_tokens = depth[rid] * size
+        cpu_tokens = hits.cpu[rid] * size
+        hit_tokens = depth[rid] * size + cpu_tokens
         queued = r.queued_prefill_tokens(avg_prompt_tokens)
         own = prefill_work_tokens(request.num_tokens - hit_tokens, hit_tokens)
+        load_s = cpu_tokens / params.cpu_load_tokens_per_s
         share = (r.recent_write_blocks * len(replicas) / total_writes if total_writes > 0
                  else 1.0)
-        new_blocks = max(prompt_blocks - depth[rid], 0)
+        # new KV only: blocks loaded from the host tier move between the replica's tiers (a GPU
+        # block they displace stays on the host, write-through), they add nothing to evict
+        new_blocks = max(prompt_blocks - depth[rid] - hits.cpu[rid], 0)
         wait_s = queued * s_per_token
-        prefill_s = r.overhead_s + own * s_per_token
+        prefill_s = r.overhead_s + own * s_per_token + load_s
         evict_s = params.evicted_reuse * new_blocks * size * s_per_token * share
         delay_s = own * s_per_token * waiting_behind
         terms[rid] = {"wait_s": wait_s, "prefill_s": prefill_s, "delay_s": delay_s,
                       "evict_s": evict_s, "ttft_s": wait_s + prefill_s,
                       "total_s": wait_s + prefill_s + delay_s + evict_s,
                       "work_tokens": queued + own, "queued_prefill_tokens": queued,
-                      "write_share": share, "tokens_per_s": 1.0 / s_per_token}
+                      "write_share": share, "tokens_per_s": 1.0 / s_per_token,
+                      "load_s": load_s}
 
     def cost(rid: str) -> tuple[float, int]:
         return (terms[rid]["total_s"], rank[rid])
@@ -537,15 +594,13 @@ def _ttft(
 
     rest = sorted((rid for rid in order if rid != chosen), key=lambda rid: (over[rid], cost(rid)))
     details = {
-        rid: {**_view_details(by_id[rid], conf[rid], depth[rid], over[rid], rank[rid]),
-              **terms[rid]}
+        rid: {**_view_details(by_id[rid], hits, rid, over[rid]), **terms[rid]}
         for rid in order
     }
-    hits = {rid: HitDepth(depth[rid], conf[rid]) for rid in depth}
     predictions = {rid: TtftPrediction(terms[rid]["work_tokens"], terms[rid]["ttft_s"])
                    for rid in order}
-    return Decision(chosen, reason, tuple(rest), depth[chosen], len(request.chain), details, hits,
-                    predictions)
+    return Decision(chosen, reason, tuple(rest), depth[chosen], len(request.chain), details,
+                    hits.hit_depths(), predictions)
 
 
 class LoadTracker:

@@ -9,7 +9,8 @@ The steps, each one call (the shape of llm-d's indexer read path):
 3. the candidates' loads (the router's own in-flight counts, the engines' heartbeats, recent KV
    writes, learned prefill rates), ``candidates``;
 4. every candidate's prefix hit depth in the index (worker-confirmed, and with the router's
-   speculative placements), ``BlockIndex.hit_depths``;
+   speculative placements), ``BlockIndex.hit_depths``, continued by its CPU tier,
+   ``BlockIndex.tier_depths``;
 5. the policy's decision, ``router.policy.decide``;
 6. the targets in retry order, with the engine-confirmed hit there, ``targets``.
 """
@@ -95,7 +96,7 @@ class RequestRouter:
         window = self.write_window(eligible)
         candidates = self.candidates(eligible, window)  # 3
         chain = prompt.keys if prompt is not None else []
-        confirmed, combined = self.hit_depths(chain, eligible, now)  # 4
+        confirmed, combined, tiered = self.hit_depths(chain, eligible, now)  # 4
         if prompt is not None:
             # the ring key of a prompt shorter than one block (the policies use the chain's keys
             # otherwise, so it is computed only then)
@@ -105,7 +106,7 @@ class RequestRouter:
             request = RouteInput([], max(1, len(spec.fallback_text()) // 4),
                                  text_key(spec.fallback_text()), tokenized=False)
         decision = self.decide(request, candidates, now, confirmed, combined,
-                               len(eligible), count=not dry_run)  # 5
+                               len(eligible), count=not dry_run, tiered=tiered)  # 5
         return Routed(decision, request.num_tokens, chain, self.targets(decision, eligible),  # 6
                       request.tokenized, prompt.complete if prompt is not None else True, lora,
                       window)
@@ -149,23 +150,26 @@ class RequestRouter:
         return out
 
     def hit_depths(self, chain: list[BlockKey], eligible: Sequence[Replica],
-                   now: float) -> tuple[dict[str, int], dict[str, int]]:
-        """Step 4: ``(confirmed, combined)`` hit depths in blocks per replica id (empty outside
-        the index policies)."""
+                   now: float) -> tuple[dict[str, int], dict[str, int], dict[str, int]]:
+        """Step 4: ``(confirmed, combined, tiered)`` hit depths in blocks per replica id: GPU
+        tier confirmed, with speculative placements, and that continued by the CPU tier (empty
+        outside the index policies)."""
         if not chain or not self.uses_index:
-            return {}, {}
+            return {}, {}, {}
         index = self.fleet.index
         mask = index.mask_of(r.replica_id for r in eligible)
-        return index.hit_depths(chain, mask, self.fleet.speculative, now)
+        confirmed, combined = index.hit_depths(chain, mask, self.fleet.speculative, now)
+        return confirmed, combined, index.tier_depths(chain, combined)
 
     def decide(self, request: RouteInput, candidates: list[Candidate], now: float,
                confirmed: dict[str, int], combined: dict[str, int], num_eligible: int,
-               count: bool) -> Decision:
+               count: bool, tiered: dict[str, int] | None = None) -> Decision:
         """Step 5: the configured policy's decision (``count``: advance round-robin)."""
         with self.tracing.span("route") as span:
             decision = decide(self.config.policy, request, candidates,
                               self.fleet.ring(self.fleet.routable(now)),
-                              confirmed=confirmed, combined=combined, params=self.params,
+                              confirmed=confirmed, combined=combined, tiered=tiered,
+                              params=self.params,
                               rr_counter=self.rr_counter,
                               avg_prompt_tokens=self.tracker.avg_prompt_tokens)
             if span is not None:

@@ -43,6 +43,7 @@ from router.auth import (
 from router.chain_cache import ChainCache
 from router.chat_render import UNTRUSTED_TEMPLATE_MESSAGE, TemplateRenderer, has_request_template
 from router.config import ConfigError, RouterConfig, load_config
+from router.contract import TIER_CPU
 from router.dispatch import Dispatch, Dispatcher, GaugedTicket
 from router.errors import (
     REQUEST_ID_HEADER,
@@ -397,6 +398,12 @@ class RouterService:
         predicted_hit = hit_tokens if replica_id == decision.replica_id else 0
         self.metrics.child(self.metrics.prompt_tokens, replica_id).inc(routed.num_tokens)
         self.metrics.child(self.metrics.predicted_hit_tokens, replica_id).inc(predicted_hit)
+        if replica_id == decision.replica_id and decision.predicted_hit:  # per tier
+            hit = decision.hit(replica_id)
+            self.metrics.child(self.metrics.predicted_tier_hit_blocks, replica_id,
+                               "GPU").inc(hit.blocks)
+            self.metrics.child(self.metrics.predicted_tier_hit_blocks, replica_id,
+                               "CPU").inc(hit.cpu_blocks)
         if status == 200:
             self._audit_request(spec, routed.num_tokens, predicted_hit, outcome, tenant)
 
@@ -510,6 +517,8 @@ class RouterService:
                 "lora_adapters": sorted(r.lora_adapters), "num_running": r.num_running,
                 "num_waiting": r.num_waiting, "kv_usage": r.kv_usage,
                 "index_blocks": self.fleet.index.num_blocks(rid),
+                "index_cpu_blocks": self.fleet.index.num_blocks(rid, TIER_CPU),
+                "kv_tiers": list(r.kv_tiers),
                 "circuit": self.fleet.health.state(rid),
                 "inflight_requests": self.tracker.requests(rid),
                 "inflight_prefill_tokens": self.tracker.prefill_tokens(rid),
@@ -546,6 +555,7 @@ class RouterService:
             "num_tokens": routed.num_tokens, "chain_blocks": len(routed.chain),
             "block_size": self.config.block_size, "replica": d.replica_id, "reason": d.reason,
             "hit_blocks": d.hit_blocks, "hit_tokens": d.hit_blocks * self.config.block_size,
+            "cpu_hit_blocks": d.hit(d.replica_id).cpu_blocks,
             "fallbacks": list(d.fallbacks), "replicas": d.details,
             # where each candidate's attempt would go: engine URL and DP rank (vLLM header)
             "targets": {t.replica_id: {"url": t.url, "dp_rank": t.dp_rank}

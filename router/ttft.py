@@ -37,6 +37,10 @@ import numpy as np
 ATTENTION_WORK_PER_CONTEXT_TOKEN: Final = 2 * 4096 * 32 / 8.0e9
 DEFAULT_PRIOR_TOKENS_PER_S: Final = 25_000.0  # prefill work tokens/s before any sample: 8B bf16
 # on an H100-class GPU, 400 TFLOP/s / (2 x 8e9 FLOPs per token) (the emulator's default profile)
+DEFAULT_CPU_LOAD_TOKENS_PER_S: Final = 50e9 / (2 * 32 * 8 * 128 * 2)  # = 381k tokens/s loaded from
+# the CPU tier (host memory) into the GPU: a 50 GB/s PCIe Gen5 host link (the emulator's
+# --gpu-host-link-gbps) over 128 KiB of KV per token (8B Llama-3: K and V x 32 layers x 8 KV heads
+# x 128 dims x 2 bytes); 15x the prior prefill rate, so a CPU-tier hit saves ~93% of a recompute
 WINDOW: Final = 32  # samples per replica in the fit: "converges within a few dozen requests"
 MIN_SAMPLES: Final = 4  # below this the prior rate stands (a median of 1-3 samples is noise)
 SAME_RATE_BAND: Final = 1.3  # a replica whose fitted seconds per token is within this factor of the
@@ -57,6 +61,18 @@ def prefill_work_tokens(num_new_tokens: int, num_cached_tokens: int) -> float:
     if n <= 0:
         return 0.0
     return n * (1.0 + ATTENTION_WORK_PER_CONTEXT_TOKEN * (c + (n + 1) / 2.0))
+
+
+def cpu_hit_value(prefill_tokens_per_s: float, cpu_load_tokens_per_s: float) -> float:
+    """The prefill time a CPU-tier hit saves, as a share of what a GPU hit of the same tokens
+    saves: ``1 - prefill rate / load rate`` (dimensionless, clamped to [0, 1]). A hit token on
+    the GPU costs nothing; one in host memory costs its transfer (``1 / cpu_load_tokens_per_s``
+    seconds) instead of its prefill (``1 / prefill_tokens_per_s``). Rates in tokens per second.
+    The attention a later token does against the loaded context stays the same either way.
+    Raises ``ValueError`` for a rate <= 0."""
+    if prefill_tokens_per_s <= 0 or cpu_load_tokens_per_s <= 0:
+        raise ValueError("rates must be > 0 tokens/s")
+    return min(max(1.0 - prefill_tokens_per_s / cpu_load_tokens_per_s, 0.0), 1.0)
 
 
 @dataclass(frozen=True, slots=True)

@@ -6,9 +6,10 @@ never treated as errors (one bad event must not cost the batch or fill the log):
 
 * ``tier``: a medium the worker is not configured to index (``--kv-tiers``; ``GPU`` is
   always indexed; vLLM publishes ``"CPU"`` for native offloading, ``"STORAGE"`` for
-  disk/remote tiers). With ``CPU`` indexed, a block is resident while any indexed tier
-  holds it (the view reference-counts copies: a GPU eviction of a block the CPU tier
-  still holds is not a removal);
+  disk/remote tiers, which no router values yet, so it is never indexed). With ``CPU``
+  indexed, the view keeps the host tier's blocks in a set of their own (Redis contract
+  version 4: resident keys per replica and tier), so a GPU eviction of a block the host
+  still holds leaves it routable as a CPU-tier hit;
 * ``group``: ``group_idx`` other than 0 (None counts as 0). Hybrid models (vLLM's hybrid
   KV-cache manager: full attention plus sliding-window or Mamba groups) publish one event
   stream per KV-cache group; the router follows group 0 only, so its hit depth is group
@@ -18,10 +19,10 @@ never treated as errors (one bad event must not cost the batch or fill the log):
   group's size, or an offloaded block size larger than the GPU's): its hashes are of
   another granularity and match no key the routers compute;
 * ``no_chain``: an offload-tier event (medium other than GPU) when keys must be re-hashed
-  from tokens (``key_mode=recomputed``) or placed in the chain by depth (``needs_chain``):
-  vLLM's offloading connector publishes ``BlockStored`` without ``token_ids`` and without a
-  parent, so neither those stores nor the tier's removals (which would cancel GPU copies)
-  can be placed;
+  from tokens (``key_mode=recomputed``, ``needs_chain``): vLLM's offloading connector
+  publishes ``BlockStored`` without ``token_ids`` and without a parent, so those stores
+  cannot be re-hashed. (The coarse index places them by the depth of the GPU store of the
+  same hash: ``worker.replica_view``);
 * ``unknown_type``: an event type this worker does not know (``UnknownEvent``);
 * ``dp_rank``: every event of a batch whose ``data_parallel_rank`` is not the rank this view
   follows (``dp_rank``; a data-parallel engine publishes one stream per rank, and a stream
@@ -41,6 +42,7 @@ from worker.kv_events import BlockRemoved, BlockStored, KVEventBatch, UnknownEve
 MEDIUM_GPU: Final = "GPU"
 DEFAULT_KV_TIERS: Final = ("GPU", "CPU")  # mediums indexed by default (vLLM native offloading)
 KNOWN_MEDIUMS: Final = ("GPU", "CPU", "STORAGE")
+INDEXED_MEDIUMS: Final = ("GPU", "CPU")  # router.contract.TIERS: the tiers routers value
 SKIP_REASONS: Final = ("tier", "group", "no_chain", "block_size", "unknown_type", "dp_rank")
 _BLOCK_EVENTS: Final = frozenset({BlockStored, BlockRemoved})
 _MEDIUM_GROUP: Final = operator.attrgetter("medium", "group_idx")
@@ -52,6 +54,11 @@ def parse_kv_tiers(text: str) -> frozenset[str]:
     unknown = tiers - set(KNOWN_MEDIUMS)
     if unknown:
         raise ValueError(f"unknown KV tiers {sorted(unknown)}; known: {', '.join(KNOWN_MEDIUMS)}")
+    unvalued = tiers - set(INDEXED_MEDIUMS)
+    if unvalued:
+        raise ValueError(f"KV tiers {sorted(unvalued)} are not indexed (routers value a hit on "
+                         f"{' and '.join(INDEXED_MEDIUMS)} only; their events are skipped as "
+                         "'tier')")
     return frozenset(tiers | {MEDIUM_GPU})
 
 
@@ -61,7 +68,7 @@ class EventFilter:
 
     ``block_size``: the routers' (None: not checked); ``tiers``: mediums indexed (a None
     medium, as older vLLM releases publish, counts as GPU); ``needs_chain``: keys come from
-    tokens or chain depth, so offload-tier events are unusable.
+    tokens (``key_mode=recomputed``), so offload-tier events are unusable.
     """
 
     block_size: int | None = None

@@ -154,9 +154,11 @@ def _number(value: float) -> int | float:
 def heartbeat_fields(*, replica_id: str, url: str, models: EngineModels, load: EngineLoad,
                      seed_fingerprint: str, hash_verified: str, key_mode: str,
                      num_blocks: int, now_s: float, index_stride: int = 1,
-                     dp_rank: int | None = None) -> dict[str, str | int | float]:
+                     dp_rank: int | None = None,
+                     kv_tiers: str = contract.TIER_GPU) -> dict[str, str | int | float]:
     """The ``F_*`` fields of one heartbeat except epoch/seq (the writer adds the committed ones).
-    ``dp_rank``: the engine's data-parallel rank this replica is (None: no data parallelism)."""
+    ``dp_rank``: the engine's data-parallel rank this replica is (None: no data parallelism);
+    ``kv_tiers``: the tiers the worker indexes (``router.contract.TIERS``, comma-separated)."""
     return {
         contract.F_REPLICA_ID: replica_id,
         contract.F_URL: url,
@@ -170,6 +172,7 @@ def heartbeat_fields(*, replica_id: str, url: str, models: EngineModels, load: E
         contract.F_KEY_MODE: key_mode,
         contract.F_CONTRACT: contract.CONTRACT_VERSION,
         contract.F_INDEX_STRIDE: index_stride,
+        contract.F_KV_TIERS: kv_tiers,
         contract.F_NUM_RUNNING: _number(load.num_running),
         contract.F_NUM_WAITING: _number(load.num_waiting),
         contract.F_KV_USAGE: load.kv_usage,

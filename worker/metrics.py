@@ -43,6 +43,7 @@ class WorkerSnapshot:
     num_unknown_depth_blocks: int = 0
     num_probes: int = 0
     resident_blocks: int = 0
+    resident_cpu_blocks: int = 0
     pending_changes: int = 0
     epoch: int = 0
     seq: int = -1
@@ -74,7 +75,9 @@ _COUNTERS: tuple[tuple[str, str, str], ...] = (
     ("worker_probes", "num_probes", "Hash agreement probes completed."),
 )
 _GAUGES: tuple[tuple[str, str, str], ...] = (
-    ("worker_resident_blocks", "resident_blocks", "Block keys resident on the replica."),
+    ("worker_resident_blocks", "resident_blocks", "Block keys resident on the replica's GPU."),
+    ("worker_resident_cpu_blocks", "resident_cpu_blocks",
+     "Block keys resident in the replica's CPU tier (host memory, vLLM native offloading)."),
     ("worker_pending_changes", "pending_changes", "Changes queued for Redis."),
     ("worker_epoch", "epoch", "Current epoch of the replica's view."),
     ("worker_last_seq", "seq", "Last KV event batch sequence number applied."),

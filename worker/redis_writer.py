@@ -1,10 +1,11 @@
 """Writes one replica's block-set changes and heartbeat to Redis. Does I/O (redis.asyncio).
 
-Per ``router/contract.py`` (version 3): the set ``{prefix}:{r}:blocks`` of 8-byte
-keys, changed by ONE single-slot Lua script call per flush (``_FLUSH``, on the replica's
-two hash-tagged keys, so it runs on a Redis Cluster too), then one ``{prefix}:events``
-stream entry (``replica``, ``epoch``, ``entry_seq``, ``cleared``, packed ``stored`` and
-``removed`` keys), sent after the script (in the same pipeline on one server or Sentinel, where
+Per ``router/contract.py`` (version 4): the sets ``{prefix}:{r}:blocks`` (GPU tier) and
+``{prefix}:{r}:blocks:CPU`` (CPU tier) of 8-byte keys, changed by ONE single-slot Lua script
+call per flush (``_FLUSH``, on the replica's three hash-tagged keys, so it runs on a Redis
+Cluster too), then one ``{prefix}:events`` stream entry (``replica``, ``epoch``,
+``entry_seq``, ``cleared``, packed ``stored`` and ``removed`` keys, and ``cpu_stored`` /
+``cpu_removed`` when the CPU tier changed), sent after the script (in the same pipeline on one server or Sentinel, where
 one connection runs them in order; once the script returned on a cluster, where the stream is
 in another slot). The changes queued since the last flush are merged into their net effect
 (the last change of a key wins; a ``cleared`` supersedes what came before it), sent as two
@@ -35,7 +36,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Final
 
 import redis.asyncio as aioredis
@@ -43,7 +44,7 @@ from redis.asyncio.cluster import RedisCluster
 from redis.exceptions import NoScriptError
 
 from router import contract
-from router.contract import OP_CLEARED, OP_STORED, BlockKey
+from router.contract import OP_CLEARED, OP_STORED, TIER_CPU, TIER_GPU, BlockKey
 from router.redis_client import reconnect_retry, redis_errors
 from worker.replica_view import NO_SEQ, Change
 
@@ -52,15 +53,17 @@ logger = logging.getLogger(__name__)
 # what a retry loop catches: Redis failed or unreachable (a cluster's seeds too)
 REDIS_ERRORS: Final = redis_errors()
 
-# One flush: the replica's two keys, one hash slot (tag {r}). KEYS: blocks set, heartbeat hash.
-# ARGV: 1 epoch, 2 seq, 3 cleared ("1"/"0"), 4 packed stored keys, 5 packed removed keys,
-# 6 entry_seq (of the stream entry that follows, or the last one), 7 heartbeat TTL in ms ("" = no
-# heartbeat: record epoch/seq/entry_seq only if the hash exists), 8.. heartbeat field/value pairs.
+# One flush: the replica's three keys, one hash slot (tag {r}). KEYS: GPU-tier blocks set,
+# heartbeat hash, CPU-tier blocks set.
+# ARGV: 1 epoch, 2 seq, 3 cleared ("1"/"0": both sets), 4 packed stored keys, 5 packed removed
+# keys, 6 entry_seq (of the stream entry that follows, or the last one), 7 heartbeat TTL in ms
+# ("" = no heartbeat: record epoch/seq/entry_seq only if the hash exists), 8 packed CPU-tier
+# stored keys, 9 packed CPU-tier removed keys, 10.. heartbeat field/value pairs.
 # Returns 1 when the heartbeat hash exists (or was written), 0 when it is gone.
 # Members are split off the packed strings in chunks below Lua's unpack() limit (LUAI_MAXCSTACK).
 _FLUSH: Final = """
 if redis.replicate_commands then pcall(redis.replicate_commands) end
-local function apply(cmd, blob)
+local function apply(cmd, blob, key)
   local n = #blob
   local i = 1
   while i <= n do
@@ -71,15 +74,17 @@ local function apply(cmd, blob)
       members[m] = string.sub(blob, i, i + 7)
       i = i + 8
     end
-    redis.call(cmd, KEYS[1], unpack(members))
+    redis.call(cmd, key, unpack(members))
   end
 end
-if ARGV[3] == '1' then redis.call('DEL', KEYS[1]) end
-apply('SREM', ARGV[5])
-apply('SADD', ARGV[4])
+if ARGV[3] == '1' then redis.call('DEL', KEYS[1], KEYS[3]) end
+apply('SREM', ARGV[5], KEYS[1])
+apply('SADD', ARGV[4], KEYS[1])
+apply('SREM', ARGV[9], KEYS[3])
+apply('SADD', ARGV[8], KEYS[3])
 if ARGV[7] ~= '' then
   redis.call('HSET', KEYS[2], 'epoch', ARGV[1], 'seq', ARGV[2], 'entry_seq', ARGV[6],
-             unpack(ARGV, 8))
+             unpack(ARGV, 10))
   redis.call('PEXPIRE', KEYS[2], ARGV[7])
   return 1
 end
@@ -121,15 +126,18 @@ class StoredState:
     epoch: int | None  # None when the heartbeat hash is gone
     seq: int
     key_mode: str | None
-    keys: list[BlockKey]
+    keys: list[BlockKey]  # the GPU tier's
     index_stride: int = 1  # the stride the keys were published with (absent field: 1)
+    cpu_keys: list[BlockKey] = field(default_factory=list)  # the CPU tier's
     entry_seq: int = 0  # stream entries the replica has written (absent field: 0)
 
 
-def net_changes(changes: list[Change]) -> tuple[bool, list[BlockKey], list[BlockKey]]:
-    """Net effect of queued changes: ``(cleared, stored, removed)``; a key's last change wins.
+def net_changes(changes: list[Change], tier: str = TIER_GPU,
+                ) -> tuple[bool, list[BlockKey], list[BlockKey]]:
+    """Net effect of queued changes on ``tier``'s set: ``(cleared, stored, removed)``; a key's
+    last change wins.
 
-    ``cleared``: some change reset the set (it and what follows are kept, what came before
+    ``cleared``: some change reset the sets (it and what follows are kept, what came before
     it is superseded). Every key is in at most one of ``stored`` and ``removed``.
     """
     cleared = False
@@ -137,7 +145,9 @@ def net_changes(changes: list[Change]) -> tuple[bool, list[BlockKey], list[Block
     for change in changes:
         if change.op == OP_CLEARED:
             cleared = True
-            last = dict.fromkeys(change.keys, True)
+            last = dict.fromkeys(change.keys if tier == TIER_GPU else change.cpu_keys, True)
+        elif change.tier != tier:
+            continue
         elif change.op == OP_STORED:
             last.update(dict.fromkeys(change.keys, True))
         else:
@@ -155,11 +165,12 @@ class RedisWriter:
     """
 
     def __init__(self, client: aioredis.Redis, prefix: str, replica_id: str, *,
-                 on_recovered: Callable[[], Change],
+                 on_recovered: Callable[[], Change],  # a ``cleared`` change: every tier's set
                  stream_maxlen: int = contract.EVENTS_STREAM_MAXLEN) -> None:
         self.client = client
         self.replica_id = replica_id
         self.blocks_key = contract.blocks_key(prefix, replica_id)
+        self.cpu_blocks_key = contract.blocks_key(prefix, replica_id, TIER_CPU)
         self.events_key = contract.events_key(prefix)
         self.replica_key = contract.replica_key(prefix, replica_id)
         self.stream_maxlen = stream_maxlen
@@ -224,8 +235,10 @@ class RedisWriter:
             pipe.execute_command("HMGET", self.replica_key, contract.F_EPOCH, contract.F_SEQ,
                                  contract.F_KEY_MODE, contract.F_INDEX_STRIDE, contract.F_ENTRY_SEQ)
             pipe.execute_command("SMEMBERS", self.blocks_key)
-            (epoch, seq, mode, stride, entry_seq), members = await pipe.execute()
+            pipe.execute_command("SMEMBERS", self.cpu_blocks_key)
+            (epoch, seq, mode, stride, entry_seq), members, cpu_members = await pipe.execute()
         keys = [contract.unpack_key(m) for m in members if len(m) == 8]
+        cpu_keys = [contract.unpack_key(m) for m in cpu_members if len(m) == 8]
         await self.client.script_load(_FLUSH)  # the flush pipeline sends EVALSHA alone
         self.hash_expected = epoch not in (None, b"")
         self.entry_seq = max(self.entry_seq, int(entry_seq) if entry_seq not in (None, b"") else 0)
@@ -236,6 +249,7 @@ class RedisWriter:
             keys=keys,
             index_stride=int(stride) if stride not in (None, b"") else 1,
             entry_seq=self.entry_seq,
+            cpu_keys=cpu_keys,
         )
 
     # -- heartbeat ---------------------------------------------------------------
@@ -360,26 +374,33 @@ class RedisWriter:
                 return
             position = (self.committed_epoch, self.committed_seq)
         cleared, stored, removed = net_changes(changes)
+        _, cpu_stored, cpu_removed = net_changes(changes, TIER_CPU)
         epoch, seq = position
-        has_entry = cleared or bool(stored) or bool(removed)
+        has_entry = cleared or bool(stored or removed or cpu_stored or cpu_removed)
         entry_seq = self.entry_seq + 1 if has_entry else self.entry_seq
         packed_stored, packed_removed = contract.pack_keys(stored), contract.pack_keys(removed)
+        packed_cpu_stored = contract.pack_keys(cpu_stored)
+        packed_cpu_removed = contract.pack_keys(cpu_removed)
         args: list[Any] = [epoch, seq, "1" if cleared else "0", packed_stored, packed_removed,
                            entry_seq]
         if heartbeat is not None:
             mapping, ttl_ms = heartbeat
             for name in (contract.F_EPOCH, contract.F_SEQ, contract.F_ENTRY_SEQ):
                 mapping.pop(name, None)
-            args.append(ttl_ms)
+            args += [ttl_ms, packed_cpu_stored, packed_cpu_removed]
             for name, value in mapping.items():
                 args += [name, value]
         else:
-            args.append("")
-        keys = [self.blocks_key, self.replica_key]
+            args += ["", packed_cpu_stored, packed_cpu_removed]
+        keys = [self.blocks_key, self.replica_key, self.cpu_blocks_key]
         entry: dict[Any, Any] = {
             contract.E_REPLICA: self.replica_id, contract.E_EPOCH: epoch,
             contract.E_ENTRY_SEQ: entry_seq, contract.E_CLEARED: "1" if cleared else "0",
             contract.E_STORED: packed_stored, contract.E_REMOVED: packed_removed}
+        if cpu_stored:
+            entry[contract.E_CPU_STORED] = packed_cpu_stored
+        if cpu_removed:
+            entry[contract.E_CPU_REMOVED] = packed_cpu_removed
         found: Any = None
         if has_entry and not self._cluster:
             # one round trip: one connection runs the script before the XADD (a cluster
@@ -409,7 +430,7 @@ class RedisWriter:
         self.committed_epoch, self.committed_seq = epoch, seq
         self.stats.num_transactions += 1
         self.stats.num_entries += int(has_entry)
-        self.stats.num_keys += len(stored) + len(removed)
+        self.stats.num_keys += len(stored) + len(removed) + len(cpu_stored) + len(cpu_removed)
         if heartbeat is not None:
             self.hash_expected = True
         elif not int(found):

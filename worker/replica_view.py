@@ -14,6 +14,13 @@ stored block's depth being its parent's plus one (vLLM 0.33 ``BlockStored``:
 ``parent_block_hash`` is None for block 0). A store whose parent the view never
 saw has no known depth and publishes no anchors (``num_unknown_depth_blocks``):
 the index under-reports, it never over-reports.
+
+Tiers (``router.contract.TIERS``): events with ``medium`` ``"CPU"`` (vLLM native offloading)
+change a second set, ``cpu_blocks``; every ``Change`` names its ``tier``. vLLM's offloading
+connector publishes a host store without parent or token ids, so on the coarse index the view
+takes a CPU block's depth from the GPU store of the same hash, which comes first (offloading is
+write-through: a block is copied to the host once the GPU has it); a host store of a hash the
+GPU view does not hold (any more) has no known depth and is counted like any other.
 """
 
 from __future__ import annotations
@@ -23,7 +30,16 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
-from router.contract import OP_CLEARED, OP_REMOVED, OP_STORED, BlockKey, anchor_positions_between
+from router.contract import (
+    OP_CLEARED,
+    OP_REMOVED,
+    OP_STORED,
+    TIER_CPU,
+    TIER_GPU,
+    BlockKey,
+    anchor_positions_between,
+    is_anchor,
+)
 from worker.block_keys import KEY_MODE_ENGINE, EngineKeys, KeyMapper
 from worker.block_set import BlockSet
 from worker.kv_events import (
@@ -42,17 +58,20 @@ NO_SEQ = -1  # last applied seq before any batch
 
 @dataclass(frozen=True, slots=True)
 class Change:
-    """One externally visible change of the replica's resident set.
+    """One externally visible change of the replica's resident sets.
 
-    ``op``: ``stored`` / ``removed`` (``keys`` = the 0->1 or 1->0 transitions) or
-    ``cleared`` (the set is replaced by ``keys`` under ``epoch``); ``seq``: the
-    KV event batch sequence number it came from (``NO_SEQ`` when none).
+    ``op``: ``stored`` / ``removed`` (``keys`` = the 0->1 or 1->0 transitions of ``tier``'s
+    set) or ``cleared`` (every tier's set is replaced: the GPU set by ``keys``, the CPU set by
+    ``cpu_keys``, under ``epoch``); ``seq``: the KV event batch sequence number it came from
+    (``NO_SEQ`` when none).
     """
 
     op: str
     keys: list[BlockKey]
     epoch: int
     seq: int
+    tier: str = TIER_GPU  # router.contract.TIERS; a ``cleared`` change covers every tier
+    cpu_keys: list[BlockKey] = field(default_factory=list)  # ``cleared`` only: the new CPU set
 
 
 @dataclass(slots=True)
@@ -63,6 +82,7 @@ class ViewStats:
     num_bad_events: int = 0  # events dropped because their keys could not be computed
     num_epoch_resets: int = 0
     num_unknown_depth_blocks: int = 0  # stored blocks whose chain depth is unknown (stride > 1)
+    num_unknown_depth_cpu_blocks: int = 0  # of them, host (CPU-tier) stores
     last_batch_ts: float = 0.0  # engine timestamp (unix s) of the last applied batch
 
 
@@ -74,10 +94,12 @@ class ReplicaView:
     """
 
     def __init__(self, epoch: int = 0, seq: int = NO_SEQ, keys: list[BlockKey] | None = None,
-                 mapper: KeyMapper | None = None, index_stride: int = 1) -> None:
+                 mapper: KeyMapper | None = None, index_stride: int = 1,
+                 cpu_keys: list[BlockKey] | None = None) -> None:
         if index_stride < 1:
             raise ValueError(f"index_stride must be >= 1, got {index_stride}")
-        self.blocks = BlockSet(keys or ())  # anchor keys only when index_stride > 1
+        self.blocks = BlockSet(keys or ())  # GPU tier; anchor keys only when index_stride > 1
+        self.cpu_blocks = BlockSet(cpu_keys or ())  # CPU tier (host memory), the same way
         self.epoch = epoch
         self.seq = seq
         self.mapper: KeyMapper = mapper if mapper is not None else EngineKeys()
@@ -101,17 +123,23 @@ class ReplicaView:
         stats = self.stats
         for event in _coalesced_removals(batch.events, self.mapper.mode == KEY_MODE_ENGINE):
             try:
+                if isinstance(event, BlockStored | BlockRemoved | _RemovedRun):
+                    medium = (event.merged if isinstance(event, _RemovedRun) else event).medium
+                    medium = medium or TIER_GPU
+                    if medium not in (TIER_GPU, TIER_CPU):
+                        continue  # another offload tier (the EventFilter counts these)
+                    tier = medium
                 if isinstance(event, BlockStored):
-                    op, keys = OP_STORED, self._stored(event)
+                    op, keys = OP_STORED, self._stored(event, tier)
                 elif isinstance(event, BlockRemoved):
-                    op, keys = OP_REMOVED, self._removed(event)
+                    op, keys = OP_REMOVED, self._removed(event, tier)
                 elif isinstance(event, AllBlocksCleared):
                     stats.events["AllBlocksCleared"] += 1
                     self.seq = seq
                     changes = [self._reset("engine cleared its prefix cache (AllBlocksCleared)")]
                     continue
                 elif isinstance(event, _RemovedRun):
-                    op, keys = OP_REMOVED, self._removed_run(event, stats, seq)
+                    op, keys = OP_REMOVED, self._removed_run(event, stats, seq, tier)
                 else:  # pragma: no cover - decode_batch only yields the three types
                     raise KVEventDecodeError(f"unknown event {type(event).__name__}")
             except KVEventDecodeError as exc:
@@ -122,39 +150,50 @@ class ReplicaView:
                 stats.events[type(event).__name__] += 1
             if not keys:
                 continue
-            if changes and changes[-1].op == op:
+            if changes and changes[-1].op == op and changes[-1].tier == tier:
                 changes[-1].keys.extend(keys)
             else:
-                changes.append(Change(op, keys, self.epoch, seq))
+                changes.append(Change(op, keys, self.epoch, seq, tier))
         self.seq = seq
         stats.last_batch_ts = batch.ts
         return changes
 
-    def _stored(self, event: BlockStored) -> list[BlockKey]:
+    def _stored(self, event: BlockStored, tier: str) -> list[BlockKey]:
         keys = self.mapper.stored(event)
-        return self.blocks.store(self._anchors(event, keys) if self.index_stride > 1 else keys)
-
-    def _removed(self, event: BlockRemoved) -> list[BlockKey]:
-        keys = self.mapper.removed(event)
         if self.index_stride > 1:
-            self._forget_depths(event, keys)
+            # a host-tier store has no parent of its own: it takes the depth of the GPU store
+            # of the same hash (write-through: that store came first)
+            keys = (self._anchors(event, keys) if tier == TIER_GPU
+                    else self._cpu_anchors(event, keys))
+        return self._tier_blocks(tier).store(keys)
+
+    def _removed(self, event: BlockRemoved, tier: str) -> list[BlockKey]:
+        keys = self.mapper.removed(event)
+        blocks = self._tier_blocks(tier)
+        if self.index_stride > 1:
+            if tier == TIER_GPU:
+                self._forget_depths(event, keys)
             # non-anchors were never published; a key gone by an earlier removal of the same
             # run is skipped as it would be one event at a time (checked before each removal)
-            return self.blocks.discard(keys)
-        return self.blocks.remove(keys)
+            return blocks.discard(keys)
+        return blocks.remove(keys)
 
-    def _removed_run(self, run: _RemovedRun, stats: ViewStats, seq: int) -> list[BlockKey]:
+    def _tier_blocks(self, tier: str) -> BlockSet:
+        return self.blocks if tier == TIER_GPU else self.cpu_blocks
+
+    def _removed_run(self, run: _RemovedRun, stats: ViewStats, seq: int,
+                     tier: str) -> list[BlockKey]:
         """A run of consecutive evictions applied as one event (same state, changes and
         counters as one by one: tests/unit/test_removal_runs.py); if a hash in it is bad,
         event by event, so only the bad event is dropped. Only for key mappers whose
         ``removed`` changes nothing before it raises (``EngineKeys``)."""
         try:
-            keys = self._removed(run.merged)
+            keys = self._removed(run.merged, tier)
         except KVEventDecodeError:
             keys = []
             for event in run.events:
                 try:
-                    keys.extend(self._removed(event))
+                    keys.extend(self._removed(event, tier))
                 except KVEventDecodeError as exc:
                     stats.num_bad_events += 1
                     logger.warning("dropping BlockRemoved in batch seq %d: %s", seq, exc)
@@ -189,6 +228,20 @@ class ReplicaView:
         return [keys[p - base] for p in anchor_positions_between(base, base + len(keys),
                                                                  self.index_stride)]
 
+    def _cpu_anchors(self, event: BlockStored, keys: list[BlockKey]) -> list[BlockKey]:
+        """The keys of a host (CPU-tier) store at anchor positions, placed by the depth the GPU
+        store of the same hash recorded (the connector publishes no parent)."""
+        depth, stride = self._depth, self.index_stride
+        out: list[BlockKey] = []
+        for engine_key, key in zip(self._engine_keys(event.block_hashes, keys), keys, strict=True):
+            d = depth.get(engine_key)
+            if d is None:
+                self.stats.num_unknown_depth_blocks += 1
+                self.stats.num_unknown_depth_cpu_blocks += 1
+            elif is_anchor(d, stride):
+                out.append(key)
+        return out
+
     def _forget_depths(self, event: BlockRemoved, keys: list[BlockKey]) -> None:
         depth, extra = self._depth, self._extra_copies
         for key in self._engine_keys(event.block_hashes, keys):
@@ -213,8 +266,9 @@ class ReplicaView:
         """Keep the keys but bump ``epoch`` and publish the whole set (after a Redis outage)."""
         self.epoch += 1
         self.stats.num_epoch_resets += 1
-        logger.warning("epoch %d: republishing %d blocks: %s", self.epoch, len(self.blocks), reason)
-        return Change(OP_CLEARED, self.blocks.keys(), self.epoch, self.seq)
+        logger.warning("epoch %d: republishing %d blocks (%d on the CPU tier): %s", self.epoch,
+                       len(self.blocks), len(self.cpu_blocks), reason)
+        return self.publish_whole()
 
     def rekeyed(self, mapper: KeyMapper, reason: str) -> ReplicaView:
         """An empty view under ``mapper`` at the next epoch, to be filled from the engine's replay.
@@ -232,11 +286,14 @@ class ReplicaView:
         return view
 
     def publish_whole(self) -> Change:
-        """The whole set as one change that replaces what Redis holds (same epoch and seq)."""
-        return Change(OP_CLEARED, self.blocks.keys(), self.epoch, self.seq)
+        """Every tier's whole set as one change that replaces what Redis holds (same epoch and
+        seq)."""
+        return Change(OP_CLEARED, self.blocks.keys(), self.epoch, self.seq,
+                      cpu_keys=self.cpu_blocks.keys())
 
     def _reset(self, reason: str) -> Change:
         self.blocks.clear()
+        self.cpu_blocks.clear()
         self.mapper.clear()
         self._depth.clear()
         self._extra_copies.clear()

@@ -28,7 +28,7 @@ from typing import Any, Final
 import aiohttp
 import redis.asyncio as aioredis
 
-from router.contract import OP_CLEARED
+from router.contract import OP_CLEARED, TIERS
 from router.hashing import BlockHasher, HashConfigError
 from router.logs import configure_logging
 from router.redis_client import reconnect_retry, redis_client
@@ -106,8 +106,9 @@ class Worker:
         """``batch`` without the events ``view`` cannot use (other tiers, block sizes, ...)."""
         event_filter = self.event_filter
         event_filter.block_size = self.config.block_size or self.engine_block_size
-        # offload events carry no parent: no chain depth for the coarse index either
-        event_filter.needs_chain = view.key_mode == KEY_MODE_RECOMPUTED or view.index_stride > 1
+        # offload events carry no token ids: nothing to re-hash (the coarse index places them by
+        # the depth of the GPU store of the same hash, in the view)
+        event_filter.needs_chain = view.key_mode == KEY_MODE_RECOMPUTED
         return event_filter.apply(batch)
 
     def resync(self, reason: str) -> None:
@@ -166,6 +167,7 @@ class Worker:
             "key_mode": self.view.key_mode,
             "num_blocks": len(self.view.blocks),
             "index_stride": self.view.index_stride,
+            "kv_tiers": ",".join(t for t in TIERS if t in self.event_filter.tiers),
         }
 
     # -- probe ---------------------------------------------------------------------
@@ -305,9 +307,11 @@ class Worker:
                     pass
             self.writer.enqueue(self.view.reset(f"restarted with {lost}"))
             return False
-        self.view = ReplicaView(epoch=state.epoch, seq=state.seq, keys=state.keys)
-        logger.info("restored replica %s: epoch %d, seq %d, %d blocks", self.config.replica_id,
-                    state.epoch, state.seq, len(state.keys))
+        self.view = ReplicaView(epoch=state.epoch, seq=state.seq, keys=state.keys,
+                                cpu_keys=state.cpu_keys)
+        logger.info("restored replica %s: epoch %d, seq %d, %d blocks (%d on the CPU tier)",
+                    self.config.replica_id, state.epoch, state.seq, len(state.keys),
+                    len(state.cpu_keys))
         return True
 
     def snapshot(self) -> WorkerSnapshot:
@@ -335,6 +339,7 @@ class Worker:
             num_unknown_depth_blocks=stats.num_unknown_depth_blocks,
             num_probes=self.num_probes,
             resident_blocks=len(self.view.blocks),
+            resident_cpu_blocks=len(self.view.cpu_blocks),
             pending_changes=self.writer.num_pending,
             epoch=self.view.epoch,
             seq=self.view.seq,

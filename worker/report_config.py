@@ -74,8 +74,8 @@ _HELP: Final = {
                           "or 'auto' (every rank's from the engine's GET /kv_event_sources)",
     "data_parallel_size": "DP ranks of the engine when the endpoints are given by hand (rank "
                           "r: ports + r); each rank is the replica REPLICA_ID#r",
-    "kv_tiers": "mediums whose KV events are indexed, comma-separated: GPU (always), CPU, "
-                "STORAGE; default GPU,CPU; GPU alone makes the CPU tier invisible",
+    "kv_tiers": "mediums whose KV events are indexed, comma-separated: GPU (always), CPU; "
+                "default GPU,CPU; GPU alone makes the CPU tier invisible (STORAGE is not indexed)",
 }
 SETTINGS: Final = Settings(
     WorkerConfig, prog="prefix-worker report", env_prefix=ENV_PREFIX,

@@ -199,10 +199,11 @@ def test_a_router_following_many_replicas_on_a_cluster_holds_whole_flushes(
                             # the set change and entry_seq commit, the stream entry is lost
                             writer.entry_seq += 1
                             await flush_script(
-                                keys=[writer.blocks_key, writer.replica_key],
+                                keys=[writer.blocks_key, writer.replica_key,
+                                      writer.cpu_blocks_key],
                                 args=[1, flush, "0", c.pack_keys(_flush_keys(i, flush)),
                                       c.pack_keys(_flush_keys(i, flush - KEPT_FLUSHES)),
-                                      writer.entry_seq, ""])
+                                      writer.entry_seq, "", b"", b""])
                             writer._pending.clear()
                         else:
                             await writer.flush()

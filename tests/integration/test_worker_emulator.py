@@ -89,6 +89,10 @@ class Redis:
         return {contract.unpack_key(m)
                 for m in self.client.smembers(contract.blocks_key("pr", REPLICA))}  # type: ignore[union-attr]
 
+    def cpu_blocks(self) -> set[int]:
+        return {contract.unpack_key(m) for m in self.client.smembers(  # type: ignore[union-attr]
+            contract.blocks_key("pr", REPLICA, contract.TIER_CPU))}
+
     def heartbeat(self) -> dict[str, str]:
         raw: Any = self.client.hgetall(contract.replica_key("pr", REPLICA))
         return {k.decode(): v.decode() for k, v in raw.items()}

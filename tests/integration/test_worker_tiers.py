@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import requests
 
+from router import contract
 from tests.helpers import wait_for
 from tests.integration.test_emulator import metric
 from tests.integration.test_router_fleet import Router
@@ -53,18 +54,22 @@ def test_cpu_tier_keeps_evicted_prefixes_routable(
     procs.append(router.proc)
     wait_for(lambda: router.ready().get("replicas"), 30, message="router sees the replica")
 
-    def hit_blocks() -> int:
+    def hit_blocks() -> tuple[int, int]:
         decision = json.loads(router.post("/debug/route", {"prompt": [*tokens_a, 9, 9]})[2])
-        return max(v["confirmed_hit_blocks"] for v in decision["replicas"].values())
+        return (max(v["confirmed_hit_blocks"] for v in decision["replicas"].values()),
+                max(v["cpu_hit_blocks"] for v in decision["replicas"].values()))
 
+    # Either way A's keys left the GPU tier's set with its GPU copy.
+    wait_for(lambda: not keys_a & rds.blocks(), 20, message="A's keys removed from the GPU tier")
     if tiers == "GPU,CPU":
-        # The demotion is not a removal: A's prefix stays in Redis and in the router's index.
-        assert keys_a <= rds.blocks()
-        wait_for(lambda: hit_blocks() == 2, 20, message="router hit on the CPU-tier prefix")
+        # The demotion is not a removal: A's prefix stays in Redis (CPU tier) and in the
+        # router's index, as a CPU-tier hit (contract version 4: one set per tier).
+        assert keys_a <= rds.cpu_blocks()
+        assert rds.heartbeat()[contract.F_KV_TIERS] == "GPU,CPU"
+        wait_for(lambda: hit_blocks() == (0, 2), 20, message="router CPU-tier hit")
     else:
-        # The tier invisible to the router: A's keys left with its GPU copy.
-        wait_for(lambda: not keys_a & rds.blocks(), 20, message="A's keys removed")
-        assert hit_blocks() == 0
+        assert not rds.cpu_blocks() and rds.heartbeat()[contract.F_KV_TIERS] == "GPU"
+        assert hit_blocks() == (0, 0)
     reply = requests.post(f"{emu.url}/v1/completions", timeout=30, json={
         "model": "emulated-llm", "prompt": [*tokens_a, 9, 9], "max_tokens": 1}).json()
     assert reply["usage"]["prompt_tokens"] == 42

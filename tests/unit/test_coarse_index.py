@@ -118,6 +118,7 @@ def test_a_replica_with_another_stride_or_another_contract_gets_no_prefix_credit
     _beat(fleet, "other", **{c.F_CONTRACT: now, c.F_INDEX_STRIDE: "4"})
     _beat(fleet, "old", 1)  # an untagged key without the field: a contract-1 worker, stride 1
     _beat(fleet, "two", **{c.F_CONTRACT: "2", c.F_INDEX_STRIDE: "16"})  # untagged keys
+    _beat(fleet, "three", **{c.F_CONTRACT: "3", c.F_INDEX_STRIDE: "16"})  # tiers in one set
     _beat(fleet, "future", **{c.F_CONTRACT: str(c.CONTRACT_VERSION + 1), c.F_INDEX_STRIDE: "16"})
     replicas = fleet.replicas
     assert fleet.config_mismatch(replicas["same"]) is None
@@ -125,13 +126,15 @@ def test_a_replica_with_another_stride_or_another_contract_gets_no_prefix_credit
     assert "index_stride 4 != router's 16" in (fleet.affinity_problem(replicas["other"]) or "")
     assert "version 1 is older" in (fleet.config_mismatch(replicas["old"]) or "")
     assert "version 2 is older" in (fleet.config_mismatch(replicas["two"]) or "")
+    assert "version 3 is older" in (fleet.config_mismatch(replicas["three"]) or "")
+    assert fleet.apply_changes("three", 0, False, [1], []) == "config_mismatch"
     assert "newer" in (fleet.config_mismatch(replicas["future"]) or "")
     # a version-2 worker's entries are not applied (its set, untagged, is never loaded either)
     assert fleet.apply_changes("two", 0, False, [1], []) == "config_mismatch"
     exact = _fleet(1)
     _beat(exact, "tagged", **{c.F_CONTRACT: now})
     assert exact.config_mismatch(exact.replicas["tagged"]) is None
-    _beat(exact, "bare")  # a hash-tagged key without the field: version 3
+    _beat(exact, "bare")  # a hash-tagged key without the field: taken as this router's version
     assert exact.config_mismatch(exact.replicas["bare"]) is None
 
 

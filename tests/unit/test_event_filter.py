@@ -57,21 +57,47 @@ def test_array_encoded_frames_decode_to_the_same_state_as_map_encoded() -> None:
     for payload in (maps, arrays):
         view, flt = ReplicaView(), EventFilter(block_size=B)
         view.apply_batch(0, flt.apply(decode_batch(payload)))
-        states.append((set(view.blocks.keys()), dict(flt.by_medium), dict(flt.skipped)))
-    assert states[0] == states[1] == ({1, 3}, {"GPU": 4, "CPU": 1}, {})
+        states.append((set(view.blocks.keys()), set(view.cpu_blocks.keys()),
+                       dict(flt.by_medium), dict(flt.skipped)))
+    assert states[0] == states[1] == ({3}, {1}, {"GPU": 4, "CPU": 1}, {})
 
 
 def test_gpu_demotion_to_the_cpu_tier_is_not_a_removal() -> None:
     view, flt = ReplicaView(), EventFilter(block_size=B)
     run(view, flt, [gpu_stored([1, 2, 3])], [cpu_stored([1, 2, 3])])
-    # The GPU evicts all three; the CPU tier still holds them: still routable.
-    assert run(view, flt, [BlockRemoved([3, 2, 1], "GPU")]) == {1, 2, 3}
-    assert run(view, flt, [BlockRemoved([3], "CPU")]) == {1, 2}
+    assert set(view.cpu_blocks) == {1, 2, 3}
+    # The GPU evicts all three; the CPU tier still holds them: still routable, as CPU-tier hits.
+    assert run(view, flt, [BlockRemoved([3, 2, 1], "GPU")]) == set()
+    assert set(view.cpu_blocks) == {1, 2, 3}
+    run(view, flt, [BlockRemoved([3], "CPU")])
+    assert set(view.cpu_blocks) == {1, 2}
     # Tier invisible to the router (--kv-tiers GPU): the demotion is a removal.
     view, flt = ReplicaView(), EventFilter(block_size=B, tiers=parse_kv_tiers("GPU"))
     run(view, flt, [gpu_stored([1, 2, 3])], [cpu_stored([1, 2, 3])])
     assert run(view, flt, [BlockRemoved([3, 2, 1], "GPU")]) == set()
-    assert flt.skipped == {"tier": 1}
+    assert not view.cpu_blocks and flt.skipped == {"tier": 1}
+
+
+def test_changes_name_their_tier_and_the_coarse_index_places_host_stores_by_gpu_depth() -> None:
+    # Coarse index (stride 4: anchors at depths 0, 1, 3, 7, ...). The connector's host stores
+    # carry no parent: their depth is the GPU store's of the same hash (write-through: first).
+    view, flt = ReplicaView(index_stride=4), EventFilter(block_size=B)
+    seq = 0
+    def apply(*events: Any) -> list[tuple[str, str, list[int]]]:
+        nonlocal seq
+        seq += 1
+        return [(ch.op, ch.tier, ch.keys) for ch in view.apply_batch(seq, flt.apply(
+            KVEventBatch(1.0, list(events), 0)))]
+    assert apply(gpu_stored([10, 11, 12, 13, 14])) == [("stored", "GPU", [10, 11, 13])]
+    assert apply(cpu_stored([10, 11, 12, 13, 14])) == [("stored", "CPU", [10, 11, 13])]
+    # a host store of a hash the GPU view never held has no depth: counted, not published
+    assert apply(cpu_stored([99])) == []
+    assert view.stats.num_unknown_depth_cpu_blocks == 1
+    assert apply(BlockRemoved([13, 14], "GPU"), BlockRemoved([11], "CPU")) == [
+        ("removed", "GPU", [13]), ("removed", "CPU", [11])]
+    assert set(view.blocks) == {10, 11} and set(view.cpu_blocks) == {10, 13}
+    whole = view.publish_whole()
+    assert (whole.op, set(whole.keys), set(whole.cpu_keys)) == ("cleared", {10, 11}, {10, 13})
 
 
 def test_hybrid_groups_and_foreign_block_sizes_are_skipped_and_counted() -> None:
@@ -90,8 +116,8 @@ def test_hybrid_groups_and_foreign_block_sizes_are_skipped_and_counted() -> None
 
 
 def test_offload_events_skipped_when_keys_need_the_chain() -> None:
-    # key_mode=recomputed (and the coarse index) place keys by tokens / chain depth: the
-    # connector's token-less, parent-less stores and the tier's removals cannot be placed.
+    # key_mode=recomputed re-hashes keys from tokens: the connector's token-less stores and the
+    # tier's removals cannot be placed.
     view, flt = ReplicaView(), EventFilter(block_size=B, needs_chain=True)
     keys = run(view, flt, [gpu_stored([1, 2]), cpu_stored([1, 2]), BlockRemoved([1], "CPU")])
     assert keys == {1, 2} and flt.skipped == {"no_chain": 2}
@@ -118,3 +144,5 @@ def test_usable_batch_passes_through_unchanged() -> None:
     with pytest.raises(ValueError, match="unknown KV tiers"):
         parse_kv_tiers("GPU,HBM")
     assert parse_kv_tiers("cpu") == {"GPU", "CPU"}
+    with pytest.raises(ValueError, match="not indexed"):
+        parse_kv_tiers("GPU,CPU,STORAGE")

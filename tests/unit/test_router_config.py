@@ -67,7 +67,8 @@ def test_policy_params_come_from_the_settings_with_one_set_of_defaults() -> None
     changed = RouterConfig(**fleet, block_size=32, load_factor=3.0, load_headroom=1, queue_slack_tokens=7,
                            recompute_penalty=2.0, min_hit_fraction=0.5, min_affinity_blocks=5,
                            consistent_hash_tokens=640, cold_candidates=2, cold_queue_slack_tokens=9,
-                           ttft_prior_tokens_per_s=1000.0, ttft_evicted_reuse=0.25)
+                           ttft_prior_tokens_per_s=1000.0, ttft_evicted_reuse=0.25,
+                           cpu_load_tokens_per_s=5e4)
     params = changed.policy_params()
     assert params.consistent_hash_blocks == 20 and params.evicted_reuse == 0.25
     for f in dataclasses.fields(PolicyParams):
