@@ -9,11 +9,15 @@ from __future__ import annotations
 
 import json
 import re
+import socket
+from pathlib import Path
 from typing import Any
 
 import helm_python as helm
 import pytest
+import requests
 
+from loadtest.harness import stop_processes
 from tests.helm.test_chart import (
     FULLNAME,
     NAMESPACE,
@@ -25,6 +29,7 @@ from tests.helm.test_chart import (
     one,
     render,
 )
+from tests.helpers import PYTHON, free_port, start_process, wait_for
 
 __all__ = ["chart"]  # the module fixture, shared
 
@@ -188,3 +193,72 @@ def test_explicit_replay_port_renders_while_the_ranges_are_apart(chart: helm.Cha
         engine = containers(render(chart, {"fleet": fleet}), "StatefulSet", "-fleet")["engine"]
         kv = json.loads(flag(engine["args"], "--kv-events-config") or "{}")
         assert kv["replay_endpoint"] == f"tcp://*:{replay}"
+
+
+def free_port_run(count: int) -> int:
+    """A port whose next ``count`` - 1 ports are free on loopback too (a rank range)."""
+    for _ in range(50):
+        base = free_port()
+        if base + count > 65535:
+            continue
+        sockets: list[socket.socket] = []
+        try:
+            for port in range(base, base + count):
+                sockets.append(socket.socket())
+                sockets[-1].bind(("127.0.0.1", port))
+            return base
+        except OSError:
+            continue
+        finally:
+            for s in sockets:
+                s.close()
+    raise RuntimeError(f"no {count} consecutive free ports")
+
+
+@pytest.mark.timeout(120)
+def test_the_rendered_pod_runs_every_rank(chart: helm.Chart, redis_url: str, tmp_path: Path) -> None:
+    """Run the rendered emulator command and worker environment of a DP=2 pod (on loopback, the
+    ports moved to free ones through the chart's own values, the Redis URL the test's): the worker
+    reports both ranks as replicas <pod>#0 and <pod>#1 with the engine's URL and their rank, and
+    serves each rank's metrics on the port the chart lists for it."""
+    import redis as redis_lib
+
+    from router import contract
+    from worker.emulator.tokenizer import default_tokenizer_dir
+
+    dp = 2
+    values = {"fleet": {"engine": "emulator", "dataParallelSize": dp, "port": free_port(),
+                        "kvEvents": {"port": free_port_run(2 * dp)},
+                        "worker": {"metricsPort": free_port_run(dp)}}}
+    objects = render(chart, values)
+    engine, worker = (containers(objects, "StatefulSet", "-fleet")[c] for c in ("engine", "worker"))
+    assert engine["command"] == ["prefix-worker", "emulate"]
+    args = ["127.0.0.1" if a == "0.0.0.0" else a for a in engine["args"]]
+    args[args.index("--tokenizer") + 1] = default_tokenizer_dir()
+    engine_env = {k: v for k, v in env_of(engine).items() if isinstance(v, str)}
+    engine_env["HF_HOME"] = str(tmp_path / "hf")
+    env = pod_env(worker) | {"WORKER_REDIS_URL": redis_url, "WORKER_METRICS_HOST": "127.0.0.1"}
+    assert worker["command"] == ["prefix-worker", "report"] and "args" not in worker
+    procs = [start_process([PYTHON, "-m", "worker.cli", "emulate", *args], env=engine_env),
+             start_process([PYTHON, "-m", "worker.cli", "report"], env=env)]
+    client = redis_lib.Redis.from_url(redis_url)
+    try:
+        def beat(rank: int) -> dict[bytes, bytes]:
+            raw: dict[bytes, bytes] = client.hgetall(contract.replica_key("pr", f"{POD}#{rank}"))
+            return raw
+
+        wait_for(lambda: all(beat(r) for r in range(dp)), 60, message="both ranks reported",
+                 procs=procs)
+        engine_url = f"http://127.0.0.1:{values['fleet']['port']}"
+        for rank in range(dp):
+            fields = {k.decode(): v.decode() for k, v in beat(rank).items()}
+            assert fields[contract.F_DP_RANK] == str(rank)
+            assert fields[contract.F_URL] == env["WORKER_ADVERTISE_URL"] != engine_url
+        listed = {p["name"]: p["containerPort"] for p in worker["ports"]}
+        assert len(listed) == dp
+        for name, port in listed.items():
+            page = requests.get(f"http://127.0.0.1:{port}/metrics", timeout=10)
+            assert page.status_code == 200 and "worker_" in page.text, name
+    finally:
+        client.close()
+        stop_processes(procs)
