@@ -243,15 +243,15 @@ def test_the_rendered_pod_runs_every_rank(chart: helm.Chart, redis_url: str, tmp
              start_process([PYTHON, "-m", "worker.cli", "report"], env=env)]
     client = redis_lib.Redis.from_url(redis_url)
     try:
-        def beat(rank: int) -> dict[bytes, bytes]:
-            raw: dict[bytes, bytes] = client.hgetall(contract.replica_key("pr", f"{POD}#{rank}"))
-            return raw
+        def beat(rank: int) -> dict[str, str]:
+            raw: Any = client.hgetall(contract.replica_key("pr", f"{POD}#{rank}"))
+            return {k.decode(): v.decode() for k, v in raw.items()}
 
         wait_for(lambda: all(beat(r) for r in range(dp)), 60, message="both ranks reported",
                  procs=procs)
         engine_url = f"http://127.0.0.1:{values['fleet']['port']}"
         for rank in range(dp):
-            fields = {k.decode(): v.decode() for k, v in beat(rank).items()}
+            fields = beat(rank)
             assert fields[contract.F_DP_RANK] == str(rank)
             assert fields[contract.F_URL] == env["WORKER_ADVERTISE_URL"] != engine_url
         listed = {p["name"]: p["containerPort"] for p in worker["ports"]}
