@@ -96,6 +96,16 @@ VALUE_SETS: dict[str, dict[str, Any]] = {
     "emulator": {
         "fleet": {"engine": "emulator", "replicas": 3, "emulator": {"timeScale": 0.5, "numGpuBlocks": 2048}},
     },
+    "data-parallel": {
+        # two ranks of TP 2 per replica, scraped and fenced per rank
+        "fleet": {"dataParallelSize": 2, "vllm": {"tensorParallelSize": 2}},
+        "networkPolicy": {"enabled": True, "metricsFrom": [
+            {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}}]},
+        "metrics": {"serviceMonitor": {"enabled": True}},
+    },
+    "data-parallel-emulator": {
+        "fleet": {"engine": "emulator", "dataParallelSize": 4},
+    },
     "hpa-pdb": {
         "router": {
             "autoscaling": {"enabled": True, "minReplicas": 2, "maxReplicas": 6},
@@ -872,7 +882,8 @@ def test_ingress_and_httproute_reach_the_router_service(chart: helm.Chart) -> No
     assert rule["timeouts"] == {"request": "600s"}
 
 
-@pytest.mark.parametrize("value_set", ["edge-netpol-tracing", "redis-cluster", "production-16"])
+@pytest.mark.parametrize("value_set", ["edge-netpol-tracing", "redis-cluster", "production-16",
+                                       "data-parallel"])
 def test_network_policies_let_only_the_router_reach_engines_and_only_clients_reach_redis(
         chart: helm.Chart, value_set: str) -> None:
     values = VALUE_SETS[value_set]
@@ -896,8 +907,11 @@ def test_network_policies_let_only_the_router_reach_engines_and_only_clients_rea
     assert [p["port"] for p in engine_rule["ports"]] == ["http"] and "http" in fleet_ports
     scrapers = values.get("networkPolicy", {}).get("metricsFrom", [])
     assert [r["from"] for r in metrics_rules] == ([scrapers] if scrapers else [])
+    worker = containers(objects, "StatefulSet", "-fleet")["worker"]
+    worker_metrics = {p["name"] for p in worker["ports"]}  # one per data-parallel rank
+    assert "worker-metrics" in worker_metrics
     for rule in metrics_rules:
-        assert {p["port"] for p in rule["ports"]} == {"http", "worker-metrics"} <= fleet_ports
+        assert {p["port"] for p in rule["ports"]} == {"http"} | worker_metrics <= fleet_ports
     # the router: its port, from networkPolicy.router.from (default everyone)
     (router_rule,) = policies["router"]["ingress"]
     assert router_rule["ports"] == [{"port": "http", "protocol": "TCP"}]

@@ -129,6 +129,7 @@ float64, so format them as integers. */}}
 {{- fail "every model.loraAdapters entry needs a name and a path" }}
 {{- end }}
 {{- end }}
+{{- include "prefix-router.validateFleetPorts" . }}
 {{- if not (has .Values.fleet.engine (list "vllm" "emulator")) }}
 {{- fail (printf "fleet.engine must be vllm or emulator, got %q" (toString .Values.fleet.engine)) }}
 {{- end }}
@@ -193,10 +194,71 @@ model itself for vLLM, else the Qwen3 files the image ships for the emulator
 {{- end }}
 {{- end }}
 
-{{/* vLLM --kv-events-config JSON: pod-local ZMQ publisher and replay sockets. */}}
+{{/* vLLM --kv-events-config JSON: pod-local ZMQ publisher and replay sockets (rank 0's;
+rank r of a data-parallel engine binds each port + r). */}}
 {{- define "prefix-router.kvEventsConfig" -}}
 {{- $kv := .Values.fleet.kvEvents }}
-{{- dict "enable_kv_cache_events" true "publisher" "zmq" "endpoint" (printf "tcp://*:%d" (int $kv.port)) "replay_endpoint" (printf "tcp://*:%d" (int $kv.replayPort)) "buffer_steps" (int $kv.bufferSteps) "topic" "" | toJson }}
+{{- dict "enable_kv_cache_events" true "publisher" "zmq" "endpoint" (printf "tcp://*:%d" (int $kv.port)) "replay_endpoint" (printf "tcp://*:%s" (include "prefix-router.kvReplayPort" .)) "buffer_steps" (int $kv.bufferSteps) "topic" "" | toJson }}
+{{- end }}
+
+{{/* ---------------------------------------------------------------------------
+Data-parallel engines (fleet.dataParallelSize N, vLLM --data-parallel-size): one HTTP
+server fronting N engine ranks in the pod. Rank r binds the KV events port + r and the
+replay port + r (vLLM 0.33 offset_endpoint_port, vllm/distributed/kv_events.py); the
+worker sidecar runs one worker per rank and serves rank r's metrics on metricsPort + r
+(worker.report.rank_configs).
+--------------------------------------------------------------------------- */}}
+
+{{/* Rank 0's replay port: fleet.kvEvents.replayPort, or when empty the port after the
+ranks' event ports (kvEvents.port + N: 5558 with one rank, as before), so that the
+two ranges cannot overlap. */}}
+{{- define "prefix-router.kvReplayPort" -}}
+{{- $kv := .Values.fleet.kvEvents }}
+{{- if kindIs "invalid" $kv.replayPort }}
+{{- add (int $kv.port) (int .Values.fleet.dataParallelSize) }}
+{{- else }}
+{{- int $kv.replayPort }}
+{{- end }}
+{{- end }}
+
+{{/* The name of rank r's worker metrics port (a container port name has at most 15
+characters): worker-metrics for rank 0, worker-dp<r> for the others. Call with the rank. */}}
+{{- define "prefix-router.workerMetricsPortName" -}}
+{{- if eq (int .) 0 }}worker-metrics{{ else }}{{ printf "worker-dp%d" (int .) }}{{ end }}
+{{- end }}
+
+{{/* Fails the render unless every port of a fleet pod is distinct and at most 65535:
+the engine's HTTP port and, per rank, its KV events, replay and worker metrics ports
+(the containers share the pod's network namespace). */}}
+{{- define "prefix-router.validateFleetPorts" -}}
+{{- $f := .Values.fleet }}
+{{- $n := $f.dataParallelSize }}
+{{- if or (not (or (kindIs "float64" $n) (kindIs "int" $n) (kindIs "int64" $n))) (lt (float64 $n) 1.0) (ne (float64 $n) (float64 (int64 $n))) }}
+{{- fail (printf "fleet.dataParallelSize must be an integer number of engine ranks >= 1, got %v" $n) }}
+{{- end }}
+{{- $n = int $n }}
+{{- $replay := int (include "prefix-router.kvReplayPort" .) }}
+{{- $ranges := list
+  (list "the engine's HTTP port (fleet.port)" (int $f.port) 1)
+  (list "KV events port (fleet.kvEvents.port" (int $f.kvEvents.port) $n)
+  (list "KV replay port (fleet.kvEvents.replayPort" $replay $n)
+  (list "worker metrics port (fleet.worker.metricsPort" (int $f.worker.metricsPort) $n) }}
+{{- $seen := dict }}
+{{- range $ranges }}
+{{- $what := index . 0 }}
+{{- $base := index . 1 }}
+{{- range $r := until (index . 2) }}
+{{- $port := add $base $r }}
+{{- $owner := ternary $what (printf "rank %d's %s + %d)" $r $what $r) (hasPrefix "the engine" $what) }}
+{{- if gt $port 65535 }}
+{{- fail (printf "fleet.dataParallelSize=%d puts %s at %d, beyond 65535: lower the base port" $n $owner $port) }}
+{{- end }}
+{{- with get $seen (toString $port) }}
+{{- fail (printf "fleet ports collide with fleet.dataParallelSize=%d: port %d is both %s and %s. Rank r binds fleet.kvEvents.port + r and fleet.kvEvents.replayPort + r, and the worker serves rank r's metrics on fleet.worker.metricsPort + r: give every range its own %d ports (leave fleet.kvEvents.replayPort empty to place it at fleet.kvEvents.port + dataParallelSize)" $n $port . $owner $n) }}
+{{- end }}
+{{- $_ := set $seen (toString $port) $owner }}
+{{- end }}
+{{- end }}
 {{- end }}
 
 {{/* ---------------------------------------------------------------------------
