@@ -69,22 +69,22 @@ def state(view: ReplicaView) -> tuple[Any, ...]:
             stats.last_batch_ts, len(view.mapper) if isinstance(view.mapper, RecomputedKeys) else 0)
 
 
-def merged(changes: list[Change]) -> list[tuple[str, list[int], int, int]]:
-    """Per-event changes merged the way ``apply_batch`` merges a batch's: consecutive same-op
-    runs joined, a clear superseding what came before it."""
-    out: list[tuple[str, list[int], int, int]] = []
+def merged(changes: list[Change]) -> list[tuple[str, list[int], int, int, str]]:
+    """Per-event changes merged the way ``apply_batch`` merges a batch's: consecutive runs of
+    the same op on the same tier joined, a clear superseding what came before it."""
+    out: list[tuple[str, list[int], int, int, str]] = []
     for change in changes:
         if change.op == OP_CLEARED:
             out = []
-        if out and out[-1][0] == change.op:
+        if out and out[-1][0] == change.op and out[-1][4] == change.tier:
             out[-1][1].extend(change.keys)
         else:
-            out.append((change.op, list(change.keys), change.epoch, change.seq))
+            out.append((change.op, list(change.keys), change.epoch, change.seq, change.tier))
     return out
 
 
-def as_tuples(changes: list[Change]) -> list[tuple[str, list[int], int, int]]:
-    return [(c.op, list(c.keys), c.epoch, c.seq) for c in changes]
+def as_tuples(changes: list[Change]) -> list[tuple[str, list[int], int, int, str]]:
+    return [(c.op, list(c.keys), c.epoch, c.seq, c.tier) for c in changes]
 
 
 def block_events(items: list[Any]) -> list[Any]:
@@ -152,7 +152,7 @@ def test_a_bad_hash_in_a_run_drops_only_its_event() -> None:
         lora_id=None, medium="GPU", lora_name=None)], 0))
     changes = view.apply_batch(1, KVEventBatch(2.0, [
         BlockRemoved([1], "GPU"), BlockRemoved([2, 1 << 64], "GPU"), BlockRemoved([3], "GPU")], 0))
-    assert as_tuples(changes) == [("removed", [1, 3], 0, 1)]
+    assert as_tuples(changes) == [("removed", [1, 3], 0, 1, "GPU")]
     assert sorted(view.blocks) == [2, 4]
     assert view.stats.num_bad_events == 1 and view.stats.events["BlockRemoved"] == 2
 
@@ -166,5 +166,5 @@ def test_a_twice_removed_anchor_is_no_unknown_removal_when_merged() -> None:
         lora_id=None, medium="GPU", lora_name=None)], 0))
     changes = view.apply_batch(1, KVEventBatch(2.0, [BlockRemoved([7], "GPU"),
                                                      BlockRemoved([7], "GPU")], 0))
-    assert as_tuples(changes) == [("removed", [7], 0, 1)]
+    assert as_tuples(changes) == [("removed", [7], 0, 1, "GPU")]
     assert view.blocks.num_unknown_removals == 0 and len(view.blocks) == 0
