@@ -76,8 +76,8 @@ own here: the worker publishes rank ``r`` of engine ``name`` as replica ``name#r
 ``url`` = the engine's URL and ``dp_rank`` = ``r`` (its load, block set, health and epoch are
 the rank's). A router sends that replica's requests to ``url`` with the header
 ``X-data-parallel-rank: r`` (vLLM's API server then skips its own DP load balancing) and drops
-that header from clients. ``dp_rank`` is a field added within contract version 3: an older
-router ignores it and sends a rank's requests without the header (they still run; vLLM
+that header from clients. ``dp_rank`` is a field that came within contract version 3 (kept in
+4): a router that does not know it ignores it and sends a rank's requests without the header (they still run; vLLM
 balances them itself, so the rank's hit credit may be wrong).
 
 The worker is the only writer for its replica. Routers remember the stream's last id, load
