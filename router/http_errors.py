@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Awaitable, Callable
 from http import HTTPStatus
-from typing import Any
+from typing import Any, Final
 
 from aiohttp import web
 from aiohttp.web_protocol import RequestHandler
@@ -35,12 +35,15 @@ def error_response(message: str, error_type: str, status: int,
 
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+# the request id the router answers and logs a request under (set first, by the router's
+# request-id middleware); a typed key, as aiohttp 3.14 asks of request storage
+REQUEST_ID_KEY: Final = web.RequestKey("request_id", str)
 
 
 @web.middleware
 async def error_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
     """Map ``RouterError`` and aiohttp's HTTP exceptions to OpenAI-shaped JSON; 500 otherwise."""
-    request_id = request.get("request_id")
+    request_id = request.get(REQUEST_ID_KEY)
     try:
         return await handler(request)
     except RouterError as exc:

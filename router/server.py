@@ -57,7 +57,12 @@ from router.fleet import Fleet
 from router.fleet_sync import FleetReader, StaticProber, read_fleet_cache
 from router.hashing import BlockHasher, HashConfigError
 from router.heap import HeapTrimmer
-from router.http_errors import body_limit_middleware, error_middleware, openai_parser_errors
+from router.http_errors import (
+    REQUEST_ID_KEY,
+    body_limit_middleware,
+    error_middleware,
+    openai_parser_errors,
+)
 from router.logs import REQUEST_ID, configure_logging
 from router.metrics import CONTENT_TYPE, RouterMetrics
 from router.policy import Decision, LoadTracker
@@ -169,7 +174,7 @@ class RouterService:
     async def _tracing_middleware(self, request: web.Request, handler: Any) -> web.StreamResponse:
         """The request's server span (only installed with tracing on)."""
         attributes = {"http.request.method": request.method, "url.path": request.path,
-                      "prefix_router.request_id": request["request_id"]}
+                      "prefix_router.request_id": request[REQUEST_ID_KEY]}
         with self.tracing.server_span(f"{request.method} {request.path}", request.headers,
                                       attributes) as span:
             response = await handler(request)
@@ -357,7 +362,7 @@ class RouterService:
         try:
             response, outcome = await self.proxy.forward(  # 5. proxy
                 request, endpoint, body, routed.targets, decision.reason,
-                request["request_id"], dispatch.start_ticket,
+                request[REQUEST_ID_KEY], dispatch.start_ticket,
                 lambda rid: self.fleet.mark_failed(rid, time.monotonic()), arrival, sent,
                 streamed=spec.stream)
             status, replica_id = outcome.status, outcome.replica_id
@@ -476,7 +481,7 @@ class RouterService:
         status = 500
         try:
             response, outcome = await self.proxy.forward(
-                request, request.path, body, targets, decision.reason, request["request_id"],
+                request, request.path, body, targets, decision.reason, request[REQUEST_ID_KEY],
                 lambda rid: GaugedTicket(self.tracker.dispatch(rid, 0), self._update_inflight),
                 lambda rid: self.fleet.mark_failed(rid, time.monotonic()), arrival)
             status = outcome.status
@@ -588,7 +593,7 @@ async def _request_id_middleware(request: web.Request, handler: Any) -> web.Stre
     request_id = request.headers.get(REQUEST_ID_HEADER, "")
     if not _REQUEST_ID_OK.fullmatch(request_id):  # reflected and logged: bounded and plain
         request_id = uuid.uuid4().hex
-    request["request_id"] = request_id
+    request[REQUEST_ID_KEY] = request_id
     REQUEST_ID.set(request_id)  # for every log line while serving it (the handler's own task)
     response = await handler(request)
     if REQUEST_ID_HEADER not in response.headers and not response.prepared:
