@@ -60,6 +60,8 @@ DEFAULT_TTFT_PRIOR_TOKENS_PER_S: Final = _POLICY.ttft_prior_tokens_per_s  # ttft
 # tokens/s a replica is assumed to do before its first few dozen requests taught the router its rate
 DEFAULT_TTFT_EVICTED_REUSE: Final = _POLICY.evicted_reuse  # ttft policy: chance that a block a new
 # prefix evicts (from a replica writing its fair share of KV) would have been hit again
+DEFAULT_TTFT_DECODE_WEIGHT: Final = _POLICY.decode_weight  # ttft policy: TTFT seconds one second of
+# decode-step time (summed over the requests sharing a replica's steps) is worth
 DEFAULT_CPU_LOAD_TOKENS_PER_S: Final = _POLICY.cpu_load_tokens_per_s  # tokens/s a replica loads
 # from its CPU tier (host memory) into the GPU: what a CPU-tier hit costs instead of its prefill
 # (router.ttft: 50 GB/s host link / 128 KiB of KV per token, an 8B model; the emulator's profile)
@@ -148,6 +150,7 @@ class RouterConfig:
     replica_kv_blocks: int = DEFAULT_REPLICA_KV_BLOCKS  # static replicas (no heartbeat capacity)
     ttft_prior_tokens_per_s: float = DEFAULT_TTFT_PRIOR_TOKENS_PER_S
     ttft_evicted_reuse: float = DEFAULT_TTFT_EVICTED_REUSE
+    ttft_decode_weight: float = DEFAULT_TTFT_DECODE_WEIGHT
     cpu_load_tokens_per_s: float = DEFAULT_CPU_LOAD_TOKENS_PER_S
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     connect_timeout_s: float = DEFAULT_CONNECT_TIMEOUT_S
@@ -190,12 +193,13 @@ class RouterConfig:
 
     def policy_params(self) -> PolicyParams:
         """The policy's tunables from these settings: every ``PolicyParams`` field of the same
-        name, plus the two derived ones (``consistent_hash_blocks``, ``evicted_reuse``)."""
+        name, plus the derived ones (``consistent_hash_blocks``, ``evicted_reuse``,
+        ``decode_weight``)."""
         same = {f.name: getattr(self, f.name) for f in dataclasses.fields(PolicyParams)
                 if hasattr(self, f.name)}
         return PolicyParams(
             **same, consistent_hash_blocks=max(1, self.consistent_hash_tokens // self.block_size),
-            evicted_reuse=self.ttft_evicted_reuse)
+            evicted_reuse=self.ttft_evicted_reuse, decode_weight=self.ttft_decode_weight)
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
@@ -223,7 +227,7 @@ class RouterConfig:
         for name in _POSITIVE:
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be > 0, got {getattr(self, name)}")
-        for name in ("min_hit_fraction", "ttft_evicted_reuse"):
+        for name in ("min_hit_fraction", "ttft_evicted_reuse", "ttft_decode_weight"):
             if not 0.0 <= getattr(self, name) <= 1.0:
                 raise ConfigError(f"{name} must be in [0, 1], got {getattr(self, name)}")
         for url in (*self.replicas, *self.fallback_replicas):
@@ -266,6 +270,8 @@ _HELP: Final = {
                              "(default: 50 GB/s host link / 128 KiB KV per token)",
     "ttft_evicted_reuse": "ttft policy: hit chance (0-1) of a KV block a new prefix evicts, at a "
                           "fair write share",
+    "ttft_decode_weight": "ttft policy: TTFT seconds (0-1) one second of decode-step time is "
+                          "worth, summed over the requests sharing a replica's steps (0: off)",
     "speculative_ttl_s": "seconds this router's own placements count as hits",
     "max_body_bytes": "request body limit (413 beyond)",
     "prompt_cache_mib": "memory bound of the prompt caches (MiB, estimated): 3/4 block-key "
