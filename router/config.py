@@ -205,34 +205,36 @@ class RouterConfig:
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
             if isinstance(value, float) and not math.isfinite(value):
-                raise ConfigError(f"{f.name} must be a finite number, got {value}")
+                raise ConfigError(f"{f.name} must be a finite number, got {value}", f.name)
         if self.redis_url is not None:
             try:
                 parse_redis_url(self.redis_url)
             except RedisUrlError as exc:
-                raise ConfigError(f"redis_url: {exc}") from exc
+                raise ConfigError(f"redis_url: {exc}", "redis_url") from exc
         for name, allowed in _ONE_OF.items():
             if getattr(self, name) not in allowed:
                 raise ConfigError(f"{name} must be one of {', '.join(allowed)}, "
-                                  f"got {getattr(self, name)!r}")
+                                  f"got {getattr(self, name)!r}", name)
         if self.otlp_traces_endpoint is not None and not self.otlp_traces_endpoint.startswith(
                 ("http://", "https://")):
             raise ConfigError(f"otlp_traces_endpoint must be an http(s) URL (OTLP/HTTP), "
-                              f"got {self.otlp_traces_endpoint!r}")
+                              f"got {self.otlp_traces_endpoint!r}", "otlp_traces_endpoint")
         if not 0 <= self.port <= 65535:
-            raise ConfigError(f"port must be 0..65535, got {self.port}")
+            raise ConfigError(f"port must be 0..65535, got {self.port}", "port")
         for name, least in _AT_LEAST.items():
             if getattr(self, name) < least:
-                raise ConfigError(f"{name} must be >= {least}, got {getattr(self, name)}")
+                raise ConfigError(f"{name} must be >= {least}, got {getattr(self, name)}", name)
         for name in _POSITIVE:
             if getattr(self, name) <= 0:
-                raise ConfigError(f"{name} must be > 0, got {getattr(self, name)}")
+                raise ConfigError(f"{name} must be > 0, got {getattr(self, name)}", name)
         for name in ("min_hit_fraction", "ttft_evicted_reuse", "ttft_decode_weight"):
             if not 0.0 <= getattr(self, name) <= 1.0:
-                raise ConfigError(f"{name} must be in [0, 1], got {getattr(self, name)}")
-        for url in (*self.replicas, *self.fallback_replicas):
-            if not url.startswith(("http://", "https://")):
-                raise ConfigError(f"replica URL must start with http:// or https://, got {url!r}")
+                raise ConfigError(f"{name} must be in [0, 1], got {getattr(self, name)}", name)
+        for name in ("replicas", "fallback_replicas"):
+            for url in getattr(self, name):
+                if not url.startswith(("http://", "https://")):
+                    raise ConfigError(f"replica URL must start with http:// or https://, "
+                                      f"got {url!r}", name)
         if self.api_keys and not self.cache_salt_secret_file:
             raise ConfigError("api_keys needs cache_salt_secret_file (every router process "
                               "must derive the same per-tenant cache salts)")
@@ -312,6 +314,7 @@ _HELP: Final = {
 }
 
 
+# YAML keys: each field's name and its flag's spelling (``replicas`` or ``replica``; Settings)
 SETTINGS: Final = Settings(
     RouterConfig, prog="prefix-router serve", env_prefix=ENV_PREFIX,
     description="Prefix-aware, load-aware router for vLLM replicas.",
@@ -326,21 +329,21 @@ def build_parser() -> argparse.ArgumentParser:
 
 def load_config(argv: Sequence[str], env: Mapping[str, str] | None = None) -> RouterConfig:
     """Parse ``argv`` and merge: CLI flag > ``ROUTER_*`` env var > YAML file > default
-    (``router.settings.Settings``).
+    (``router.settings.Settings``); ``env`` None: the process environment.
 
-    Raises ``ConfigError`` for unknown YAML keys, bad values or an unreadable file;
-    ``SystemExit`` from argparse for unknown flags.
+    Raises ``ConfigError`` (one line, naming the flag, env var or file and key of a bad value)
+    for unknown flags or YAML keys, bad values or an unreadable or malformed file.
     """
-    return RouterConfig(**values_with_redis_password(SETTINGS, argv, env))
-
-
-def values_with_redis_password(settings: Settings, argv: Sequence[str],
-                               env: Mapping[str, str] | None) -> dict[str, Any]:
-    """``settings.values(argv, env)`` (``env`` None: the process environment) with the Redis
-    password resolved from its flag, env, YAML, file or ``REDIS_PASSWORD``
-    (``router.secrets``); the router's and the worker's loaders. Raises ``ConfigError``."""
     env = os.environ if env is None else env
-    values = settings.values(argv, env)
+    return SETTINGS.build(argv, env, lambda values: RouterConfig(
+        **with_redis_password(values, argv, env)))
+
+
+def with_redis_password(values: dict[str, Any], argv: Sequence[str],
+                        env: Mapping[str, str]) -> dict[str, Any]:
+    """``values`` (``Settings.values(argv, env)``) with the Redis password resolved from its
+    flag, env, YAML, file or ``REDIS_PASSWORD`` (``router.secrets``); the router's and the
+    worker's loaders. Raises ``ConfigError``."""
     try:
         values["redis_password"] = resolve_redis_password(values, argv, env)
     except SecretError as exc:
