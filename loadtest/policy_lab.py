@@ -94,6 +94,7 @@ class _Replica:
     step: Step | None = None
     step_start: float = 0.0
     token: int = 0  # invalidates a step-end event when the step was cut short
+    busy_s: float = 0.0  # wall seconds it spent in steps
     speculative: dict[bytes, float] = field(default_factory=dict)  # {digest: placed at}
     flights: dict[str, _Flight] = field(default_factory=dict)  # in flight, by request id
 
@@ -282,6 +283,7 @@ class Lab:
         if token != rep.token or rep.step is None:
             return
         outputs = rep.scheduler.complete(rep.step, repeats)
+        rep.busy_s += self.now - rep.step_start
         rep.step = None
         for out in outputs:
             flight = rep.flights.get(out.request.request_id)
@@ -333,7 +335,10 @@ class Lab:
                 held[f.replica] += f.finish_s - f.arrival_s
         mean_held = sum(held.values()) / len(held)
         e2e = [f.finish_s - f.arrival_s for f in done if f.finish_s is not None]
+        span = max((f.finish_s or 0.0) for f in done) - min(f.arrival_s for f in done) if done else 0.0
+        busy = sum(r.busy_s for r in self.replicas.values()) / len(self.replicas)
         return {"policy": self.policy, "requests": len(done),
+                "busy": busy / span if span > 0 else 0.0,
                 "hit_rate": cached / prompt if prompt else 0.0,
                 "ttft_p50": _quantile(ttft, 0.5), "ttft_p90": _quantile(ttft, 0.9),
                 "ttft_p99": _quantile(ttft, 0.99),
@@ -395,7 +400,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         else:
             print(f"{r['policy']:>16}  hit {r['hit_rate']:.1%}  TTFT p50 {r['ttft_p50']:.4f} "
                   f"p90 {r['ttft_p90']:.4f} p99 {r['ttft_p99']:.4f} s  e2e p50 {r['e2e_p50']:.3f} s  "
-                  f"imbalance (work) {r['imbalance']:.2f}", flush=True)
+                  f"imbalance (work) {r['imbalance']:.2f}  replicas busy {r['busy']:.0%}", flush=True)
 
     run_policies(args.policies.split(","), requests, offsets, config, show)
     return 0
