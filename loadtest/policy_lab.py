@@ -15,6 +15,9 @@ wall clock:
 * the hits it sees: each replica's exact GPU prefix-cache residency at decision time plus the
   router's speculative placements of the last ``SPECULATIVE_S`` seconds (what the real router's
   index reports, without the coarse index's stride or the KV-event lag);
+* with ``--cpu-tier-ratio R``: each replica's CPU tier (the emulator's ``CpuOffload``, vLLM native
+  offloading: write-through stores, LRU, loads over the host link), which the router sees
+  (``tiered`` depths) unless ``--tier-hidden``;
 * one fixed ``--overhead-ms`` between the router's decision and the engine's arrival, added to
   every TTFT once (HTTP and the router's own CPU; the demo's records show 3-5 ms);
 * ``dynamo`` (a reference peer model, not a router policy): NVIDIA Dynamo's KV-router cost,
@@ -64,6 +67,7 @@ from router.policy import (
 from router.ring import HashRing
 from router.ttft import PrefillRateLearner
 from worker.emulator.kv_cache import BlockPool, KVCacheManager
+from worker.emulator.offload import CpuOffload
 from worker.emulator.profiles import LatencyModel
 from worker.emulator.scheduler import Request, Scheduler, SchedulerConfig, Step
 
@@ -95,6 +99,7 @@ class _Replica:
     step_start: float = 0.0
     token: int = 0  # invalidates a step-end event when the step was cut short
     busy_s: float = 0.0  # wall seconds it spent in steps
+    offload: CpuOffload | None = None  # the CPU tier (vLLM native offloading)
     speculative: dict[bytes, float] = field(default_factory=dict)  # {digest: placed at}
     flights: dict[str, _Flight] = field(default_factory=dict)  # in flight, by request id
 
@@ -109,6 +114,8 @@ class LabConfig:
     max_num_batched_tokens: int = 8192
     max_num_seqs: int = 256
     cold_write_window: float = 0.5
+    cpu_tier_ratio: float = 0.0  # host KV per replica, in multiples of its GPU KV (0: none)
+    tier_visible: bool = True  # the router sees CPU-tier residency (False: GPU events only)
     params: PolicyParams = field(default_factory=PolicyParams)
 
 
@@ -144,9 +151,16 @@ class Lab:
         pool = BlockPool(c.num_gpu_blocks, enable_kv_cache_events=False)
         kv = KVCacheManager(pool, c.block_size, enable_caching=True)
         burst_s = 0.02 * c.time_scale  # the emulator's stream interval, in engine seconds
+        offload = None
+        if c.cpu_tier_ratio > 0:
+            lm = self.latency
+            offload = CpuOffload(int(c.cpu_tier_ratio * c.num_gpu_blocks), c.block_size,
+                                 lm.model.kv_bytes_per_token * c.block_size,
+                                 lm.gpu.host_link_gbps * 1e9, max_concurrent_loads=c.max_num_seqs,
+                                 enable_events=False)
         sched = Scheduler(SchedulerConfig(c.max_num_batched_tokens, c.max_num_seqs, burst_s),
-                          kv, self.latency, self._extend_hashes)
-        return _Replica(rid, pool, kv, sched)
+                          kv, self.latency, self._extend_hashes, offload)
+        return _Replica(rid, pool, kv, sched, offload=offload)
 
     def _extend_hashes(self, request: Request) -> None:
         hashes = request.block_hashes
@@ -161,10 +175,12 @@ class Lab:
 
     # -- the router --------------------------------------------------------------------------
 
-    def _depths(self, digests: Sequence[bytes], num_tokens: int) -> tuple[dict[str, int], dict[str, int]]:
+    def _depths(self, digests: Sequence[bytes], num_tokens: int
+                ) -> tuple[dict[str, int], dict[str, int], dict[str, int]]:
         cap = max_hit_blocks(num_tokens, self.config.block_size)
         confirmed: dict[str, int] = {}
         combined: dict[str, int] = {}
+        tiered: dict[str, int] = {}
         horizon = self.now - SPECULATIVE_S
         for rid, rep in self.replicas.items():
             table = rep.pool._hash_to_blocks
@@ -182,7 +198,13 @@ class Lab:
                     continue
                 break
             confirmed[rid], combined[rid] = held, depth
-        return confirmed, combined
+            if rep.offload is not None and self.config.tier_visible:
+                ready = rep.offload.is_ready
+                tier = depth
+                while tier < cap and ready(digests[tier]):
+                    tier += 1
+                tiered[rid] = tier
+        return confirmed, combined, tiered
 
     def _candidates(self) -> list[Candidate]:
         tracker = self.tracker
@@ -216,21 +238,25 @@ class Lab:
         c = self.config
         digests = self.hasher.digests(tokens)
         num_tokens = len(tokens)
-        confirmed, combined = self._depths(digests, num_tokens)
+        confirmed, combined, tiered = self._depths(digests, num_tokens)
         if self.policy == DYNAMO:
             decision = self._dynamo(digests, num_tokens, combined)
         else:
             keys = block_keys(digests)
             request = RouteInput(keys, num_tokens, keys[0] if keys else index)
             decision = decide(self.policy, request, self._candidates(), self.ring,
-                              confirmed=confirmed, combined=combined, params=c.params,
+                              confirmed=confirmed, combined=combined, tiered=tiered,
+                              params=c.params,
                               rr_counter=self.rr, avg_prompt_tokens=self.tracker.avg_prompt_tokens,
                               avg_output_tokens=self.tracker.avg_output_tokens)
         self.rr += 1
         rid = decision.replica_id
         hit = combined[rid]
-        ticket = self.tracker.dispatch(rid, max(num_tokens - hit * c.block_size, 1), num_tokens)
-        self.tracker.record_writes(rid, max(num_tokens // c.block_size - hit, 0), self.window)
+        loaded = decision.hit(rid).cpu_blocks  # from the CPU tier: not prefilled, not written
+        ticket = self.tracker.dispatch(rid, max(num_tokens - (hit + loaded) * c.block_size, 1),
+                                       num_tokens)
+        self.tracker.record_writes(rid, max(num_tokens // c.block_size - hit - loaded, 0),
+                                   self.window)
         rep = self.replicas[rid]
         for d in digests[hit:max_hit_blocks(num_tokens, c.block_size)]:
             rep.speculative[d] = self.now
@@ -246,17 +272,37 @@ class Lab:
     # -- the engines -------------------------------------------------------------------------
 
     def _start_step(self, rep: _Replica) -> None:
+        rep.step = None
+        offload = rep.offload
         if not rep.scheduler.has_work():
-            rep.step = None
+            if offload is not None and offload.next_done_s() is not None:
+                self._await_transfer(rep)  # CPU-tier stores still copying
             return
         step = rep.scheduler.schedule(self.now * self.config.time_scale)
         if step is None:
-            rep.step = None
+            if offload is not None and offload.has_pending_loads():
+                self._await_transfer(rep)  # every request waits for a CPU-tier load
             return
         rep.step, rep.step_start = step, self.now
         rep.token += 1
         end = self.now + step.duration_s / self.config.time_scale
         self._push(end, "step_end", (rep.rid, rep.token, step.max_repeat))
+
+    def _await_transfer(self, rep: _Replica) -> None:
+        """Idle until the CPU tier's next transfer ends (``EmulatedEngine._await_transfer``)."""
+        assert rep.offload is not None
+        done_s = rep.offload.next_done_s()
+        assert done_s is not None
+        self._push(max(done_s / self.config.time_scale, self.now), "transfer", rep.rid)
+
+    def _transfer(self, rid: str) -> None:
+        rep = self.replicas[rid]
+        if rep.step is not None:
+            return  # a step is under way: the next schedule() applies what ended
+        assert rep.offload is not None
+        if not rep.offload.has_pending_loads():  # only stores: schedule() would not run
+            rep.offload.advance(self.now * self.config.time_scale)
+        self._start_step(rep)
 
     def _enqueue(self, rid: str, req: Request) -> None:
         rep = self.replicas[rid]
@@ -316,6 +362,8 @@ class Lab:
                 self.route(i, mapper.request_prompt(req), req.output_length)
             elif kind == "enqueue":
                 self._enqueue(*data)
+            elif kind == "transfer":
+                self._transfer(data)
             else:
                 self._step_end(*data)
         return self.summary()
@@ -374,6 +422,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--replicas", type=int, default=8)
     p.add_argument("--num-gpu-blocks", type=int, default=32_000)
     p.add_argument("--overhead-ms", type=float, default=3.0)
+    p.add_argument("--cpu-tier-ratio", type=float, default=0.0,
+                   help="a CPU tier of R x the GPU KV per replica (vLLM native offloading)")
+    p.add_argument("--tier-hidden", action="store_true",
+                   help="the router sees GPU residency only (the CPU tier's events dropped)")
     p.add_argument("--param", action="append", default=[], metavar="NAME=VALUE",
                    help="a PolicyParams field, e.g. evicted_reuse=0.3 (repeatable)")
     p.add_argument("--json", action="store_true", help="one JSON line per policy")
@@ -392,7 +444,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         name, _, value = item.partition("=")
         params = replace(params, **{name: type(getattr(params, name))(value)})
     config = LabConfig(replicas=args.replicas, num_gpu_blocks=args.num_gpu_blocks,
-                       time_scale=args.speedup, overhead_s=args.overhead_ms / 1000, params=params)
+                       time_scale=args.speedup, overhead_s=args.overhead_ms / 1000,
+                       cpu_tier_ratio=args.cpu_tier_ratio, tier_visible=not args.tier_hidden,
+                       params=params)
 
     def show(r: dict[str, Any]) -> None:
         if args.json:

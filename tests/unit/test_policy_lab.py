@@ -40,3 +40,18 @@ def test_runs_are_deterministic_and_sticky_policies_hit_more() -> None:
     for r in first:
         assert 0 < r["ttft_p50"] <= r["ttft_p90"] <= r["ttft_p99"]
         assert r["imbalance"] >= 1.0
+
+
+def test_a_cpu_tier_the_router_sees_gives_more_hits_than_one_it_does_not() -> None:
+    """Small GPU pools (4,000 blocks) behind a host tier of 4x: returning conversations evicted
+    from the GPU are loaded from host memory (vLLM counts them in cached_tokens), and a router
+    that sees the tier sends them back to the host copy."""
+    requests = read_trace(packaged_trace_path(), limit=400)
+    offsets = schedule_offsets(requests, 10.0)
+    hits = {}
+    for name, config in (("none", LabConfig(num_gpu_blocks=4000)),
+                         ("hidden", LabConfig(num_gpu_blocks=4000, cpu_tier_ratio=4,
+                                              tier_visible=False)),
+                         ("visible", LabConfig(num_gpu_blocks=4000, cpu_tier_ratio=4))):
+        hits[name] = run_policies(["prefix"], requests, offsets, config)[0]["hit_rate"]
+    assert hits["none"] < hits["hidden"] < hits["visible"]
