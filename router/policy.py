@@ -766,9 +766,11 @@ class LoadTracker:
         return self._context.get(replica_id, 0)
 
     def snapshot(self) -> dict[str, dict[str, int]]:
-        """``{replica_id: {"requests", "prefill_tokens", "prefilling"}}`` for every replica seen."""
+        """``{replica_id: {"requests", "prefill_tokens", "prefilling", "context_tokens"}}`` for
+        every replica seen."""
         return {rid: {"requests": self.requests(rid), "prefill_tokens": self.prefill_tokens(rid),
-                      "prefilling": self.prefilling(rid)} for rid in sorted(self._requests)}
+                      "prefilling": self.prefilling(rid), "context_tokens": self.context_tokens(rid)}
+                for rid in sorted(self._requests)}
 
 
 class LoadTicket:

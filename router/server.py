@@ -573,6 +573,9 @@ class RouterService:
             "targets": {t.replica_id: {"url": t.url, "dp_rank": t.dp_rank}
                         for t in routed.targets},
             "load": self.tracker.snapshot(),
+            # the typical lengths standing in for load this router cannot count (ttft policy)
+            "avg_prompt_tokens": round(self.tracker.avg_prompt_tokens, 1),
+            "avg_output_tokens": round(self.tracker.avg_output_tokens, 1),
             "prefill_rates": {
                 rid: {"tokens_per_s": round(est.tokens_per_s, 1),
                       "overhead_s": round(est.overhead_s, 6), "samples": est.num_samples}

@@ -108,3 +108,80 @@ def test_learned_rates_separate_and_the_slow_replica_gets_less_cold_work(
                 and 'le="-0.05"' in line)
     assert within - below >= len(prompts) // 2
     assert http("GET", router.url + "/health")[0] == 200
+
+
+@pytest.fixture
+def two_alike(tmp_path: Path) -> Iterator[tuple[Emulator, Emulator, Router]]:
+    first = Emulator(tmp_path, "a", 400.0)
+    try:
+        second = Emulator(tmp_path, "b", 400.0)
+    except BaseException:
+        stop_process(first.proc)
+        raise
+    router = None
+    try:
+        router = Router(tmp_path, ["--replica", first.url, "--replica", second.url, "--policy",
+                                   "ttft", "--hash-seed", "0"])
+        wait_for(lambda: sum(r["routable"] for r in router.ready()["replicas"]) == 2, 30,
+                 message="both replicas routable")
+        yield first, second, router
+    finally:
+        if router is not None:
+            router.stop()
+        stop_process(second.proc)
+        stop_process(first.proc)
+
+
+def test_decoding_requests_count_as_decode_cost_until_they_end(
+        two_alike: tuple[Emulator, Emulator, Router]) -> None:
+    """Long generations held open through the router: /debug/route charges each replica the KV
+    its running requests hold (decode_s), the usage the engine reports teaches the mean output
+    length, and everything is released when the streams end, also when the client leaves."""
+    _, _, router = two_alike
+    rng = random.Random(7)
+    probe = [rng.randrange(1000, 100_000) for _ in range(2000)]
+
+    def debug() -> dict[str, Any]:
+        status, _, body = router.post("/debug/route", {"model": "emulated-llm", "prompt": probe})
+        assert status == 200
+        return json.loads(body)
+
+    assert debug()["avg_output_tokens"] == 256.0  # the default before any usage report
+
+    async def hold() -> None:
+        prompts = [[rng.randrange(1000, 100_000) for _ in range(3000)] for _ in range(4)]
+        async with aiohttp.ClientSession() as session:
+            responses = [await session.post(router.url + "/v1/completions", json={
+                "model": "emulated-llm", "prompt": p, "max_tokens": 100_000, "stream": True})
+                for p in prompts]
+            try:
+                for resp in responses:
+                    assert resp.status == 200
+                    await resp.content.readline()  # streaming: past its prefill
+                shown = debug()
+                held = {rid: v["context_tokens"] for rid, v in shown["load"].items()}
+                assert sum(held.values()) == 4 * 3000
+                for rid, view in shown["replicas"].items():
+                    assert (view["decode_s"] > 0) == (held.get(rid, 0) > 0)
+                # the four long requests were spread, two each (each lengthens the other's steps)
+                assert sorted(held.values()) == [6000, 6000]
+            finally:
+                for resp in responses:
+                    resp.close()  # the client leaves mid-stream
+
+    asyncio.run(hold())
+    wait_for(lambda: all(v["context_tokens"] == 0 for v in debug()["load"].values()), 10,
+             message="context released after the clients left")
+    assert all(v["decode_s"] == 0.0 for v in debug()["replicas"].values())
+
+    async def short() -> None:
+        async with aiohttp.ClientSession() as session:
+            for _ in range(3):
+                async with session.post(router.url + "/v1/completions", json={
+                        "model": "emulated-llm", "prompt": probe[:100], "max_tokens": 7,
+                        "stream": True, "stream_options": {"include_usage": True}}) as resp:
+                    assert resp.status == 200
+                    await resp.read()
+
+    asyncio.run(short())
+    assert debug()["avg_output_tokens"] == 7.0  # from the engines' usage.completion_tokens

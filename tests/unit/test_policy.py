@@ -175,7 +175,8 @@ def test_load_tracker_releases_on_every_path() -> None:
     t1.finish()
     t2.finish()  # e.g. a client disconnect before the first token
     t2.finish()
-    assert tracker.snapshot() == {"a": {"requests": 0, "prefill_tokens": 0, "prefilling": 0}}
+    assert tracker.snapshot() == {"a": {"requests": 0, "prefill_tokens": 0, "prefilling": 0,
+                                        "context_tokens": 0}}
     assert 500 <= tracker.avg_prompt_tokens <= 1000
 
 
