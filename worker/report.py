@@ -134,9 +134,6 @@ class Worker:
         """``batch`` without the events ``view`` cannot use (other tiers, block sizes, ...)."""
         event_filter = self.event_filter
         event_filter.block_size = self.config.block_size or self.engine_block_size
-        # offload events carry no token ids: nothing to re-hash (the coarse index places them by
-        # the depth of the GPU store of the same hash, in the view)
-        event_filter.needs_chain = view.key_mode == KEY_MODE_RECOMPUTED
         return event_filter.apply(batch)
 
     def resync(self, reason: str) -> None:
@@ -347,8 +344,10 @@ class Worker:
         stats, wstats = self.view.stats, self.writer.stats
         return WorkerSnapshot(
             events=dict(stats.events),
-            events_by_medium=dict(self.event_filter.by_medium),
-            skipped_events=dict(self.event_filter.skipped_by_reason()),
+            events_by_medium=dict(stats.events_by_tier),
+            skipped_events={reason: count + stats.skipped[reason]
+                            for reason, count in self.event_filter.skipped_by_reason()},
+            skipped_tier_events=dict(self.event_filter.skipped_tiers),
             num_messages=sub.num_messages if sub else 0,
             num_malformed=sub.num_malformed if sub else 0,
             num_bad_events=stats.num_bad_events,
