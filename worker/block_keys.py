@@ -49,10 +49,12 @@ class KeyMapper(Protocol):
 
     ``stored``/``removed`` raise ``KVEventDecodeError`` on bad input; ``placeable`` returns
     the hashes of an offload-tier store whose keys ``stored`` can compute (all of them when
-    keys are the engine's own).
+    keys are the engine's own). ``num_unknown_removals``: removed hashes it could not map
+    back (never seen stored on their tier).
     """
 
     mode: str
+    num_unknown_removals: int
 
     def stored(self, event: BlockStored, tier: str = TIER_GPU) -> list[BlockKey]: ...
 
@@ -67,6 +69,7 @@ class EngineKeys:
     """``key_mode=engine``: block key = the event's own hash (64-bit int, or a raw digest reduced)."""
 
     mode = KEY_MODE_ENGINE
+    num_unknown_removals = 0  # (the block sets count a key that is not resident)
 
     def stored(self, event: BlockStored, tier: str = TIER_GPU) -> list[BlockKey]:
         return [event_hash_key(h) for h in event.block_hashes]
@@ -106,6 +109,7 @@ class RecomputedKeys:
         self._lora_path = lora_path
         self._engine_to_ours: dict[int, _Mapped] = {}  # {engine key: our digest and copies}, GPU
         self._offloaded: dict[int, _Mapped] = {}  # the same for the offload (CPU) tier
+        self.num_unknown_removals = 0  # removed hashes never seen stored on their tier
 
     def __len__(self) -> int:
         return len(self._engine_to_ours) + len(self._offloaded)
@@ -171,8 +175,9 @@ class RecomputedKeys:
         for engine_hash in event.block_hashes:
             engine_key = event_hash_key(engine_hash)
             entry = table.get(engine_key)
-            if entry is None:
-                continue  # never seen stored: nothing of ours to remove
+            if entry is None:  # never seen stored: nothing of ours to remove
+                self.num_unknown_removals += 1
+                continue
             out.append(block_key(entry.digest))
             if entry.copies == 1:
                 del table[engine_key]

@@ -75,7 +75,7 @@ _COUNTERS: tuple[tuple[str, str, str], ...] = (
     ("worker_keys_written", "num_keys_written", "Block keys written to Redis (set changes)."),
     ("worker_heartbeats", "num_heartbeats", "Heartbeats written."),
     ("worker_engine_errors", "num_engine_errors", "Failed engine polls."),
-    ("worker_unknown_removals", "num_unknown_removals", "BlockRemoved for keys not resident."),
+    ("worker_unknown_removals", "num_unknown_removals", "Removed blocks not resident on their tier (GPU or CPU)."),
     ("worker_unknown_depth_blocks", "num_unknown_depth_blocks",
      "Stored blocks not placed in their chain (parent never seen, or a host store of a hash "
      "never seen stored on the GPU); not published."),

@@ -120,6 +120,13 @@ class ReplicaView:
     def key_mode(self) -> str:
         return self.mapper.mode
 
+    @property
+    def num_unknown_removals(self) -> int:
+        """Removed blocks that were not resident on their tier (both tiers; under
+        ``key_mode=recomputed`` the engine hashes the key map never saw stored)."""
+        return (self.blocks.num_unknown_removals + self.cpu_blocks.num_unknown_removals
+                + self.mapper.num_unknown_removals)
+
     def apply_batch(self, seq: int, batch: KVEventBatch) -> list[Change]:
         """Apply one batch; return its changes in order, consecutive same-op runs merged.
 

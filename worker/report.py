@@ -362,7 +362,7 @@ class Worker:
             num_keys_written=wstats.num_keys,
             num_heartbeats=self.heartbeat.num_beats,
             num_engine_errors=self.heartbeat.num_engine_errors,
-            num_unknown_removals=self.view.blocks.num_unknown_removals,
+            num_unknown_removals=self.view.num_unknown_removals,
             num_unknown_depth_blocks=stats.num_unknown_depth_blocks,
             num_probes=self.num_probes,
             resident_blocks=len(self.view.blocks),

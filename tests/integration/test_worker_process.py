@@ -127,7 +127,8 @@ async def test_offload_mediums_through_a_real_worker(
         emulator: Emulator, publisher: KVEventPublisher, redis_url: str) -> None:
     """vLLM's offload mediums on constructed frames (map- and array-encoded, as vLLM 0.33 and
     0.9-0.11 publish them): "CPU" is indexed as the CPU tier; "STORAGE" (disk or remote, which
-    no router values) and a medium vLLM does not name are skipped and counted by medium."""
+    no router values) and a medium vLLM does not name are skipped and counted by medium; a host
+    tier of another block size changes no set."""
     client = redis.Redis.from_url(redis_url)
     client.flushall()
     metrics_port = free_port()
@@ -141,6 +142,8 @@ async def test_offload_mediums_through_a_real_worker(
             ["BlockStored", [24], None, [1] * 16, 16, None, "STORAGE"],
             ["BlockRemoved", [21], "STORAGE"],
             ["BlockRemoved", [22], "CPU"],
+            ["BlockStored", [22], None, [], 64, None, "CPU"],  # a host block of 4 GPU blocks
+            ["BlockRemoved", [22], "CPU"],  # (no block size: finds nothing resident)
         ], 0]))
         await publisher.publish(stored(99))  # the last: once it is in, every batch before is
         await until(lambda: 99 in blocks(client), message="the marker batch")
@@ -150,8 +153,10 @@ async def test_offload_mediums_through_a_real_worker(
                               ('worker_skipped_tier_events_total{medium="STORAGE"}', 3),
                               ('worker_skipped_tier_events_total{medium="other"}', 1),
                               ('worker_skipped_tier_events_total{medium="CPU"}', 0),
-                              ('worker_tier_events_total{medium="CPU"}', 2),
+                              ('worker_tier_events_total{medium="CPU"}', 3),
                               ('worker_tier_events_total{medium="GPU"}', 2),
+                              ('worker_skipped_events_total{reason="block_size"}', 1),
+                              ("worker_unknown_removals_total", 1),
                               ("worker_resident_cpu_blocks", 1)):
             assert f"{series} {float(value)}" in text, (series, text)
     finally:

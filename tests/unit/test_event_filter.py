@@ -156,6 +156,32 @@ def test_offload_stores_under_recomputed_keys_on_the_coarse_index() -> None:
     assert set(view.blocks) == anchors and set(view.cpu_blocks) == anchors
 
 
+@pytest.mark.parametrize("key_mode", ["engine", "recomputed"])
+def test_an_offload_tier_of_another_block_size_changes_no_set(key_mode: str) -> None:
+    # vLLM's offloading with a host block of k GPU blocks keys each host block by the hash of
+    # its last GPU block: its stores are skipped (block_size); its removals, which carry no
+    # block size, find nothing resident on the CPU tier (counted) and never touch the GPU's.
+    view = ReplicaView() if key_mode == "engine" else recomputed_view()
+    flt = EventFilter(block_size=B)
+    run(view, flt, [gpu_stored([1, 2, 3, 4])])
+    gpu = set(view.blocks)
+    run(view, flt, [BlockStored(block_hashes=[4], parent_block_hash=None, token_ids=[],
+                                block_size=4 * B, lora_id=None, medium="CPU", lora_name=None)],
+        [BlockRemoved([4], "CPU")])
+    assert set(view.blocks) == gpu and len(gpu) == 4 and not view.cpu_blocks
+    assert flt.skipped == {"block_size": 1} and view.num_unknown_removals == 1
+
+
+def test_an_offload_store_with_tokens_but_no_parent_is_not_hashed_as_block_0() -> None:
+    # a host store is keyed by its GPU store's key even if it carried tokens: without a parent
+    # they would hash as the prompt's first block
+    view, flt = recomputed_view(), EventFilter(block_size=B)
+    run(view, flt, [gpu_stored([1, 2])],
+        [BlockStored(block_hashes=[2], parent_block_hash=None, token_ids=list(range(B, 2 * B)),
+                     block_size=B, lora_id=None, medium="CPU", lora_name=None)])
+    assert set(view.cpu_blocks) == {BlockHasher(block_size=B).keys(list(range(2 * B)))[1]}
+
+
 def test_unknown_event_types_skipped_with_a_counter() -> None:
     payload = msgspec.msgpack.encode([1.0, [{"type": "BlockPinned", "block_hashes": [9]},
                                             ["BlockStored", [5], None, list(range(16)), 16]], 0])
