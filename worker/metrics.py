@@ -28,7 +28,7 @@ class WorkerSnapshot:
     """Everything the metrics report, read at scrape time."""
 
     events: Mapping[str, int] = field(default_factory=dict)  # {event type: events applied}
-    events_by_medium: Mapping[str, int] = field(default_factory=dict)  # {medium: events kept}
+    events_by_medium: Mapping[str, int] = field(default_factory=dict)  # {medium: events applied}
     skipped_events: Mapping[str, int] = field(default_factory=dict)  # {reason: events skipped}
     skipped_tier_events: Mapping[str, int] = field(default_factory=dict)  # {medium: of "tier"}
     num_messages: int = 0

@@ -78,17 +78,21 @@ def test_cpu_tier_keeps_evicted_prefixes_routable(
     assert metric(text, "vllm:external_prefix_cache_hits_total") == 32
 
 
-def test_cpu_tier_under_recomputed_keys(tmp: Path, rds: Redis, redis_url: str,  # noqa: F811
+@pytest.mark.parametrize("stride", ["1", "16"])  # the exact index and the default coarse one
+def test_cpu_tier_under_recomputed_keys(stride: str, tmp: Path, rds: Redis,  # noqa: F811
+                                        redis_url: str,
                                         procs: list[subprocess.Popen[bytes]]) -> None:  # noqa: F811
     """An engine hashing with another seed (key_mode=recomputed): the connector's host stores
     carry no tokens to re-hash, so the worker keys them by the digest the GPU store of the same
-    engine hash gave, and they stay routable after the GPU evicts them."""
+    engine hash gave, and they stay routable after the GPU evicts them. (A's two blocks, at
+    depths 0 and 1, are anchors on either index.)"""
     rng = random.Random(8)
     emu = start_emulator(tmp, seed="123", num_gpu_blocks=12,
                          extra=("--num-cpu-blocks-override", "64"))
     procs.append(emu.proc)
     metrics_port = free_port()
-    procs.append(start_worker(emu, redis_url, extra=("--metrics-port", str(metrics_port))))
+    procs.append(start_worker(emu, redis_url, extra=("--metrics-port", str(metrics_port),
+                                                     "--index-stride", stride)))
     wait_for(lambda: rds.heartbeat().get(contract.F_KEY_MODE) == "recomputed", 30,
              message="key_mode recomputed")
     tokens_a = prompt(40, rng)
@@ -104,7 +108,7 @@ def test_cpu_tier_under_recomputed_keys(tmp: Path, rds: Redis, redis_url: str,  
     assert metric(text, 'worker_tier_events_total{medium="CPU"}') > 0
     assert metric(text, 'worker_skipped_events_total{reason="no_chain"}') == 0
     assert metric(text, "worker_bad_events_total") == 0
-    router = Router(tmp, ["--redis-url", redis_url, "--hash-seed", "0", "--index-stride", "1"])
+    router = Router(tmp, ["--redis-url", redis_url, "--hash-seed", "0", "--index-stride", stride])
     procs.append(router.proc)
     wait_for(lambda: router.ready().get("replicas"), 30, message="router sees the replica")
 
