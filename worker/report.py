@@ -118,7 +118,7 @@ class Worker:
 
     def apply(self, seq: int, batch: KVEventBatch) -> None:
         epoch = self.view.epoch
-        for change in self.view.apply_batch(seq, self.filtered(batch, self.view)):
+        for change in self.view.apply_batch(seq, self.filtered(batch)):
             self.writer.enqueue(change)
         self.writer.advance(self.view.epoch, seq)
         self.event_lag_s = max(0.0, time.time() - batch.ts)
@@ -130,8 +130,8 @@ class Worker:
         if self.view.epoch != epoch:
             self._epoch_changed()
 
-    def filtered(self, batch: KVEventBatch, view: ReplicaView) -> KVEventBatch:
-        """``batch`` without the events ``view`` cannot use (other tiers, block sizes, ...)."""
+    def filtered(self, batch: KVEventBatch) -> KVEventBatch:
+        """``batch`` without the events the index cannot use (other tiers, block sizes, ...; ``EventFilter``)."""
         event_filter = self.event_filter
         event_filter.block_size = self.config.block_size or self.engine_block_size
         return event_filter.apply(batch)
@@ -443,7 +443,7 @@ class _Rekeying:
         self.view = view
 
     def apply(self, seq: int, batch: KVEventBatch) -> None:
-        self.view.apply_batch(seq, self.worker.filtered(batch, self.view))
+        self.view.apply_batch(seq, self.worker.filtered(batch))
 
     def resync(self, reason: str) -> None:
         self.view.reset(reason)
