@@ -235,6 +235,10 @@ class RouterConfig:
                 if not url.startswith(("http://", "https://")):
                     raise ConfigError(f"replica URL must start with http:// or https://, "
                                       f"got {url!r}", name)
+                try:
+                    split_replica_url(url)
+                except ValueError as exc:
+                    raise ConfigError(str(exc), name) from exc
         if self.api_keys and not self.cache_salt_secret_file:
             raise ConfigError("api_keys needs cache_salt_secret_file (every router process "
                               "must derive the same per-tenant cache salts)")
@@ -242,9 +246,28 @@ class RouterConfig:
             raise ConfigError("need --redis-url (worker-reported fleet) or at least one --replica URL")
 
 
+def split_replica_url(url: str) -> tuple[str, int | None]:
+    """``http://host:port[/path][#RANK]`` -> (the base URL, without the fragment and trailing
+    ``/``; the engine's data-parallel rank, or None without a fragment).
+
+    The fragment names one DP rank of an engine started with vLLM's ``--data-parallel-size``
+    (every rank behind the one URL; the router selects it with ``X-data-parallel-rank``, vLLM
+    ``_get_data_parallel_rank``); a fragment is never sent over HTTP, so it can carry it.
+    Raises ``ValueError`` for a fragment that is not a non-negative decimal integer.
+    """
+    base, has_rank, rank = url.partition("#")
+    if not has_rank:
+        return url.rstrip("/"), None
+    if not (rank.isascii() and rank.isdigit()):
+        raise ValueError(f"replica URL fragment must be a data-parallel rank (0, 1, ...), "
+                         f"got {url!r}")
+    return base.rstrip("/"), int(rank)
+
+
 _HELP: Final = {
     "replicas": "static replica base URL (repeatable; env ROUTER_REPLICA(S), comma-separated); "
-                "id is host:port",
+                "id is host:port; URL#RANK targets one data-parallel rank of the engine "
+                "(X-data-parallel-rank), id host:port#RANK",
     "redis_url": "the fleet's Redis: redis[s]://HOST:PORT/DB, unix:///PATH, "
                  "redis[s]+cluster://HOST:PORT[,HOST:PORT...] or "
                  "redis[s]+sentinel://HOST:PORT[,...]/SERVICE[/DB]",
@@ -293,7 +316,8 @@ _HELP: Final = {
                                    "--trust-request-chat-template); default refuse it",
     "chat_template_timeout_s": "a request chat template's render is killed after this",
     "chat_template_max_bytes": "a request chat template's rendered text is refused beyond this",
-    "fallback_replicas": "replica URL used while Redis gives no fleet (repeatable, comma-separated)",
+    "fallback_replicas": "replica URL used while Redis gives no fleet (repeatable, comma-separated; "
+                         "URL#RANK as for --replica)",
     "drain_delay_s": "after SIGTERM: /ready answers 503 and requests are still accepted this long",
     "shutdown_timeout_s": "then in-flight requests get this long to finish",
     "fleet_cache_file": "file keeping the last fleet seen in Redis, loaded when Redis is down "

@@ -25,6 +25,8 @@ looks blocks up: the GPU hit is the leading run of the chain in the GPU set
 (``KVCacheManager.get_computed_blocks``), and the CPU-tier hit continues from there with the
 blocks the host holds (``OffloadingConnectorScheduler.get_num_new_matched_tokens`` looks up the
 blocks past the GPU hit), which are loaded over the host link instead of being recomputed.
+vLLM's other offload medium, ``"STORAGE"`` (disk or remote), has no set: no router values it,
+so its events are skipped by the worker (``worker_skipped_tier_events_total{medium}``).
 
 **Atomicity and its check.** A flush is ONE single-slot Lua script on the replica's two keys
 (the set change, and ``epoch``, ``seq`` and ``entry_seq`` in the heartbeat hash), THEN the

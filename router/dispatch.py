@@ -10,7 +10,8 @@ request ends (``settle``):
 - the **placement**: the prompt's anchor keys recorded as speculatively placed there (index
   policies), and, for a lazily hashed chain, the rest once ``PromptChainer.hash_rest`` has it;
 - the **KV writes** counted for it there (``LoadTracker.record_writes``: full blocks beyond the
-  predicted hit), corrected when a lazily tokenized text's exact length is known.
+  predicted hit, CPU-tier hits included: loaded, not written), corrected when a lazily
+  tokenized text's exact length is known.
 
 Settling (see ``Dispatch.settle``): the replica that served keeps all three; attempts that failed,
 and an answer refusing the request, left no blocks, so their placements are withdrawn. A refusal
@@ -218,8 +219,9 @@ class Dispatch:
 
     def _write_blocks(self, replica_id: str) -> int:
         """New KV blocks the request makes ``replica_id`` write: its full blocks beyond the hit
-        predicted there."""
-        hit_blocks = self.routed.decision.hit(replica_id).blocks
+        predicted there in both tiers (a CPU-tier hit is loaded into the GPU, not computed, and
+        its host copy stays: write-through; ``router.policy._ttft``'s evict term agrees)."""
+        hit_blocks = self.routed.decision.hit(replica_id).total_blocks
         return max(self.routed.num_tokens // self._d.block_size - hit_blocks, 0)
 
     def _record_rest(self, whole: PromptChain) -> None:

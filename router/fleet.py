@@ -21,7 +21,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from router import contract as c
-from router.config import RouterConfig
+from router.config import RouterConfig, split_replica_url
 from router.errors import ModelNotFound, NoRoutableReplica
 from router.hashing import BlockHasher
 from router.health import HealthParams, ReplicaHealth
@@ -34,10 +34,13 @@ SUSPECT_S = 5.0  # seconds a replica is skipped after a connection failure
 
 
 def static_replica_id(url: str) -> str:
-    """Id of a static replica: ``host:port`` of its URL (default ports filled in)."""
+    """Id of a static replica: ``host:port`` of its URL (default ports filled in), with
+    ``#RANK`` for one data-parallel rank of an engine (``router.config.split_replica_url``), as
+    workers name ranks. Raises ``ValueError`` for a fragment that is not a rank."""
+    _, dp_rank = split_replica_url(url)
     parts = urlsplit(url)
     port = parts.port or (443 if parts.scheme == "https" else 80)
-    return f"{parts.hostname}:{port}"
+    return f"{parts.hostname}:{port}" + ("" if dp_rank is None else f"#{dp_rank}")
 
 
 @dataclass(slots=True)
@@ -98,9 +101,10 @@ class Fleet:
             ejection_s=config.circuit_ejection_s, max_ejection_s=config.circuit_max_ejection_s,
             stall_timeout_s=config.stall_timeout_s))
         for url in config.replicas:
+            base, dp_rank = split_replica_url(url)
             rid = static_replica_id(url)
             self.replicas[rid] = Replica(
-                rid, url.rstrip("/"), static=True,
+                rid, base, static=True, dp_rank=dp_rank,
                 models=frozenset([config.model]) if config.model else None)
 
     # -- views ------------------------------------------------------------------
@@ -214,10 +218,11 @@ class Fleet:
 
     def add_fallbacks(self, cached: list[dict[str, Any]], urls: tuple[str, ...]) -> int:
         """Replicas to route to until Redis gives the fleet: the last fleet seen (``cached``,
-        ``read_fleet_cache``) and ``fallback_replicas`` URLs (id ``host:port``). Returns how many
-        were added."""
+        ``read_fleet_cache``) and ``fallback_replicas`` URLs (id ``host:port``, ``#RANK`` for a
+        data-parallel rank). Returns how many were added."""
         added = 0
-        entries = [*cached, *({"replica_id": static_replica_id(u), "url": u} for u in urls)]
+        entries = [*cached, *({"replica_id": static_replica_id(u), "url": split_replica_url(u)[0],
+                               "dp_rank": split_replica_url(u)[1]} for u in urls)]
         for entry in entries:
             rid, url = str(entry.get("replica_id") or ""), str(entry.get("url") or "")
             if not rid or not url.startswith(("http://", "https://")) or rid in self.replicas:

@@ -9,6 +9,13 @@ Two modes, named by the heartbeat field ``key_mode``:
   re-hashed from its ``token_ids`` and extra keys with the routers' settings,
   following ``parent_block_hash`` through a map {engine key: our digest}. A
   ``BlockRemoved`` maps the engine's hash back through the same map.
+
+Offload tiers (``tier`` ``"CPU"``): vLLM's offloading connector publishes a host store
+without parent and token ids (``OffloadingConnectorScheduler.take_events``), so in
+``recomputed`` mode it cannot be re-hashed; it is keyed by the digest the GPU store of the
+same engine hash already gave (write-through: that store comes first), kept in a map of the
+tier's own so the key outlives the GPU copy (a GPU eviction of an offloaded block is no
+removal from the host). A host store of a hash the worker never saw stored is not placed.
 """
 
 from __future__ import annotations
@@ -18,11 +25,12 @@ from dataclasses import dataclass
 from typing import Final, Protocol
 
 from router.contract import KEY_MODE_RECOMPUTED as _RECOMPUTED
-from router.contract import BlockKey
+from router.contract import TIER_GPU, BlockKey
 from router.hashing import BlockHasher, block_key
 from worker.kv_events import (
     BlockRemoved,
     BlockStored,
+    ExternalBlockHash,
     KVEventDecodeError,
     event_hash_key,
     from_event_extra_keys,
@@ -37,13 +45,22 @@ class UnresolvableEvent(KVEventDecodeError):
 
 
 class KeyMapper(Protocol):
-    """Engine event -> block keys. ``stored``/``removed`` raise ``KVEventDecodeError`` on bad input."""
+    """Engine event of one ``tier`` (``router.contract.TIERS``) -> block keys.
+
+    ``stored``/``removed`` raise ``KVEventDecodeError`` on bad input; ``placeable`` returns
+    the hashes of an offload-tier store whose keys ``stored`` can compute (all of them when
+    keys are the engine's own). ``num_unknown_removals``: removed hashes it could not map
+    back (never seen stored on their tier).
+    """
 
     mode: str
+    num_unknown_removals: int
 
-    def stored(self, event: BlockStored) -> list[BlockKey]: ...
+    def stored(self, event: BlockStored, tier: str = TIER_GPU) -> list[BlockKey]: ...
 
-    def removed(self, event: BlockRemoved) -> list[BlockKey]: ...
+    def removed(self, event: BlockRemoved, tier: str = TIER_GPU) -> list[BlockKey]: ...
+
+    def placeable(self, event: BlockStored) -> list[ExternalBlockHash]: ...
 
     def clear(self) -> None: ...
 
@@ -52,12 +69,16 @@ class EngineKeys:
     """``key_mode=engine``: block key = the event's own hash (64-bit int, or a raw digest reduced)."""
 
     mode = KEY_MODE_ENGINE
+    num_unknown_removals = 0  # (the block sets count a key that is not resident)
 
-    def stored(self, event: BlockStored) -> list[BlockKey]:
+    def stored(self, event: BlockStored, tier: str = TIER_GPU) -> list[BlockKey]:
         return [event_hash_key(h) for h in event.block_hashes]
 
-    def removed(self, event: BlockRemoved) -> list[BlockKey]:
+    def removed(self, event: BlockRemoved, tier: str = TIER_GPU) -> list[BlockKey]:
         return [event_hash_key(h) for h in event.block_hashes]
+
+    def placeable(self, event: BlockStored) -> list[ExternalBlockHash]:
+        return event.block_hashes
 
     def clear(self) -> None:
         return None
@@ -74,9 +95,11 @@ class RecomputedKeys:
 
     ``lora_path(name)`` returns the adapter path the engine registered (``root``
     of its ``/v1/models`` card) or None. Keeps {engine key: (our digest, copies)}
-    for every block it has seen stored and not yet removed as often, so memory
-    is bounded by the replica's resident blocks. Source of the rule being
-    re-applied: vLLM 0.33 ``hash_block_tokens`` and ``to_event_extra_keys``.
+    per tier for every block it has seen stored there and not yet removed as often, so
+    memory is bounded by the replica's resident blocks. Source of the rule being
+    re-applied: vLLM 0.33 ``hash_block_tokens`` and ``to_event_extra_keys``. An
+    offload-tier store (no tokens, no parent) takes the digest of the same engine hash from
+    either map (``placeable`` says which hashes have one).
     """
 
     mode = KEY_MODE_RECOMPUTED
@@ -84,12 +107,23 @@ class RecomputedKeys:
     def __init__(self, hasher: BlockHasher, lora_path: Callable[[str], str | None]) -> None:
         self.hasher = hasher
         self._lora_path = lora_path
-        self._engine_to_ours: dict[int, _Mapped] = {}  # {engine key: our digest and copies}
+        self._engine_to_ours: dict[int, _Mapped] = {}  # {engine key: our digest and copies}, GPU
+        self._offloaded: dict[int, _Mapped] = {}  # the same for the offload (CPU) tier
+        self.num_unknown_removals = 0  # removed hashes never seen stored on their tier
 
     def __len__(self) -> int:
-        return len(self._engine_to_ours)
+        return len(self._engine_to_ours) + len(self._offloaded)
 
-    def stored(self, event: BlockStored) -> list[BlockKey]:
+    def _digest(self, engine_key: int) -> bytes | None:
+        entry = self._engine_to_ours.get(engine_key) or self._offloaded.get(engine_key)
+        return entry.digest if entry is not None else None
+
+    def placeable(self, event: BlockStored) -> list[ExternalBlockHash]:
+        return [h for h in event.block_hashes if self._digest(event_hash_key(h)) is not None]
+
+    def stored(self, event: BlockStored, tier: str = TIER_GPU) -> list[BlockKey]:
+        if tier != TIER_GPU:
+            return self._stored_offload(event)
         size = self.hasher.block_size
         num_blocks = len(event.block_hashes)
         if event.block_size != size:
@@ -103,10 +137,10 @@ class RecomputedKeys:
         parent: bytes | None = None
         first_index = 0
         if event.parent_block_hash is not None:
-            entry = self._engine_to_ours.get(event_hash_key(event.parent_block_hash))
-            if entry is None:
+            # (a parent only the host tier still holds chains the same: one hash, one digest)
+            parent = self._digest(event_hash_key(event.parent_block_hash))
+            if parent is None:
                 raise UnresolvableEvent("parent block unknown (stored before this worker saw it)")
-            parent = entry.digest
             first_index = 1  # any block after block 0; only "is it block 0" matters (cache_salt)
         lora_path = self._lora_path(event.lora_name) if event.lora_name else None
         extra_keys = event.extra_keys or [None] * num_blocks
@@ -119,23 +153,31 @@ class RecomputedKeys:
                 lora_path=lora_path,
             )
             parent = self.hasher.hash_block(parent, event.token_ids[i * size : (i + 1) * size], extra)
-            engine_key = event_hash_key(engine_hash)
-            entry = self._engine_to_ours.get(engine_key)
-            if entry is None:
-                self._engine_to_ours[engine_key] = _Mapped(parent, 1)
-            else:
-                entry.copies += 1
+            _count(self._engine_to_ours, event_hash_key(engine_hash), parent)
             out.append(block_key(parent))
         return out
 
-    def removed(self, event: BlockRemoved) -> list[BlockKey]:
+    def _stored_offload(self, event: BlockStored) -> list[BlockKey]:
+        """Keys of a host store, every hash of which is ``placeable``; raises
+        ``UnresolvableEvent`` otherwise (the view passes the placeable hashes only)."""
+        engine_keys = [event_hash_key(h) for h in event.block_hashes]
+        digests = [d for d in map(self._digest, engine_keys) if d is not None]
+        if len(digests) != len(engine_keys):
+            raise UnresolvableEvent("offloaded block never stored on the GPU while this worker "
+                                    "listened: no tokens to re-hash")
+        for engine_key, digest in zip(engine_keys, digests, strict=True):
+            _count(self._offloaded, engine_key, digest)
+        return [block_key(d) for d in digests]
+
+    def removed(self, event: BlockRemoved, tier: str = TIER_GPU) -> list[BlockKey]:
         out: list[BlockKey] = []
-        table = self._engine_to_ours
+        table = self._engine_to_ours if tier == TIER_GPU else self._offloaded
         for engine_hash in event.block_hashes:
             engine_key = event_hash_key(engine_hash)
             entry = table.get(engine_key)
-            if entry is None:
-                continue  # never seen stored: nothing of ours to remove
+            if entry is None:  # never seen stored: nothing of ours to remove
+                self.num_unknown_removals += 1
+                continue
             out.append(block_key(entry.digest))
             if entry.copies == 1:
                 del table[engine_key]
@@ -145,3 +187,13 @@ class RecomputedKeys:
 
     def clear(self) -> None:
         self._engine_to_ours.clear()
+        self._offloaded.clear()
+
+
+def _count(table: dict[int, _Mapped], engine_key: int, digest: bytes) -> None:
+    """One more copy of ``engine_key`` (mapped to ``digest``) in ``table``."""
+    entry = table.get(engine_key)
+    if entry is None:
+        table[engine_key] = _Mapped(digest, 1)
+    else:
+        entry.copies += 1

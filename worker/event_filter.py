@@ -6,7 +6,8 @@ never treated as errors (one bad event must not cost the batch or fill the log):
 
 * ``tier``: a medium the worker is not configured to index (``--kv-tiers``; ``GPU`` is
   always indexed; vLLM publishes ``"CPU"`` for native offloading, ``"STORAGE"`` for
-  disk/remote tiers, which no router values yet, so it is never indexed). With ``CPU``
+  disk/remote tiers, which no router values yet, so it is never indexed; ``skipped_tiers``
+  counts these by medium, any medium vLLM does not name as ``"other"``). With ``CPU``
   indexed, the view keeps the host tier's blocks in a set of their own (Redis contract
   version 4: resident keys per replica and tier), so a GPU eviction of a block the host
   still holds leaves it routable as a CPU-tier hit;
@@ -18,11 +19,10 @@ never treated as errors (one bad event must not cost the batch or fill the log):
 * ``block_size``: a ``BlockStored`` whose block size differs from the routers' (another
   group's size, or an offloaded block size larger than the GPU's): its hashes are of
   another granularity and match no key the routers compute;
-* ``no_chain``: an offload-tier event (medium other than GPU) when keys must be re-hashed
-  from tokens (``key_mode=recomputed``, ``needs_chain``): vLLM's offloading connector
-  publishes ``BlockStored`` without ``token_ids`` and without a parent, so those stores
-  cannot be re-hashed. (The coarse index places them by the depth of the GPU store of the
-  same hash: ``worker.replica_view``);
+* ``no_chain`` (decided by the view, ``worker.replica_view``, which knows the keys): a host
+  store when keys are re-hashed from tokens (``key_mode=recomputed``) none of whose blocks the
+  worker saw stored on the GPU: vLLM's offloading connector publishes ``BlockStored`` without
+  ``token_ids`` and without a parent, so such a store cannot be re-hashed;
 * ``unknown_type``: an event type this worker does not know (``UnknownEvent``);
 * ``dp_rank``: every event of a batch whose ``data_parallel_rank`` is not the rank this view
   follows (``dp_rank``; a data-parallel engine publishes one stream per rank, and a stream
@@ -44,6 +44,7 @@ DEFAULT_KV_TIERS: Final = ("GPU", "CPU")  # mediums indexed by default (vLLM nat
 KNOWN_MEDIUMS: Final = ("GPU", "CPU", "STORAGE")
 INDEXED_MEDIUMS: Final = ("GPU", "CPU")  # router.contract.TIERS: the tiers routers value
 SKIP_REASONS: Final = ("tier", "group", "no_chain", "block_size", "unknown_type", "dp_rank")
+OTHER_MEDIUM: Final = "other"  # label of a skipped medium vLLM does not name (bounded labels)
 _BLOCK_EVENTS: Final = frozenset({BlockStored, BlockRemoved})
 _MEDIUM_GROUP: Final = operator.attrgetter("medium", "group_idx")
 
@@ -67,16 +68,14 @@ class EventFilter:
     """Drops the events of a batch the index cannot use; counts them in ``skipped``.
 
     ``block_size``: the routers' (None: not checked); ``tiers``: mediums indexed (a None
-    medium, as older vLLM releases publish, counts as GPU); ``needs_chain``: keys come from
-    tokens (``key_mode=recomputed``), so offload-tier events are unusable.
+    medium, as older vLLM releases publish, counts as GPU).
     """
 
     block_size: int | None = None
     tiers: frozenset[str] = frozenset(DEFAULT_KV_TIERS)
-    needs_chain: bool = False
     dp_rank: int | None = None  # the engine's DP rank this view follows; None: any batch
     skipped: Counter[str] = field(default_factory=Counter)  # {reason: events skipped}
-    by_medium: Counter[str] = field(default_factory=Counter)  # {medium: events kept}
+    skipped_tiers: Counter[str] = field(default_factory=Counter)  # {medium: events "tier"}
 
     def apply(self, batch: KVEventBatch) -> KVEventBatch:
         """``batch`` itself when every event is usable, else a copy without the others."""
@@ -94,6 +93,9 @@ class EventFilter:
         for event, reason in zip(events, reasons, strict=True):
             if reason:
                 self.skipped[reason] += 1
+                if reason == "tier":
+                    medium = getattr(event, "medium", None)
+                    self.skipped_tiers[medium if medium in KNOWN_MEDIUMS else OTHER_MEDIUM] += 1
             else:
                 kept.append(event)
         return KVEventBatch(batch.ts, kept, batch.data_parallel_rank)
@@ -108,12 +110,10 @@ class EventFilter:
             return None
         shapes = list(zip(map(type, events), map(_MEDIUM_GROUP, events), strict=True))
         decided: dict[Any, str | None] = {}
-        for shape, count in Counter(shapes).items():
+        for shape in set(shapes):
             if shape[0] is BlockRemoved:
                 medium, group_idx = shape[1]
-                reason = decided[shape] = self._shape_reason(BlockRemoved, medium, group_idx, None)
-                if reason is None:
-                    self.by_medium[medium or MEDIUM_GPU] += count
+                decided[shape] = self._shape_reason(BlockRemoved, medium, group_idx, None)
         if BlockStored not in types and len(decided) == 1 and None in decided.values():
             return [None] * len(events)  # (the usual removal batch: all usable)
         return [decided[shape] if shape[0] is BlockRemoved else self._reason(event)
@@ -121,11 +121,8 @@ class EventFilter:
 
     def _reason(self, event: object) -> str | None:
         if isinstance(event, BlockStored | BlockRemoved):
-            reason = self._shape_reason(type(event), event.medium, event.group_idx,
-                                        event.block_size if isinstance(event, BlockStored) else None)
-            if reason is None:
-                self.by_medium[event.medium or MEDIUM_GPU] += 1
-            return reason
+            return self._shape_reason(type(event), event.medium, event.group_idx,
+                                      event.block_size if isinstance(event, BlockStored) else None)
         if isinstance(event, UnknownEvent):
             return "unknown_type"
         return None
@@ -138,8 +135,6 @@ class EventFilter:
             return "tier"
         if group_idx:
             return "group"
-        if self.needs_chain and medium != MEDIUM_GPU:
-            return "no_chain"
         if event_type is BlockStored and (
                 self.block_size is not None and block_size != self.block_size):
             return "block_size"

@@ -15,7 +15,12 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from worker.event_filter import KNOWN_MEDIUMS, MEDIUM_GPU, OTHER_MEDIUM
+
 logger = logging.getLogger(__name__)
+
+# the labels of worker_skipped_tier_events_total: every medium but GPU (always indexed)
+SKIPPABLE_MEDIUMS = (*(m for m in KNOWN_MEDIUMS if m != MEDIUM_GPU), OTHER_MEDIUM)
 
 
 @dataclass(frozen=True, slots=True)
@@ -23,8 +28,9 @@ class WorkerSnapshot:
     """Everything the metrics report, read at scrape time."""
 
     events: Mapping[str, int] = field(default_factory=dict)  # {event type: events applied}
-    events_by_medium: Mapping[str, int] = field(default_factory=dict)  # {medium: events kept}
+    events_by_medium: Mapping[str, int] = field(default_factory=dict)  # {medium: events applied}
     skipped_events: Mapping[str, int] = field(default_factory=dict)  # {reason: events skipped}
+    skipped_tier_events: Mapping[str, int] = field(default_factory=dict)  # {medium: of "tier"}
     num_messages: int = 0
     num_malformed: int = 0
     num_bad_events: int = 0
@@ -69,9 +75,10 @@ _COUNTERS: tuple[tuple[str, str, str], ...] = (
     ("worker_keys_written", "num_keys_written", "Block keys written to Redis (set changes)."),
     ("worker_heartbeats", "num_heartbeats", "Heartbeats written."),
     ("worker_engine_errors", "num_engine_errors", "Failed engine polls."),
-    ("worker_unknown_removals", "num_unknown_removals", "BlockRemoved for keys not resident."),
+    ("worker_unknown_removals", "num_unknown_removals", "Removed blocks not resident on their tier (GPU or CPU)."),
     ("worker_unknown_depth_blocks", "num_unknown_depth_blocks",
-     "Stored blocks whose chain depth is unknown (parent never seen; no anchor published)."),
+     "Stored blocks not placed in their chain (parent never seen, or a host store of a hash "
+     "never seen stored on the GPU); not published."),
     ("worker_probes", "num_probes", "Hash agreement probes completed."),
 )
 _GAUGES: tuple[tuple[str, str, str], ...] = (
@@ -112,6 +119,13 @@ class WorkerCollector(Collector):
         for reason, count in snap.skipped_events.items():
             skipped.add_metric([reason], count)
         yield skipped
+        skipped_tiers = CounterMetricFamily(
+            "worker_skipped_tier_events",
+            "KV events of a medium (tier) the worker does not index, skipped, by medium "
+            "(\"other\": one vLLM does not name).", labels=["medium"])
+        for medium in SKIPPABLE_MEDIUMS:
+            skipped_tiers.add_metric([medium], snap.skipped_tier_events.get(medium, 0))
+        yield skipped_tiers
         for name, attr, doc in _COUNTERS:
             yield CounterMetricFamily(name, doc, value=getattr(snap, attr))
         for name, attr, doc in _GAUGES:

@@ -16,6 +16,7 @@ import random
 from dataclasses import dataclass
 from typing import Final
 
+from router.contract import TIER_GPU
 from router.hashing import HASH_ALGOS, BlockHasher, HashConfigError
 from worker.kv_events import BlockStored, event_hash_key
 
@@ -50,9 +51,13 @@ class ProbeCatcher:
         self.done = asyncio.Event()
 
     def observe(self, event: BlockStored) -> None:
-        """Look at one ``BlockStored``; ignores events of other prompts."""
+        """Look at one ``BlockStored``; ignores events of other prompts, and any store but the
+        GPU's own of KV-cache group 0: an offload tier's store (vLLM's offloading connector)
+        carries no tokens to match, so it would match any prompt at block 0, and its block
+        size may be a multiple of the GPU's; another group's blocks are not the routers'."""
         size = event.block_size
-        if size <= 0 or not event.block_hashes:
+        if (size <= 0 or not event.block_hashes or not event.token_ids or event.group_idx
+                or (event.medium or TIER_GPU) != TIER_GPU):
             return
         if event.parent_block_hash is None:
             start = 0

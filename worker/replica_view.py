@@ -20,7 +20,11 @@ change a second set, ``cpu_blocks``; every ``Change`` names its ``tier``. vLLM's
 connector publishes a host store without parent or token ids, so on the coarse index the view
 takes a CPU block's depth from the GPU store of the same hash, which comes first (offloading is
 write-through: a block is copied to the host once the GPU has it); a host store of a hash the
-GPU view does not hold (any more) has no known depth and is counted like any other.
+GPU view does not hold (any more) has no known depth and is counted like any other. With
+keys re-hashed from tokens (``key_mode=recomputed``) a host store is keyed by the digest the GPU
+store of the same hash gave (``worker.block_keys.RecomputedKeys``); its blocks the worker never
+saw stored are not placed (counted as unknown-depth blocks), and a host store none of whose
+blocks can be placed is skipped (``stats.skipped["no_chain"]``).
 """
 
 from __future__ import annotations
@@ -29,6 +33,8 @@ import logging
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
+
+import msgspec
 
 from router.contract import (
     OP_CLEARED,
@@ -83,6 +89,8 @@ class ViewStats:
     num_epoch_resets: int = 0
     num_unknown_depth_blocks: int = 0  # stored blocks whose chain depth is unknown (stride > 1)
     num_unknown_depth_cpu_blocks: int = 0  # of them, host (CPU-tier) stores
+    events_by_tier: Counter[str] = field(default_factory=Counter)  # {tier: events applied}
+    skipped: Counter[str] = field(default_factory=Counter)  # {reason: events the view skipped}
     last_batch_ts: float = 0.0  # engine timestamp (unix s) of the last applied batch
 
 
@@ -111,6 +119,13 @@ class ReplicaView:
     @property
     def key_mode(self) -> str:
         return self.mapper.mode
+
+    @property
+    def num_unknown_removals(self) -> int:
+        """Removed blocks that were not resident on their tier (both tiers; under
+        ``key_mode=recomputed`` the engine hashes the key map never saw stored)."""
+        return (self.blocks.num_unknown_removals + self.cpu_blocks.num_unknown_removals
+                + self.mapper.num_unknown_removals)
 
     def apply_batch(self, seq: int, batch: KVEventBatch) -> list[Change]:
         """Apply one batch; return its changes in order, consecutive same-op runs merged.
@@ -142,12 +157,16 @@ class ReplicaView:
                     op, keys = OP_REMOVED, self._removed_run(event, stats, seq, tier)
                 else:  # pragma: no cover - decode_batch only yields the three types
                     raise KVEventDecodeError(f"unknown event {type(event).__name__}")
+            except _Skipped as skip:
+                stats.skipped[skip.reason] += 1
+                continue
             except KVEventDecodeError as exc:
                 stats.num_bad_events += 1
                 logger.warning("dropping %s in batch seq %d: %s", type(event).__name__, seq, exc)
                 continue
             if not isinstance(event, _RemovedRun):
                 stats.events[type(event).__name__] += 1
+                stats.events_by_tier[tier] += 1
             if not keys:
                 continue
             if changes and changes[-1].op == op and changes[-1].tier == tier:
@@ -159,7 +178,9 @@ class ReplicaView:
         return changes
 
     def _stored(self, event: BlockStored, tier: str) -> list[BlockKey]:
-        keys = self.mapper.stored(event)
+        if tier != TIER_GPU and self.mapper.mode != KEY_MODE_ENGINE:
+            event = self._placeable(event)
+        keys = self.mapper.stored(event, tier)
         if self.index_stride > 1:
             # a host-tier store has no parent of its own: it takes the depth of the GPU store
             # of the same hash (write-through: that store came first)
@@ -167,8 +188,21 @@ class ReplicaView:
                     else self._cpu_anchors(event, keys))
         return self._tier_blocks(tier).store(keys)
 
+    def _placeable(self, event: BlockStored) -> BlockStored:
+        """A host store (no tokens, no parent) restricted to the blocks whose keys the mapper
+        knows from their GPU stores; raises ``_Skipped`` when it knows none."""
+        hashes = self.mapper.placeable(event)
+        unplaced = len(event.block_hashes) - len(hashes)
+        if not unplaced:
+            return event
+        self.stats.num_unknown_depth_blocks += unplaced
+        self.stats.num_unknown_depth_cpu_blocks += unplaced
+        if not hashes:
+            raise _Skipped("no_chain")
+        return msgspec.structs.replace(event, block_hashes=hashes)
+
     def _removed(self, event: BlockRemoved, tier: str) -> list[BlockKey]:
-        keys = self.mapper.removed(event)
+        keys = self.mapper.removed(event, tier)
         blocks = self._tier_blocks(tier)
         if self.index_stride > 1:
             if tier == TIER_GPU:
@@ -199,8 +233,10 @@ class ReplicaView:
                     logger.warning("dropping BlockRemoved in batch seq %d: %s", seq, exc)
                     continue
                 stats.events["BlockRemoved"] += 1
+                stats.events_by_tier[tier] += 1
             return keys
         stats.events["BlockRemoved"] += len(run.events)
+        stats.events_by_tier[tier] += len(run.events)
         return keys
 
     def _engine_keys(self, hashes: list[Any], keys: list[BlockKey]) -> list[BlockKey]:
@@ -301,6 +337,14 @@ class ReplicaView:
         self.stats.num_epoch_resets += 1
         logger.warning("epoch %d: replica view reset: %s", self.epoch, reason)
         return Change(OP_CLEARED, [], self.epoch, self.seq)
+
+
+class _Skipped(Exception):
+    """An event the view cannot use, skipped and counted under ``reason`` (not an error)."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
 
 
 @dataclass(slots=True)

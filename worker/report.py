@@ -118,7 +118,7 @@ class Worker:
 
     def apply(self, seq: int, batch: KVEventBatch) -> None:
         epoch = self.view.epoch
-        for change in self.view.apply_batch(seq, self.filtered(batch, self.view)):
+        for change in self.view.apply_batch(seq, self.filtered(batch)):
             self.writer.enqueue(change)
         self.writer.advance(self.view.epoch, seq)
         self.event_lag_s = max(0.0, time.time() - batch.ts)
@@ -130,13 +130,10 @@ class Worker:
         if self.view.epoch != epoch:
             self._epoch_changed()
 
-    def filtered(self, batch: KVEventBatch, view: ReplicaView) -> KVEventBatch:
-        """``batch`` without the events ``view`` cannot use (other tiers, block sizes, ...)."""
+    def filtered(self, batch: KVEventBatch) -> KVEventBatch:
+        """``batch`` without the events the index cannot use (other tiers, block sizes, ...; ``EventFilter``)."""
         event_filter = self.event_filter
         event_filter.block_size = self.config.block_size or self.engine_block_size
-        # offload events carry no token ids: nothing to re-hash (the coarse index places them by
-        # the depth of the GPU store of the same hash, in the view)
-        event_filter.needs_chain = view.key_mode == KEY_MODE_RECOMPUTED
         return event_filter.apply(batch)
 
     def resync(self, reason: str) -> None:
@@ -347,8 +344,10 @@ class Worker:
         stats, wstats = self.view.stats, self.writer.stats
         return WorkerSnapshot(
             events=dict(stats.events),
-            events_by_medium=dict(self.event_filter.by_medium),
-            skipped_events=dict(self.event_filter.skipped_by_reason()),
+            events_by_medium=dict(stats.events_by_tier),
+            skipped_events={reason: count + stats.skipped[reason]
+                            for reason, count in self.event_filter.skipped_by_reason()},
+            skipped_tier_events=dict(self.event_filter.skipped_tiers),
             num_messages=sub.num_messages if sub else 0,
             num_malformed=sub.num_malformed if sub else 0,
             num_bad_events=stats.num_bad_events,
@@ -363,7 +362,7 @@ class Worker:
             num_keys_written=wstats.num_keys,
             num_heartbeats=self.heartbeat.num_beats,
             num_engine_errors=self.heartbeat.num_engine_errors,
-            num_unknown_removals=self.view.blocks.num_unknown_removals,
+            num_unknown_removals=self.view.num_unknown_removals,
             num_unknown_depth_blocks=stats.num_unknown_depth_blocks,
             num_probes=self.num_probes,
             resident_blocks=len(self.view.blocks),
@@ -444,7 +443,7 @@ class _Rekeying:
         self.view = view
 
     def apply(self, seq: int, batch: KVEventBatch) -> None:
-        self.view.apply_batch(seq, self.worker.filtered(batch, self.view))
+        self.view.apply_batch(seq, self.worker.filtered(batch))
 
     def resync(self, reason: str) -> None:
         self.view.reset(reason)

@@ -214,3 +214,37 @@ def test_a_dp2_engine_gets_requests_on_both_ranks_with_per_rank_hits(
         assert (f'router_replica_info{{dp_rank="{rank}",replica="{rid}",url="{url}"}} 1.0'
                 in info)
     client.close()
+
+
+def test_static_replicas_name_one_rank_each(
+        tmp: Path, procs: list[subprocess.Popen[bytes]]) -> None:  # noqa: F811
+    """Without workers or Redis: ``--replica URL#RANK`` makes each rank of a DP=2 engine a
+    static routing target of its own (id ``host:port#RANK``), sent to with vLLM's
+    ``X-data-parallel-rank`` header, and each request runs on the rank the router chose."""
+    replica = start_dp_emulator(tmp, procs)
+    url = replica["url"]
+    ids = [f"127.0.0.1:{url.rsplit(':', 1)[1]}#{rank}" for rank in (0, 1)]
+    router = Router(tmp, ["--replica", f"{url}#0", "--replica", f"{url}/#1",
+                          "--policy", "round_robin"])
+    procs.append(router.proc)
+    wait_for(lambda: len([r for r in router.ready().get("replicas", []) if r["routable"]]) == 2,
+             30, message="router probed both ranks")
+    assert {r["replica_id"]: r["dp_rank"] for r in router.ready()["replicas"]} == {
+        ids[0]: 0, ids[1]: 1}
+    before = [engine_metric(url, "vllm:request_success_total", rank) for rank in (0, 1)]
+    rng = random.Random(9)
+    chosen = []
+    for _ in range(6):
+        # a client's own rank header is dropped: the router picks the rank
+        status, headers, body = router.post("/v1/completions", {
+            "model": "emulated-llm", "prompt": prompt(3 * BLOCK, rng), "max_tokens": 1},
+            headers={"X-data-parallel-rank": "1"})
+        assert status == 200, body
+        chosen.append(headers["x-prefix-router-replica"])
+    assert sorted(set(chosen)) == ids
+    for rank, rid in enumerate(ids):
+        wait_for(lambda rank=rank, rid=rid: engine_metric(
+            url, "vllm:request_success_total", rank) - before[rank] == chosen.count(rid),
+            10, message=f"rank {rank}'s request count")
+    route = json.loads(router.post("/debug/route", {"prompt": prompt(3 * BLOCK, rng)})[2])
+    assert route["targets"] == {rid: {"url": url, "dp_rank": rank} for rank, rid in enumerate(ids)}

@@ -14,6 +14,7 @@ from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import pytest
 import redis
 import requests
@@ -28,10 +29,10 @@ from worker.kv_events import BlockRemoved, BlockStored, KVEventBatch
 pytestmark = pytest.mark.timeout(120)
 
 
-def stored(*hashes: int) -> KVEventBatch:
+def stored(*hashes: int, medium: str = "GPU") -> KVEventBatch:
     return KVEventBatch(ts=0.0, events=[BlockStored(
         block_hashes=list(hashes), parent_block_hash=None, token_ids=[1] * 16 * len(hashes),
-        block_size=16, lora_id=None, medium="GPU", lora_name=None)], data_parallel_rank=0)
+        block_size=16, lora_id=None, medium=medium, lora_name=None)], data_parallel_rank=0)
 
 
 def removed(*hashes: int) -> KVEventBatch:
@@ -77,8 +78,8 @@ def start_worker(emu: Emulator, pub: KVEventPublisher, redis_url: str,
                               "WORKER_KV_REPLAY_ENDPOINT": pub.replay_endpoint})
 
 
-def blocks(client: redis.Redis) -> set[int]:
-    members: set[bytes] = client.smembers(contract.blocks_key("pr", REPLICA))  # type: ignore[assignment]
+def blocks(client: redis.Redis, tier: str = contract.TIER_GPU) -> set[int]:
+    members: set[bytes] = client.smembers(contract.blocks_key("pr", REPLICA, tier))  # type: ignore[assignment]
     return {contract.unpack_key(m) for m in members}
 
 
@@ -118,6 +119,46 @@ async def test_stored_twice_removed_once_stays_resident(
         assert "worker_resident_blocks 0.0" in text
         seq = client.hget(contract.replica_key("pr", REPLICA), contract.F_SEQ)
         assert int(seq) == publisher.next_seq - 1  # type: ignore[arg-type]
+    finally:
+        stop_process(worker)
+
+
+async def test_offload_mediums_through_a_real_worker(
+        emulator: Emulator, publisher: KVEventPublisher, redis_url: str) -> None:
+    """vLLM's offload mediums on constructed frames (map- and array-encoded, as vLLM 0.33 and
+    0.9-0.11 publish them): "CPU" is indexed as the CPU tier; "STORAGE" (disk or remote, which
+    no router values) and a medium vLLM does not name are skipped and counted by medium; a host
+    tier of another block size changes no set."""
+    client = redis.Redis.from_url(redis_url)
+    client.flushall()
+    metrics_port = free_port()
+    worker = start_worker(emulator, publisher, redis_url, metrics_port)
+    try:
+        await until(lambda: epoch(client) > 0, message="first heartbeat")
+        gpu, cpu, storage = (stored(21, 22, medium=m).events[0] for m in ("GPU", "CPU", "STORAGE"))
+        await publisher.publish(KVEventBatch(0.0, [gpu, cpu, storage, stored(23, medium="NVME")
+                                                   .events[0]], 0))
+        await publisher.publish(msgspec.msgpack.encode([0.0, [
+            ["BlockStored", [24], None, [1] * 16, 16, None, "STORAGE"],
+            ["BlockRemoved", [21], "STORAGE"],
+            ["BlockRemoved", [22], "CPU"],
+            ["BlockStored", [22], None, [], 64, None, "CPU"],  # a host block of 4 GPU blocks
+            ["BlockRemoved", [22], "CPU"],  # (no block size: finds nothing resident)
+        ], 0]))
+        await publisher.publish(stored(99))  # the last: once it is in, every batch before is
+        await until(lambda: 99 in blocks(client), message="the marker batch")
+        assert blocks(client) == {21, 22, 99} and blocks(client, "CPU") == {21}
+        text = await asyncio.to_thread(worker_metrics, metrics_port)
+        for series, value in (('worker_skipped_events_total{reason="tier"}', 4),
+                              ('worker_skipped_tier_events_total{medium="STORAGE"}', 3),
+                              ('worker_skipped_tier_events_total{medium="other"}', 1),
+                              ('worker_skipped_tier_events_total{medium="CPU"}', 0),
+                              ('worker_tier_events_total{medium="CPU"}', 3),
+                              ('worker_tier_events_total{medium="GPU"}', 2),
+                              ('worker_skipped_events_total{reason="block_size"}', 1),
+                              ("worker_unknown_removals_total", 1),
+                              ("worker_resident_cpu_blocks", 1)):
+            assert f"{series} {float(value)}" in text, (series, text)
     finally:
         stop_process(worker)
 

@@ -12,7 +12,7 @@ import pytest
 import requests
 
 from router import contract
-from tests.helpers import wait_for
+from tests.helpers import free_port, wait_for
 from tests.integration.test_emulator import metric
 from tests.integration.test_router_fleet import Router
 from tests.integration.test_worker_emulator import (
@@ -76,3 +76,44 @@ def test_cpu_tier_keeps_evicted_prefixes_routable(
     # Either way the engine itself serves A's two blocks from its host tier.
     text = requests.get(f"{emu.url}/metrics", timeout=10).text
     assert metric(text, "vllm:external_prefix_cache_hits_total") == 32
+
+
+@pytest.mark.parametrize("stride", ["1", "16"])  # the exact index and the default coarse one
+def test_cpu_tier_under_recomputed_keys(stride: str, tmp: Path, rds: Redis,  # noqa: F811
+                                        redis_url: str,
+                                        procs: list[subprocess.Popen[bytes]]) -> None:  # noqa: F811
+    """An engine hashing with another seed (key_mode=recomputed): the connector's host stores
+    carry no tokens to re-hash, so the worker keys them by the digest the GPU store of the same
+    engine hash gave, and they stay routable after the GPU evicts them. (A's two blocks, at
+    depths 0 and 1, are anchors on either index.)"""
+    rng = random.Random(8)
+    emu = start_emulator(tmp, seed="123", num_gpu_blocks=12,
+                         extra=("--num-cpu-blocks-override", "64"))
+    procs.append(emu.proc)
+    metrics_port = free_port()
+    procs.append(start_worker(emu, redis_url, extra=("--metrics-port", str(metrics_port),
+                                                     "--index-stride", stride)))
+    wait_for(lambda: rds.heartbeat().get(contract.F_KEY_MODE) == "recomputed", 30,
+             message="key_mode recomputed")
+    tokens_a = prompt(40, rng)
+    ours, engines = set(router_keys(tokens_a)), set(router_keys(tokens_a, "123"))
+    complete(emu, tokens_a)
+    wait_for(lambda: ours <= rds.blocks() and ours <= rds.cpu_blocks(), 20,
+             message="A's re-computed keys on both tiers")
+    for _ in range(2):  # take every GPU block: A leaves the GPU, its copy stays on the host
+        complete(emu, prompt(170, rng))
+    wait_for(lambda: not ours & rds.blocks(), 20, message="A's keys removed from the GPU tier")
+    assert ours <= rds.cpu_blocks() and not engines & (rds.blocks() | rds.cpu_blocks())
+    text = requests.get(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10).text
+    assert metric(text, 'worker_tier_events_total{medium="CPU"}') > 0
+    assert metric(text, 'worker_skipped_events_total{reason="no_chain"}') == 0
+    assert metric(text, "worker_bad_events_total") == 0
+    router = Router(tmp, ["--redis-url", redis_url, "--hash-seed", "0", "--index-stride", stride])
+    procs.append(router.proc)
+    wait_for(lambda: router.ready().get("replicas"), 30, message="router sees the replica")
+
+    def cpu_hit_blocks() -> int:
+        decision = json.loads(router.post("/debug/route", {"prompt": [*tokens_a, 9, 9]})[2])
+        return max(v["cpu_hit_blocks"] for v in decision["replicas"].values())
+
+    wait_for(lambda: cpu_hit_blocks() == 2, 20, message="router CPU-tier hit")

@@ -14,11 +14,13 @@ MODEL = "m"
 
 
 def service_with_replicas(n: int, tokenizer: PromptTokenizer | None = None,
-                          index_stride: int = 1) -> RouterService:
+                          index_stride: int = 1, policy: str | None = None) -> RouterService:
     """A router service (no Redis connection, no HTTP) with ``n`` worker-reported replicas
-    (the exact index unless ``index_stride`` says otherwise)."""
+    (the exact index unless ``index_stride`` says otherwise; the default policy unless
+    ``policy`` names one)."""
     config = load_config(["--model", MODEL, "--redis-url", "redis://127.0.0.1:1/0",
-                          "--index-stride", str(index_stride)], env={})
+                          "--index-stride", str(index_stride),
+                          *(["--policy", policy] if policy else [])], env={})
     service = RouterService(config, tokenizer=tokenizer)
     now = time.time()
     for i in range(n):

@@ -9,6 +9,8 @@ import msgspec
 import pytest
 from prometheus_client import generate_latest
 
+from router.hashing import BlockHasher
+from worker.block_keys import RecomputedKeys
 from worker.event_filter import EventFilter, parse_kv_tiers
 from worker.kv_events import (
     BlockRemoved,
@@ -58,7 +60,7 @@ def test_array_encoded_frames_decode_to_the_same_state_as_map_encoded() -> None:
         view, flt = ReplicaView(), EventFilter(block_size=B)
         view.apply_batch(0, flt.apply(decode_batch(payload)))
         states.append((set(view.blocks.keys()), set(view.cpu_blocks.keys()),
-                       dict(flt.by_medium), dict(flt.skipped)))
+                       dict(view.stats.events_by_tier), dict(flt.skipped)))
     assert states[0] == states[1] == ({3}, {1}, {"GPU": 4, "CPU": 1}, {})
 
 
@@ -115,12 +117,69 @@ def test_hybrid_groups_and_foreign_block_sizes_are_skipped_and_counted() -> None
     assert flt.skipped == {"group": 3, "block_size": 2}
 
 
-def test_offload_events_skipped_when_keys_need_the_chain() -> None:
-    # key_mode=recomputed re-hashes keys from tokens: the connector's token-less stores and the
-    # tier's removals cannot be placed.
-    view, flt = ReplicaView(), EventFilter(block_size=B, needs_chain=True)
-    keys = run(view, flt, [gpu_stored([1, 2]), cpu_stored([1, 2]), BlockRemoved([1], "CPU")])
-    assert keys == {1, 2} and flt.skipped == {"no_chain": 2}
+def recomputed_view(stride: int = 1) -> ReplicaView:
+    return ReplicaView(mapper=RecomputedKeys(BlockHasher(block_size=B), lambda _name: None),
+                       index_stride=stride)
+
+
+def test_offload_stores_under_recomputed_keys_take_the_gpu_stores_keys() -> None:
+    # key_mode=recomputed re-hashes keys from tokens; the connector's host stores carry none,
+    # so they take the digest the GPU store of the same engine hash gave (write-through).
+    view, flt = recomputed_view(), EventFilter(block_size=B)
+    ours = BlockHasher(block_size=B).keys(list(range(3 * B)))
+    run(view, flt, [gpu_stored([1, 2, 3])], [cpu_stored([1, 2, 3])])
+    assert set(view.blocks) == set(view.cpu_blocks) == set(ours)
+    # the GPU evicts them: the host keys stay (the tier's own map outlives the GPU copy) ...
+    run(view, flt, [BlockRemoved([3, 2, 1], "GPU")])
+    assert not view.blocks and set(view.cpu_blocks) == set(ours)
+    # ... a GPU store chaining on a block only the host still holds re-hashes the same ...
+    run(view, flt, [gpu_stored([4], parent=3)])
+    fourth = BlockHasher(block_size=B).keys([*range(3 * B), *range(B)])[3]
+    assert set(view.blocks) == {fourth}
+    # ... and the host's own removals map back through it
+    run(view, flt, [BlockRemoved([2], "CPU")])
+    assert set(view.cpu_blocks) == {ours[0], ours[2]}
+    # a host store of hashes never seen stored: not placed, skipped as no_chain; a partly
+    # known one places its known blocks and counts the others
+    run(view, flt, [cpu_stored([98, 99])], [cpu_stored([4, 97])])
+    assert set(view.cpu_blocks) == {ours[0], ours[2], fourth}
+    assert view.stats.skipped == {"no_chain": 1} and view.stats.num_unknown_depth_cpu_blocks == 3
+    assert view.stats.events_by_tier == {"GPU": 3, "CPU": 3} and view.stats.num_bad_events == 0
+    assert flt.skipped == {}
+
+
+def test_offload_stores_under_recomputed_keys_on_the_coarse_index() -> None:
+    view, flt = recomputed_view(stride=4), EventFilter(block_size=B)
+    ours = BlockHasher(block_size=B).keys(list(range(5 * B)))
+    run(view, flt, [gpu_stored([10, 11, 12, 13, 14])], [cpu_stored([10, 11, 99, 13, 14])])
+    anchors = {ours[0], ours[1], ours[3]}  # depths 0, 1, 3
+    assert set(view.blocks) == anchors and set(view.cpu_blocks) == anchors
+
+
+@pytest.mark.parametrize("key_mode", ["engine", "recomputed"])
+def test_an_offload_tier_of_another_block_size_changes_no_set(key_mode: str) -> None:
+    # vLLM's offloading with a host block of k GPU blocks keys each host block by the hash of
+    # its last GPU block: its stores are skipped (block_size); its removals, which carry no
+    # block size, find nothing resident on the CPU tier (counted) and never touch the GPU's.
+    view = ReplicaView() if key_mode == "engine" else recomputed_view()
+    flt = EventFilter(block_size=B)
+    run(view, flt, [gpu_stored([1, 2, 3, 4])])
+    gpu = set(view.blocks)
+    run(view, flt, [BlockStored(block_hashes=[4], parent_block_hash=None, token_ids=[],
+                                block_size=4 * B, lora_id=None, medium="CPU", lora_name=None)],
+        [BlockRemoved([4], "CPU")])
+    assert set(view.blocks) == gpu and len(gpu) == 4 and not view.cpu_blocks
+    assert flt.skipped == {"block_size": 1} and view.num_unknown_removals == 1
+
+
+def test_an_offload_store_with_tokens_but_no_parent_is_not_hashed_as_block_0() -> None:
+    # a host store is keyed by its GPU store's key even if it carried tokens: without a parent
+    # they would hash as the prompt's first block
+    view, flt = recomputed_view(), EventFilter(block_size=B)
+    run(view, flt, [gpu_stored([1, 2])],
+        [BlockStored(block_hashes=[2], parent_block_hash=None, token_ids=list(range(B, 2 * B)),
+                     block_size=B, lora_id=None, medium="CPU", lora_name=None)])
+    assert set(view.cpu_blocks) == {BlockHasher(block_size=B).keys(list(range(2 * B)))[1]}
 
 
 def test_unknown_event_types_skipped_with_a_counter() -> None:
@@ -131,7 +190,7 @@ def test_unknown_event_types_skipped_with_a_counter() -> None:
     assert set(view.blocks.keys()) == {5} and view.stats.num_bad_events == 0
     assert flt.skipped == {"unknown_type": 1}
     text = generate_latest(make_registry(lambda: WorkerSnapshot(
-        events_by_medium=dict(flt.by_medium),
+        events_by_medium=dict(view.stats.events_by_tier),
         skipped_events=dict(flt.skipped_by_reason())))).decode()
     assert 'worker_skipped_events_total{reason="unknown_type"} 1.0' in text
     assert 'worker_skipped_events_total{reason="group"} 0.0' in text

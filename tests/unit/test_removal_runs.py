@@ -66,7 +66,7 @@ def state(view: ReplicaView) -> tuple[Any, ...]:
     return (dict(view.blocks._counts), view.blocks.num_unknown_removals, dict(view._depth),
             dict(view._extra_copies), view.epoch, view.seq, dict(stats.events),
             stats.num_bad_events, stats.num_unknown_depth_blocks, stats.num_epoch_resets,
-            stats.last_batch_ts, len(view.mapper) if isinstance(view.mapper, RecomputedKeys) else 0)
+            stats.last_batch_ts, dict(stats.events_by_tier), dict(stats.skipped), len(view.mapper) if isinstance(view.mapper, RecomputedKeys) else 0)
 
 
 def merged(changes: list[Change]) -> list[tuple[str, list[int], int, int, str]]:
@@ -112,25 +112,25 @@ def test_a_batch_applies_as_its_events_one_by_one(prelude: list[Any], batch: lis
 
 @settings(max_examples=400, deadline=None)
 @given(batch=events(), tiers=st.sampled_from([("GPU",), ("GPU", "CPU"), ("GPU", "CPU", "STORAGE")]),
-       needs_chain=st.booleans(), block_size=st.sampled_from([B, None]))
+       block_size=st.sampled_from([B, None]))
 def test_the_filter_decides_each_event_as_it_would_alone(batch: list[Any], tiers: tuple[str, ...],
-                                                         needs_chain: bool,
                                                          block_size: int | None) -> None:
-    whole, single = (EventFilter(block_size=block_size, tiers=frozenset(tiers),
-                                 needs_chain=needs_chain) for _ in range(2))
+    whole, single = (EventFilter(block_size=block_size, tiers=frozenset(tiers)) for _ in range(2))
     kept = whole.apply(KVEventBatch(1.0, batch, 0)).events
-    reasons = [single._reason(e) for e in batch]  # the per-event decision (also counts by medium)
+    reasons = [single._reason(e) for e in batch]  # the per-event decision
     assert kept == [e for e, reason in zip(batch, reasons, strict=True) if reason is None]
     single.skipped.update(reason for reason in reasons if reason)
-    assert (whole.skipped, whole.by_medium) == (single.skipped, single.by_medium)
+    single.skipped_tiers.update(e.medium or "GPU" for e, reason in zip(batch, reasons, strict=True)
+                                if reason == "tier")
+    assert (whole.skipped, whole.skipped_tiers) == (single.skipped, single.skipped_tiers)
 
 
 @settings(max_examples=200, deadline=None)
-@given(prelude=events(), batch=events(), stride=st.sampled_from([1, 4]))
+@given(prelude=events(), batch=events(), stride=st.sampled_from([1, 4]),
+       key_mode=st.sampled_from(["engine", "recomputed"]))
 def test_filter_then_view_on_a_batch_equals_both_per_event(prelude: list[Any], batch: list[Any],
-                                                           stride: int) -> None:
-    pipes = [(EventFilter(block_size=B, needs_chain=stride > 1), make_view(stride, "engine"))
-             for _ in range(2)]
+                                                           stride: int, key_mode: str) -> None:
+    pipes = [(EventFilter(block_size=B), make_view(stride, key_mode)) for _ in range(2)]
     for flt, view in pipes:
         for event in prelude:
             view.apply_batch(view.seq + 1, flt.apply(KVEventBatch(1.0, [event], 0)))
@@ -142,7 +142,8 @@ def test_filter_then_view_on_a_batch_equals_both_per_event(prelude: list[Any], b
         per_event.extend(single.apply_batch(seq, flt_single.apply(KVEventBatch(2.0, [event], 0))))
     assert state(whole) == state(single)
     assert as_tuples(changes) == merged(per_event)
-    assert (flt_whole.skipped, flt_whole.by_medium) == (flt_single.skipped, flt_single.by_medium)
+    assert (flt_whole.skipped, flt_whole.skipped_tiers) == (flt_single.skipped,
+                                                             flt_single.skipped_tiers)
 
 
 def test_a_bad_hash_in_a_run_drops_only_its_event() -> None:

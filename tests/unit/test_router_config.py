@@ -38,6 +38,9 @@ def test_precedence_cli_env_yaml(tmp_path: Path) -> None:
     (["--replica", "http://a:1", "--load-factor", "0.5"], "load_factor"),
     (["--replica", "http://a:1", "--block-size", "x"], "block_size"),
     (["--replica", "http://a:1", "--hash-algo", "md5"], "hash_algo"),
+    (["--replica", "http://a:1#x"], "data-parallel rank"),
+    (["--replica", "http://a:1#-1"], "data-parallel rank"),
+    (["--redis-url", "redis://r:1/0", "--fallback-replica", "http://a:1#"], "data-parallel rank"),
 ])
 def test_invalid(argv: list[str], message: str) -> None:
     with pytest.raises(ConfigError, match=message):
@@ -74,3 +77,16 @@ def test_policy_params_come_from_the_settings_with_one_set_of_defaults() -> None
     for f in dataclasses.fields(PolicyParams):
         if hasattr(changed, f.name):
             assert getattr(params, f.name) == getattr(changed, f.name) != getattr(PolicyParams(), f.name), f.name
+
+
+def test_a_static_replica_url_may_name_a_data_parallel_rank() -> None:
+    from router.fleet import Fleet
+    from router.hashing import BlockHasher
+
+    cfg = load_config(["--replica", "http://a:1#0", "--replica", "http://a:1/#1",
+                       "--replica", "https://b/v"], env={})
+    fleet = Fleet(cfg, BlockHasher(16, "sha256"))
+    assert {rid: (r.url, r.dp_rank) for rid, r in fleet.replicas.items()} == {
+        "a:1#0": ("http://a:1", 0), "a:1#1": ("http://a:1", 1), "b:443": ("https://b/v", None)}
+    assert fleet.add_fallbacks([], ("http://c:2#3",)) == 1
+    assert (fleet.replicas["c:2#3"].url, fleet.replicas["c:2#3"].dp_rank) == ("http://c:2", 3)

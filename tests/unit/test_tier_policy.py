@@ -119,3 +119,43 @@ def test_fleet_applies_entries_per_tier_and_a_cleared_entry_resets_every_tier() 
     assert combined == {"r": 1} and index.tier_depths([1, 2, 3], combined) == {"r": 3}
     assert fleet.apply_changes("r", 0, True, [7], []) is None
     assert (index.num_blocks("r"), index.num_blocks("r", c.TIER_CPU)) == (1, 0)
+
+
+@pytest.mark.parametrize("policy", ["prefix", "ttft"])
+def test_blocks_loaded_from_the_cpu_tier_are_not_counted_as_kv_writes(policy: str) -> None:
+    """The write balance (``recent_write_blocks``, both index policies) counts the new KV a
+    request makes a replica write: a CPU-tier hit is loaded from host memory into the GPU, not
+    computed, and stays on the host (write-through), so it is no new write, as ttft's evict
+    term already assumes."""
+    import asyncio
+    import random
+
+    from router import contract as c
+    from router.prompts import parse_prompt
+    from tests.unit.router_service import MODEL, service_with_replicas
+
+    service = service_with_replicas(2, policy=policy)
+    for rid in ("replica-0", "replica-1"):
+        service.fleet.apply_heartbeat(rid, {c.F_KV_TIERS: "GPU,CPU"}, 0.0)
+    rng = random.Random(4)
+    tokens = [rng.randrange(1000, 100_000) for _ in range(64 * 16 + 4)]  # 64 full blocks
+    keys = service.fleet.hasher.keys(tokens)
+    service.fleet.apply_changes("replica-0", service.fleet.replicas["replica-0"].epoch, False,
+                                keys[:8], [], cpu_stored=keys[8:40])
+    spec = parse_prompt("completion", {"model": MODEL, "prompt": tokens})
+
+    async def scenario() -> None:
+        routed = await service.router.route(spec)
+        hit = routed.decision.hit("replica-0")
+        assert routed.decision.replica_id == "replica-0", routed.decision.details
+        assert (hit.blocks, hit.cpu_blocks) == (8, 32)
+        dispatch = service.dispatcher.begin(routed, spec)
+        dispatch.start_ticket("replica-0").finish()
+        dispatch.sent("replica-0")
+        assert dispatch.placements[0].blocks == 64 - 8 - 32
+        assert service.tracker.recent_writes("replica-0", routed.write_window_blocks) == \
+            pytest.approx(24)
+        dispatch.settle(200, "replica-0")
+
+    asyncio.run(scenario())
+    service.chainer.shutdown(wait=True)

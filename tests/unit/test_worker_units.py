@@ -127,3 +127,21 @@ def test_probe_catches_blocks_split_over_events() -> None:
                                 token_ids=tokens[16:32], block_size=16, lora_id=None, medium="GPU",
                                 lora_name=None))
     assert catcher.done.is_set() and judge(catcher, hasher).verified
+
+
+def test_the_probe_ignores_offload_and_other_group_stores() -> None:
+    # vLLM's offloading connector publishes host stores without tokens or parent: they would
+    # match any prompt at block 0 (and an offloaded block size is no engine block size)
+    tokens = probe_tokens(16, random.Random(2))
+    hasher = BlockHasher(16, "sha256", "0")
+    catcher = ProbeCatcher(tokens, 16)
+    for medium, size, group in (("CPU", 16, None), ("CPU", 64, None), ("GPU", 64, 1)):
+        catcher.observe(BlockStored(block_hashes=[7, 8], parent_block_hash=None, token_ids=[],
+                                    block_size=size, lora_id=None, medium=medium, lora_name=None,
+                                    group_idx=group))
+        catcher.observe(BlockStored(block_hashes=[7], parent_block_hash=None,
+                                    token_ids=tokens[:size], block_size=size, lora_id=None,
+                                    medium=medium, lora_name=None, group_idx=group))
+    assert not catcher.done.is_set() and catcher.engine_keys == [None, None]
+    catcher.observe(_events_for(tokens, hasher))
+    assert catcher.done.is_set() and judge(catcher, hasher).verified
