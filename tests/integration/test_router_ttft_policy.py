@@ -151,13 +151,16 @@ def test_decoding_requests_count_as_decode_cost_until_they_end(
     async def hold() -> None:
         prompts = [[rng.randrange(1000, 100_000) for _ in range(3000)] for _ in range(4)]
         async with aiohttp.ClientSession() as session:
-            responses = [await session.post(router.url + "/v1/completions", json={
-                "model": "emulated-llm", "prompt": p, "max_tokens": 100_000, "stream": True})
-                for p in prompts]
+            responses = []
             try:
-                for resp in responses:
+                for p in prompts:
+                    resp = await session.post(router.url + "/v1/completions", json={
+                        "model": "emulated-llm", "prompt": p, "max_tokens": 100_000,
+                        "stream": True})
+                    responses.append(resp)
                     assert resp.status == 200
-                    await resp.content.readline()  # streaming: past its prefill
+                    # its first token: past its prefill, so the next is routed on decode load
+                    await resp.content.readline()
                 shown = debug()
                 held = {rid: v["context_tokens"] for rid, v in shown["load"].items()}
                 assert sum(held.values()) == 4 * 3000
