@@ -36,6 +36,7 @@ quoting as the demo's; the demo (real processes) is what the README's figures co
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import heapq
 import itertools
 import json
@@ -43,9 +44,10 @@ import math
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import Any
 
-from loadtest.data import packaged_arrivals_path, packaged_trace_path
+from loadtest.data import PACKAGED_ARRIVALS, packaged_arrivals_path, packaged_trace_path
 from loadtest.trace import (
     TokenMapper,
     TraceRequest,
@@ -54,6 +56,7 @@ from loadtest.trace import (
     read_trace,
     schedule_offsets,
 )
+from router.config import POLICIES
 from router.hashing import BlockHasher, block_keys, max_hit_blocks
 from router.policy import (
     Candidate,
@@ -411,6 +414,69 @@ def run_policies(policies: Sequence[str], requests: Sequence[TraceRequest],
     return results
 
 
+_FRACTIONS = ("evicted_reuse", "decode_weight", "min_hit_fraction")  # PolicyParams in [0, 1]
+_KNOWN = frozenset((*POLICIES, DYNAMO))
+
+
+def _param(params: PolicyParams, item: str) -> PolicyParams:
+    """``params`` with one ``NAME=VALUE`` applied. Raises ``ValueError`` naming the bad part."""
+    name, sep, text = item.partition("=")
+    fields = {f.name: f for f in dataclasses.fields(PolicyParams)}
+    if not sep or name not in fields:
+        raise ValueError(f"--param {item!r}: expected NAME=VALUE with NAME one of "
+                         f"{', '.join(sorted(fields))}")
+    kind = type(getattr(params, name))
+    try:
+        value = kind(text)
+    except ValueError:
+        raise ValueError(f"--param {name}: {text!r} is not a {kind.__name__}") from None
+    if not math.isfinite(value) or value < 0 or (name in _FRACTIONS and value > 1) or (
+            value == 0 and name not in (*_FRACTIONS, "cold_candidates", "queue_slack_tokens",
+                                        "cold_queue_slack_tokens", "load_headroom",
+                                        "recompute_penalty", "min_affinity_blocks")):
+        raise ValueError(f"--param {name}: {text!r} is out of range"
+                         f"{' [0, 1]' if name in _FRACTIONS else ''}")
+    return replace(params, **{name: value})
+
+
+def _inputs(args: argparse.Namespace) -> tuple[list[TraceRequest], list[float], LabConfig]:
+    """The slice, its send offsets and the lab's config from the CLI. Raises ``ValueError`` or
+    ``OSError`` with a one-line reason."""
+    policies = args.policies.split(",")
+    unknown = [name for name in policies if name not in _KNOWN]
+    if unknown:
+        raise ValueError(f"unknown policy {unknown[0]!r}; known: {', '.join(sorted(_KNOWN))}")
+    for name, least in (("limit", 1), ("replicas", 1), ("num_gpu_blocks", 2), ("start", 0)):
+        if getattr(args, name) < least:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= {least}")
+    for name in ("speedup", "overhead_ms", "cpu_tier_ratio"):
+        value = getattr(args, name)
+        if not math.isfinite(value) or value < 0 or (name == "speedup" and value == 0):
+            raise ValueError(f"--{name.replace('_', '-')} must be a finite number"
+                             f"{' > 0' if name == 'speedup' else ' >= 0'}")
+    if args.tier_hidden and not args.cpu_tier_ratio:
+        raise ValueError("--tier-hidden needs a CPU tier (--cpu-tier-ratio R)")
+    params = PolicyParams()
+    for item in args.param:
+        params = _param(params, item)
+    requests = read_trace(packaged_trace_path(), start=args.start, limit=args.limit)
+    if not requests:
+        raise ValueError(f"no requests in the packaged slice from --start {args.start}")
+    if args.arrivals:
+        if args.arrivals in PACKAGED_ARRIVALS or not Path(args.arrivals).suffix:
+            path = packaged_arrivals_path(args.arrivals)  # ValueError lists the packaged names
+        else:
+            path = Path(args.arrivals)
+        offsets = arrival_offsets(len(requests), read_arrival_times(path), args.speedup)
+    else:
+        offsets = schedule_offsets(requests, args.speedup)
+    config = LabConfig(replicas=args.replicas, num_gpu_blocks=args.num_gpu_blocks,
+                       block_size=params.block_size, time_scale=args.speedup,
+                       overhead_s=args.overhead_ms / 1000, cpu_tier_ratio=args.cpu_tier_ratio,
+                       tier_visible=not args.tier_hidden, params=params)
+    return requests, offsets, config
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m loadtest.policy_lab", description=__doc__.split("\n\n")[0])
     p.add_argument("--policies", default="prefix,ttft,least_loaded,consistent_hash,dynamo")
@@ -430,23 +496,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                    help="a PolicyParams field, e.g. evicted_reuse=0.3 (repeatable)")
     p.add_argument("--json", action="store_true", help="one JSON line per policy")
     args = p.parse_args(argv)
-    requests = read_trace(packaged_trace_path(), start=args.start, limit=args.limit)
-    if args.arrivals:
-        try:
-            path = packaged_arrivals_path(args.arrivals)
-        except ValueError:
-            path = args.arrivals
-        offsets = arrival_offsets(len(requests), read_arrival_times(path), args.speedup)
-    else:
-        offsets = schedule_offsets(requests, args.speedup)
-    params = PolicyParams()
-    for item in args.param:
-        name, _, value = item.partition("=")
-        params = replace(params, **{name: type(getattr(params, name))(value)})
-    config = LabConfig(replicas=args.replicas, num_gpu_blocks=args.num_gpu_blocks,
-                       time_scale=args.speedup, overhead_s=args.overhead_ms / 1000,
-                       cpu_tier_ratio=args.cpu_tier_ratio, tier_visible=not args.tier_hidden,
-                       params=params)
+    try:
+        requests, offsets, config = _inputs(args)
+    except (ValueError, OSError) as exc:
+        p.error(str(exc))  # one line, exit 2
 
     def show(r: dict[str, Any]) -> None:
         if args.json:

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import pytest
+
 from loadtest.data import packaged_trace_path
-from loadtest.policy_lab import Lab, LabConfig, run_policies
+from loadtest.policy_lab import Lab, LabConfig, main, run_policies
 from loadtest.trace import TokenMapper, read_trace, schedule_offsets
 from router.hashing import BlockHasher
 from worker.emulator.profiles import LatencyModel
@@ -55,3 +57,24 @@ def test_a_cpu_tier_the_router_sees_gives_more_hits_than_one_it_does_not() -> No
                          ("visible", LabConfig(num_gpu_blocks=4000, cpu_tier_ratio=4))):
         hits[name] = run_policies(["prefix"], requests, offsets, config)[0]["hit_rate"]
     assert hits["none"] < hits["hidden"] < hits["visible"]
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--param", "nonsense=1"], "expected NAME=VALUE"),
+    (["--param", "decode_weight=abc"], "is not a float"),
+    (["--param", "decode_weight=5"], "out of range [0, 1]"),
+    (["--param", "load_factor=0"], "out of range"),
+    (["--policies", "prefix,bogus"], "unknown policy 'bogus'"),
+    (["--arrivals", "azure-cnv"], "packaged: azure-conv"),
+    (["--arrivals", "missing.csv"], "missing.csv"),
+    (["--limit", "0"], "--limit must be >= 1"),
+    (["--start", "999999"], "no requests"),
+    (["--speedup", "0"], "--speedup must be"),
+    (["--tier-hidden"], "needs a CPU tier"),
+])
+def test_bad_input_is_one_line_and_exit_2(argv: list[str], message: str,
+                                          capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exited:
+        main(argv)
+    assert exited.value.code == 2
+    assert message in capsys.readouterr().err.splitlines()[-1]
