@@ -60,6 +60,8 @@ DEFAULT_TTFT_PRIOR_TOKENS_PER_S: Final = _POLICY.ttft_prior_tokens_per_s  # ttft
 # tokens/s a replica is assumed to do before its first few dozen requests taught the router its rate
 DEFAULT_TTFT_EVICTED_REUSE: Final = _POLICY.evicted_reuse  # ttft policy: chance that a block a new
 # prefix evicts (from a replica writing its fair share of KV) would have been hit again
+DEFAULT_TTFT_DECODE_WEIGHT: Final = _POLICY.decode_weight  # ttft policy: TTFT seconds one second of
+# decode-step time (summed over the requests sharing a replica's steps) is worth
 DEFAULT_CPU_LOAD_TOKENS_PER_S: Final = _POLICY.cpu_load_tokens_per_s  # tokens/s a replica loads
 # from its CPU tier (host memory) into the GPU: what a CPU-tier hit costs instead of its prefill
 # (router.ttft: 50 GB/s host link / 128 KiB of KV per token, an 8B model; the emulator's profile)
@@ -152,6 +154,7 @@ class RouterConfig:
     replica_kv_blocks: int = DEFAULT_REPLICA_KV_BLOCKS  # static replicas (no heartbeat capacity)
     ttft_prior_tokens_per_s: float = DEFAULT_TTFT_PRIOR_TOKENS_PER_S
     ttft_evicted_reuse: float = DEFAULT_TTFT_EVICTED_REUSE
+    ttft_decode_weight: float = DEFAULT_TTFT_DECODE_WEIGHT
     cpu_load_tokens_per_s: float = DEFAULT_CPU_LOAD_TOKENS_PER_S
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     connect_timeout_s: float = DEFAULT_CONNECT_TIMEOUT_S
@@ -194,45 +197,48 @@ class RouterConfig:
 
     def policy_params(self) -> PolicyParams:
         """The policy's tunables from these settings: every ``PolicyParams`` field of the same
-        name, plus the two derived ones (``consistent_hash_blocks``, ``evicted_reuse``)."""
+        name, plus the derived ones (``consistent_hash_blocks``, ``evicted_reuse``,
+        ``decode_weight``)."""
         same = {f.name: getattr(self, f.name) for f in dataclasses.fields(PolicyParams)
                 if hasattr(self, f.name)}
         return PolicyParams(
             **same, consistent_hash_blocks=max(1, self.consistent_hash_tokens // self.block_size),
-            evicted_reuse=self.ttft_evicted_reuse)
+            evicted_reuse=self.ttft_evicted_reuse, decode_weight=self.ttft_decode_weight)
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
             if isinstance(value, float) and not math.isfinite(value):
-                raise ConfigError(f"{f.name} must be a finite number, got {value}")
+                raise ConfigError(f"{f.name} must be a finite number, got {value}", f.name)
         if self.redis_url is not None:
             try:
                 parse_redis_url(self.redis_url)
             except RedisUrlError as exc:
-                raise ConfigError(f"redis_url: {exc}") from exc
+                raise ConfigError(f"redis_url: {exc}", "redis_url") from exc
         for name, allowed in _ONE_OF.items():
             if getattr(self, name) not in allowed:
                 raise ConfigError(f"{name} must be one of {', '.join(allowed)}, "
-                                  f"got {getattr(self, name)!r}")
+                                  f"got {getattr(self, name)!r}", name)
         if self.otlp_traces_endpoint is not None and not self.otlp_traces_endpoint.startswith(
                 ("http://", "https://")):
             raise ConfigError(f"otlp_traces_endpoint must be an http(s) URL (OTLP/HTTP), "
-                              f"got {self.otlp_traces_endpoint!r}")
+                              f"got {self.otlp_traces_endpoint!r}", "otlp_traces_endpoint")
         if not 0 <= self.port <= 65535:
-            raise ConfigError(f"port must be 0..65535, got {self.port}")
+            raise ConfigError(f"port must be 0..65535, got {self.port}", "port")
         for name, least in _AT_LEAST.items():
             if getattr(self, name) < least:
-                raise ConfigError(f"{name} must be >= {least}, got {getattr(self, name)}")
+                raise ConfigError(f"{name} must be >= {least}, got {getattr(self, name)}", name)
         for name in _POSITIVE:
             if getattr(self, name) <= 0:
-                raise ConfigError(f"{name} must be > 0, got {getattr(self, name)}")
-        for name in ("min_hit_fraction", "ttft_evicted_reuse"):
+                raise ConfigError(f"{name} must be > 0, got {getattr(self, name)}", name)
+        for name in ("min_hit_fraction", "ttft_evicted_reuse", "ttft_decode_weight"):
             if not 0.0 <= getattr(self, name) <= 1.0:
-                raise ConfigError(f"{name} must be in [0, 1], got {getattr(self, name)}")
-        for url in (*self.replicas, *self.fallback_replicas):
-            if not url.startswith(("http://", "https://")):
-                raise ConfigError(f"replica URL must start with http:// or https://, got {url!r}")
+                raise ConfigError(f"{name} must be in [0, 1], got {getattr(self, name)}", name)
+        for name in ("replicas", "fallback_replicas"):
+            for url in getattr(self, name):
+                if not url.startswith(("http://", "https://")):
+                    raise ConfigError(f"replica URL must start with http:// or https://, "
+                                      f"got {url!r}", name)
         if self.api_keys and not self.cache_salt_secret_file:
             raise ConfigError("api_keys needs cache_salt_secret_file (every router process "
                               "must derive the same per-tenant cache salts)")
@@ -270,6 +276,8 @@ _HELP: Final = {
                              "(default: 50 GB/s host link / 128 KiB KV per token)",
     "ttft_evicted_reuse": "ttft policy: hit chance (0-1) of a KV block a new prefix evicts, at a "
                           "fair write share",
+    "ttft_decode_weight": "ttft policy: TTFT seconds (0-1) one second of decode-step time is "
+                          "worth, summed over the requests sharing a replica's steps (0: off)",
     "speculative_ttl_s": "seconds this router's own placements count as hits",
     "max_body_bytes": "request body limit (413 beyond)",
     "prompt_cache_mib": "memory bound of the prompt caches (MiB, estimated): 3/4 block-key "
@@ -312,6 +320,7 @@ _HELP: Final = {
 }
 
 
+# YAML keys: each field's name and its flag's spelling (``replicas`` or ``replica``; Settings)
 SETTINGS: Final = Settings(
     RouterConfig, prog="prefix-router serve", env_prefix=ENV_PREFIX,
     description="Prefix-aware, load-aware router for vLLM replicas.",
@@ -326,21 +335,21 @@ def build_parser() -> argparse.ArgumentParser:
 
 def load_config(argv: Sequence[str], env: Mapping[str, str] | None = None) -> RouterConfig:
     """Parse ``argv`` and merge: CLI flag > ``ROUTER_*`` env var > YAML file > default
-    (``router.settings.Settings``).
+    (``router.settings.Settings``); ``env`` None: the process environment.
 
-    Raises ``ConfigError`` for unknown YAML keys, bad values or an unreadable file;
-    ``SystemExit`` from argparse for unknown flags.
+    Raises ``ConfigError`` (one line, naming the flag, env var or file and key of a bad value)
+    for unknown flags or YAML keys, bad values or an unreadable or malformed file.
     """
-    return RouterConfig(**values_with_redis_password(SETTINGS, argv, env))
-
-
-def values_with_redis_password(settings: Settings, argv: Sequence[str],
-                               env: Mapping[str, str] | None) -> dict[str, Any]:
-    """``settings.values(argv, env)`` (``env`` None: the process environment) with the Redis
-    password resolved from its flag, env, YAML, file or ``REDIS_PASSWORD``
-    (``router.secrets``); the router's and the worker's loaders. Raises ``ConfigError``."""
     env = os.environ if env is None else env
-    values = settings.values(argv, env)
+    return SETTINGS.build(argv, env, lambda values: RouterConfig(
+        **with_redis_password(values, argv, env)))
+
+
+def with_redis_password(values: dict[str, Any], argv: Sequence[str],
+                        env: Mapping[str, str]) -> dict[str, Any]:
+    """``values`` (``Settings.values(argv, env)``) with the Redis password resolved from its
+    flag, env, YAML, file or ``REDIS_PASSWORD`` (``router.secrets``); the router's and the
+    worker's loaders. Raises ``ConfigError``."""
     try:
         values["redis_password"] = resolve_redis_password(values, argv, env)
     except SecretError as exc:

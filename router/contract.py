@@ -119,6 +119,7 @@ F_URL: Final = "url"  # advertised base URL, e.g. http://10.0.0.5:8000
 # the engine's data-parallel rank this replica is ("" or absent: no data parallelism); requests
 # go to F_URL with DP_RANK_HEADER set to it
 F_DP_RANK: Final = "dp_rank"
+RANK_SEPARATOR: Final = "#"  # the replica id of rank r of a data-parallel engine is ``name#r``
 DP_RANK_HEADER: Final = "X-data-parallel-rank"  # vLLM serving engine _get_data_parallel_rank
 F_MODELS: Final = "models"  # JSON list of served model names (base models)
 F_LORA_ADAPTERS: Final = "lora_adapters"  # JSON {lora_name: lora_path}
@@ -161,6 +162,20 @@ _KEY = struct.Struct(">Q")
 def _check_replica_id(replica_id: str) -> str:
     if not replica_id:
         raise ValueError("replica id must not be empty (an empty hash tag hashes the whole key)")
+    return replica_id
+
+
+def check_configured_replica_id(replica_id: str) -> str:
+    """``replica_id`` as an operator may name a replica (the worker's ``--replica-id``); raises
+    ``ValueError`` when it is empty (an empty hash tag hashes the whole key) or holds
+    ``RANK_SEPARATOR`` (``#``), which names the data-parallel ranks of one engine
+    (``name#rank``, heartbeat field ``F_DP_RANK``): a configured ``a#1`` would be taken for
+    rank 1 of engine ``a``. Braces are allowed: every key of a replica shares its hash tag
+    whatever braces the id holds (``replica_key``)."""
+    _check_replica_id(replica_id)
+    if RANK_SEPARATOR in replica_id:
+        raise ValueError(f"replica id {replica_id!r} must not contain {RANK_SEPARATOR!r}: it "
+                         f"separates an engine's data-parallel ranks (name{RANK_SEPARATOR}rank)")
     return replica_id
 
 

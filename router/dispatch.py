@@ -150,7 +150,8 @@ class Dispatch:
     def start_ticket(self, replica_id: str) -> GaugedTicket:
         """Count the request's load on ``replica_id`` (the proxy releases the ticket)."""
         d = self._d
-        ticket = GaugedTicket(d.tracker.dispatch(replica_id, self.prefill_tokens), d.on_load_change)
+        ticket = GaugedTicket(d.tracker.dispatch(replica_id, self.prefill_tokens,
+                                                 self.routed.num_tokens), d.on_load_change)
         d.on_load_change(replica_id)
         self._tickets[replica_id] = ticket
         if not self.spec.stream:

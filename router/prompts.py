@@ -146,7 +146,27 @@ def decode_json_body(body: bytes) -> Any:
     try:
         return _JSON_DECODER.decode(body)
     except (msgspec.DecodeError, RecursionError) as exc:
+        lone = _lone_surrogate(body) if isinstance(exc, msgspec.DecodeError) else None
+        if lone is not None:
+            raise PromptError(f"request body is not valid Unicode: a JSON string holds the lone "
+                              f"UTF-16 surrogate \\u{ord(lone):04x} (a surrogate escape must "
+                              "be one of a high-low pair)") from exc
         raise PromptError(f"request body is not valid JSON: {exc}") from exc
+
+
+def _lone_surrogate(body: bytes) -> str | None:
+    """The first unpaired UTF-16 surrogate escape (``"\\ud800"``) in JSON ``body``, else None.
+    msgspec refuses one (rightly: it is no Unicode text) but calls a high surrogate before the
+    closing quote "Input data was truncated"; the stdlib parser accepts it, and encoding what it
+    parsed back to UTF-8 finds the culprit. Only on the error path: costs one more parse."""
+    try:
+        parsed = json.loads(body)
+        json.dumps(parsed, ensure_ascii=False).encode()
+    except UnicodeEncodeError as exc:
+        return str(exc.object[exc.start])
+    except (ValueError, RecursionError):  # not JSON at all: msgspec's message stands
+        return None
+    return None
 
 
 def parse_request(kind: str, body: bytes) -> PromptSpec:

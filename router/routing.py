@@ -146,7 +146,8 @@ class RequestRouter:
                 ours_at_heartbeat=(tracker.requests_at(rid, r.heartbeat_ts)
                                    if r.heartbeat_ts else None),
                 recent_write_blocks=tracker.recent_writes(rid, window),
-                s_per_token=rate.s_per_token, overhead_s=rate.overhead_s))
+                s_per_token=rate.s_per_token, overhead_s=rate.overhead_s,
+                inflight_context_tokens=tracker.context_tokens(rid)))
         return out
 
     def hit_depths(self, chain: list[BlockKey], eligible: Sequence[Replica],
@@ -171,7 +172,8 @@ class RequestRouter:
                               confirmed=confirmed, combined=combined, tiered=tiered,
                               params=self.params,
                               rr_counter=self.rr_counter,
-                              avg_prompt_tokens=self.tracker.avg_prompt_tokens)
+                              avg_prompt_tokens=self.tracker.avg_prompt_tokens,
+                              avg_output_tokens=self.tracker.avg_output_tokens)
             if span is not None:
                 span.set_attributes({"prefix_router.policy": self.config.policy,
                                      "prefix_router.replica": decision.replica_id,

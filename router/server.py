@@ -79,7 +79,11 @@ from router.routing import RequestRouter, Routed
 from router.settings import StartupError
 from router.tracing import Tracing, TracingUnavailable, otlp_tracing
 from router.ttft import PrefillRateLearner
-from router.usage import cached_tokens_from_sse_tail, cached_tokens_from_tail
+from router.usage import (
+    cached_tokens_from_sse_tail,
+    cached_tokens_from_tail,
+    completion_tokens_from_tail,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -410,6 +414,9 @@ class RouterService:
             self.metrics.child(self.metrics.predicted_tier_hit_blocks, replica_id,
                                "CPU").inc(hit.cpu_blocks)
         if status == 200:
+            generated = completion_tokens_from_tail(outcome.tail)
+            if generated is not None:  # the decode term's typical output length (ttft policy)
+                self.tracker.observe_output(generated)
             self._audit_request(spec, routed.num_tokens, predicted_hit, outcome, tenant)
 
     def _observe_ttft(self, spec: PromptSpec, decision: Decision, outcome: ProxyOutcome) -> None:

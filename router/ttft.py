@@ -41,6 +41,13 @@ DEFAULT_CPU_LOAD_TOKENS_PER_S: Final = 50e9 / (2 * 32 * 8 * 128 * 2)  # = 381k t
 # the CPU tier (host memory) into the GPU: a 50 GB/s PCIe Gen5 host link (the emulator's
 # --gpu-host-link-gbps) over 128 KiB of KV per token (8B Llama-3: K and V x 32 layers x 8 KV heads
 # x 128 dims x 2 bytes); 15x the prior prefill rate, so a CPU-tier hit saves ~93% of a recompute
+DECODE_READ_WORK_PER_KV_TOKEN: Final = (2 * 32 * 8 * 128 * 2) * 400e12 / (3000e9 * 2 * 8.0e9)
+# = 1.09e-3: one decode step reads every running request's KV from HBM (memory bound), so each token
+# of context held there costs each step kv_bytes_per_token / HBM bandwidth seconds: 128 KiB / 3 TB/s
+# for an 8B Llama-3 shape on an H100-class GPU, in units of one token's prefill (2 x 8e9 FLOPs at
+# 400 TFLOP/s); the emulator's default profile. Dense decoders keep this order (70B: 320 KiB per
+# token over 2x the FLOPs per token)
+DEFAULT_OUTPUT_TOKENS: Final = 256  # tokens a request is assumed to generate until usage reports
 WINDOW: Final = 32  # samples per replica in the fit: "converges within a few dozen requests"
 MIN_SAMPLES: Final = 4  # below this the prior rate stands (a median of 1-3 samples is noise)
 SAME_RATE_BAND: Final = 1.3  # a replica whose fitted seconds per token is within this factor of the
@@ -61,6 +68,19 @@ def prefill_work_tokens(num_new_tokens: int, num_cached_tokens: int) -> float:
     if n <= 0:
         return 0.0
     return n * (1.0 + ATTENTION_WORK_PER_CONTEXT_TOKEN * (c + (n + 1) / 2.0))
+
+
+def decode_work_tokens(context_tokens: float, num_requests: float, own_context_tokens: int,
+                       output_tokens: float) -> float:
+    """Decode-step work (prefill work tokens) that placing a request on a replica adds: while it
+    generates ``output_tokens``, every decode step there reads its ``own_context_tokens`` of KV on
+    behalf of the ``num_requests`` running there (their steps get longer) and reads their
+    ``context_tokens`` for it (its own steps are as long): ``DECODE_READ_WORK_PER_KV_TOKEN x
+    output_tokens x (context_tokens + own_context_tokens x num_requests)``. 0 when nothing runs
+    there. The step-time roofline of ``worker/emulator/profiles.py``: decode batches are bound by
+    HBM reads of the KV they attend to."""
+    return (DECODE_READ_WORK_PER_KV_TOKEN * output_tokens
+            * (context_tokens + own_context_tokens * num_requests))
 
 
 def cpu_hit_value(prefill_tokens_per_s: float, cpu_load_tokens_per_s: float) -> float:

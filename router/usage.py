@@ -69,6 +69,17 @@ def _cached_tokens(data: object) -> int | None:
     return None
 
 
+_JSON_COMPLETION: Final = re.compile(rb'"completion_tokens"\s*:\s*(\d+)')
+
+
+def completion_tokens_from_tail(tail: bytes) -> int | None:
+    """``usage.completion_tokens`` (tokens generated) from the end of an answer: the last one in
+    ``tail`` (an SSE stream's usage event or a JSON body's usage; a JSON string cannot hold the
+    unescaped quotes the pattern needs, so generated text never matches), or ``None``."""
+    matches = list(_JSON_COMPLETION.finditer(tail))
+    return int(matches[-1].group(1)) if matches else None
+
+
 def keep_tail(tail: bytes, chunk: bytes) -> bytes:
     """The last ``TAIL_BYTES`` of ``tail + chunk``."""
     if len(chunk) >= TAIL_BYTES:

@@ -17,8 +17,12 @@ from dataclasses import dataclass
 from typing import Any, Final
 from urllib.parse import urlsplit
 
+from router.contract import RANK_SEPARATOR
+
+__all__ = ["AUTO_ENDPOINT", "RANK_SEPARATOR", "RankSource", "offset_sources",
+           "parse_kv_event_sources"]
+
 AUTO_ENDPOINT: Final = "auto"  # --kv-events-endpoint value: discover from GET /kv_event_sources
-RANK_SEPARATOR: Final = "#"  # replica id of rank r of engine ``name``: ``name#r``
 
 
 @dataclass(frozen=True, slots=True)

@@ -22,8 +22,8 @@ import logging
 import signal
 import sys
 import time
-from collections.abc import Sequence
-from typing import Any, Final
+from collections.abc import Awaitable, Sequence
+from typing import Any, Final, TypeVar
 
 import aiohttp
 import redis.asyncio as aioredis
@@ -58,6 +58,29 @@ ENGINE_WAIT_S: Final = 10.0  # wait this long for the engine's cache config befo
 PROBE_RETRY_S: Final = 2.0
 SHUTDOWN_FLUSH_S: Final = 2.0
 
+T = TypeVar("T")
+
+
+class Stopped(Exception):
+    """The stop signal arrived before the awaited start-up step finished."""
+
+
+async def unless_stopped(awaitable: Awaitable[T], stop: asyncio.Event) -> T:
+    """``awaitable``'s result, unless ``stop`` is set first: then it is cancelled (a redis-py
+    ``Retry`` loop or an HTTP request in flight ends there) and ``Stopped`` is raised."""
+    task = asyncio.ensure_future(awaitable)
+    stopping = asyncio.create_task(stop.wait())
+    try:
+        await asyncio.wait((task, stopping), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        stopping.cancel()
+        if not task.done():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+    if task.cancelled():
+        raise Stopped
+    return task.result()
+
 
 class Worker:
     """One replica's sidecar. ``apply``/``resync`` are the subscriber's sink (synchronous, cheap)."""
@@ -84,7 +107,12 @@ class Worker:
         self.engine_known = asyncio.Event()
         self._probe_wanted = asyncio.Event()
         self._catcher: ProbeCatcher | None = None
-        self._tasks: list[asyncio.Task[None]] = []
+        self._writer_task: asyncio.Task[None] | None = None
+        self._heartbeat_task: asyncio.Task[None] | None = None
+        self._subscriber_task: asyncio.Task[None] | None = None
+        self._probe_task: asyncio.Task[None] | None = None
+        self.starting = ""  # the start-up step under way ("" once running)
+        self.stopped_while = ""  # the step a stop signal interrupted ("": none)
 
     # -- subscriber sink ---------------------------------------------------------
 
@@ -351,7 +379,9 @@ class Worker:
         )
 
     async def run(self, stop: asyncio.Event) -> None:
-        """Run until ``stop`` is set; then flush what is queued and return."""
+        """Run until ``stop`` is set; then flush what is queued and return. A stop during
+        start-up (Redis or the engine not answering yet) ends the wait at once and returns
+        with ``stopped_while`` naming what the worker was waiting for."""
         config = self.config
         try:
             runner, _ = await start_metrics_server(make_registry(self.snapshot),
@@ -359,8 +389,34 @@ class Worker:
         except OSError as exc:  # port in use, unknown host
             raise StartupError(f"cannot serve metrics on {config.metrics_host}:"
                                f"{config.metrics_port}: {exc}") from exc
+        try:
+            await unless_stopped(self._start(), stop)
+            await stop.wait()
+        except Stopped:
+            self.stopped_while = self.starting
+        finally:
+            for task in (self._subscriber_task, self._probe_task):
+                if task is not None:
+                    task.cancel()
+            if self._writer_task is not None:
+                with contextlib.suppress(TimeoutError):
+                    await self.writer.wait_idle(SHUTDOWN_FLUSH_S)
+            tasks = [t for t in (self._writer_task, self._heartbeat_task, self._subscriber_task,
+                                 self._probe_task) if t is not None]
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            await runner.cleanup()
+
+    async def _start(self) -> None:
+        """Every start-up step up to running: the stored state (retried until Redis answers),
+        the engine's cache config (up to ``ENGINE_WAIT_S``), then the subscriber, writer and
+        probe tasks. ``starting`` names the step under way."""
+        config = self.config
+        self.starting = "Redis (the replica's stored state)"
         state = await self.read_state()
-        heartbeat = asyncio.create_task(self.heartbeat.run())
+        self._heartbeat_task = asyncio.create_task(self.heartbeat.run())
+        self.starting = "the engine's cache config"
         try:
             await asyncio.wait_for(self.engine_known.wait(), ENGINE_WAIT_S)
         except TimeoutError:
@@ -373,23 +429,10 @@ class Worker:
         logger.info("worker for replica %s: engine %s, events %s, redis %s (%s)", config.replica_id,
                     config.engine_url, config.kv_events_endpoint, config.redis_url,
                     f"continuing from seq {self.view.seq}" if replay_from_state else "fresh start")
-        self._tasks = [
-            asyncio.create_task(self.writer.run()),
-            heartbeat,
-            asyncio.create_task(self.subscriber.run()),
-            asyncio.create_task(self.probe_loop()),
-        ]
-        try:
-            await stop.wait()
-        finally:
-            for task in self._tasks[2:]:
-                task.cancel()
-            with contextlib.suppress(TimeoutError):
-                await self.writer.wait_idle(SHUTDOWN_FLUSH_S)
-            for task in self._tasks[:2]:
-                task.cancel()
-            await asyncio.gather(*self._tasks, return_exceptions=True)
-            await runner.cleanup()
+        self._writer_task = asyncio.create_task(self.writer.run())
+        self._subscriber_task = asyncio.create_task(self.subscriber.run())
+        self._probe_task = asyncio.create_task(self.probe_loop())
+        self.starting = ""
 
 
 class _Rekeying:
@@ -407,11 +450,11 @@ class _Rekeying:
         self.view.reset(reason)
 
 
-async def discover_sources(engine: EngineClient, stop: asyncio.Event) -> list[RankSource] | None:
+async def discover_sources(engine: EngineClient) -> list[RankSource]:
     """The engine's KV event sources from ``GET /kv_event_sources``, retried (the engine may
-    not be up yet, or list no ready rank) until it answers or ``stop`` is set (None)."""
+    not be up yet, or list no ready rank) until it answers; ``unless_stopped`` ends it."""
     backoff = 0.2
-    while not stop.is_set():
+    while True:
         try:
             sources = parse_kv_event_sources(await engine.kv_event_sources(), engine.engine_url)
             if sources:
@@ -421,10 +464,8 @@ async def discover_sources(engine: EngineClient, stop: asyncio.Event) -> list[Ra
             problem = str(exc)
         logger.warning("KV event sources of %s not known yet: %s; retrying", engine.engine_url,
                        problem)
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(stop.wait(), backoff)
+        await asyncio.sleep(backoff)
         backoff = min(backoff * 2, SOURCES_RETRY_MAX_S)
-    return None
 
 
 def is_data_parallel(sources: list[RankSource]) -> bool:
@@ -460,10 +501,12 @@ async def serve(config: WorkerConfig) -> None:
     try:
         async with aiohttp.ClientSession() as session:
             if config.kv_events_endpoint == AUTO_ENDPOINT:
-                found = await discover_sources(EngineClient(session, config.engine_url), stop)
-                if found is None:
+                try:
+                    sources = await unless_stopped(
+                        discover_sources(EngineClient(session, config.engine_url)), stop)
+                except Stopped:
+                    _log_stopped_during_start_up("the engine's KV event sources")
                     return
-                sources = found
             else:
                 sources = offset_sources(config.kv_events_endpoint, config.kv_replay_endpoint,
                                          config.kv_events_topic, config.data_parallel_size)
@@ -475,9 +518,15 @@ async def serve(config: WorkerConfig) -> None:
             workers = [Worker(rank_config, client, session, s.dp_rank if ranked else None)
                        for rank_config, s in zip(configs, sources, strict=True)]
             await asyncio.gather(*(worker.run(stop) for worker in workers))
+            waits = sorted({w.stopped_while for w in workers if w.stopped_while})
+            if waits:
+                _log_stopped_during_start_up(" and ".join(waits))
     finally:
         await client.aclose()
 
+
+def _log_stopped_during_start_up(waiting_for: str) -> None:
+    logger.info("stop signal during start-up (waiting for %s): exiting", waiting_for)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -8,13 +8,14 @@ the mechanism the router and the emulator share); the fields without a default a
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Final
+from typing import Any, Final
 from urllib.parse import urlsplit
 
-from router.config import LOG_FORMATS, values_with_redis_password
-from router.contract import DEFAULT_INDEX_STRIDE, DEFAULT_REDIS_PREFIX
+from router.config import LOG_FORMATS, with_redis_password
+from router.contract import DEFAULT_INDEX_STRIDE, DEFAULT_REDIS_PREFIX, check_configured_replica_id
 from router.hashing import HASH_ALGOS
 from router.redis_client import RedisUrlError, parse_redis_url
 from router.settings import ConfigError, Settings
@@ -76,6 +77,8 @@ _HELP: Final = {
                           "r: ports + r); each rank is the replica REPLICA_ID#r",
     "kv_tiers": "mediums whose KV events are indexed, comma-separated: GPU (always), CPU; "
                 "default GPU,CPU; GPU alone makes the CPU tier invisible (STORAGE is not indexed)",
+    "replica_id": "this replica's name in Redis and on the routers' metrics; no '#' (it "
+                  "separates data-parallel ranks: REPLICA_ID#rank)",
 }
 SETTINGS: Final = Settings(
     WorkerConfig, prog="prefix-worker report", env_prefix=ENV_PREFIX,
@@ -86,51 +89,67 @@ SETTINGS: Final = Settings(
 
 
 def load_config(argv: Sequence[str], env: Mapping[str, str] | None = None) -> WorkerConfig:
-    """Parse ``argv`` and merge with env and YAML (``router.settings.Settings``). Raises
-    ``ConfigError``."""
-    config = WorkerConfig(**values_with_redis_password(SETTINGS, argv, env))
-    _validate(config)
-    return config
+    """Parse ``argv`` and merge with env (``env`` None: the process environment) and YAML
+    (``router.settings.Settings``). Raises ``ConfigError`` naming the flag, env var or file
+    and key of a bad value."""
+    env = os.environ if env is None else env
+
+    def make(values: dict[str, Any]) -> WorkerConfig:
+        config = WorkerConfig(**with_redis_password(values, argv, env))
+        _validate(config)
+        return config
+
+    return SETTINGS.build(argv, env, make)
 
 
 def _validate(config: WorkerConfig) -> None:
+    """Raises ``ConfigError`` naming the bad setting (``Settings.build`` adds its source)."""
+    try:
+        check_configured_replica_id(config.replica_id)
+    except ValueError as exc:
+        raise ConfigError(str(exc), "replica_id") from exc
     for name in ("engine_url", "advertise_url"):
         value = getattr(config, name)
         if value and urlsplit(value).scheme not in ("http", "https"):
-            raise ConfigError(f"--{name.replace('_', '-')} must be an http(s) URL, got {value!r}")
+            raise ConfigError(f"{name} must be an http(s) URL, got {value!r}", name)
     for name in ("kv_events_endpoint", "kv_replay_endpoint"):
         value = getattr(config, name)
         if value and "://" not in value and not (name == "kv_events_endpoint"
                                                  and value == AUTO_ENDPOINT):
-            raise ConfigError(f"--{name.replace('_', '-')} must be a ZMQ endpoint like "
-                              f"tcp://host:port (or {AUTO_ENDPOINT!r})")
+            raise ConfigError(f"{name} must be a ZMQ endpoint like tcp://host:port "
+                              f"(or {AUTO_ENDPOINT!r}), got {value!r}", name)
     if config.data_parallel_size < 1:
-        raise ConfigError("--data-parallel-size must be >= 1")
+        raise ConfigError(f"data_parallel_size must be >= 1, got {config.data_parallel_size}",
+                          "data_parallel_size")
     if config.kv_events_endpoint != AUTO_ENDPOINT:
         try:
             offset_sources(config.kv_events_endpoint, config.kv_replay_endpoint,
                            config.kv_events_topic, config.data_parallel_size)
         except ValueError as exc:
-            raise ConfigError(f"--data-parallel-size {config.data_parallel_size}: {exc}") from exc
+            raise ConfigError(f"data_parallel_size {config.data_parallel_size}: {exc}",
+                              "data_parallel_size") from exc
     try:
         parse_redis_url(config.redis_url)
     except RedisUrlError as exc:
-        raise ConfigError(f"--redis-url: {exc}") from exc
+        raise ConfigError(f"redis_url: {exc}", "redis_url") from exc
     if config.log_format not in LOG_FORMATS:
-        raise ConfigError(f"--log-format must be one of {', '.join(LOG_FORMATS)}")
+        raise ConfigError(f"log_format must be one of {', '.join(LOG_FORMATS)}", "log_format")
     if config.hash_algo is not None and config.hash_algo not in HASH_ALGOS:
-        raise ConfigError(f"--hash-algo must be one of {', '.join(HASH_ALGOS)}")
+        raise ConfigError(f"hash_algo must be one of {', '.join(HASH_ALGOS)}", "hash_algo")
     try:
         parse_kv_tiers(config.kv_tiers)
     except ValueError as exc:
-        raise ConfigError(f"--kv-tiers: {exc}") from exc
+        raise ConfigError(f"kv_tiers: {exc}", "kv_tiers") from exc
     if config.block_size is not None and config.block_size < 1:
-        raise ConfigError("--block-size must be positive")
+        raise ConfigError(f"block_size must be >= 1, got {config.block_size}", "block_size")
     if config.index_stride < 1:
-        raise ConfigError("--index-stride must be >= 1")
+        raise ConfigError(f"index_stride must be >= 1, got {config.index_stride}", "index_stride")
     if not 0 <= config.metrics_port <= 65535:
-        raise ConfigError("--metrics-port must be 0..65535")
-    if not config.replay_timeout_s > 0 or config.replay_timeout_s == float("inf"):
-        raise ConfigError("--replay-timeout-s must be a positive number of seconds")
+        raise ConfigError(f"metrics_port must be 0..65535, got {config.metrics_port}",
+                          "metrics_port")
+    if not 0 < config.replay_timeout_s < float("inf"):
+        raise ConfigError("replay_timeout_s must be a positive number of seconds",
+                          "replay_timeout_s")
     if config.log_level.lower() not in ("debug", "info", "warning", "error", "critical"):
-        raise ConfigError("--log-level must be one of debug, info, warning, error, critical")
+        raise ConfigError("log_level must be one of debug, info, warning, error, critical",
+                          "log_level")

@@ -1,5 +1,5 @@
 """The router's HTTP edges: parser-level errors in OpenAI JSON, a bounded X-Request-Id, the 413
-message, /v1/models with every replica down, metric series of a departed replica, and a
+message, a lone UTF-16 surrogate in the JSON (400, not valid Unicode), /v1/models with every replica down, metric series of a departed replica, and a
 graceful stop (/ready 503 before the listener closes, in-flight requests finish).
 
 Router processes on port 0, real Redis, a small aiohttp replica; raw sockets where the request
@@ -23,6 +23,7 @@ from tests.helpers import (
     FAKE_REPLICA_TAIL,
     PYTHON,
     free_port,
+    start_emulator,
     start_process,
     stop_process,
     wait_for,
@@ -160,3 +161,31 @@ def test_stop_turns_ready_503_first_and_lets_requests_finish(tmp_path: Path) -> 
         if router is not None:
             router.stop()
         stop_process(replica)
+
+
+def test_a_lone_surrogate_in_the_json_is_a_400_saying_not_unicode(tmp_path: Path) -> None:
+    emulator, replicas = start_emulator(tmp_path / "emulator.json")
+    router = None
+    try:
+        router = Router(tmp_path, ["--replica", replicas[0]["url"]])
+        bodies = {  # raw JSON escapes: json.dumps would write them as they are too
+            "/v1/completions": [rb'{"prompt": "\ud800"}',  # msgspec: "Input data was truncated"
+                                rb'{"prompt": "a\udc00b", "max_tokens": 1}'],
+            "/v1/chat/completions": [rb'{"messages": [{"role": "user", "content": "\ud83d"}]}'],
+        }
+        for path, cases in bodies.items():
+            for body in cases:
+                status, headers, answer = router.post(path, body)
+                assert status == 400 and "application/json" in headers["content-type"], answer
+                error = json.loads(answer)["error"]
+                assert error["type"] == "BadRequestError" and error["code"] == 400, error
+                assert "not valid Unicode" in error["message"], error
+                assert "truncated" not in error["message"], error
+        # a surrogate pair is one character, and the router still serves
+        status, _, answer = router.post("/v1/completions",
+                                        rb'{"prompt": "\ud83d\ude00", "max_tokens": 1}')
+        assert status == 200, answer
+    finally:
+        if router is not None:
+            router.stop()
+        stop_process(emulator)

@@ -82,3 +82,133 @@ def test_worker_lists_and_required_settings_from_env(tmp_path: Path) -> None:
                                         {"ROUTER_FALLBACK_REPLICA": "http://d:4"})
     assert routers.replicas == ("http://a:1", "http://b:2", "http://c:3")
     assert routers.fallback_replicas == ("http://d:4",)
+
+
+@pytest.mark.parametrize("load", [router_config.load_config, worker_config.load_config,
+                                  emulator_config.from_args])
+def test_an_unknown_flag_is_one_line_naming_it_and_pointing_at_help(load) -> None:  # type: ignore[no-untyped-def]
+    with pytest.raises(ConfigError) as exc:
+        load(["--blok-size", "3"], {})
+    message = str(exc.value)
+    assert "\n" not in message and "usage:" not in message
+    assert "--blok-size (did you mean --block-size?)" in message and message.endswith("--help")
+
+
+def test_the_commands_print_an_unknown_flag_as_one_line_exit_2(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    from router.server import main as router_main
+    from worker.emulator.app import main as emulator_main
+    from worker.report import main as worker_main
+
+    for main, prog in ((router_main, "prefix-router serve"), (worker_main, "prefix-worker report"),
+                       (emulator_main, "prefix-worker emulate")):
+        assert main(["--no-such-flag"]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and "--no-such-flag" in err and f"{prog} --help" in err, err
+
+
+def test_a_broken_yaml_file_is_one_line_with_line_and_column(tmp_path: Path) -> None:
+    path = tmp_path / "broken.yaml"
+    path.write_text("block_size: 16\nreplicas: [http://a:1\nhash_seed: 1\n")
+    with pytest.raises(ConfigError) as exc:
+        router_config.load_config(["--config", str(path)], {})
+    message = str(exc.value)
+    assert "\n" not in message, message
+    assert message.startswith(f"config file {path}: line 3, column 10: "), message
+    path.write_text("a: b: c\n")
+    with pytest.raises(ConfigError, match=r"broken.yaml: line 1, column 5: mapping values are "
+                                          r"not allowed here$"):
+        worker_config.load_config(["--config", str(path)], {})
+
+
+@pytest.mark.parametrize(("load", "argv", "prefix", "flag", "setting"), [
+    (router_config.load_config, ["--replica", "http://a:1"], "ROUTER_", "--block-size",
+     "block_size"),
+    (worker_config.load_config, WORKER_ARGS, "WORKER_", "--block-size", "block_size"),
+    (emulator_config.from_args, [], "EMULATOR_", "--block-size", "block_size"),
+    (router_config.load_config, ["--replica", "http://a:1"], "ROUTER_", "--vnodes", "vnodes"),
+    (worker_config.load_config, WORKER_ARGS, "WORKER_", "--index-stride", "index_stride"),
+    (emulator_config.from_args, [], "EMULATOR_", "--max-num-seqs", "max_num_seqs"),
+])
+def test_range_errors_name_the_flag_env_var_or_file_and_key(  # type: ignore[no-untyped-def]
+        load, argv: list[str], prefix: str, flag: str, setting: str, tmp_path: Path) -> None:
+    env_name = prefix + setting.upper()
+    with pytest.raises(ConfigError, match=f"^env {env_name}: {setting} must be >= 1, got 0$"):
+        load(argv, {env_name: "0"})
+    with pytest.raises(ConfigError, match=f"^{flag}: {setting} must be >= 1, got 0$"):
+        load([*argv, flag, "0"], {env_name: "5"})  # the flag wins, so the flag is named
+    path = tmp_path / "c.yaml"
+    path.write_text(f"{setting.replace('_', '-')}: 0\n")
+    with pytest.raises(ConfigError, match=f"^config file {path}, key {setting.replace('_', '-')}: "
+                                          f"{setting} must be >= 1, got 0$"):
+        load([*argv, "--config", str(path)], {})
+
+
+def test_every_validation_names_its_source() -> None:
+    worker_bad = {"--engine-url": "ftp://e", "--kv-events-endpoint": "e:1",
+                  "--redis-url": "mysql://r", "--log-format": "xml", "--hash-algo": "md5",
+                  "--kv-tiers": "TAPE", "--metrics-port": "70000", "--replay-timeout-s": "0",
+                  "--log-level": "loud", "--data-parallel-size": "0"}
+    for flag, value in worker_bad.items():
+        env_name = "WORKER_" + flag[2:].replace("-", "_").upper()
+        env = {f"WORKER_{a[2:].replace('-', '_').upper()}": b
+               for a, b in zip(WORKER_ARGS[::2], WORKER_ARGS[1::2], strict=True)}
+        with pytest.raises(ConfigError, match=f"^env {env_name}: "):
+            worker_config.load_config([], {**env, env_name: value})
+    router_bad = {"--port": "70000", "--policy": "best", "--load-factor": "0.5",
+                  "--min-hit-fraction": "2", "--connect-timeout-s": "0",
+                  "--otlp-traces-endpoint": "grpc://x", "--redis-url": "mysql://r"}
+    for flag, value in router_bad.items():
+        with pytest.raises(ConfigError, match=f"^{flag}: "):
+            router_config.load_config(["--replica", "http://a:1", flag, value], {})
+    with pytest.raises(ConfigError, match=r"^env ROUTER_REPLICAS: replica URL must start"):
+        router_config.load_config([], {"ROUTER_REPLICAS": "a:1"})
+    emulator_bad = {"--port": "70000", "--time-scale": "0", "--model-layers": "0",
+                    "--num-cpu-blocks-override": "0", "--kv-offloading-size": "0",
+                    "--vocab-size": "0", "--max-model-len": "100000000",
+                    "--kv-events-config": "{", "--lora-modules": "nopath"}
+    for flag, value in emulator_bad.items():
+        with pytest.raises(ConfigError, match=f"^{flag}: "):
+            emulator_config.from_args([flag, value], {})
+
+
+@pytest.mark.parametrize(("text", "shape"), [("hash_seed: {a: 1}", "a mapping"),
+                                             ("hash_seed: [1, 2]", "a list"),
+                                             ("block_size: [16]", "a list"),
+                                             ("replicas: [{url: 'http://a:1'}]", "a mapping"),
+                                             ("block_size:", "nothing")])
+def test_a_yaml_mapping_or_list_for_a_scalar_setting_is_refused(text: str, shape: str,
+                                                                tmp_path: Path) -> None:
+    path = tmp_path / "c.yaml"
+    path.write_text(f"replica: [http://a:1]\n{text}\n" if "replicas" not in text else text)
+    key = text.split(":", 1)[0]
+    with pytest.raises(ConfigError, match=f"^config file {path}, key {key}: bad value .* for "
+                                          f"{key}: expected .*, got {shape}$"):
+        router_config.load_config(["--config", str(path)], {})
+
+
+@pytest.mark.parametrize("replica_id", ["a#1", "#", "engine#0"])
+def test_a_replica_id_holding_the_rank_separator_is_refused(replica_id: str) -> None:
+    argv = [*WORKER_ARGS[:-2], "--replica-id", replica_id]
+    with pytest.raises(ConfigError, match=f"^--replica-id: replica id '{replica_id}' must not "
+                                          "contain '#'"):
+        worker_config.load_config(argv, {})
+    with pytest.raises(ConfigError, match=r"^env WORKER_REPLICA_ID: replica id"):
+        worker_config.load_config(WORKER_ARGS[:-2], {"WORKER_REPLICA_ID": replica_id})
+    # braces are fine: every key of the replica keeps one hash tag (router.contract)
+    assert worker_config.load_config([*WORKER_ARGS[:-2], "--replica-id", "a{b}"], {}).replica_id \
+        == "a{b}"
+
+
+def test_the_router_yaml_takes_replica_and_replicas(tmp_path: Path) -> None:
+    path = tmp_path / "c.yaml"
+    for key in ("replica", "replicas", "fallback-replica", "fallback_replicas"):
+        path.write_text(f"redis_url: redis://r:1\n{key}: [http://a:1, http://b:2]\n")
+        cfg = router_config.load_config(["--config", str(path)], {})
+        name = "fallback_replicas" if key.startswith("fallback") else "replicas"
+        assert getattr(cfg, name) == ("http://a:1", "http://b:2"), key
+    path.write_text("replica: [http://a:1]\nreplicas: [http://b:2]\n")
+    with pytest.raises(ConfigError, match="key replicas: replicas is given twice"):
+        router_config.load_config(["--config", str(path)], {})
+    path.write_text("dp: 2\n")  # the emulator's -dp alias, as a YAML key too
+    assert emulator_config.from_args(["--config", str(path)], {}).data_parallel_size == 2

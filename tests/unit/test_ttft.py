@@ -154,6 +154,11 @@ ROWS = [
     Row("over the bounded-load cap spills despite the hit",
         next(r for r in RING.order(CHAIN[60]) if r != HOT), "load_spill", combined={HOT: 60},
         views={HOT: {"inflight_requests": 20}}),
+    Row("cold prompt avoids the replica whose decode batch holds the most KV",
+        next(r for r in RING.order(CHAIN[0]) if r != HOME), "ttft_decode",
+        views={HOME: {"inflight_requests": 12, "inflight_context_tokens": 12 * 8000}}),
+    Row("a hot prefix stays despite a fuller decode batch there", HOT, "ttft_prefill",
+        combined={HOT: 60}, views={HOT: {"inflight_requests": 3, "inflight_context_tokens": 24_000}}),
     Row("unverified hashes get no hit credit", HOME, "cold_ring", combined={HOT: 60},
         views={HOT: {"affinity": False}}),
     Row("untokenized prompt rides the ring on its text", home_of(42), "no_tokenizer_ring",
@@ -174,7 +179,7 @@ def test_ttft_policy_table(row: Row) -> None:
     assert sorted((decision.replica_id, *decision.fallbacks)) == sorted(IDS)
     for rid, d in decision.details.items():
         assert d["total_s"] == pytest.approx(
-            d["wait_s"] + d["prefill_s"] + d["delay_s"] + d["evict_s"], abs=1e-5)
+            d["wait_s"] + d["prefill_s"] + d["delay_s"] + d["evict_s"] + d["decode_s"], abs=1e-5)
         assert d["ttft_s"] == pytest.approx(d["wait_s"] + d["prefill_s"], abs=1e-5)
         view = next(r for r in replicas if r.replica_id == rid)
         assert d["wait_s"] == pytest.approx(
@@ -195,6 +200,7 @@ def test_ttft_details_give_the_seconds_of_each_term() -> None:
     assert d["tokens_per_s"] == pytest.approx(200_000)
     assert d["work_tokens"] == pytest.approx(400 + prefill_work_tokens(70, 960), abs=1e-3)
     assert d["delay_s"] == 0.0  # nobody is waiting in this fleet: no one is delayed
+    assert d["decode_s"] == 0.0  # nothing runs there: nobody's decode steps get longer
     cold = decision.details[others[0].replica_id]
     # a fair write share (no writes yet: every replica counts as fair): evicted_reuse x new tokens
     assert cold["evict_s"] == pytest.approx(PARAMS.evicted_reuse * 64 * 16 * SPT, abs=1e-6)
@@ -249,3 +255,45 @@ def test_learner_treats_rates_within_its_band_as_the_fleet_median() -> None:
     slow = learner.estimate("slow")
     assert slow.s_per_token > SAME_RATE_BAND * median_spt
     assert slow.tokens_per_s == pytest.approx(50_000, rel=0.15)
+
+
+def test_decode_term_is_the_kv_the_decode_steps_read() -> None:
+    """decode_s = decode_weight x s_per_token x DECODE_READ x mean output x (K + prompt x R): the
+    KV of the requests running there (its own steps read it) plus its prompt's KV read once per
+    step of each of them; 0 with decode_weight 0."""
+    from router.ttft import DECODE_READ_WORK_PER_KV_TOKEN, decode_work_tokens
+
+    busy = Candidate(HOME, inflight_requests=5, inflight_context_tokens=40_000,
+                     engine_running=7, ours_at_heartbeat=5)  # 2 requests of other routers
+    others = [Candidate(rid) for rid in IDS if rid != HOME]
+    request = RouteInput(CHAIN, 1030, 0)
+    d = decide("ttft", request, [busy, *others], RING, params=PARAMS, avg_prompt_tokens=2000.0,
+               avg_output_tokens=300.0).details[HOME]
+    work = decode_work_tokens(40_000 + 2 * 2000.0, 7, 1030, 300.0)
+    assert work == pytest.approx(DECODE_READ_WORK_PER_KV_TOKEN * 300 * (44_000 + 1030 * 7))
+    assert d["decode_s"] == pytest.approx(PARAMS.decode_weight * SPT * work, rel=1e-9)
+    off = PolicyParams(block_size=16, ttft_prior_tokens_per_s=100_000.0, decode_weight=0.0)
+    assert decide("ttft", request, [busy, *others], RING, params=off,
+                  avg_prompt_tokens=2000.0).details[HOME]["decode_s"] == 0.0
+
+
+def test_load_tracker_counts_context_until_the_request_ends() -> None:
+    """The KV a request holds (its prompt) counts from dispatch to finish, not only to its first
+    token; the mean output starts at the default and follows what engines report."""
+    from router.policy import LoadTracker
+    from router.ttft import DEFAULT_OUTPUT_TOKENS
+
+    tracker = LoadTracker(clock=lambda: 0.0)
+    a = tracker.dispatch("r", 300, context_tokens=1000)
+    b = tracker.dispatch("r", 50, context_tokens=800)
+    a.first_token()
+    assert (tracker.prefill_tokens("r"), tracker.context_tokens("r")) == (50, 1800)
+    a.finish()
+    a.finish()  # idempotent
+    assert tracker.context_tokens("r") == 800
+    b.finish()
+    assert tracker.context_tokens("r") == 0
+    assert tracker.avg_output_tokens == DEFAULT_OUTPUT_TOKENS
+    tracker.observe_output(100)
+    tracker.observe_output(0)  # nothing reported: ignored
+    assert tracker.avg_output_tokens == 100.0

@@ -1,10 +1,16 @@
-"""Reading the engine's cached_tokens from the end of an SSE stream (router/usage.py)."""
+"""Reading the engine's cached_tokens and completion_tokens from the end of an answer
+(router/usage.py)."""
 
 from __future__ import annotations
 
 import json
 
-from router.usage import TAIL_BYTES, cached_tokens_from_sse_tail, keep_tail
+from router.usage import (
+    TAIL_BYTES,
+    cached_tokens_from_sse_tail,
+    completion_tokens_from_tail,
+    keep_tail,
+)
 
 
 def sse(*events: object) -> bytes:
@@ -39,3 +45,14 @@ def test_tail_keeps_the_last_bytes_only() -> None:
     assert cached_tokens_from_sse_tail(tail) == 32
     # the usage event cut off by the tail's start is no report
     assert cached_tokens_from_sse_tail(sse(usage)[20:]) is None
+
+
+def test_completion_tokens_of_a_stream_and_of_a_json_body() -> None:
+    usage = {"choices": [], "usage": {"prompt_tokens": 200, "completion_tokens": 37}}
+    assert completion_tokens_from_tail(sse({"choices": [{"text": "x"}]}, usage)) == 37
+    body = json.dumps({"choices": [{"text": "abc"}], "usage": {"completion_tokens": 5}}).encode()
+    assert completion_tokens_from_tail(body) == 5
+    # generated text that mentions the field is escaped inside its JSON string: no report
+    fake = {"choices": [{"text": '"completion_tokens": 9'}]}
+    assert completion_tokens_from_tail(sse(fake)) is None
+    assert completion_tokens_from_tail(b"") is None

@@ -73,22 +73,25 @@ def parse_kv_events_config(text: str | None) -> KVEventsSettings:
     try:
         raw = json.loads(text)
     except json.JSONDecodeError as exc:
-        raise ConfigError(f"--kv-events-config is not valid JSON: {exc.msg}") from exc
+        raise ConfigError(f"kv_events_config is not valid JSON: {exc.msg}",
+                          "kv_events_config") from exc
     if not isinstance(raw, dict):
-        raise ConfigError("--kv-events-config must be a JSON object")
+        raise ConfigError("kv_events_config must be a JSON object", "kv_events_config")
     known = set(KVEventsSettings.__dataclass_fields__)
     unknown = set(raw) - known
     if unknown:
-        raise ConfigError(f"--kv-events-config: unknown fields {sorted(unknown)}")
+        raise ConfigError(f"kv_events_config: unknown fields {sorted(unknown)}",
+                          "kv_events_config")
     enabled = bool(raw.get("enable_kv_cache_events", False))
     publisher = raw.get("publisher") or ("zmq" if enabled else "null")
     if publisher not in ("zmq", "null"):
-        raise ConfigError(f"--kv-events-config: publisher must be 'zmq' or 'null', got {publisher!r}")
+        raise ConfigError(f"kv_events_config: publisher must be 'zmq' or 'null', got "
+                          f"{publisher!r}", "kv_events_config")
     values: dict[str, Any] = {**raw, "enable_kv_cache_events": enabled, "publisher": publisher}
     try:
         return KVEventsSettings(**values)
     except TypeError as exc:
-        raise ConfigError(f"--kv-events-config: {exc}") from exc
+        raise ConfigError(f"kv_events_config: {exc}", "kv_events_config") from exc
 
 
 @dataclass(frozen=True, slots=True)
@@ -178,10 +181,11 @@ def _lora_module(spec: str) -> tuple[str, str]:
             raw = json.loads(spec)
             return str(raw["name"]), str(raw["path"])
         except (json.JSONDecodeError, KeyError, TypeError) as exc:
-            raise ConfigError(f"--lora-modules JSON needs 'name' and 'path': {spec!r}") from exc
+            raise ConfigError(f"lora_modules JSON needs 'name' and 'path': {spec!r}",
+                              "lora_modules") from exc
     name, sep, path = spec.partition("=")
     if not sep or not name or not path:
-        raise ConfigError(f"--lora-modules expects name=path, got {spec!r}")
+        raise ConfigError(f"lora_modules expects name=path, got {spec!r}", "lora_modules")
     return name, path
 
 
@@ -287,38 +291,49 @@ def _num_cpu_blocks(a: EmulatorArgs, model: ModelProfile) -> int:
     if a.kv_offloading_size is None and a.num_cpu_blocks_override is None:
         return 0
     if a.kv_offloading_backend != "native":
-        raise ConfigError("--kv-offloading-backend: the emulator implements only 'native'")
+        raise ConfigError("kv_offloading_backend: the emulator implements only 'native'",
+                          "kv_offloading_backend")
     if a.num_cpu_blocks_override is not None:
         if a.num_cpu_blocks_override < 1:
-            raise ConfigError("--num-cpu-blocks-override must be >= 1")
+            raise ConfigError("num_cpu_blocks_override must be >= 1", "num_cpu_blocks_override")
         return int(a.num_cpu_blocks_override)
     size_gib = a.kv_offloading_size
     if size_gib is None or size_gib <= 0:
-        raise ConfigError("--kv-offloading-size must be > 0 GiB")
+        raise ConfigError("kv_offloading_size must be > 0 GiB", "kv_offloading_size")
     blocks = num_cpu_blocks(size_gib, model.kv_bytes_per_token * a.block_size)
     if blocks < 1:
-        raise ConfigError(f"--kv-offloading-size {size_gib} GiB holds no KV block")
+        raise ConfigError(f"kv_offloading_size {size_gib} GiB holds no KV block",
+                          "kv_offloading_size")
     return blocks
 
 
+# settings that must be >= 1 / > 0 (the model and GPU profiles' figures among them)
+_AT_LEAST_ONE: Final = ("max_num_seqs", "max_num_batched_tokens", "replicas", "data_parallel_size",
+                        "block_size", "model_layers", "model_q_heads", "model_kv_heads",
+                        "model_head_dim", "model_kv_dtype_bytes", "model_weight_dtype_bytes")
+_POSITIVE: Final = ("time_scale", "model_params", "gpu_tflops", "gpu_hbm_gbps", "gpu_memory_gb",
+                    "gpu_host_link_gbps")
+
+
 def from_args(argv: Sequence[str], env: Mapping[str, str] | None = None) -> EmulatorConfig:
-    """Parse and validate. Raises ``ConfigError`` (argparse exits on syntax errors)."""
+    """Parse and validate (``env`` None: the process environment). Raises ``ConfigError``
+    naming the flag, env var or file and key of a bad value."""
     env = os.environ if env is None else env
-    a = EmulatorArgs(**SETTINGS.values(argv, env))
+    return SETTINGS.build(argv, env, lambda values: _resolve(EmulatorArgs(**values), env))
+
+
+def _resolve(a: EmulatorArgs, env: Mapping[str, str]) -> EmulatorConfig:
+    """``a`` checked and resolved; raises ``ConfigError`` naming the bad setting."""
     model = a.model or a.model_tag or DEFAULT_MODEL
     served = a.served_model_name or (model,)
     if not 0 <= a.port <= 65535:
-        raise ConfigError(f"--port must be 0..65535, got {a.port}")
-    if a.max_num_seqs < 1 or a.max_num_batched_tokens < 1:
-        raise ConfigError("--max-num-seqs and --max-num-batched-tokens must be >= 1")
-    if a.replicas < 1:
-        raise ConfigError("--replicas must be >= 1")
-    if a.data_parallel_size < 1:
-        raise ConfigError("--data-parallel-size must be >= 1")
-    if a.block_size < 1:
-        raise ConfigError("--block-size must be >= 1")
-    if a.time_scale <= 0:
-        raise ConfigError("--time-scale must be > 0")
+        raise ConfigError(f"port must be 0..65535, got {a.port}", "port")
+    for name in _AT_LEAST_ONE:
+        if getattr(a, name) < 1:
+            raise ConfigError(f"{name} must be >= 1, got {getattr(a, name)}", name)
+    for name in _POSITIVE:
+        if getattr(a, name) <= 0:
+            raise ConfigError(f"{name} must be > 0, got {getattr(a, name)}", name)
     seed_env = env.get("PYTHONHASHSEED")
     random_seed = False
     if seed_env is not None:
@@ -340,30 +355,35 @@ def from_args(argv: Sequence[str], env: Mapping[str, str] | None = None) -> Emul
     except ValueError as exc:
         raise ConfigError(str(exc)) from exc
     if num_blocks < 2:
-        raise ConfigError("--num-gpu-blocks-override must be >= 2")
+        if a.num_gpu_blocks_override:
+            raise ConfigError(f"num_gpu_blocks_override must be >= 2, got {num_blocks}",
+                              "num_gpu_blocks_override")
+        raise ConfigError(f"the model and GPU profiles leave room for {num_blocks} KV block(s); "
+                          "at least 2 are needed")
     num_cpu_blocks = _num_cpu_blocks(a, model_profile)
     pool_tokens = (num_blocks - 1) * a.block_size
     max_model_len = a.max_model_len or min(DEFAULT_MAX_MODEL_LEN, pool_tokens)
     if max_model_len > pool_tokens:
-        raise ConfigError(f"--max-model-len {max_model_len} exceeds the KV pool ({pool_tokens} tokens)")
-    try:
-        kv_events = parse_kv_events_config(a.kv_events_config)
-    except ValueError as exc:
-        raise ConfigError(f"--kv-events-config: {exc}") from exc
+        raise ConfigError(f"max_model_len {max_model_len} exceeds the KV pool ({pool_tokens} "
+                          "tokens)", "max_model_len")
+    kv_events = parse_kv_events_config(a.kv_events_config)
     if kv_events.enabled:  # endpoints checked now, not when the replicas bind
         for endpoint in (kv_events.endpoint, kv_events.replay_endpoint):
             if endpoint:
-                replica_endpoint(endpoint, 0, a.host)
+                try:
+                    replica_endpoint(endpoint, 0, a.host)
+                except ConfigError as exc:
+                    raise ConfigError(f"kv_events_config: {exc}", "kv_events_config") from exc
     int_hashes = env.get("VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES", "1").strip().lower() not in (
         "0", "false")
     if a.vocab_size is not None and a.vocab_size < 1:
-        raise ConfigError("--vocab-size must be >= 1")
+        raise ConfigError(f"vocab_size must be >= 1, got {a.vocab_size}", "vocab_size")
     vocab_size = a.vocab_size
     if vocab_size is None and a.tokenizer is None:
         vocab_size = QWEN3_TOKENIZER_VOCAB_SIZE
     loras = tuple(_lora_module(s) for s in a.lora_modules)
     if len({n for n, _ in loras}) != len(loras):
-        raise ConfigError("--lora-modules names must be unique")
+        raise ConfigError("lora_modules names must be unique", "lora_modules")
     return EmulatorConfig(
         host=a.host, port=a.port, replicas=a.replicas, data_parallel_size=a.data_parallel_size,
         model=model, served_model_names=served,
