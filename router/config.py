@@ -70,6 +70,9 @@ DEFAULT_MAX_BODY_BYTES: Final = 32 * 1024 * 1024  # a 128k-token token-id body i
 DEFAULT_CONNECT_TIMEOUT_S: Final = 5.0
 DEFAULT_FIRST_BYTE_TIMEOUT_S: Final = 600.0  # a long prefill behind a queue can take minutes
 DEFAULT_STREAM_IDLE_TIMEOUT_S: Final = 120.0
+DEFAULT_STREAM_READ_INTERVAL_S: Final = 0.05  # pause after a KV-event stream read that returned
+# fewer entries than a full batch, so a trickle gathers into fewer XREADs (~0.1 ms of Python each):
+# CPU against index lag (loadtest.bench_streams, README "Benchmarks")
 DEFAULT_TOKENIZER_THREADS: Final = 2
 DEFAULT_TOKEN_CACHE_CHUNKS: Final = 65536  # prompt chain cache entries (text chunks of 256-1024
 # chars or 256-token id spans, ~1-3 KB each); the per-chunk token cache keeps 1/8 of that
@@ -101,7 +104,7 @@ _AT_LEAST: Final = {
     "block_size": 1, "index_stride": 1, "load_factor": 1.0, "vnodes": 1, "max_body_bytes": 1024,
     "replica_kv_blocks": 1, "health_failures": 1, "circuit_failures": 1,
     "chat_template_max_bytes": 1, "tokenizer_threads": 1, "audit_head_tokens": 16,
-    **dict.fromkeys(("drain_delay_s", "shutdown_timeout_s", "queue_slack_tokens",
+    **dict.fromkeys(("drain_delay_s", "shutdown_timeout_s", "stream_read_interval_s", "queue_slack_tokens",
                      "consistent_hash_tokens", "token_cache_chunks", "prompt_cache_mib",
                      "load_headroom", "recompute_penalty", "min_affinity_blocks", "cold_candidates",
                      "cold_queue_slack_tokens", "audit_families", "audit_top_k",
@@ -130,6 +133,7 @@ class RouterConfig:
     hash_algo: str = DEFAULT_HASH_ALGO
     hash_seed: str | None = None  # the engines' PYTHONHASHSEED, if set
     index_stride: int = DEFAULT_INDEX_STRIDE  # blocks between index anchors; must equal the workers'
+    stream_read_interval_s: float = DEFAULT_STREAM_READ_INTERVAL_S  # seconds between event reads
     policy: str = "prefix"
     load_factor: float = DEFAULT_LOAD_FACTOR
     log_level: str = "info"
@@ -308,6 +312,8 @@ _HELP: Final = {
                         "replica's circuit",
     "circuit_ejection_s": "first ejection of an open circuit (doubles per repeat, at most "
                           "circuit_max_ejection_s); then one probe request",
+    "stream_read_interval_s": "pause (s) after a KV-event stream read that was not a full batch: "
+                              "fewer reads (router CPU) against more index lag",
     "stall_timeout_s": "a replica sending no byte on its streamed requests this long, while "
                        "others do, is benched and its waiting requests move",
     "client_idle_timeout_s": "close client connections idle (or sending a request head) this long",

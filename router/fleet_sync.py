@@ -19,14 +19,15 @@ from typing import Any, cast
 import aiohttp
 
 from router import contract as c
-from router.config import RouterConfig
+from router.config import DEFAULT_STREAM_READ_INTERVAL_S, RouterConfig
 from router.fleet import Fleet, Replica, int_field
 from router.metrics import RouterMetrics
 
 logger = logging.getLogger(__name__)
 
-STREAM_READ_INTERVAL_S = 0.01  # minimum gap between two stream reads that returned entries: at
-# 1,000 flushes/s a read carries ~10 of them, for at most 10 ms more index lag
+# minimum gap between two stream reads that returned entries: at 1,000 flushes/s a read carries
+# ~10 of them, for at most 10 ms more index lag (``RouterConfig.stream_read_interval_s``)
+STREAM_READ_INTERVAL_S = DEFAULT_STREAM_READ_INTERVAL_S
 
 _ENTRY_FIELDS = (c.E_REPLICA, c.E_EPOCH, c.E_ENTRY_SEQ, c.E_CLEARED, c.E_STORED, c.E_REMOVED,
                  c.E_CPU_STORED, c.E_CPU_REMOVED, c.E_OP, c.E_KEYS)
@@ -264,7 +265,7 @@ class FleetReader:
                 if 0 < len(entries) < count:
                     # a trickle of entries would cost one XREAD round trip (~0.1 ms of Python)
                     # each: let them gather for a moment instead
-                    await asyncio.sleep(STREAM_READ_INTERVAL_S)
+                    await asyncio.sleep(self.config.stream_read_interval_s)
             if time.monotonic() >= next_refresh:
                 await self._refresh_heartbeats(client)
                 next_refresh = time.monotonic() + c.HEARTBEAT_INTERVAL_S

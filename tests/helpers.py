@@ -3,6 +3,7 @@ loopback, waits on conditions) and a fake replica script."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -17,8 +18,33 @@ from loadtest.harness import (
     wait_ready,
 )
 
-__all__ = ["EMULATE", "PYTHON", "free_port", "start_emulator", "start_process", "stop_process",
-           "wait_for", "wait_ready", "wait_routable"]
+__all__ = ["EMULATE", "PYTHON", "ReplicaFeed", "free_port", "start_emulator", "start_process",
+           "stop_process", "wait_for", "wait_ready", "wait_routable"]
+
+
+class ReplicaFeed:
+    """Writes one made-up replica's worker reports into a real Redis (redis-py ``client``,
+    prefix ``pr``): its heartbeat (no engine behind its URL) and version-1 stream entries."""
+
+    def __init__(self, client: Any, replica_id: str = "replica-x") -> None:
+        self.client = client
+        self.replica_id = replica_id
+
+    def heartbeat(self) -> None:
+        from router import contract as c
+
+        self.client.hset(c.replica_key("pr", self.replica_id), mapping={
+            c.F_URL: "http://127.0.0.1:9", c.F_MODELS: '["m"]', c.F_BLOCK_SIZE: "16",
+            c.F_HASH_ALGO: "sha256", c.F_HASH_VERIFIED: "1", c.F_EPOCH: "1",
+            c.F_HEARTBEAT_TS: str(time.time())})
+
+    def stored(self, keys: list[int], pipe: Any = None) -> None:
+        """One entry storing ``keys`` (on ``pipe`` when given, else at once)."""
+        from router import contract as c
+
+        (pipe or self.client).xadd(c.events_key("pr"), {
+            c.E_REPLICA: self.replica_id, c.E_EPOCH: "1", c.E_OP: c.OP_STORED,
+            c.E_KEYS: c.pack_keys(keys)})
 
 
 def wait_routable(router: Any, count: int, procs: Sequence[Any] = ()) -> None:

@@ -20,6 +20,7 @@ from tests.helpers import (
     EMULATE,
     FAKE_REPLICA_TAIL,
     PYTHON,
+    ReplicaFeed,
     start_process,
     stop_process,
     wait_for,
@@ -346,24 +347,13 @@ def test_stream_trimmed_past_the_router_forces_a_resync(tmp_path: Path) -> None:
 
     with RedisServer() as server:
         client = redis_lib.Redis.from_url(server.url)
-        rid = "replica-x"
-
-        def heartbeat() -> None:
-            client.hset(c.replica_key("pr", rid), mapping={
-                c.F_URL: "http://127.0.0.1:9", c.F_MODELS: '["m"]', c.F_BLOCK_SIZE: "16",
-                c.F_HASH_ALGO: "sha256", c.F_HASH_VERIFIED: "1", c.F_EPOCH: "1",
-                c.F_HEARTBEAT_TS: str(time.time())})
-
-        def event(keys: list[int]) -> None:
-            client.xadd(c.events_key("pr"), {c.E_REPLICA: rid, c.E_EPOCH: "1",
-                                             c.E_OP: c.OP_STORED, c.E_KEYS: c.pack_keys(keys)})
-
-        heartbeat()
-        event([1])
+        feed = ReplicaFeed(client)
+        feed.heartbeat()
+        feed.stored([1])
         router = Router(tmp_path, ["--redis-url", server.url])
         try:
             wait_for(lambda: router.ready()["replicas"], 15, message="replica seen")
-            event([2])
+            feed.stored([2])
             wait_for(lambda: router.ready()["index_blocks"] == 1 or
                      prometheus_value(router.metrics(), "router_events_total") >= 1, 15)
             assert prometheus_value(router.metrics(), "router_event_stream_gaps_total") == 0
@@ -373,10 +363,9 @@ def test_stream_trimmed_past_the_router_forces_a_resync(tmp_path: Path) -> None:
                 # above that in the contract, have dropped unread entries) ...
                 pipe = client.pipeline(transaction=False)
                 for key in range(100, 1600):
-                    pipe.xadd(c.events_key("pr"), {c.E_REPLICA: rid, c.E_EPOCH: "1",
-                                                   c.E_OP: c.OP_STORED, c.E_KEYS: c.pack_keys([key])})
+                    feed.stored([key], pipe)
                 pipe.execute()
-                heartbeat()
+                feed.heartbeat()
                 # ... and the stream is trimmed past it
                 client.xtrim(c.events_key("pr"), maxlen=1100, approximate=False)
             finally:

@@ -14,6 +14,12 @@ def test_defaults_and_cli(tmp_path: Path) -> None:
     assert cfg.replicas == ("http://127.0.0.1:1", "http://127.0.0.1:2")
     assert cfg.policy == "prefix" and cfg.block_size == 16 and cfg.load_factor == 2.0
     assert cfg.port == 8000 and cfg.max_body_bytes == 32 * 1024 * 1024
+    assert cfg.stream_read_interval_s == 0.05
+    tuned = load_config(["--replica", "http://127.0.0.1:1", "--stream-read-interval-s", "0"],
+                        env={"ROUTER_STREAM_READ_INTERVAL_S": "0.2"})
+    assert tuned.stream_read_interval_s == 0.0  # CLI beats env; 0: read again at once
+    assert load_config(["--replica", "http://127.0.0.1:1"],
+                       env={"ROUTER_STREAM_READ_INTERVAL_S": "0.2"}).stream_read_interval_s == 0.2
 
 
 def test_precedence_cli_env_yaml(tmp_path: Path) -> None:
@@ -41,6 +47,7 @@ def test_precedence_cli_env_yaml(tmp_path: Path) -> None:
     (["--replica", "http://a:1#x"], "data-parallel rank"),
     (["--replica", "http://a:1#-1"], "data-parallel rank"),
     (["--redis-url", "redis://r:1/0", "--fallback-replica", "http://a:1#"], "data-parallel rank"),
+    (["--replica", "http://a:1", "--stream-read-interval-s", "-0.01"], "stream_read_interval_s"),
 ])
 def test_invalid(argv: list[str], message: str) -> None:
     with pytest.raises(ConfigError, match=message):
