@@ -18,7 +18,7 @@ import requests
 import zmq
 
 from router import contract
-from tests.helpers import EMULATE, PYTHON, free_port, start_process, stop_process, wait_for
+from tests.helpers import EMULATE, PYTHON, free_port_run, start_process, stop_process, wait_for
 from tests.integration.test_router_fleet import Router
 from tests.integration.test_worker_emulator import (
     KV_EVENTS,
@@ -53,6 +53,21 @@ def start_dp_emulator(where: Path, started: list[subprocess.Popen[bytes]],
         raise RuntimeError(stop_process(proc))
     replica: dict[str, Any] = json.loads(ready.read_text())["replicas"][0]
     return replica
+
+
+def start_dp_emulator_on_fixed_ports(where: Path, started: list[subprocess.Popen[bytes]],
+                                     ) -> tuple[dict[str, Any], tuple[int, int]]:
+    """``start_dp_emulator`` on given ports: events at P, P + 1 and replay at P + 2, P + 3, all
+    four free a moment before (``free_port_run``); another run of ports if one was taken in
+    between (the emulator exits naming ``Address already in use``), 3 tries at most."""
+    for attempt in range(3):
+        base = free_port_run(4)
+        try:
+            return start_dp_emulator(where, started, (base, base + 2)), (base, base + 2)
+        except RuntimeError as exc:
+            if "Address already in use" not in str(exc) or attempt == 2:
+                raise
+    raise AssertionError("unreachable")
 
 
 def engine_metric(url: str, name: str, rank: int) -> float:
@@ -140,8 +155,7 @@ def test_a_dp2_engine_gets_requests_on_both_ranks_with_per_rank_hits(
         replica = start_dp_emulator(tmp, procs)
         endpoints = ["--kv-events-endpoint", "auto"]
     else:  # rank 0's ports given, rank 1's derived (+1) as vLLM offsets them
-        ports = (free_port(), free_port())
-        replica = start_dp_emulator(tmp, procs, ports)
+        replica, ports = start_dp_emulator_on_fixed_ports(tmp, procs)
         endpoints = ["--kv-events-endpoint", f"tcp://127.0.0.1:{ports[0]}",
                      "--kv-replay-endpoint", f"tcp://127.0.0.1:{ports[1]}",
                      "--data-parallel-size", "2"]
