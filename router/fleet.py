@@ -125,9 +125,14 @@ class Fleet:
         return None
 
     def affinity_problem(self, replica: Replica) -> str | None:
-        """Why a replica gets no prefix-hit credit, or ``None`` if it does."""
+        """Why a replica gets no prefix-hit credit, or ``None`` if it does.
+
+        A static replica gets credit from this router's own placements only (no KV events
+        confirm them, so its index slot holds nothing but the speculative placements of the
+        last ``speculative_ttl_s``): a prefix repeated within that time goes back where it went.
+        """
         if replica.static:
-            return "static replica: no KV events"
+            return None
         if replica.fallback:
             return "fallback replica: no worker report yet (Redis unreachable)"
         mismatch = self.config_mismatch(replica)
