@@ -18,10 +18,9 @@ import logging
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
-from urllib.parse import urlsplit
 
 from router import contract as c
-from router.config import RouterConfig, split_replica_url
+from router.config import RouterConfig, split_replica_url, static_replica_id
 from router.errors import ModelNotFound, NoRoutableReplica
 from router.hashing import BlockHasher
 from router.health import HealthParams, ReplicaHealth
@@ -31,16 +30,6 @@ from router.ring import HashRing
 logger = logging.getLogger(__name__)
 
 SUSPECT_S = 5.0  # seconds a replica is skipped after a connection failure
-
-
-def static_replica_id(url: str) -> str:
-    """Id of a static replica: ``host:port`` of its URL (default ports filled in), with
-    ``#RANK`` for one data-parallel rank of an engine (``router.config.split_replica_url``), as
-    workers name ranks. Raises ``ValueError`` for a fragment that is not a rank."""
-    _, dp_rank = split_replica_url(url)
-    parts = urlsplit(url)
-    port = parts.port or (443 if parts.scheme == "https" else 80)
-    return f"{parts.hostname}:{port}" + ("" if dp_rank is None else f"#{dp_rank}")
 
 
 @dataclass(slots=True)
