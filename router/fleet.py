@@ -66,6 +66,9 @@ class Replica:
     fallback: bool = False
     probe_failures: int = 0  # consecutive failed /health probes (static and fallback replicas)
     probed_ok: bool = False  # a /health probe has succeeded once
+    # a static URL#RANK target whose engine does not list that rank (router.rank_check): why it
+    # takes no traffic (every request would be the engine's 400), or None
+    rank_problem: str | None = None
     model_cards: list[dict[str, Any]] = field(default_factory=list)  # from /v1/models (static)
 
     def serves(self, model: str | None) -> bool:
@@ -146,6 +149,8 @@ class Fleet:
         """Why a replica is down (probes, heartbeat, connection failures), or ``None``."""
         if not replica.healthy:
             return "unhealthy (health probe failed or heartbeat stale)"
+        if replica.rank_problem is not None:
+            return replica.rank_problem
         if replica.suspect_until > now:
             return "recent connection failure"
         return None

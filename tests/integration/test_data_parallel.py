@@ -262,3 +262,33 @@ def test_static_replicas_name_one_rank_each(
             10, message=f"rank {rank}'s request count")
     route = json.loads(router.post("/debug/route", {"prompt": prompt(3 * BLOCK, rng)})[2])
     assert route["targets"] == {rid: {"url": url, "dp_rank": rank} for rank, rid in enumerate(ids)}
+
+
+def test_a_static_rank_the_engine_does_not_have_is_not_routable(
+        tmp: Path, procs: list[subprocess.Popen[bytes]]) -> None:  # noqa: F811
+    """``--replica URL#2`` against a DP=2 engine: the engine's /health passes, but its
+    ``GET /kv_event_sources`` lists ranks 0 and 1 only, so the router keeps ``#2`` out of
+    routing, says why in /ready and its log, and every request goes to rank 0 (without the
+    check, half of them were the engine's 400 "data_parallel_rank 2 is out of range")."""
+    replica = start_dp_emulator(tmp, procs)
+    url = replica["url"]
+    port = url.rsplit(":", 1)[1]
+    router = Router(tmp, ["--replica", f"{url}#0", "--replica", f"{url}#2",
+                          "--policy", "round_robin", "--static-probe-interval-s", "0.2"])
+    procs.append(router.proc)
+    wait_for(lambda: any(r["routable"] for r in router.ready().get("replicas", [])), 30,
+             message="router probed rank 0")
+    ready = {r["replica_id"]: r for r in router.ready()["replicas"]}
+    assert ready[f"127.0.0.1:{port}#0"]["routable"]
+    assert not ready[f"127.0.0.1:{port}#2"]["routable"]
+    assert ready[f"127.0.0.1:{port}#2"]["not_routable_reason"] == (
+        "data-parallel rank 2 is not one of the engine's ranks [0, 1] (GET /kv_event_sources)")
+    rng = random.Random(4)
+    for _ in range(6):
+        status, headers, body = router.post("/v1/completions", {
+            "model": "emulated-llm", "prompt": prompt(2 * BLOCK, rng), "max_tokens": 1})
+        assert status == 200, body
+        assert headers["x-prefix-router-replica"] == f"127.0.0.1:{port}#0"
+    log = stop_process(router.proc)
+    assert (f"static replica 127.0.0.1:{port}#2 is not routable: data-parallel rank 2 is not "
+            "one of the engine's ranks [0, 1]") in log, log[-2000:]
