@@ -292,3 +292,23 @@ def test_a_static_rank_the_engine_does_not_have_is_not_routable(
     log = stop_process(router.proc)
     assert (f"static replica 127.0.0.1:{port}#2 is not routable: data-parallel rank 2 is not "
             "one of the engine's ranks [0, 1]") in log, log[-2000:]
+
+
+def test_an_engine_that_lists_no_ranks_keeps_its_static_ranks_routable(
+        tmp: Path, procs: list[subprocess.Popen[bytes]]) -> None:  # noqa: F811
+    """KV events off: ``GET /kv_event_sources`` lists no rank, which says nothing about the
+    engine's ranks, so the rank check leaves both static ranks routable."""
+    ready = tmp / "dp-no-events.json"
+    proc = start_process([*EMULATE, "--port", "0", "--ready-file", str(ready),
+                          "--data-parallel-size", "2"])
+    procs.append(proc)
+    wait_for(lambda: ready.exists() or proc.poll() is not None, 60, message="emulator ready")
+    url = json.loads(ready.read_text())["replicas"][0]["url"]
+    assert requests.get(f"{url}/kv_event_sources", timeout=10).json() == []
+    router = Router(tmp, ["--replica", f"{url}#0", "--replica", f"{url}#1",
+                          "--static-probe-interval-s", "0.2"])
+    procs.append(router.proc)
+    wait_for(lambda: sum(r["routable"] for r in router.ready().get("replicas", [])) == 2, 30,
+             message="both ranks routable")
+    log = stop_process(router.proc)
+    assert "not routable" not in log, log[-2000:]
