@@ -17,6 +17,7 @@ import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final
+from urllib.parse import urlsplit
 
 from router.contract import DEFAULT_INDEX_STRIDE, DEFAULT_REDIS_PREFIX
 from router.hashing import DEFAULT_BLOCK_SIZE, DEFAULT_HASH_ALGO, HASH_ALGOS
@@ -30,6 +31,7 @@ POLICIES: Final = ("prefix", "ttft", "round_robin", "least_loaded", "consistent_
 LOG_LEVELS: Final = ("debug", "info", "warning", "error", "critical")
 LOG_FORMATS: Final = ("text", "json")
 ENV_PREFIX: Final = "ROUTER_"
+MAX_DP_RANK: Final = 2**31 - 1  # a rank is a C int in vLLM's process groups (torch.distributed)
 
 # The policy's tunables are declared once, with their defaults, in ``router.policy.PolicyParams``;
 # the settings below take those defaults and ``RouterConfig.policy_params`` hands them back.
@@ -239,10 +241,10 @@ class RouterConfig:
                 if not url.startswith(("http://", "https://")):
                     raise ConfigError(f"replica URL must start with http:// or https://, "
                                       f"got {url!r}", name)
-                try:
-                    split_replica_url(url)
-                except ValueError as exc:
-                    raise ConfigError(str(exc), name) from exc
+            try:
+                check_replica_urls(getattr(self, name))
+            except ValueError as exc:
+                raise ConfigError(str(exc), name) from exc
         if self.api_keys and not self.cache_salt_secret_file:
             raise ConfigError("api_keys needs cache_salt_secret_file (every router process "
                               "must derive the same per-tenant cache salts)")
@@ -265,7 +267,47 @@ def split_replica_url(url: str) -> tuple[str, int | None]:
     if not (rank.isascii() and rank.isdigit()):
         raise ValueError(f"replica URL fragment must be a data-parallel rank (0, 1, ...), "
                          f"got {url!r}")
+    if len(rank) > 1 and rank.startswith("0"):
+        raise ValueError(f"replica URL fragment must be a rank without leading zeros, got {url!r}")
+    if len(rank) > len(str(MAX_DP_RANK)) or int(rank) > MAX_DP_RANK:
+        raise ValueError(f"data-parallel rank must be at most {MAX_DP_RANK}, got {url!r}")
     return base.rstrip("/"), int(rank)
+
+
+def static_replica_id(url: str) -> str:
+    """Id of a static replica: ``host:port`` of its URL (host lower-cased, default ports filled
+    in), with ``#RANK`` for one data-parallel rank of an engine (``split_replica_url``), as
+    workers name ranks. Raises ``ValueError`` for a URL without a host, a bad port or a
+    fragment that is not a rank."""
+    _, dp_rank = split_replica_url(url)
+    parts = urlsplit(url)
+    try:
+        port = parts.port or (443 if parts.scheme == "https" else 80)
+    except ValueError as exc:
+        raise ValueError(f"replica URL {url!r}: {exc}") from exc
+    if not parts.hostname:
+        raise ValueError(f"replica URL has no host: {url!r}")
+    return f"{parts.hostname}:{port}" + ("" if dp_rank is None else f"#{dp_rank}")
+
+
+def check_replica_urls(urls: Sequence[str]) -> None:
+    """Refuse a list of static replica URLs (``--replica`` or ``--fallback-replica``) that
+    names one routing target twice (same id after ``static_replica_id``: ``http://h:80/#1``
+    is ``http://h#1``) or lists an engine both whole (no fragment: vLLM balances its ranks)
+    and by rank: the whole engine's requests would land on the named ranks unseen by their
+    load and placements. Raises ``ValueError`` naming the URLs."""
+    seen: dict[str, str] = {}  # {replica id: the URL that gave it}
+    for url in urls:
+        rid = static_replica_id(url)
+        if rid in seen:
+            raise ValueError(f"{url!r} names the same replica {rid} as {seen[rid]!r}")
+        seen[rid] = url
+    for rid, url in seen.items():
+        engine, has_rank, _ = rid.partition("#")
+        if has_rank and engine in seen:
+            raise ValueError(f"engine {engine} is listed whole ({seen[engine]!r}) and by rank "
+                             f"({url!r}): list it once without a fragment (vLLM balances its "
+                             f"ranks) or once per rank")
 
 
 _HELP: Final = {

@@ -18,10 +18,9 @@ import logging
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
-from urllib.parse import urlsplit
 
 from router import contract as c
-from router.config import RouterConfig, split_replica_url
+from router.config import RouterConfig, split_replica_url, static_replica_id
 from router.errors import ModelNotFound, NoRoutableReplica
 from router.hashing import BlockHasher
 from router.health import HealthParams, ReplicaHealth
@@ -31,16 +30,6 @@ from router.ring import HashRing
 logger = logging.getLogger(__name__)
 
 SUSPECT_S = 5.0  # seconds a replica is skipped after a connection failure
-
-
-def static_replica_id(url: str) -> str:
-    """Id of a static replica: ``host:port`` of its URL (default ports filled in), with
-    ``#RANK`` for one data-parallel rank of an engine (``router.config.split_replica_url``), as
-    workers name ranks. Raises ``ValueError`` for a fragment that is not a rank."""
-    _, dp_rank = split_replica_url(url)
-    parts = urlsplit(url)
-    port = parts.port or (443 if parts.scheme == "https" else 80)
-    return f"{parts.hostname}:{port}" + ("" if dp_rank is None else f"#{dp_rank}")
 
 
 @dataclass(slots=True)
@@ -77,6 +66,9 @@ class Replica:
     fallback: bool = False
     probe_failures: int = 0  # consecutive failed /health probes (static and fallback replicas)
     probed_ok: bool = False  # a /health probe has succeeded once
+    # a static URL#RANK target whose engine does not list that rank (router.rank_check): why it
+    # takes no traffic (every request would be the engine's 400), or None
+    rank_problem: str | None = None
     model_cards: list[dict[str, Any]] = field(default_factory=list)  # from /v1/models (static)
 
     def serves(self, model: str | None) -> bool:
@@ -125,9 +117,14 @@ class Fleet:
         return None
 
     def affinity_problem(self, replica: Replica) -> str | None:
-        """Why a replica gets no prefix-hit credit, or ``None`` if it does."""
+        """Why a replica gets no prefix-hit credit, or ``None`` if it does.
+
+        A static replica gets credit from this router's own placements only (no KV events
+        confirm them, so its index slot holds nothing but the speculative placements of the
+        last ``speculative_ttl_s``): a prefix repeated within that time goes back where it went.
+        """
         if replica.static:
-            return "static replica: no KV events"
+            return None
         if replica.fallback:
             return "fallback replica: no worker report yet (Redis unreachable)"
         mismatch = self.config_mismatch(replica)
@@ -152,6 +149,8 @@ class Fleet:
         """Why a replica is down (probes, heartbeat, connection failures), or ``None``."""
         if not replica.healthy:
             return "unhealthy (health probe failed or heartbeat stale)"
+        if replica.rank_problem is not None:
+            return replica.rank_problem
         if replica.suspect_until > now:
             return "recent connection failure"
         return None

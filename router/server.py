@@ -75,6 +75,7 @@ from router.prompts import (
     parse_request,
 )
 from router.proxy import REASON_HEADER, REPLICA_HEADER, Proxy, ProxyOutcome
+from router.rank_check import StaticRankCheck
 from router.routing import RequestRouter, Routed
 from router.settings import StartupError
 from router.tracing import Tracing, TracingUnavailable, otlp_tracing
@@ -201,6 +202,10 @@ class RouterService:
                                        self.config.static_probe_interval_s, self.config.health_failures)
             await self.prober.probe_once()
             self._tasks.append(asyncio.create_task(self.prober.run()))
+        rank_check = StaticRankCheck(self.fleet, self.session, self.config.static_probe_interval_s)
+        if rank_check.targets():  # static URL#RANK targets: does the engine have that rank?
+            await rank_check.check_once()
+            self._tasks.append(asyncio.create_task(rank_check.run()))
         if self.config.redis_url:
             self.reader = FleetReader(self.fleet, self.config, self.metrics)
             self._tasks.append(asyncio.create_task(self.reader.run()))

@@ -63,14 +63,36 @@ def read_config_file(path: str, error: type[Exception] = ConfigError) -> dict[st
     """The mapping in YAML file ``path`` (an empty file is ``{}``). Raises ``error`` when the
     file cannot be read or parsed or does not hold a mapping."""
     try:
-        loaded = yaml.safe_load(Path(path).read_text()) or {}
+        loaded = yaml.load(Path(path).read_text(encoding="utf-8"), _UniqueKeyLoader) or {}
     except OSError as exc:
         raise error(f"cannot read config file {path}: {exc}") from exc
+    except UnicodeDecodeError as exc:
+        raise error(f"config file {path}: not UTF-8 text (byte 0x{exc.object[exc.start]:02x} "
+                    f"at offset {exc.start})") from exc
     except yaml.YAMLError as exc:
         raise error(f"config file {path}: {_yaml_problem(exc)}") from exc
     if not isinstance(loaded, dict):
         raise error(f"config file {path} must hold a mapping")
     return loaded
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """``yaml.SafeLoader`` that refuses a mapping key given twice (PyYAML keeps the last one
+    silently; YAML 1.2 says keys are unique)."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        first_line: dict[Any, int] = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=True)
+            try:
+                line = first_line.setdefault(key, key_node.start_mark.line)
+            except TypeError:  # an unhashable key: construct_mapping names it
+                continue
+            if line != key_node.start_mark.line:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"duplicate key {key!r} (first on line {line + 1})",
+                    key_node.start_mark)
+        return super().construct_mapping(node, deep)
 
 
 def _yaml_problem(exc: yaml.YAMLError) -> str:
@@ -252,6 +274,10 @@ class Settings:
             if value is not None:
                 values[name] = self.convert(name, value, self.flag(name))
                 sources[name] = self.flag(name)
+        for name, f in settings.items():
+            # a required setting given as "" is not missing: say what is wrong with it
+            if f.default is dataclasses.MISSING and name in sources and values.get(name) == "":
+                raise ConfigError(f"{sources[name]}: {name} must not be empty", name)
         missing = [self.flag(name) for name, f in settings.items()
                    if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
                    and not values.get(name)]

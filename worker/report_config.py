@@ -17,11 +17,11 @@ from urllib.parse import urlsplit
 from router.config import LOG_FORMATS, with_redis_password
 from router.contract import DEFAULT_INDEX_STRIDE, DEFAULT_REDIS_PREFIX, check_configured_replica_id
 from router.hashing import HASH_ALGOS
+from router.kv_event_sources import AUTO_ENDPOINT, offset_sources
 from router.redis_client import RedisUrlError, parse_redis_url
 from router.settings import ConfigError, Settings
 from router.version import version_line
 from worker.event_filter import DEFAULT_KV_TIERS, parse_kv_tiers
-from worker.kv_event_sources import AUTO_ENDPOINT, offset_sources
 
 ENV_PREFIX: Final = "WORKER_"
 DEFAULT_METRICS_HOST: Final = "127.0.0.1"  # set 0.0.0.0 in a pod so Prometheus can scrape

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import re
-import socket
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +28,7 @@ from tests.helm.test_chart import (
     one,
     render,
 )
-from tests.helpers import PYTHON, free_port, start_process, wait_for
+from tests.helpers import PYTHON, free_port, free_port_run, start_process, wait_for
 
 __all__ = ["chart"]  # the module fixture, shared
 
@@ -98,8 +97,8 @@ def test_one_rank_renders_as_before(chart: helm.Chart) -> None:
 @pytest.mark.parametrize("values", [DP_VLLM, DP_EMULATOR], ids=["vllm-dp2-tp2", "emulator-dp4"])
 def test_every_rank_is_followed_on_its_own_ports_and_scraped(
         chart: helm.Chart, values: dict[str, Any]) -> None:
+    from router.kv_event_sources import offset_sources
     from worker.emulator.config import from_args, replica_endpoint
-    from worker.kv_event_sources import offset_sources
     from worker.report import rank_configs
     from worker.report_config import load_config
 
@@ -193,26 +192,6 @@ def test_explicit_replay_port_renders_while_the_ranges_are_apart(chart: helm.Cha
         engine = containers(render(chart, {"fleet": fleet}), "StatefulSet", "-fleet")["engine"]
         kv = json.loads(flag(engine["args"], "--kv-events-config") or "{}")
         assert kv["replay_endpoint"] == f"tcp://*:{replay}"
-
-
-def free_port_run(count: int) -> int:
-    """A port whose next ``count`` - 1 ports are free on loopback too (a rank range)."""
-    for _ in range(50):
-        base = free_port()
-        if base + count > 65535:
-            continue
-        sockets: list[socket.socket] = []
-        try:
-            for port in range(base, base + count):
-                sockets.append(socket.socket())
-                sockets[-1].bind(("127.0.0.1", port))
-            return base
-        except OSError:
-            continue
-        finally:
-            for s in sockets:
-                s.close()
-    raise RuntimeError(f"no {count} consecutive free ports")
 
 
 @pytest.mark.timeout(120)

@@ -18,7 +18,7 @@ import requests
 import zmq
 
 from router import contract
-from tests.helpers import EMULATE, PYTHON, free_port, start_process, stop_process, wait_for
+from tests.helpers import EMULATE, PYTHON, free_port_run, start_process, stop_process, wait_for
 from tests.integration.test_router_fleet import Router
 from tests.integration.test_worker_emulator import (
     KV_EVENTS,
@@ -53,6 +53,21 @@ def start_dp_emulator(where: Path, started: list[subprocess.Popen[bytes]],
         raise RuntimeError(stop_process(proc))
     replica: dict[str, Any] = json.loads(ready.read_text())["replicas"][0]
     return replica
+
+
+def start_dp_emulator_on_fixed_ports(where: Path, started: list[subprocess.Popen[bytes]],
+                                     ) -> tuple[dict[str, Any], tuple[int, int]]:
+    """``start_dp_emulator`` on given ports: events at P, P + 1 and replay at P + 2, P + 3, all
+    four free a moment before (``free_port_run``); another run of ports if one was taken in
+    between (the emulator exits naming ``Address already in use``), 3 tries at most."""
+    for attempt in range(3):
+        base = free_port_run(4)
+        try:
+            return start_dp_emulator(where, started, (base, base + 2)), (base, base + 2)
+        except RuntimeError as exc:
+            if "Address already in use" not in str(exc) or attempt == 2:
+                raise
+    raise AssertionError("unreachable")
 
 
 def engine_metric(url: str, name: str, rank: int) -> float:
@@ -140,8 +155,7 @@ def test_a_dp2_engine_gets_requests_on_both_ranks_with_per_rank_hits(
         replica = start_dp_emulator(tmp, procs)
         endpoints = ["--kv-events-endpoint", "auto"]
     else:  # rank 0's ports given, rank 1's derived (+1) as vLLM offsets them
-        ports = (free_port(), free_port())
-        replica = start_dp_emulator(tmp, procs, ports)
+        replica, ports = start_dp_emulator_on_fixed_ports(tmp, procs)
         endpoints = ["--kv-events-endpoint", f"tcp://127.0.0.1:{ports[0]}",
                      "--kv-replay-endpoint", f"tcp://127.0.0.1:{ports[1]}",
                      "--data-parallel-size", "2"]
@@ -248,3 +262,53 @@ def test_static_replicas_name_one_rank_each(
             10, message=f"rank {rank}'s request count")
     route = json.loads(router.post("/debug/route", {"prompt": prompt(3 * BLOCK, rng)})[2])
     assert route["targets"] == {rid: {"url": url, "dp_rank": rank} for rank, rid in enumerate(ids)}
+
+
+def test_a_static_rank_the_engine_does_not_have_is_not_routable(
+        tmp: Path, procs: list[subprocess.Popen[bytes]]) -> None:  # noqa: F811
+    """``--replica URL#2`` against a DP=2 engine: the engine's /health passes, but its
+    ``GET /kv_event_sources`` lists ranks 0 and 1 only, so the router keeps ``#2`` out of
+    routing, says why in /ready and its log, and every request goes to rank 0 (without the
+    check, half of them were the engine's 400 "data_parallel_rank 2 is out of range")."""
+    replica = start_dp_emulator(tmp, procs)
+    url = replica["url"]
+    port = url.rsplit(":", 1)[1]
+    router = Router(tmp, ["--replica", f"{url}#0", "--replica", f"{url}#2",
+                          "--policy", "round_robin", "--static-probe-interval-s", "0.2"])
+    procs.append(router.proc)
+    wait_for(lambda: any(r["routable"] for r in router.ready().get("replicas", [])), 30,
+             message="router probed rank 0")
+    ready = {r["replica_id"]: r for r in router.ready()["replicas"]}
+    assert ready[f"127.0.0.1:{port}#0"]["routable"]
+    assert not ready[f"127.0.0.1:{port}#2"]["routable"]
+    assert ready[f"127.0.0.1:{port}#2"]["not_routable_reason"] == (
+        "data-parallel rank 2 is not one of the engine's ranks [0, 1] (GET /kv_event_sources)")
+    rng = random.Random(4)
+    for _ in range(6):
+        status, headers, body = router.post("/v1/completions", {
+            "model": "emulated-llm", "prompt": prompt(2 * BLOCK, rng), "max_tokens": 1})
+        assert status == 200, body
+        assert headers["x-prefix-router-replica"] == f"127.0.0.1:{port}#0"
+    log = stop_process(router.proc)
+    assert (f"static replica 127.0.0.1:{port}#2 is not routable: data-parallel rank 2 is not "
+            "one of the engine's ranks [0, 1]") in log, log[-2000:]
+
+
+def test_an_engine_that_lists_no_ranks_keeps_its_static_ranks_routable(
+        tmp: Path, procs: list[subprocess.Popen[bytes]]) -> None:  # noqa: F811
+    """KV events off: ``GET /kv_event_sources`` lists no rank, which says nothing about the
+    engine's ranks, so the rank check leaves both static ranks routable."""
+    ready = tmp / "dp-no-events.json"
+    proc = start_process([*EMULATE, "--port", "0", "--ready-file", str(ready),
+                          "--data-parallel-size", "2"])
+    procs.append(proc)
+    wait_for(lambda: ready.exists() or proc.poll() is not None, 60, message="emulator ready")
+    url = json.loads(ready.read_text())["replicas"][0]["url"]
+    assert requests.get(f"{url}/kv_event_sources", timeout=10).json() == []
+    router = Router(tmp, ["--replica", f"{url}#0", "--replica", f"{url}#1",
+                          "--static-probe-interval-s", "0.2"])
+    procs.append(router.proc)
+    wait_for(lambda: sum(r["routable"] for r in router.ready().get("replicas", [])) == 2, 30,
+             message="both ranks routable")
+    log = stop_process(router.proc)
+    assert "not routable" not in log, log[-2000:]

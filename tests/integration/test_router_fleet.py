@@ -531,3 +531,38 @@ def test_models_ready_and_passthrough(router: Router) -> None:
     assert all(r["hash_verified"] == "1" for r in ready["replicas"])
     status, headers, raw = router.post("/tokenize", {"model": "emulated-llm", "prompt": "hello"})
     assert status == 200 and "x-prefix-router-replica" in headers
+
+
+def test_static_replicas_send_a_repeated_prefix_back_where_it_went(tmp_path: Path) -> None:
+    """Two static replicas (emulators without workers or Redis), default settings: the router's
+    own placements are the only hits it knows of there, and they keep a repeated 600-token
+    prefix on the replica it first went to, whose engine then reports prefix-cache hits."""
+    from tests.helpers import start_emulator
+
+    proc, replicas = start_emulator(tmp_path / "static-emulator.json", [
+        "--replicas", "2", "--time-scale", "20", "--enable-prompt-tokens-details"])
+    router = None
+    try:
+        router = Router(tmp_path, [arg for rep in replicas for arg in ("--replica", rep["url"])])
+        wait_for(lambda: sum(r["routable"] for r in router.ready()["replicas"]) == 2, 20,
+                 message="both static replicas routable")
+        rng = random.Random(12)
+        prefix = tokens(rng, 600)  # 37 full blocks of 16
+        chosen, reasons, cached = [], [], []
+        for _ in range(12):
+            status, headers, raw = complete(router, [*prefix, *tokens(rng, 16)], max_tokens=1)
+            assert status == 200, raw[:300]
+            chosen.append(headers["x-prefix-router-replica"])
+            reasons.append(headers["x-prefix-router-reason"])
+            cached.append(raw["usage"]["prompt_tokens_details"]["cached_tokens"])
+        assert len(set(chosen)) == 1, list(zip(chosen, reasons, strict=True))
+        assert reasons[1:] == ["speculative_hit"] * 11, reasons
+        assert cached == [0] + [37 * 16] * 11
+        url = next(rep["url"] for rep in replicas if rep["url"].endswith(chosen[0]))
+        hits = prometheus_value(http("GET", url + "/metrics")[2].decode(),
+                                "vllm:prefix_cache_hits_total")
+        assert hits == 11 * 37 * 16
+    finally:
+        if router is not None:
+            router.stop()
+        stop_process(proc)

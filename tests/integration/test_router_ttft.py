@@ -76,15 +76,17 @@ def test_streamed_ttft_split_by_engine_cached_tokens(router: Router) -> None:
 
 
 def test_without_usage_the_prediction_is_used_and_labelled(router: Router) -> None:
-    # a static replica has no verified hashes, so the router predicts no hit on it: the
-    # predicted split says miss while the engine, asked, says hit
+    # a static replica sends no KV events: the router predicts a hit there from its own
+    # placement of the first request only, and the engine, asked, confirms it
     prompt = random.Random(19).sample(range(1000, 100000), 200)
     stream(router, prompt, include_usage=False)
     stream(router, prompt, include_usage=False)
-    assert ttft_counts(router) == {(MODEL, "miss", "predicted"): 2.0}
+    assert ttft_counts(router) == {(MODEL, "miss", "predicted"): 1.0,
+                                   (MODEL, "hit", "predicted"): 1.0}
     last = stream(router, prompt, include_usage=True)
     assert last[-1]["usage"]["prompt_tokens_details"]["cached_tokens"] == 192
-    assert ttft_counts(router) == {(MODEL, "miss", "predicted"): 2.0,
+    assert ttft_counts(router) == {(MODEL, "miss", "predicted"): 1.0,
+                                   (MODEL, "hit", "predicted"): 1.0,
                                    (MODEL, "hit", "engine"): 1.0}
 
 

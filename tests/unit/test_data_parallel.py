@@ -8,16 +8,16 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from router.contract import DP_RANK_HEADER
+from router.kv_event_sources import (
+    RankSource,
+    offset_sources,
+    parse_kv_event_sources,
+)
 from router.routing import Target
 from worker.emulator.config import ConfigError, replica_endpoint
 from worker.emulator.metrics import EnginesExposition, ReplicaMetrics
 from worker.event_filter import EventFilter
 from worker.heartbeat import parse_metrics
-from worker.kv_event_sources import (
-    RankSource,
-    offset_sources,
-    parse_kv_event_sources,
-)
 from worker.kv_events import BlockStored, KVEventBatch
 from worker.report import rank_configs
 from worker.report_config import load_config

@@ -10,7 +10,7 @@ import sys
 PURE = ("router.fleet", "router.errors", "router.policy", "router.index", "router.contract",
         "router.hashing", "router.chain_cache", "router.prompts", "router.lru", "router.ring",
         "router.ttft", "router.health", "router.audit", "router.capacity", "router.prompt_path",
-        "router.routing", "router.dispatch", "worker.replica_view",
+        "router.routing", "router.dispatch", "router.kv_event_sources", "worker.replica_view",
         "worker.block_set", "worker.block_keys", "worker.kv_events")
 IO_LIBRARIES = ("aiohttp", "redis", "zmq")
 

@@ -97,3 +97,30 @@ def test_a_static_replica_url_may_name_a_data_parallel_rank() -> None:
         "a:1#0": ("http://a:1", 0), "a:1#1": ("http://a:1", 1), "b:443": ("https://b/v", None)}
     assert fleet.add_fallbacks([], ("http://c:2#3",)) == 1
     assert (fleet.replicas["c:2#3"].url, fleet.replicas["c:2#3"].dp_rank) == ("http://c:2", 3)
+
+
+@pytest.mark.parametrize("urls, message", [
+    (["http://a:1#99999999999999999999"], r"rank must be at most 2147483647"),
+    (["http://a:1#2147483648"], r"rank must be at most 2147483647"),
+    (["http://a:1#01"], r"without leading zeros, got 'http://a:1#01'"),
+    (["http://a:1#1", "http://a:1/#1"], r"'http://a:1/#1' names the same replica a:1#1 as "
+                                        r"'http://a:1#1'"),
+    (["http://A:80/x", "http://a/y"], r"names the same replica a:80"),
+    (["http://a:1", "http://a:1#0"], r"engine a:1 is listed whole \('http://a:1'\) and by rank "
+                                     r"\('http://a:1#0'\)"),
+    (["http://a:1#0", "http://a:1/"], r"engine a:1 is listed whole"),
+    (["http://a:99999"], r"replica URL 'http://a:99999': Port out of range"),
+    (["http://#1"], r"replica URL has no host"),
+])
+def test_static_replica_lists_that_name_a_target_twice_or_an_absurd_rank_are_refused(
+        urls: list[str], message: str) -> None:
+    for flag, base in (("--replica", []), ("--fallback-replica", ["--redis-url", "redis://r:1/0"])):
+        argv = [*base, *(arg for url in urls for arg in (flag, url))]
+        with pytest.raises(ConfigError, match=message):
+            load_config(argv, env={})
+
+
+def test_the_largest_rank_and_distinct_engines_ranks_are_accepted() -> None:
+    cfg = load_config(["--replica", "http://a:1#2147483647", "--replica", "http://a:2",
+                       "--replica", "http://a:1#0", "--replica", "http://b:1#0"], env={})
+    assert len(cfg.replicas) == 4

@@ -121,6 +121,38 @@ def test_a_broken_yaml_file_is_one_line_with_line_and_column(tmp_path: Path) -> 
         worker_config.load_config(["--config", str(path)], {})
 
 
+def test_a_config_file_that_is_not_utf8_is_one_line_exit_2(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from router.server import main as router_main
+
+    path = tmp_path / "bin.yaml"
+    path.write_bytes(b"\xff\xfe")
+    with pytest.raises(ConfigError, match=f"^config file {path}: not UTF-8 text "
+                                          r"\(byte 0xff at offset 0\)$"):
+        router_config.load_config(["--config", str(path)], {})
+    assert router_main(["--config", str(path), "--replica", "http://127.0.0.1:1"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and str(path) in err and "Traceback" not in err, err
+
+
+def test_a_yaml_key_given_twice_is_refused_with_its_lines(tmp_path: Path) -> None:
+    path = tmp_path / "twice.yaml"
+    path.write_text("block_size: 16\nvnodes: 8\nblock_size: 32\nreplica: [http://a:1]\n")
+    with pytest.raises(ConfigError, match=f"^config file {path}: line 3, column 1: duplicate key "
+                                          r"'block_size' \(first on line 1\)$"):
+        router_config.load_config(["--config", str(path)], {})
+    path.write_text("block_size: 16\nreplica: [http://a:1]\n")  # unique keys still load
+    assert router_config.load_config(["--config", str(path)], {}).block_size == 16
+
+
+def test_an_empty_required_setting_says_it_must_not_be_empty() -> None:
+    argv = [*WORKER_ARGS[:-1], ""]
+    with pytest.raises(ConfigError, match=r"^--replica-id: replica_id must not be empty$"):
+        worker_config.load_config(argv, {})
+    with pytest.raises(ConfigError, match=r"^env WORKER_REPLICA_ID: replica_id must not be empty$"):
+        worker_config.load_config(WORKER_ARGS[:-2], {"WORKER_REPLICA_ID": ""})
+
+
 @pytest.mark.parametrize(("load", "argv", "prefix", "flag", "setting"), [
     (router_config.load_config, ["--replica", "http://a:1"], "ROUTER_", "--block-size",
      "block_size"),

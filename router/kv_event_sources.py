@@ -7,7 +7,10 @@ ephemeral; every ``KVEventBatch`` carries its ``data_parallel_rank``). ``GET /kv
 (``vllm/entrypoints/serve/kv_events/api_router.py``) lists the resolved endpoints of the ready
 ranks. The worker keeps one replica view per rank and publishes each (engine, rank) as its own
 routing target (replica id ``{replica_id}#{rank}``, ``worker.report.rank_configs``); the router sends a target's requests to the
-engine URL with vLLM's ``X-data-parallel-rank`` header.
+engine URL with vLLM's ``X-data-parallel-rank`` header. The router reads the same list to check
+that a static ``--replica URL#RANK`` names a rank the engine has (``router.rank_check``); the
+module lives in ``router`` so both sides share it (the worker may import the router's pure
+modules, never the reverse).
 """
 
 from __future__ import annotations
