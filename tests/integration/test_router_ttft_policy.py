@@ -77,7 +77,10 @@ def test_learned_rates_separate_and_the_slow_replica_gets_less_cold_work(
                for _ in range(48)]  # all cold: no prompt shares a block with another
     served = asyncio.run(_send(router.url, prompts, concurrency=3))
 
-    status, _, body = router.post("/debug/route", {"model": "emulated-llm", "prompt": prompts[0]})
+    # a prompt not sent before: no replica holds any of it (static replicas count this router's
+    # own placements as hits), so the two predictions differ only in the learned rates
+    fresh = [rng.randrange(1000, 100_000) for _ in range(3000)]
+    status, _, body = router.post("/debug/route", {"model": "emulated-llm", "prompt": fresh})
     assert status == 200
     debug: dict[str, Any] = json.loads(body)
     rates = debug["prefill_rates"]
