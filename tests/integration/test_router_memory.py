@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import random
 import re
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -65,12 +66,25 @@ def burst_then_idle(router: Router) -> None:
         status, _, raw = router.post("/debug/route", request, timeout=60)
         assert status == 200, raw[:300]
 
-    with ThreadPoolExecutor(2) as pool:  # two at a time: both tokenizer threads busy
-        for pair in range(0, NUM_PROMPTS, 2):
-            list(pool.map(send, (pair, pair + 1)))
+    done = threading.Event()
+
+    def sample_peak() -> None:  # the heap peaks during a request, not between them
+        nonlocal peak
+        while not done.is_set():
             peak = max(peak, rss_bytes(router.proc.pid))
-            # the caches' own estimate never exceeds the configured bound
-            assert prompt_cache_bytes(router) <= CACHE_MIB << 20
+            done.wait(0.01)
+
+    sampler = threading.Thread(target=sample_peak, daemon=True)
+    sampler.start()
+    try:
+        with ThreadPoolExecutor(2) as pool:  # two at a time: both tokenizer threads busy
+            for pair in range(0, NUM_PROMPTS, 2):
+                list(pool.map(send, (pair, pair + 1)))
+                # the caches' own estimate never exceeds the configured bound
+                assert prompt_cache_bytes(router) <= CACHE_MIB << 20
+    finally:
+        done.set()
+        sampler.join()
     # after the burst and the idle trim the freed heap is back with the OS
     wait_for(lambda: rss_bytes(router.proc.pid) < before + (CACHE_MIB << 20) + (64 << 20),
              IDLE_TRIM_S + 15, message="router RSS back near its start after the burst")
