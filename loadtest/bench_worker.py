@@ -1,7 +1,7 @@
 """Benchmark of the worker sidecar: block keys ingested per second into Redis, and Redis memory per block.
 
 ``python -m loadtest.bench_worker [--keys 1000000] [--min-batch 32] [--max-batch 512]
-[--evict-beyond N]``
+[--evict-beyond N] [--batch-interval-ms MS] [--worker-arg=ARG ...]``
 
 Starts a local Redis, one emulator replica (the worker's engine for heartbeat
 and probe) and a real ``prefix-worker report`` process whose KV events come
@@ -10,8 +10,10 @@ random 64-bit hashes, sizes uniform in [min, max] blocks, plus one BlockRemoved
 of a few earlier keys every tenth batch; or, with ``--evict-beyond N``, the shape of a loaded
 replica: once N blocks are resident each batch also evicts its oldest blocks, one
 ``BlockRemoved`` per block as vLLM publishes them (``_maybe_evict_cached_block``).
+``--batch-interval-ms`` paces the batches (a loaded engine publishes one per scheduler step)
+and ``--worker-arg`` passes a worker flag (e.g. ``--event-window-s``) for an A/B.
 Reports keys/s from the first publish until Redis holds the last batch's seq, the worker's
-CPU seconds, and Redis memory per resident block (INFO memory, plus MEMORY USAGE of the set and stream),
+CPU seconds (and per batch), and Redis memory per resident block (INFO memory, plus MEMORY USAGE of the set and stream),
 also per engine block (with ``--index-stride`` N > 1 only anchor keys are written).
 """
 
@@ -80,7 +82,7 @@ async def _run(args: argparse.Namespace) -> dict[str, Any]:
                                         "--kv-replay-endpoint", pub.replay_endpoint,
                                         "--redis-url", server.url, "--replica-id", REPLICA,
                                         "--index-stride", str(args.index_stride),
-                                        "--log-level", "warning"])
+                                        "--log-level", "warning", *args.worker_arg])
                 key = contract.replica_key("pr", REPLICA)
                 deadline = time.monotonic() + 30
                 while not client.exists(key):
@@ -95,7 +97,11 @@ async def _run(args: argparse.Namespace) -> dict[str, Any]:
                 mem_before = int(client.info("memory")["used_memory"])
                 cpu_before = cpu_seconds(worker.pid)
                 start = time.perf_counter()
-                for payload in payloads:
+                interval_s = args.batch_interval_ms / 1000
+                for i, payload in enumerate(payloads):
+                    if interval_s:
+                        # paced like an engine publishing one batch per scheduler step
+                        await asyncio.sleep(max(0.0, start + i * interval_s - time.perf_counter()))
                     await pub.publish(payload)
                 publish_s = time.perf_counter() - start
                 last = str(pub.next_seq - 1).encode()
@@ -122,6 +128,8 @@ async def _run(args: argparse.Namespace) -> dict[str, Any]:
         "elapsed_s": round(elapsed, 3),
         "keys_per_s": round(num_keys / elapsed),
         "worker_cpu_s": round(cpu, 3),
+        "worker_cpu_us_per_batch": round(cpu / len(payloads) * 1e6, 1),
+        "batch_interval_ms": args.batch_interval_ms,
         "keys_per_worker_cpu_s": round(num_keys / cpu) if cpu else None,
         "index_stride": args.index_stride,
         "evict_beyond": args.evict_beyond,
@@ -141,6 +149,11 @@ def main(argv: list[str] | None = None) -> int:
                         help="resident blocks past which each batch evicts its oldest, one "
                              "BlockRemoved per block (0: a few removals every tenth batch)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--batch-interval-ms", type=float, default=0.0,
+                        help="publish one batch every this many ms (0: as fast as possible); a "
+                             "loaded engine publishes one batch per scheduler step, tens of ms apart")
+    parser.add_argument("--worker-arg", action="append", default=[],
+                        help="extra argument for the worker (repeatable; A/B of worker settings)")
     parser.add_argument("--index-stride", type=int, default=contract.DEFAULT_INDEX_STRIDE,
                         help="the worker's coarse-index stride (1 = every key)")
     args = parser.parse_args(argv)

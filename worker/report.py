@@ -424,7 +424,7 @@ class Worker:
         self.subscriber = KVEventSubscriber(
             config.kv_events_endpoint, self, replay_endpoint=config.kv_replay_endpoint,
             topic=config.kv_events_topic, last_seq=self.view.seq,
-            replay_timeout_s=config.replay_timeout_s)
+            replay_timeout_s=config.replay_timeout_s, event_window_s=config.event_window_s)
         logger.info("worker for replica %s: engine %s, events %s, redis %s (%s)", config.replica_id,
                     config.engine_url, config.kv_events_endpoint, config.redis_url,
                     f"continuing from seq {self.view.seq}" if replay_from_state else "fresh start")

@@ -49,6 +49,7 @@ logger = logging.getLogger(__name__)
 DEFAULT_REPLAY_TIMEOUT_S: Final = 2.0  # max wait for the next replay reply frame
 SUB_RCVHWM: Final = 100_000  # messages; as vLLM's default publisher hwm
 _YIELD_EVERY: Final = 8  # live messages between forced yields, so the writer task can run
+_DRAIN_MAX: Final = 256  # queued messages handled per yield with an event window
 
 
 class BatchSink(Protocol):
@@ -80,6 +81,9 @@ class KVEventSubscriber:
     ``last_seq`` is the last applied sequence number (``NO_SEQ`` = nothing yet);
     ``start_replay`` asks the replay socket for everything after it on start-up,
     so a restarted worker continues without losing or double counting batches.
+    ``event_window_s`` > 0: after a batch arrives, wait that many seconds, then handle it and
+    every batch queued meanwhile in one go (one wake-up, so the writer flushes them together);
+    0 handles each batch as it arrives.
     """
 
     def __init__(
@@ -92,6 +96,7 @@ class KVEventSubscriber:
         last_seq: int = NO_SEQ,
         start_replay: bool = True,
         replay_timeout_s: float = DEFAULT_REPLAY_TIMEOUT_S,
+        event_window_s: float = 0.0,
         context: zmq.asyncio.Context | None = None,
     ) -> None:
         self.endpoint = endpoint
@@ -101,6 +106,7 @@ class KVEventSubscriber:
         self.last_seq = last_seq
         self.start_replay = start_replay
         self.replay_timeout_s = replay_timeout_s
+        self.event_window_s = event_window_s
         self.stats = SubscriberStats()
         self.connected = asyncio.Event()  # set once the SUB socket is connected
         self._ctx = context or zmq.asyncio.Context.instance()
@@ -130,8 +136,19 @@ class KVEventSubscriber:
             while True:
                 try:
                     frames = await sub.recv_multipart()
+                    if self.event_window_s:
+                        await asyncio.sleep(self.event_window_s)
                     async with lock:
                         await self.handle_live(frames)
+                    while self.event_window_s:
+                        # what queued meanwhile, yielding every _DRAIN_MAX so that a backlog
+                        # is flushed in parts and cannot starve the writer or the heartbeat
+                        async with lock:
+                            handled = await self._handle_queued(sub, _DRAIN_MAX)
+                        received += handled
+                        if handled < _DRAIN_MAX:
+                            break
+                        await asyncio.sleep(0)
                 except asyncio.CancelledError:
                     raise
                 except Exception:  # the loop must survive anything one message does
@@ -144,6 +161,20 @@ class KVEventSubscriber:
         finally:
             sub.close(linger=0)
             self._close_dealer()
+
+    async def _handle_queued(self, sub: zmq.asyncio.Socket, limit: int) -> int:
+        """Handle up to ``limit`` messages already queued on ``sub`` without waiting; returns
+        how many. A malformed one is counted and dropped by ``handle_live`` like any other."""
+        handled = 0
+        while handled < limit:
+            try:
+                # NOBLOCK: the future is already done (or raised Again), so no loop round trip
+                frames = await sub.recv_multipart(flags=zmq.NOBLOCK)
+            except zmq.Again:
+                return handled
+            await self.handle_live(frames)
+            handled += 1
+        return handled
 
     async def handle_live(self, frames: list[bytes]) -> None:
         """Handle one live PUB message ``[topic, seq, payload]``."""

@@ -243,3 +243,102 @@ async def test_malformed_messages_are_counted_and_dropped() -> None:
     assert sub.stats.num_malformed == 3
     assert sink.applied == [0, 1]
     assert sink.resyncs == []
+
+
+class TimedSink(RecordingSink):
+    """Also records the loop time of each apply."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.times: list[float] = []
+
+    def apply(self, seq: int, batch: KVEventBatch) -> None:
+        super().apply(seq, batch)
+        self.times.append(asyncio.get_running_loop().time())
+
+
+async def test_event_window_handles_the_batches_published_meanwhile_in_one_go() -> None:
+    """With ``event_window_s`` the first batch waits the window; the batches published during
+    it (a gap healed by replay among them) are handled right after it,
+    in order, without another wake-up: one flush for all of them on the worker."""
+    window_s = 0.3
+    sink = TimedSink()
+    async with KVEventPublisher() as pub:
+        sub = KVEventSubscriber(pub.endpoint, sink, replay_endpoint=pub.replay_endpoint,
+                                event_window_s=window_s)
+        async with running(sub):
+            await connected(pub, sub, sink)
+            await asyncio.sleep(window_s * 1.5)  # the connect batch's window is over
+            base = len(sink.applied)
+            first = pub.next_seq
+            started = asyncio.get_running_loop().time()
+            await pub.publish(one_block(1))
+            await asyncio.sleep(0.03)
+            await pub.publish(one_block(2), drop=True)  # a gap: filled by replay
+            await pub.publish(one_block(3))
+            await asyncio.sleep(0.03)
+            await pub.publish(one_block(4))
+            await until(lambda: len(sink.applied) >= base + 4)
+    assert sink.applied[base:] == [first, first + 1, first + 2, first + 3]
+    times = sink.times[base:]
+    assert times[0] - started >= window_s * 0.9  # the first batch waited the window
+    assert times[-1] - times[0] < 0.05  # the others came with it, not one window each
+    assert sub.stats.num_gaps == 1
+    assert sink.resyncs == []
+
+
+async def test_without_event_window_each_batch_is_handled_as_it_arrives() -> None:
+    sink = TimedSink()
+    async with KVEventPublisher() as pub:
+        sub = KVEventSubscriber(pub.endpoint, sink, replay_endpoint=pub.replay_endpoint)
+        async with running(sub):
+            await connected(pub, sub, sink)
+            base = len(sink.applied)
+            started = asyncio.get_running_loop().time()
+            await pub.publish(one_block(1))
+            await until(lambda: len(sink.applied) > base)
+            first_after = sink.times[base] - started
+            await asyncio.sleep(0.2)
+            await pub.publish(one_block(2))
+            await until(lambda: len(sink.applied) > base + 1)
+    assert first_after < 0.15
+    assert sink.times[base + 1] - sink.times[base] >= 0.15  # handled apart, as published
+
+
+async def test_event_window_backlog_is_handled_in_parts_that_let_other_tasks_run() -> None:
+    """A backlog larger than one drain (the engine publishing faster than the worker keeps
+    up) is handled in order, yielding between parts: the writer and the heartbeat run."""
+    ticks = 0
+    seen_ticks: list[int] = []
+
+    class TickSink(RecordingSink):
+        def apply(self, seq: int, batch: KVEventBatch) -> None:
+            super().apply(seq, batch)
+            seen_ticks.append(ticks)
+
+    async def ticker() -> None:
+        nonlocal ticks
+        while True:
+            await asyncio.sleep(0)
+            ticks += 1
+
+    sink = TickSink()
+    async with KVEventPublisher() as pub:
+        sub = KVEventSubscriber(pub.endpoint, sink, replay_endpoint=pub.replay_endpoint,
+                                event_window_s=0.2)
+        async with running(sub):
+            await connected(pub, sub, sink)
+            await asyncio.sleep(0.3)
+            base = len(sink.applied)
+            first = pub.next_seq
+            for n in range(700):
+                await pub.publish(one_block(n))
+            tick_task = asyncio.create_task(ticker())
+            try:
+                await until(lambda: len(sink.applied) >= base + 700)
+            finally:
+                tick_task.cancel()
+    assert sink.applied[base:] == list(range(first, first + 700))
+    assert sink.resyncs == []
+    parts = seen_ticks[base:]
+    assert len(set(parts)) >= 3  # 700 batches: at least three parts with other tasks between

@@ -88,6 +88,11 @@ def test_config_errors() -> None:
         load_config(BASE[:-2], {})
     with pytest.raises(ConfigError, match="hash-algo"):
         load_config([*BASE, "--hash-algo", "md5"], {})
+    for bad in ("-0.01", "1.5", "nan"):
+        with pytest.raises(ConfigError, match="event-window-s"):
+            load_config([*BASE, "--event-window-s", bad], {})
+    assert load_config([*BASE, "--event-window-s", "0"], {}).event_window_s == 0
+    assert load_config(BASE, {"WORKER_EVENT_WINDOW_S": "0.1"}).event_window_s == 0.1
 
 
 def _events_for(tokens: list[int], hasher: BlockHasher) -> BlockStored:
