@@ -19,6 +19,8 @@ from collections.abc import Sequence
 from functools import lru_cache
 from typing import Any
 
+from cachetools import LRUCache
+
 from loadtest.trace import TRACE_BLOCK_TOKENS, TokenMapper
 
 _WORD = re.compile(r"^ [a-z]{3,}$")
@@ -90,11 +92,17 @@ class TextMapper:
     def __init__(self, mapper: TokenMapper, vocabulary: WordVocabulary) -> None:
         self.mapper = mapper
         self.words = vocabulary.words
-        self._block_text = lru_cache(maxsize=4096)(self._make_block_text)
+        # no bound-method lru_cache: a reference cycle that only a full collection frees,
+        # mid-replay (see TokenMapper)
+        self._block_texts: LRUCache[int, tuple[str, ...]] = LRUCache(4096)
 
-    def _make_block_text(self, hash_id: int) -> tuple[str, ...]:
-        n = len(self.words)
-        return tuple(self.words[t % n] for t in self.mapper.block(hash_id))
+    def _block_text(self, hash_id: int) -> tuple[str, ...]:
+        text = self._block_texts.get(hash_id)
+        if text is None:
+            n = len(self.words)
+            text = self._block_texts[hash_id] = tuple(self.words[t % n]
+                                                      for t in self.mapper.block(hash_id))
+        return text
 
     def prompt(self, hash_ids: Sequence[int], input_length: int) -> str:
         """Text of ``input_length`` tokens: the words of each block, the last block cut as

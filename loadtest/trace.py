@@ -30,16 +30,16 @@ import json
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from datetime import datetime
-from functools import lru_cache
 from pathlib import Path
 
 import numpy as np
+from cachetools import LRUCache
 
 TRACE_BLOCK_TOKENS = 512  # tokens per hash id; Mooncake trace format
 DEFAULT_TOKEN_SEED = 0  # global seed of the hash-id -> tokens mapping
 DEFAULT_VOCAB_LOW = 1000  # token ids; below it sit the control tokens of most vocabularies
 DEFAULT_VOCAB_HIGH = 100_000  # token ids, exclusive; Qwen3 special tokens start at 151643
-BLOCK_CACHE_SIZE = 8192  # hash-id blocks kept in memory (8192 * 512 * 4 bytes = 16 MiB)
+BLOCK_CACHE_SIZE = 8192  # hash-id blocks kept in memory (8192 * 512 ints, about 150 MB)
 
 
 class TraceFormatError(ValueError):
@@ -148,7 +148,12 @@ class TokenMapper:
         self.seed = seed
         self.vocab_low = vocab_low
         self.vocab_high = vocab_high
-        self._block = lru_cache(maxsize=BLOCK_CACHE_SIZE)(self._make_block)
+        # A cache that holds no reference back to the mapper, so the mapper and its millions of
+        # int objects are freed as soon as the replay drops it. The cache used to be a
+        # bound-method lru_cache: a reference cycle, freed only by a full garbage collection. In
+        # `prefix-loadtest demo` that collection came about every sixth run, mid-replay, and freed
+        # six runs' caches at once: the replayer stood still for 0.4 s and the run was untrusted.
+        self._blocks: LRUCache[int, tuple[int, ...]] = LRUCache(BLOCK_CACHE_SIZE)
 
     def _make_block(self, hash_id: int) -> tuple[int, ...]:
         if hash_id < 0:
@@ -159,7 +164,10 @@ class TokenMapper:
 
     def block(self, hash_id: int) -> tuple[int, ...]:
         """The 512 token ids of ``hash_id``."""
-        return self._block(hash_id)
+        block = self._blocks.get(hash_id)
+        if block is None:
+            block = self._blocks[hash_id] = self._make_block(hash_id)
+        return block
 
     def prompt(self, hash_ids: Sequence[int], input_length: int) -> list[int]:
         """Concatenated blocks of ``hash_ids``, the last one cut to its first
