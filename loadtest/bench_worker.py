@@ -22,7 +22,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import random
+import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -30,7 +33,15 @@ from typing import Any
 
 import redis
 
-from loadtest.harness import PYTHON, cpu_seconds, start_emulator, start_process, stop_process
+from loadtest.harness import (
+    PYTHON,
+    ProcessExited,
+    cpu_seconds,
+    output,
+    start_emulator,
+    start_process,
+    stop_process,
+)
 from loadtest.kv_publisher import KVEventPublisher
 from loadtest.redis_server import RedisServer
 from router import contract
@@ -86,12 +97,14 @@ async def _run(args: argparse.Namespace) -> dict[str, Any]:
                 key = contract.replica_key("pr", REPLICA)
                 deadline = time.monotonic() + 30
                 while not client.exists(key):
+                    _check_running(worker)
                     if time.monotonic() > deadline:
                         raise TimeoutError("worker heartbeat")
                     await asyncio.sleep(0.05)
                 # Warm-up batch so the subscription is live (ZMQ slow joiner).
                 await pub.publish(KVEventBatch(ts=time.time(), events=[], data_parallel_rank=0))
                 while client.hget(key, contract.F_SEQ) in (None, b"-1"):
+                    _check_running(worker)
                     await pub.publish(KVEventBatch(ts=time.time(), events=[], data_parallel_rank=0))
                     await asyncio.sleep(0.05)
                 mem_before = int(client.info("memory")["used_memory"])
@@ -108,6 +121,7 @@ async def _run(args: argparse.Namespace) -> dict[str, Any]:
                 while True:
                     if client.hget(key, contract.F_SEQ) == last:
                         break
+                    _check_running(worker)
                     await asyncio.sleep(0.005)
                 elapsed = time.perf_counter() - start
                 cpu = cpu_seconds(worker.pid) - cpu_before
@@ -140,6 +154,15 @@ async def _run(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
+def _check_running(worker: subprocess.Popen[bytes]) -> None:
+    """Raises ``ProcessExited`` with the worker's last output line (a bad ``--worker-arg`` is
+    its one-line config error) once it has exited: the waits would otherwise never end."""
+    if worker.poll() is not None:
+        lines = output(worker).strip().splitlines()
+        raise ProcessExited(f"the worker exited with status {worker.returncode}"
+                            + (f": {lines[-1]}" if lines else ""))
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m loadtest.bench_worker", description=__doc__)
     parser.add_argument("--keys", type=int, default=1_000_000, help="block keys to store")
@@ -157,7 +180,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--index-stride", type=int, default=contract.DEFAULT_INDEX_STRIDE,
                         help="the worker's coarse-index stride (1 = every key)")
     args = parser.parse_args(argv)
-    result = asyncio.run(_run(args))
+    if not (math.isfinite(args.batch_interval_ms) and args.batch_interval_ms >= 0):
+        parser.error(f"--batch-interval-ms must be a number >= 0, got {args.batch_interval_ms}")
+    try:
+        result = asyncio.run(_run(args))
+    except ProcessExited as exc:
+        print(f"{parser.prog}: error: {exc}", file=sys.stderr)
+        return 1
     print(json.dumps(result, indent=2))
     return 0
 
