@@ -180,6 +180,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--index-stride", type=int, default=contract.DEFAULT_INDEX_STRIDE,
                         help="the worker's coarse-index stride (1 = every key)")
     args = parser.parse_args(argv)
+    if args.keys < 1 or args.min_batch < 1 or args.max_batch < args.min_batch:
+        # 0-block batches never reach --keys: the payloads would grow without end
+        parser.error(f"need --keys >= 1 and 1 <= --min-batch <= --max-batch, got {args.keys}, "
+                     f"{args.min_batch}, {args.max_batch}")
     if not (math.isfinite(args.batch_interval_ms) and args.batch_interval_ms >= 0):
         parser.error(f"--batch-interval-ms must be a number >= 0, got {args.batch_interval_ms}")
     try:

@@ -37,3 +37,13 @@ def test_a_worker_flag_the_worker_refuses_ends_the_bench_with_its_error() -> Non
     assert len(lines) == 1, done.stderr
     assert "worker exited with status 2" in lines[0]
     assert "--event-window-s" in lines[0] and "0..1" in lines[0]
+
+
+@pytest.mark.parametrize("bad", [["--min-batch", "0", "--max-batch", "0"], ["--keys", "0"],
+                                 ["--min-batch", "8", "--max-batch", "4"]])
+def test_batch_sizes_that_cannot_make_the_keys_are_refused(bad: list[str]) -> None:
+    """0-block batches used to be generated without end (memory growing until killed); no keys
+    divided by zero after the run; a max below the min raised inside ``random``."""
+    done = run_bench(*bad)
+    assert done.returncode == 2, done.stdout
+    assert "--min-batch <= --max-batch" in done.stderr.strip().splitlines()[-1]
