@@ -8,8 +8,10 @@ same hash stored twice then removed once, and changes made during a Redis outage
 from __future__ import annotations
 
 import asyncio
+import signal
 import subprocess
 import tempfile
+import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -69,11 +71,11 @@ async def publisher() -> AsyncIterator[KVEventPublisher]:
 
 
 def start_worker(emu: Emulator, pub: KVEventPublisher, redis_url: str,
-                 metrics_port: int = 0) -> subprocess.Popen[bytes]:
+                 metrics_port: int = 0, *extra: str) -> subprocess.Popen[bytes]:
     return start_process([PYTHON, "-m", "worker.cli", "report", "--engine-url", emu.url,
                           "--redis-url", redis_url, "--replica-id", REPLICA,
                           "--hash-seed", "0", "--metrics-port", str(metrics_port),
-                          "--index-stride", "1"],  # the exact index: every key is published
+                          "--index-stride", "1", *extra],  # the exact index: every key
                          env={"WORKER_KV_EVENTS_ENDPOINT": pub.endpoint,
                               "WORKER_KV_REPLAY_ENDPOINT": pub.replay_endpoint})
 
@@ -291,3 +293,33 @@ async def test_redis_lost_state_without_error_is_republished(
             output = stop_process(worker)
     assert "Redis lost the replica's state" in output
     assert output.count("rewriting the replica's full block set") == 1
+
+
+async def test_sigterm_while_a_batch_waits_in_the_event_window(
+        emulator: Emulator, publisher: KVEventPublisher, redis_url: str) -> None:
+    """A worker stopped while a batch waits in its (1 s) event window exits 0 at once; the
+    batch is not lost: the next worker gets it from the engine's replay buffer."""
+    client = redis.Redis.from_url(redis_url)
+    worker = start_worker(emulator, publisher, redis_url, 0, "--event-window-s", "1")
+    try:
+        await until(lambda: epoch(client) > 0, message="first heartbeat")
+        await publisher.publish(stored(1))
+        await until(lambda: blocks(client) == {1}, message="stored")
+        await asyncio.sleep(1.2)  # that batch's window is over
+        await publisher.publish(stored(2))
+        await asyncio.sleep(0.2)  # inside the window of batch 2
+        worker.send_signal(signal.SIGTERM)
+        started = time.monotonic()
+        status = await asyncio.to_thread(worker.wait, 10)
+        stopped_after = time.monotonic() - started
+        assert status == 0
+        assert stopped_after < 0.9  # did not sit out the rest of the window
+        assert blocks(client) == {1}
+    finally:
+        output = stop_process(worker)
+    assert "Traceback" not in output and "ERROR" not in output, output
+    worker = start_worker(emulator, publisher, redis_url, 0, "--event-window-s", "1")
+    try:
+        await until(lambda: blocks(client) == {1, 2}, message="batch 2 replayed")
+    finally:
+        stop_process(worker)

@@ -17,7 +17,7 @@ import pytest
 
 from loadtest.kv_publisher import KVEventPublisher
 from tests.conftest import load_vectors
-from worker.kv_events import BlockStored, KVEventBatch, event_hash_key
+from worker.kv_events import BlockStored, KVEventBatch, event_hash_key, seq_bytes
 from worker.replica_view import NO_SEQ
 from worker.subscriber import KVEventSubscriber
 
@@ -342,3 +342,29 @@ async def test_event_window_backlog_is_handled_in_parts_that_let_other_tasks_run
     assert sink.resyncs == []
     parts = seen_ticks[base:]
     assert len(set(parts)) >= 3  # 700 batches: at least three parts with other tasks between
+
+
+async def test_event_window_holding_malformed_messages_and_an_engine_restart() -> None:
+    """One window holding two batches, two malformed messages and a restarted engine's first
+    batches (its seq 0 lost live): handled in order as without a window; malformed counted and
+    dropped, the restart resyncs and the new engine's history comes from its replay."""
+    sink = RecordingSink()
+    async with KVEventPublisher() as pub:
+        sub = KVEventSubscriber(pub.endpoint, sink, replay_endpoint=pub.replay_endpoint,
+                                event_window_s=0.3)
+        async with running(sub):
+            await connected(pub, sub, sink)
+            await asyncio.sleep(0.45)  # the connect batch's window is over
+            first = pub.next_seq
+            await pub.publish(one_block(1))
+            await pub.publish(one_block(2))
+            await pub.send_raw([b"", b"x"])  # two frames
+            await pub.send_raw([b"", seq_bytes(first + 2), b"not msgpack"])
+            pub.restart()
+            await pub.publish(one_block(10), drop=True)
+            await pub.publish(one_block(11))
+            await pub.publish(one_block(12))
+            await until(lambda: sink.log[-4:] == ["resync", 0, 1, 2])
+    assert sink.log[sink.log.index(first):] == [first, first + 1, "resync", 0, 1, 2]
+    assert sub.stats.num_malformed == 2
+    assert sub.stats.num_restarts == 1
