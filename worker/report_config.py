@@ -30,8 +30,9 @@ DEFAULT_REPLAY_TIMEOUT_S: Final = 2.0  # seconds without a replay reply before g
 # Seconds a KV event batch waits before the worker handles it together with every batch
 # published meanwhile. A loaded engine publishes one batch per scheduler step (tens of
 # ms apart); handled one by one, each costs a wake-up and a Redis flush (bench_worker
-# --batch-interval-ms 10: 370-455 us of worker CPU per batch, against 108 us when batches
-# queue up). 50 ms matches the routers' default stream read interval.
+# --batch-interval-ms 10: 370-635 us of worker CPU per batch depending on the run, against
+# 96-108 us when batches queue up; a 50 ms window halves it). 50 ms matches the routers'
+# default stream read interval.
 DEFAULT_EVENT_WINDOW_S: Final = 0.05
 
 
@@ -86,9 +87,9 @@ _HELP: Final = {
                           "r: ports + r); each rank is the replica REPLICA_ID#r",
     "kv_tiers": "mediums whose KV events are indexed, comma-separated: GPU (always), CPU; "
                 "default GPU,CPU; GPU alone makes the CPU tier invisible (STORAGE is not indexed)",
-    "event_window_s": "seconds a KV event batch waits for the next steps' batches, handled and "
-                      "written to Redis together (CPU per batch, at most this much more index "
-                      "lag); 0: each batch at once",
+    "event_window_s": "seconds (0..1) a KV event batch waits for the next steps' batches, "
+                      "handled and written to Redis together (CPU per batch, at most this much "
+                      "more index lag); 0: each batch at once",
     "replica_id": "this replica's name in Redis and on the routers' metrics; no '#' (it "
                   "separates data-parallel ranks: REPLICA_ID#rank)",
 }
