@@ -153,6 +153,8 @@ class TokenMapper:
         # bound-method lru_cache: a reference cycle, freed only by a full garbage collection. In
         # `prefix-loadtest demo` that collection came about every sixth run, mid-replay, and freed
         # six runs' caches at once: the replayer stood still for 0.4 s and the run was untrusted.
+        # Not cachetools.cachedmethod either: its per-instance wrapper (cachetools 8) holds the
+        # instance too, the same cycle (the garbage test in tests/unit/test_trace.py fails).
         self._blocks: LRUCache[int, tuple[int, ...]] = LRUCache(BLOCK_CACHE_SIZE)
 
     def _make_block(self, hash_id: int) -> tuple[int, ...]:
