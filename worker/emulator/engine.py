@@ -11,6 +11,7 @@ tokens a slow reader has not taken yet.
 from __future__ import annotations
 
 import asyncio
+import bisect
 import contextlib
 import logging
 import math
@@ -257,14 +258,25 @@ class EmulatedEngine:
                     for d in step.durations_s:
                         t += d / scale
                         ends.append(t)
-                    await self._sleep_until(ends[-1], interruptible=True)
-                    # Woken early by an arrival: stop the decode burst after the steps that
-                    # had ended by then; the newcomer joins the next step.
-                    now = loop.time()
-                    repeats = sum(1 for e in ends if e <= now)
-                    if repeats == 0:
-                        repeats = 1
-                        await self._sleep_until(ends[0], interruptible=False)
+                    if not self._arrivals:
+                        await self._sleep_until(ends[-1], interruptible=True)
+                    if self._arrivals:
+                        # A request arrived (it woke the burst, or it came after the burst's
+                        # start in engine time but before the loop got to sleep, when its
+                        # wake-up found no waiter): vLLM takes new requests between any two
+                        # steps, so the burst ends with the step under way when it arrived
+                        # and the newcomer joins the next one. Ending it at the steps done by
+                        # the wake-up instead left the arrival after the engine clock; the
+                        # next burst then kept it waiting a whole stream interval.
+                        repeats = min(bisect.bisect_left(ends, self._arrivals[0][0]) + 1,
+                                      len(ends))
+                        await self._sleep_until(ends[repeats - 1], interruptible=False)
+                    else:  # woken by something else: stop after the steps done by now
+                        now = loop.time()
+                        repeats = sum(1 for e in ends if e <= now)
+                        if repeats == 0:
+                            repeats = 1
+                            await self._sleep_until(ends[0], interruptible=False)
                     end = ends[repeats - 1]
                 self.clock = end
                 outputs = scheduler.complete(step, repeats)
