@@ -188,7 +188,10 @@ class RouterService:
 
     async def _on_startup(self, app: web.Application) -> None:
         connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=30.0, enable_cleanup_closed=True)
-        self.session = aiohttp.ClientSession(connector=connector, auto_decompress=False)
+        # no cookie jar: the session is every client's, and a cookie one answer set (a sticky
+        # load balancer in front of a replica) would ride along on every later request there
+        self.session = aiohttp.ClientSession(connector=connector, auto_decompress=False,
+                                             cookie_jar=aiohttp.DummyCookieJar())
         self.proxy = Proxy(self.session, self.config, self.metrics, self.fleet.health,
                            self.tracing)
         if self.config.redis_url:

@@ -189,3 +189,43 @@ def test_a_lone_surrogate_in_the_json_is_a_400_saying_not_unicode(tmp_path: Path
         if router is not None:
             router.stop()
         stop_process(emulator)
+
+
+COOKIE_REPLICA = """
+import json, sys
+from aiohttp import web
+async def completions(request):
+    await request.read()
+    resp = web.json_response({"id": "c", "object": "text_completion", "choices": [],
+                              "cookie": request.headers.get("Cookie")})
+    resp.set_cookie("affinity", "client-a")  # as a sticky-session load balancer in front would
+    return resp""" + FAKE_REPLICA_TAIL
+
+
+def test_a_cookie_a_replica_sets_is_not_sent_with_other_clients_requests(tmp_path: Path) -> None:
+    """The router's one upstream session is shared by every client: a cookie one answer set
+    must reach that client only, never ride along on the next client's request to the replica
+    (aiohttp's default cookie jar kept it and sent it with every later request to that host).
+    A client's own Cookie header still passes."""
+    script = tmp_path / "cookie.py"
+    script.write_text(COOKIE_REPLICA)
+    port = free_port()
+    replica = start_process([PYTHON, str(script), str(port)])
+    router = None
+    try:
+        wait_for(lambda: http("GET", f"http://127.0.0.1:{port}/health")[0] == 200, 20)
+        # a host name: aiohttp's default jar ignores cookies from IP addresses, not from the
+        # service names replicas have in a cluster
+        router = Router(tmp_path, ["--replica", f"http://localhost:{port}"])
+        body = {"model": "fixed", "prompt": [1, 2]}
+        status, headers, answer = router.post("/v1/completions", body)
+        assert status == 200 and "affinity=client-a" in headers.get("set-cookie", ""), headers
+        assert json.loads(answer)["cookie"] is None
+        status, _, answer = router.post("/v1/completions", body)  # another client
+        assert status == 200 and json.loads(answer)["cookie"] is None, answer
+        status, _, answer = router.post("/v1/completions", body, headers={"Cookie": "own=1"})
+        assert status == 200 and json.loads(answer)["cookie"] == "own=1", answer
+    finally:
+        if router is not None:
+            router.stop()
+        stop_process(replica)
