@@ -609,6 +609,17 @@ def test_config_change_rolls_the_routers(chart: helm.Chart) -> None:
     assert checksum({}) != checksum({"router": {"policy": "least_loaded"}})
 
 
+def test_every_router_policy_can_be_chosen_in_the_values(chart: helm.Chart) -> None:
+    """The schema's policy list is the router's (it lacked ``ttft``: the chart refused it)."""
+    from router.config import POLICIES
+
+    for policy in POLICIES:
+        assert router_config(render(chart, {"router": {"policy": policy}}))["policy"] == policy
+    with pytest.raises(helm.HelmError) as info:
+        chart.render({"router": {"policy": "fastest"}}, name=RELEASE, namespace=NAMESPACE)
+    assert "at '/router/policy': value must be one of" in str(info.value)
+
+
 def test_grafana_dashboard_panels(chart: helm.Chart) -> None:
     assert not [o for o in render(chart, {}) if o["metadata"]["name"].endswith("-dashboard")]
     cm = one(render(chart, {"grafana": {"dashboard": {"enabled": True}}}), "ConfigMap", "-dashboard")
