@@ -609,12 +609,17 @@ def test_config_change_rolls_the_routers(chart: helm.Chart) -> None:
     assert checksum({}) != checksum({"router": {"policy": "least_loaded"}})
 
 
-def test_every_router_policy_can_be_chosen_in_the_values(chart: helm.Chart) -> None:
-    """The schema's policy list is the router's (it lacked ``ttft``: the chart refused it)."""
-    from router.config import POLICIES
+def test_every_router_policy_can_be_chosen_in_the_values(chart: helm.Chart, tmp_path: Path) -> None:
+    """The schema's policy list is the router's (it lacked ``ttft``: the chart refused it), and
+    the router's own config loader takes each rendered config."""
+    from router.config import POLICIES, load_config
 
     for policy in POLICIES:
-        assert router_config(render(chart, {"router": {"policy": policy}}))["policy"] == policy
+        objects = render(chart, {"router": {"policy": policy}})
+        assert router_config(objects)["policy"] == policy
+        path = tmp_path / f"{policy}.yaml"
+        path.write_text(one(objects, "ConfigMap", "-router")["data"]["router.yaml"])
+        assert load_config(["--config", str(path)], env={}).policy == policy
     with pytest.raises(helm.HelmError) as info:
         chart.render({"router": {"policy": "fastest"}}, name=RELEASE, namespace=NAMESPACE)
     assert "at '/router/policy': value must be one of" in str(info.value)

@@ -134,6 +134,11 @@ class CpuOffload:
     def has_pending_loads(self) -> bool:
         return bool(self._loads)
 
+    def next_load_done_s(self) -> float | None:
+        """Engine time the first CPU-to-GPU load under way ends (loads share the host link one
+        after another, so the first queued ends first), or None when none is."""
+        return self._loads[0].done_s if self._loads else None
+
     def next_done_s(self) -> float | None:
         """Engine time the next transfer (load or store) ends, or None when idle."""
         times = [q[0].done_s for q in (self._loads, self._stores) if q]

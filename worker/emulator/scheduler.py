@@ -217,7 +217,7 @@ class Scheduler:
         if not scheduled:
             return None
         step = Step(list(scheduled.items()), [], num_preempted)
-        self._plan_durations(step)
+        self._plan_durations(step, now_s)
         if offload is not None:
             offload.store(step.scheduled, now_s + step.durations_s[0])
         return step
@@ -299,7 +299,7 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.appendleft(request)
 
-    def _plan_durations(self, step: Step) -> None:
+    def _plan_durations(self, step: Step, now_s: float = 0.0) -> None:
         prefills: list[tuple[int, int]] = []
         num_decodes = 0
         decode_ctx = 0
@@ -318,11 +318,17 @@ class Scheduler:
             # finishes (blocks, max_num_seqs), and a burst ends at the first finish.
             return
         # Decode-only: extend to a burst of identical steps, up to the first finish,
-        # within max_decode_burst_s, while blocks for the extra tokens can be allocated.
+        # within max_decode_burst_s, while blocks for the extra tokens can be allocated; and
+        # with a CPU-tier load under way, up to the step in which it ends: vLLM looks for
+        # finished loads at every schedule(), so the request waiting for it joins the next step.
         remaining = min(r.max_output_tokens - r.num_output_tokens for r, _ in step.scheduled)
+        limit_s = self.config.max_decode_burst_s
+        load_done_s = self.offload.next_load_done_s() if self.offload is not None else None
+        if load_done_s is not None:
+            limit_s = min(limit_s, load_done_s - now_s)
         burst_s = first
         repeats = 1
-        while repeats < remaining and burst_s < self.config.max_decode_burst_s:
+        while repeats < remaining and burst_s < limit_s:
             duration = self.latency.decode_step_time_s(num_decodes,
                                                        decode_ctx + repeats * num_decodes)
             step.durations_s.append(duration)
