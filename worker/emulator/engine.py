@@ -258,8 +258,9 @@ class EmulatedEngine:
                     for d in step.durations_s:
                         t += d / scale
                         ends.append(t)
-                    if not self._arrivals:
+                    if not self._arrivals:  # only an arrival (``submit``) wakes the sleep
                         await self._sleep_until(ends[-1], interruptible=True)
+                    repeats = len(ends)
                     if self._arrivals:
                         # A request arrived (it woke the burst, or it came after the burst's
                         # start in engine time but before the loop got to sleep, when its
@@ -269,14 +270,8 @@ class EmulatedEngine:
                         # the wake-up instead left the arrival after the engine clock; the
                         # next burst then kept it waiting a whole stream interval.
                         repeats = min(bisect.bisect_left(ends, self._arrivals[0][0]) + 1,
-                                      len(ends))
+                                      repeats)
                         await self._sleep_until(ends[repeats - 1], interruptible=False)
-                    else:  # woken by something else: stop after the steps done by now
-                        now = loop.time()
-                        repeats = sum(1 for e in ends if e <= now)
-                        if repeats == 0:
-                            repeats = 1
-                            await self._sleep_until(ends[0], interruptible=False)
                     end = ends[repeats - 1]
                 self.clock = end
                 outputs = scheduler.complete(step, repeats)

@@ -299,7 +299,7 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.appendleft(request)
 
-    def _plan_durations(self, step: Step, now_s: float = 0.0) -> None:
+    def _plan_durations(self, step: Step, now_s: float) -> None:
         prefills: list[tuple[int, int]] = []
         num_decodes = 0
         decode_ctx = 0
