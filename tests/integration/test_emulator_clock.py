@@ -1,6 +1,7 @@
 """The emulator keeps its own engine clock: a process the host stops for a while (SIGSTOP, as a
 busy machine does to it in smaller doses) completes the same work by the same engine time once
-it runs again, and its lag metric shows the stall. Real ``prefix-worker emulate`` processes."""
+it runs again, and its lag metric shows the stall; a request arriving, or a CPU-tier load
+ending, during a decode burst joins the next step. Real ``prefix-worker emulate`` processes."""
 
 from __future__ import annotations
 
@@ -89,19 +90,25 @@ def test_a_stopped_engine_catches_up_on_its_own_clock(tmp_path: Path) -> None:
 
 NEWCOMERS = 12
 DECODE_STEP_ENGINE_S = 0.0055  # one decode step of the 8B profile on an H100, engine seconds
+TTFT = "vllm:time_to_first_token_seconds"
+
+
+def _prompt(i: int, n: int) -> list[int]:
+    """``n`` distinct token ids for prompt ``i`` (no prefix shared with another ``i``)."""
+    return [(i * 7919 + k) % 150000 + 100 for k in range(n)]
+
+
+async def _ttft_sums(session: aiohttp.ClientSession, url: str) -> tuple[float, float]:
+    """The replica's engine-clock TTFT histogram: (sum in engine seconds, count)."""
+    async with session.get(url + "/metrics") as resp:
+        sums = sum_samples(await resp.text(), (TTFT + "_sum", TTFT + "_count"))
+    return sums[TTFT + "_sum"], sums[TTFT + "_count"]
 
 
 async def _newcomer_ttfts(url: str) -> list[float]:
     """Engine-clock TTFT (the replica's own ``vllm:time_to_first_token_seconds``) of
     ``NEWCOMERS`` one-block prompts, each sent while another request decodes there."""
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as session:
-        async def ttft_sums() -> tuple[float, float]:
-            async with session.get(url + "/metrics") as resp:
-                sums = sum_samples(await resp.text(), ("vllm:time_to_first_token_seconds_sum",
-                                                       "vllm:time_to_first_token_seconds_count"))
-            return (sums["vllm:time_to_first_token_seconds_sum"],
-                    sums["vllm:time_to_first_token_seconds_count"])
-
         async def decode() -> None:  # streams for far longer than the newcomers take
             body = {"prompt": list(range(1, 65)), "max_tokens": 30000, "ignore_eos": True,
                     "stream": True}
@@ -114,13 +121,12 @@ async def _newcomer_ttfts(url: str) -> list[float]:
         try:
             await asyncio.sleep(0.2)  # it is decoding in bursts now
             for i in range(NEWCOMERS):
-                before = await ttft_sums()
-                body = {"prompt": [(i * 7919 + k) % 150000 + 100 for k in range(16)],
-                        "max_tokens": 1}
+                before = await _ttft_sums(session, url)
+                body = {"prompt": _prompt(i, 16), "max_tokens": 1}
                 async with session.post(url + "/v1/completions", json=body) as resp:
                     assert resp.status == 200, await resp.text()
                     await resp.read()
-                after = await ttft_sums()
+                after = await _ttft_sums(session, url)
                 assert after[1] == before[1] + 1
                 ttfts.append(after[0] - before[0])
                 await asyncio.sleep(0.013 * (i % 4))  # arrive at varied points of a burst
@@ -144,3 +150,58 @@ def test_a_request_arriving_during_a_decode_burst_joins_the_next_step(tmp_path: 
         stop_process(proc)
     # its own prefill step (one block) after at most the decode step under way, with slack
     assert max(ttfts) < 4 * DECODE_STEP_ENGINE_S, [round(t, 4) for t in ttfts]
+
+
+
+async def _cpu_tier_ttfts(url: str, with_decoder: bool) -> list[float]:
+    """Engine-clock TTFT of 4 prompts whose prefix is only in the CPU tier (computed, then
+    pushed out of a 400-block GPU pool), optionally while another request keeps decoding."""
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as session:
+        async def complete(prompt: list[int], max_tokens: int) -> None:
+            body = {"prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True}
+            async with session.post(url + "/v1/completions", json=body) as resp:
+                assert resp.status == 200, await resp.text()
+                assert (await resp.json())["usage"]["completion_tokens"] == max_tokens
+
+        async def decoder() -> None:  # keeps the replica decoding in bursts
+            while True:
+                await complete(list(range(1, 65)), 1000)
+
+        background = asyncio.create_task(decoder()) if with_decoder else None
+        ttfts = []
+        try:
+            await asyncio.sleep(0.2)
+            for r in range(4):
+                prompt = _prompt(5000 + r, 1600)  # 100 blocks
+                await complete(prompt, 1)  # computed, stored to the CPU tier
+                await asyncio.sleep(0.05)
+                for j in range(5):  # evicted from the 400-block GPU pool
+                    await complete(_prompt(9000 + 10 * r + j, 1600), 1)
+                await asyncio.sleep(0.05 + 0.007 * r)
+                before, _ = await _ttft_sums(session, url)
+                await complete(prompt, 1)  # a CPU-tier hit: loads, then recomputes 1 token
+                ttfts.append((await _ttft_sums(session, url))[0] - before)
+        finally:
+            if background is not None:
+                assert not background.done(), background
+                background.cancel()
+    return ttfts
+
+
+def test_a_cpu_tier_load_ending_during_a_decode_burst_joins_the_next_step(tmp_path: Path
+                                                                          ) -> None:
+    """vLLM looks for finished CPU-tier loads at every schedule(): the request waiting for one
+    joins the step after the load ends, never waits out the emulator's decode burst (0.2
+    engine s at time scale 10; it did, 0.21 against 0.0096 engine s on an idle replica)."""
+    proc, replicas = start_emulator(
+        tmp_path / "ready.json", ["--time-scale", "10", "--num-gpu-blocks-override", "400",
+                                  "--num-cpu-blocks-override", "3000"], timeout_s=30)
+    try:
+        idle = asyncio.run(_cpu_tier_ttfts(replicas[0]["url"], False))
+        busy = asyncio.run(_cpu_tier_ttfts(replicas[0]["url"], True))
+    finally:
+        stop_process(proc)
+    # the load and the recomputed token as on an idle replica, plus at most the decode
+    # step under way when the load ended, with slack
+    assert max(busy) < max(idle) + 4 * DECODE_STEP_ENGINE_S, (
+        [round(t, 4) for t in idle], [round(t, 4) for t in busy])

@@ -130,14 +130,25 @@ async def completions(request):
     return web.json_response({"id": "slow", "object": "text_completion", "choices": []})""" + FAKE_REPLICA_TAIL
 
 
-def test_stop_turns_ready_503_first_and_lets_requests_finish(tmp_path: Path) -> None:
-    script = tmp_path / "slow.py"
-    script.write_text(SLOW_REPLICA)
+def start_script_replica(tmp_path: Path, name: str, source: str) -> tuple[Any, int]:
+    """Run the fake replica ``source`` (a script ending in ``FAKE_REPLICA_TAIL``) on a free
+    port: ``(process, port)`` once its /health answers."""
+    script = tmp_path / f"{name}.py"
+    script.write_text(source)
     port = free_port()
     replica = start_process([PYTHON, str(script), str(port)])
-    router = None
     try:
         wait_for(lambda: http("GET", f"http://127.0.0.1:{port}/health")[0] == 200, 20)
+    except BaseException:
+        stop_process(replica)
+        raise
+    return replica, port
+
+
+def test_stop_turns_ready_503_first_and_lets_requests_finish(tmp_path: Path) -> None:
+    replica, port = start_script_replica(tmp_path, "slow", SLOW_REPLICA)
+    router = None
+    try:
         router = Router(tmp_path, ["--replica", f"http://127.0.0.1:{port}", "--drain-delay-s", "1.5"])
         assert router.ready()["ready"]
         result: list[Any] = []
@@ -207,13 +218,9 @@ def test_a_cookie_a_replica_sets_is_not_sent_with_other_clients_requests(tmp_pat
     must reach that client only, never ride along on the next client's request to the replica
     (aiohttp's default cookie jar kept it and sent it with every later request to that host).
     A client's own Cookie header still passes."""
-    script = tmp_path / "cookie.py"
-    script.write_text(COOKIE_REPLICA)
-    port = free_port()
-    replica = start_process([PYTHON, str(script), str(port)])
+    replica, port = start_script_replica(tmp_path, "cookie", COOKIE_REPLICA)
     router = None
     try:
-        wait_for(lambda: http("GET", f"http://127.0.0.1:{port}/health")[0] == 200, 20)
         # a host name: aiohttp's default jar ignores cookies from IP addresses, not from the
         # service names replicas have in a cluster
         router = Router(tmp_path, ["--replica", f"http://localhost:{port}"])
