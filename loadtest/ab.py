@@ -233,7 +233,7 @@ def _median(values: Sequence[float]) -> float:
 def format_report(report: ABReport) -> str:
     """The text ``prefix-loadtest ab`` prints: the table by ratio, then totals."""
     lines = [f"prefix caching A/B: on = {report.on}, off = {report.off}; "
-             f"{len(report.prompts)} prompts, max_tokens 1, one at a time",
+             f"{_count(len(report.prompts), 'prompt')}, max_tokens 1, one at a time",
              f"{'prefix/suffix':>14} {'prompts':>7} {'prefix':>7} {'suffix':>7} "
              f"{'TTFT on':>9} {'TTFT off':>9} {'saved':>9} {'speedup':>8} {'(P+S)/S':>8}"]
     for b in report.buckets:
@@ -253,6 +253,27 @@ def format_report(report: ABReport) -> str:
     return "\n".join(lines)
 
 
+def _count(n: int, noun: str) -> str:
+    """"1 prompt", "2 prompts"."""
+    return f"{n} {noun}{'' if n == 1 else 's'}"
+
+
+def _readable_axis(axis: Any, values: Sequence[float], label: Callable[[float], str]) -> None:
+    """Log scale for ``values`` spanning a decade or more, linear below that (a log axis over
+    less than a decade gets one or two ticks, labelled like "1.6x10^0"); ticks labelled by
+    ``label`` ("1.6x", "40 ms"), minor ones unlabelled."""
+    from matplotlib.ticker import FuncFormatter, NullFormatter
+
+    positive = [v for v in values if v > 0]
+    if positive and max(positive) / min(positive) >= 10:
+        if axis is axis.axes.xaxis:
+            axis.axes.set_xscale("log")
+        else:
+            axis.axes.set_yscale("log")
+        axis.set_minor_formatter(NullFormatter())
+    axis.set_major_formatter(FuncFormatter(lambda v, _pos: label(v)))
+
+
 def plot(report: ABReport, path: Path) -> None:
     """Speedup against prefix-to-suffix ratio (with the seed's (P+S)/S line), and TTFT on/off per
     prompt, as one PNG."""
@@ -269,18 +290,21 @@ def plot(report: ABReport, path: Path) -> None:
         left.scatter(xs, [r.speedup for r in hits], s=14, label="prompt with a hit")
         grid = np.logspace(math.log10(max(xs.min() / 2, 1e-2)), math.log10(xs.max() * 2), 50)
         left.plot(grid, 1 + grid, color="grey", linestyle="--", label="(prefix + suffix) / suffix")
-        left.set_xscale("log")
-        left.set_yscale("log")
+        ys = [r.speedup for r in hits]
+        _readable_axis(left.xaxis, [*xs, *grid], lambda x: f"{x:g}")
+        _readable_axis(left.yaxis, [*ys, *(1 + grid)], lambda y: f"{y:g}x")
     left.set_xlabel("prefix-to-suffix ratio (engine cached tokens / new tokens)")
     left.set_ylabel("TTFT off / TTFT on")
-    left.set_title(f"speedup by prefix-to-suffix ratio ({len(misses)} prompts without a hit)")
+    left.set_title(f"speedup by prefix-to-suffix ratio ({_count(len(misses), 'prompt')} "
+                   "without a hit)")
     left.legend(loc="upper left")
     order = list(range(len(report.prompts)))
     right.plot(order, [r.ttft_off_s for r in report.prompts], ".", label="caching off")
     right.plot(order, [r.ttft_on_s for r in report.prompts], ".", label="caching on")
-    right.set_yscale("log")
+    _readable_axis(right.yaxis, [t for r in report.prompts for t in (r.ttft_on_s, r.ttft_off_s)],
+                   lambda y: f"{y * 1000:g} ms")
     right.set_xlabel("prompt (replay order)")
-    right.set_ylabel("TTFT (s)")
+    right.set_ylabel("TTFT (time to first token)")
     right.set_title("TTFT per prompt, max_tokens 1")
     right.legend()
     fig.tight_layout()

@@ -51,7 +51,9 @@ def _add_slice_args(parser: argparse.ArgumentParser, default_limit: int | None) 
     parser.add_argument("--window", type=float, default=None, metavar="S",
                         help="replay only requests within S trace seconds of the first one")
     parser.add_argument("--speedup", type=float, default=1.0,
-                        help="divide the trace's inter-arrival times by X")
+                        help="divide the trace's inter-arrival times by X (demo: default "
+                             "chosen from this machine's CPU headroom, measured before the "
+                             "first run)")
     parser.add_argument("--burst", action="store_true",
                         help="send each ~3 s timestamp step as one burst instead of spreading "
                              "its requests evenly over the step")

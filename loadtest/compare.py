@@ -200,30 +200,72 @@ def _capped(value: float | None, cap: float) -> float | None:
     return None if value is None else min(value, cap)
 
 
-def verdict(m: dict[str, Any]) -> tuple[bool, str | None]:
-    """Whether one run's latencies can be trusted: (trusted, reason or None).
+# The causes a run can fail the verdict for, in the plain words the closing lines use.
+CAUSE_WORDS = {
+    "emulator_lag": "the emulated GPUs fell behind their own schedule",
+    "machine_busy": "the machine had no CPU headroom, so every process waited for a core",
+    "replayer_late": "the replayer could not send on the trace's schedule",
+    "no_lag_figures": "the emulator reported no lag figures",
+    "errors": "requests failed, so its latencies leave those requests out",
+}
+
+
+def untrusted_causes(m: dict[str, Any]) -> list[tuple[str, str]]:
+    """Why one run's latencies cannot be trusted: ``(cause, figure)`` pairs, the cause a key of
+    ``CAUSE_WORDS`` and the figure what was measured against which limit; empty when trusted.
 
     Untrusted when the emulated engines fell behind their own clock (lag p99 over
     ``TRUST_LAG_P99_S`` or max over ``TRUST_LAG_MAX_S``), when the machine was more than
-    ``TRUST_MACHINE_BUSY`` busy, or when the replayer sent more than ``TRUST_SEND_LAG_S`` late.
-    A run without lag figures (an emulator that exports none) is untrusted too.
+    ``TRUST_MACHINE_BUSY`` busy, when the replayer sent more than ``TRUST_SEND_LAG_S`` late, or
+    when requests failed (``num_errors``; the kinds from ``errors_by_kind``). A run without lag
+    figures (an emulator that exports none) is untrusted too.
     """
-    reasons = []
+    causes: list[tuple[str, str]] = []
     p99, lag_max = m.get("emulator_lag_p99_s"), m.get("emulator_lag_max_s")
     if p99 is None or lag_max is None:
-        reasons.append("the emulator reported no lag figures")
+        causes.append(("no_lag_figures", "the emulator reported no lag figures"))
     else:
         if p99 > TRUST_LAG_P99_S:
-            reasons.append(f"emulator lag p99 {p99 * 1000:.0f} ms > {TRUST_LAG_P99_S * 1000:.0f} ms")
+            causes.append(("emulator_lag", f"emulator lag p99 {p99 * 1000:.0f} ms > "
+                                           f"{TRUST_LAG_P99_S * 1000:.0f} ms"))
         if lag_max > TRUST_LAG_MAX_S:
-            reasons.append(f"emulator lag max {lag_max:.2f} s > {TRUST_LAG_MAX_S:.2f} s")
+            causes.append(("emulator_lag", f"emulator lag max {lag_max:.2f} s > "
+                                           f"{TRUST_LAG_MAX_S:.2f} s"))
     busy = (m.get("cpu_s") or {}).get("machine_util")
     if busy is not None and busy > TRUST_MACHINE_BUSY:
-        reasons.append(f"machine {busy:.1%} busy > {TRUST_MACHINE_BUSY:.0%}")
+        causes.append(("machine_busy", f"machine {busy:.1%} busy > {TRUST_MACHINE_BUSY:.0%}"))
     send_lag = m.get("max_send_lag_s")
     if send_lag is not None and send_lag > TRUST_SEND_LAG_S:
-        reasons.append(f"replayer sent up to {send_lag:.2f} s late > {TRUST_SEND_LAG_S:.2f} s")
-    return (not reasons, "; ".join(reasons) or None)
+        causes.append(("replayer_late", f"replayer sent up to {send_lag:.2f} s late > "
+                                        f"{TRUST_SEND_LAG_S:.2f} s"))
+    num_errors = m.get("num_errors") or 0
+    if num_errors:
+        causes.append(("errors", f"{num_errors} of {m.get('num_requests', '?')} requests failed"
+                                 + (f" ({describe_errors(m['errors_by_kind'], 3)})"
+                                    if m.get("errors_by_kind") else "")))
+    return causes
+
+
+def verdict(m: dict[str, Any]) -> tuple[bool, str | None]:
+    """Whether one run's latencies can be trusted: (trusted, reason or None), the reason the
+    ``untrusted_causes`` figures joined by "; "."""
+    causes = untrusted_causes(m)
+    return (not causes, "; ".join(figure for _, figure in causes) or None)
+
+
+def describe_errors(kinds: Sequence[dict[str, Any]], top: int | None = None) -> str:
+    """``errors_by_kind`` in one line: "141 x HTTP 503 'no routable replica' at 12.1-15.3 s"
+    per kind, the ``top`` most frequent (all when None), then how many kinds were left out."""
+    shown = list(kinds if top is None else kinds[:top])
+    parts = []
+    for k in shown:
+        status = f"HTTP {k['status']}" if k["status"] else "no response"
+        when = (f"{k['first_s']:.1f} s" if k["first_s"] == k["last_s"]
+                else f"{k['first_s']:.1f}-{k['last_s']:.1f} s")
+        parts.append(f"{k['count']} x {status} {k['reason']!r} at {when}")
+    if len(kinds) > len(shown):
+        parts.append(f"{len(kinds) - len(shown)} more kinds")
+    return ", ".join(parts)
 
 
 async def _page(session: aiohttp.ClientSession, url: str) -> str:
@@ -383,6 +425,7 @@ async def _measure(fleet: LoopbackFleet, requests: Sequence[TraceRequest], confi
         "imbalance_work": max_over_mean(sampler.work_request_s),
         "num_requests": summary["num_requests"],
         "num_errors": summary["num_errors"],
+        "errors_by_kind": summary["errors_by_kind"],
         "router_cpu_s_per_request": cpu.get("router", 0.0) / max(1, summary["num_sent"]),
         "requests_per_replica": {i: round(d[M_SUCCESS]) for i, d in zip(ids, delta, strict=True)},
         "requests_per_replica_header": summary["requests_per_replica_header"],
@@ -411,6 +454,7 @@ async def _measure(fleet: LoopbackFleet, requests: Sequence[TraceRequest], confi
         "router_view": router_view,
     }
     metrics["trusted"], metrics["untrusted_reason"] = verdict(metrics)
+    metrics["untrusted_causes"] = list(dict.fromkeys(c for c, _ in untrusted_causes(metrics)))
     return records, metrics
 
 
@@ -444,22 +488,32 @@ def _fmt(value: Any, spec: str, scale: float = 1.0) -> str:
     return format(value * scale, spec)
 
 
-TABLE_COLUMNS = (
-    ("policy", None, "", 1.0),
-    ("hit %", "token_hit_rate", ".1f", 100.0),
-    ("+CPU tier %", "tiers_token_hit_rate", ".1f", 100.0),
-    ("TTFT p50 s", "ttft_p50_s", ".3f", 1.0),
-    ("p90 s", "ttft_p90_s", ".3f", 1.0),
-    ("p99 s", "ttft_p99_s", ".3f", 1.0),
-    ("e2e p50 s", "e2e_p50_s", ".2f", 1.0),
-    ("req/s", "throughput_rps", ".2f", 1.0),
-    ("imbal", "imbalance", ".2f", 1.0),
-    ("imbal work", "imbalance_work", ".2f", 1.0),
-    ("reqs", "num_requests", "d", 1.0),
-    ("errs", "num_errors", "d", 1.0),
-    ("router ms CPU/req", "router_cpu_s_per_request", ".2f", 1000.0),
-    ("trusted", "trusted", "t", 1.0),
+TABLE_COLUMNS = (  # (header, key, format, scale, legend)
+    ("policy", None, "", 1.0, ""),
+    ("prefix hit %", "token_hit_rate", ".1f", 100.0,
+     "share of prompt tokens the engines found in their GPU prefix cache (their own "
+     "vllm:prefix_cache_hits / queries counters)"),
+    ("+CPU tier hit %", "tiers_token_hit_rate", ".1f", 100.0,
+     "the same with the prompt tokens loaded from the replicas' CPU tier added"),
+    ("TTFT p50 s", "ttft_p50_s", ".3f", 1.0,
+     "time to first token, seconds from sending to the first token (client side; successful "
+     "requests only); p50/p90/p99 = median, 90th, 99th percentile"),
+    ("TTFT p90 s", "ttft_p90_s", ".3f", 1.0, ""),
+    ("TTFT p99 s", "ttft_p99_s", ".3f", 1.0, ""),
+    ("e2e p50 s", "e2e_p50_s", ".2f", 1.0, "median end-to-end time of a request, seconds"),
+    ("req/s", "throughput_rps", ".2f", 1.0, "successful requests per second"),
+    ("busy max/mean", "imbalance", ".2f", 1.0,
+     "busy time of the busiest replica over the mean of all replicas (1.00 = even load)"),
+    ("work max/mean", "imbalance_work", ".2f", 1.0,
+     "the same for request-seconds (requests running or waiting, integrated over time)"),
+    ("requests", "num_requests", "d", 1.0, "requests replayed"),
+    ("failed", "num_errors", "d", 1.0, "requests that failed (by kind in the notes below)"),
+    ("router CPU ms/req", "router_cpu_s_per_request", ".2f", 1000.0,
+     "CPU milliseconds the router process used per request"),
+    ("trusted", "trusted", "t", 1.0,
+     "whether the row's latencies can be trusted (why not: the verdict at the end)"),
 )
+TIER_KEYS = ("tiers_token_hit_rate",)  # columns shown only for a fleet with a CPU tier
 RANGED = ("token_hit_rate", "tiers_token_hit_rate", "ttft_p50_s", "ttft_p99_s")  # shown as median (min-max)
 
 
@@ -475,21 +529,38 @@ def _cell(m: dict[str, Any], key: str, spec: str, scale: float) -> str:
     return text
 
 
-def format_table(policies: dict[str, dict[str, Any]]) -> str:
-    """A fixed-width text table, one row per policy; with repeats, the medians, and the range
-    over the rounds beside the hit rate and TTFT figures."""
-    rows = [[name for name, *_ in TABLE_COLUMNS]]
-    for label, m in policies.items():
-        row = [label]
-        for _name, key, spec, scale in TABLE_COLUMNS[1:]:
-            assert key is not None
-            row.append(_cell(m, key, spec, scale))
-        rows.append(row)
+def _fixed_width(rows: Sequence[Sequence[str]]) -> list[str]:
+    """Rows of cells as fixed-width lines, the first column left-aligned, a rule under the
+    header."""
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     lines = ["  ".join(cell.ljust(w) if i == 0 else cell.rjust(w)
                        for i, (cell, w) in enumerate(zip(row, widths, strict=True)))
              for row in rows]
     lines.insert(1, "-" * len(lines[0]))
+    return lines
+
+
+def format_table(policies: dict[str, dict[str, Any]], cpu_tier: bool = False,
+                 legend: bool = True) -> str:
+    """A fixed-width text table, one row per policy; with repeats, the medians, and the range
+    over the rounds beside the hit rate and TTFT figures. The ``TIER_KEYS`` columns only with
+    ``cpu_tier``; with ``legend``, one line per column under the table saying what it holds."""
+    columns = [c for c in TABLE_COLUMNS if cpu_tier or c[1] not in TIER_KEYS]
+    rows = [[name for name, *_ in columns]]
+    for label, m in policies.items():
+        row = [label]
+        for _name, key, spec, scale, _legend in columns[1:]:
+            assert key is not None
+            row.append(_cell(m, key, spec, scale))
+        rows.append(row)
+    lines = _fixed_width(rows)
+    if legend:
+        rounds = max((m.get("rounds") or 1 for m in policies.values()), default=1)
+        lines.append("")
+        lines.extend(f"  {name}: {text}" for name, _key, _spec, _scale, text in columns if text)
+        if rounds > 1:
+            lines.append(f"  with {rounds} rounds: each figure is the median over the rounds, "
+                         "(min-max) beside the hit rates and TTFT p50/p99")
     return "\n".join(lines)
 
 
@@ -507,11 +578,7 @@ def format_cpu_table(policies: dict[str, dict[str, Any]]) -> str:
         rows.append([label, *[_fmt(cpu.get(c), ".1f") for c in comps], _fmt(cpu.get("wall_s"), ".1f"),
                      _fmt(cpu.get("machine_util"), ".1%"),
                      _fmt(m.get("emulator_cpu_s_per_request"), ".1f", 1000.0), lag])
-    widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
-    lines = ["  ".join(c.ljust(w) if i == 0 else c.rjust(w)
-                       for i, (c, w) in enumerate(zip(r, widths, strict=True))) for r in rows]
-    lines.insert(1, "-" * len(lines[0]))
-    return "\n".join(lines)
+    return "\n".join(_fixed_width(rows))
 
 
 def write_plots(policies: dict[str, dict[str, Any]], records: dict[str, list[RequestRecord]],
@@ -527,39 +594,64 @@ def write_plots(policies: dict[str, dict[str, Any]], records: dict[str, list[Req
     paths: list[Path] = []
     labels = list(policies)
 
-    fig, ax = plt.subplots(figsize=(8, 5))
+    fig, ax = plt.subplots(figsize=(9, 5.5))
     for label in labels:
-        ttfts = np.sort([r.ttft_s for r in records.get(label, []) if r.ok and r.ttft_s is not None])
-        if len(ttfts):
-            ax.plot(ttfts, np.arange(1, len(ttfts) + 1) / len(ttfts), label=label)
+        recs = records.get(label, [])
+        ttfts = np.sort([r.ttft_s for r in recs if r.ok and r.ttft_s is not None])
+        failed = sum(1 for r in recs if not r.ok)
+        trusted = policies[label].get("trusted", True)
+        name = label + ("" if trusted else " (NOT TRUSTED)") + (f", {failed} failed" if failed else "")
+        if len(ttfts):  # over all requests: failed ones never arrive, so the curve stops short of 1
+            ax.plot(ttfts, np.arange(1, len(ttfts) + 1) / len(recs), label=name,
+                    linestyle="-" if trusted else "--")
+        elif failed:
+            ax.plot([], [], label=name + " (no successful request)")
+    floor = (bounds or {}).get("ttft_floor") or {}
+    if floor.get("percentiles_s"):
+        ax.plot(floor["percentiles_s"], np.arange(len(floor["percentiles_s"])) / 100.0,
+                color="black", linestyle=":", linewidth=1.5,
+                label="TTFT floor: each prompt's own prefill on an idle replica "
+                      "(no policy can be left of it)")
     ax.set_xscale("log")
-    ax.set_xlabel("TTFT (s, log scale)")
-    ax.set_ylabel("fraction of requests")
-    ax.set_title("TTFT CDF per policy")
+    ax.set_xlabel("TTFT: seconds from sending a request to its first token (log scale)")
+    ax.set_ylabel("fraction of all requests (failed ones never arrive)")
+    ax.set_title("TTFT CDF per policy (dashed: an untrusted row, whose latencies include waits "
+                 "for a core)", fontsize="medium")
     ax.grid(True, which="both", alpha=0.3)
-    ax.legend()
+    ax.legend(fontsize="small", loc="lower right")
     path = output_dir / "ttft_cdf.png"
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
     paths.append(path)
 
+    from matplotlib.patches import Patch
+
     fig, ax = plt.subplots(figsize=(8, 5))
     rates = [100.0 * (policies[label].get("token_hit_rate") or 0.0) for label in labels]
-    bars = ax.bar(labels, rates, color=["tab:green" if lb == "prefix" else "tab:gray" for lb in labels])
-    for bar, rate in zip(bars, rates, strict=True):
-        ax.annotate(f"{rate:.1f}%", (bar.get_x() + bar.get_width() / 2, bar.get_height()),
-                    ha="center", va="bottom")
+    default = f"{OWN_POLICIES[0]}"  # the router's default policy, green
+    ax.bar(range(len(labels)), rates,
+           color=["tab:green" if lb == default else "tab:gray" for lb in labels])
+    # the values go under the bars, with the names, where no bound line can cross them
+    ax.set_xticks(range(len(labels)))
+    ax.set_xticklabels([f"{lb}\n{rate:.1f}%" for lb, rate in zip(labels, rates, strict=True)],
+                       rotation=20, ha="right")
+    handles: list[Any] = [Patch(color="tab:green", label=f"{default}: prefix-router's default "
+                                                          "policy"),
+                          Patch(color="tab:gray", label="other policies and routers")]
     if bounds:
-        for key, style in (("single_cache", "--"), ("round_robin", ":")):
+        for key, style, what in (
+                ("single_cache", "--", "single cache as large as the whole fleet's KV "
+                                       "(the placement bound)"),
+                ("round_robin", ":", "round-robin placement")):
             value = bounds.get(key, {}).get("token_hit_rate")
             if value is not None:
-                ax.axhline(100 * value, linestyle=style, color="black",
-                           label=f"simulated {key.replace('_', '-')} ({100 * value:.1f}%)")
-        ax.legend()
+                handles.append(ax.axhline(100 * value, linestyle=style, color="black",
+                                          label=f"simulated {what} ({100 * value:.1f}%)"))
+    ax.legend(handles=handles, fontsize="small", loc="upper center", bbox_to_anchor=(0.5, -0.25),
+              ncol=1)
     ax.set_ylabel("fleet token prefix-hit rate (%)")
-    ax.set_title("Prefix-cache hit rate per policy (engine counters)")
-    plt.setp(ax.get_xticklabels(), rotation=20, ha="right")
+    ax.set_title("Prefix-cache hit rate per policy (the engines' own counters)")
     path = output_dir / "hit_rate.png"
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -721,24 +813,37 @@ def aggregate_rounds(rounds: Sequence[dict[str, dict[str, Any]]],
         bad = [f"round {i + 1}: {r['untrusted_reason']}" for i, r in runs if not r.get("trusted")]
         m["trusted"] = not bad
         m["untrusted_reason"] = "; ".join(bad) or None
+        m["untrusted_causes"] = list(dict.fromkeys(
+            c for _, r in runs if not r.get("trusted") for c in r.get("untrusted_causes", [])))
+        m["num_errors_all_rounds"] = sum(r.get("num_errors") or 0 for _, r in runs)
+        m["errors_by_kind"] = [{"round": i + 1, **k} for i, r in runs
+                               for k in r.get("errors_by_kind") or []]
         policies[label] = m
         records[label] = round_records[mid_index][label]
     return policies, records
 
 
 def ranking(rounds: Sequence[dict[str, dict[str, Any]]]) -> dict[str, Any]:
-    """The order of the policies by TTFT p50 in each round (fastest first) and whether it was
-    the same in every round (only policies measured in every round are ranked)."""
-    common = [label for label in (rounds[0] if rounds else {})
-              if all(label in rnd and rnd[label].get("ttft_p50_s") is not None for rnd in rounds)]
+    """The order by TTFT p50 in each round (fastest first) of the policies measured and trusted
+    in every round, and whether it was the same in every round: ``held`` only when at least two
+    policies are ranked (an order of untrusted latencies proves nothing, so with none trusted
+    there is no ``held``). ``untrusted`` lists the policies measured in every round but not
+    trusted in all, ``left_out`` those not measured in every round."""
+    measured = [label for label in (rounds[0] if rounds else {})
+                if all(label in rnd and rnd[label].get("ttft_p50_s") is not None
+                       for rnd in rounds)]
+    common = [label for label in measured if all(rnd[label].get("trusted") for rnd in rounds)]
+
     def order(rnd: dict[str, dict[str, Any]]) -> list[str]:
         return sorted(common, key=lambda label: float(rnd[label]["ttft_p50_s"]))
 
     orders = [order(rnd) for rnd in rounds]
-    everywhere = set(common)
-    left_out = sorted({label for rnd in rounds for label in rnd} - everywhere)
-    return {"by": "ttft_p50_s", "orders": orders, "left_out": left_out,
-            "held": bool(orders) and all(o == orders[0] for o in orders)}
+    left_out = sorted({label for rnd in rounds for label in rnd} - set(measured))
+    out: dict[str, Any] = {"by": "ttft_p50_s", "orders": orders, "left_out": left_out,
+                           "untrusted": [label for label in measured if label not in common]}
+    if len(common) >= 2:
+        out["held"] = all(o == orders[0] for o in orders)
+    return out
 
 
 def resolve_runs(policies: str, peers: str) -> tuple[tuple[RouterSpec, ...], dict[str, str]]:
@@ -778,12 +883,12 @@ def resolve_runs(policies: str, peers: str) -> tuple[tuple[RouterSpec, ...], dic
 # The demo: the first 1,000 requests of the packaged Mooncake slice (330 s of real traffic) on 8
 # replicas of 32,000 16-token blocks each (512k tokens: an 8B-class model on an 80 GB GPU, the
 # DESIGN.md reference point where capacity matters: single-cache bound 16.0% vs round-robin 5.5%
-# for this slice), replayed 10x faster with the emulator 10x faster too, so the fleet is as loaded
-# as in the real trace: about 35 s per run, and our own components use about 1.2 of 2 cores.
+# for this slice), replayed up to 10x faster with the emulator as much faster, so the fleet is
+# as loaded as in the real trace: about 35 s per run at 10x. The speed is chosen from the
+# machine's headroom before the first run (``loadtest.calibrate``) unless --speedup forces it.
 DEMO_DEFAULTS: dict[str, Any] = {
     "replicas": 8,
     "limit": 1000,
-    "speedup": 10.0,
     "num_gpu_blocks": 32_000,
 }
 
@@ -840,7 +945,7 @@ def add_compare_parsers(sub: Any, add_slice_args: Callable[[argparse.ArgumentPar
                        help="skip the placement-only simulation of the slice")
         p.set_defaults(func=lambda a, _demo=demo: cmd_compare(a, make_replay_config, _demo))
         if demo:
-            p.set_defaults(speedup=DEMO_DEFAULTS["speedup"])
+            p.set_defaults(speedup=None)  # chosen from the machine's headroom (loadtest.calibrate)
 
 
 def _progress(line: str) -> None:
@@ -862,6 +967,9 @@ def cmd_compare(args: argparse.Namespace,
     if not requests:
         print("no requests in the selected slice", file=sys.stderr)
         return 2
+    if args.speedup is None:  # the demo without --speedup: fit the speed to this machine
+        if not _choose_speed(args, requests):
+            return 3
     stamp = dt.datetime.now().strftime("%Y%m%d-%H%M%S")
     output_dir = args.output_dir or Path("results") / f"{'demo' if demo else 'compare'}-{stamp}"
     time_scale = args.time_scale if args.time_scale is not None else args.speedup
@@ -916,7 +1024,7 @@ def cmd_compare(args: argparse.Namespace,
     results["skipped"] = skipped
     (output_dir / "results.json").write_text(json.dumps(results, indent=2) + "\n")
     print()
-    print(format_table(results["policies"]))
+    print(format_table(results["policies"], cpu_tier=cpu_blocks > 0))
     print()
     print("CPU seconds per component during each replay:")
     print(format_cpu_table(results["policies"]))
@@ -941,10 +1049,46 @@ def cmd_compare(args: argparse.Namespace,
     return 0 if results["policies"] and not results["failed"] else 1
 
 
+def _choose_speed(args: argparse.Namespace, requests: Sequence[TraceRequest]) -> bool:
+    """Measure the machine for a few seconds and set ``args.speedup`` (the time scale follows
+    unless ``--time-scale`` was given); print what was chosen and why. False (after saying so)
+    when even the slowest sensible speed would leave the machine over the verdict's limit."""
+    from loadtest.calibrate import CALIBRATION_S, choose_speedup, measure_headroom
+
+    _progress(f"measuring this machine's CPU headroom for {CALIBRATION_S:.0f} s to choose the "
+              "replay speed (--speedup X skips this)")
+    headroom = measure_headroom()
+    span_s = max(1e-3, (requests[-1].timestamp_ms - requests[0].timestamp_ms) / 1000.0)
+    choice = choose_speedup(headroom, len(requests), span_s, limit_busy=TRUST_MACHINE_BUSY)
+    wake = (f"; this process woke up to {headroom.wake_lag_p99_s * 1000:.1f} ms late (p99) from "
+            "short sleeps")
+    if not choice.can_trust:
+        _progress(f"cannot fit the demo to this machine: {choice.why}{wake}. Every row would be "
+                  "untrusted (its latencies would include waits for a core). Stop other work and "
+                  f"run again, or force a speed with --speedup {choice.speedup:g} (fewer "
+                  "--replicas or a smaller --limit also help).")
+        return False
+    args.speedup = choice.speedup
+    _progress(f"replay speed {choice.speedup:g} (emulator time scale "
+              f"{args.time_scale if args.time_scale is not None else choice.speedup:g}): "
+              f"{choice.why}{wake}")
+    return True
+
+
 def run_notes(policies: dict[str, dict[str, Any]]) -> list[str]:
-    """Caveats a reader of the table must know, derived from the runs that happened."""
+    """Caveats a reader of the table must know, derived from the runs that happened: every
+    failed request by kind, and the peers' own conditions."""
     notes = []
     for label, m in policies.items():
+        kinds = m.get("errors_by_kind") or []
+        if kinds:
+            rounds = sorted({k["round"] for k in kinds if "round" in k})
+            per_round = [(f"round {r}: ", [k for k in kinds if k.get("round") == r])
+                         for r in rounds] or [("", kinds)]
+            total = sum(k["count"] for k in kinds)
+            notes.append(f"{label}: {total} failed requests, by kind (HTTP status, reason, when "
+                         "sent in seconds from the replay's start): "
+                         + "; ".join(f"{head}{describe_errors(ks)}" for head, ks in per_round))
         if label.startswith(f"{SGLANG}:"):
             cpu = m.get("cpu_s", {})
             per_req = cpu.get("emulator", 0.0) / max(1, m.get("num_requests") or 1)
@@ -966,42 +1110,49 @@ def verdict_lines(results: dict[str, Any]) -> list[str]:
     """The closing lines: which runs can be trusted and why not, what to do, and (with
     repeats) whether the ranking by TTFT p50 held in every round."""
     policies = results["policies"]
-    bad = {label: m["untrusted_reason"] for label, m in policies.items() if not m.get("trusted")}
+    bad = {label: m for label, m in policies.items() if not m.get("trusted")}
     lines: list[str] = []
     if not policies:
         return lines
     if bad:
-        reasons = " ".join(bad.values())
-        causes = []
-        if "emulator lag" in reasons:
-            causes.append("the emulated GPUs fell behind their own schedule")
-        if "busy" in reasons:
-            causes.append("the machine had no CPU headroom, so every process waited for a core")
-        if "replayer" in reasons:
-            causes.append("the replayer could not send on the trace's schedule")
-        if "no lag figures" in reasons:
-            causes.append("the emulator reported no lag figures")
-        lines.append(f"NOT TRUSTED: {len(bad)} of {len(policies)} rows. The host was too busy for "
-                     f"this comparison: {'; '.join(causes)}. Those latencies include waits a real "
-                     "fleet would not have, and their ranking may be wrong. Do not quote them.")
-        for label, reason in bad.items():
-            lines.append(f"  {label}: {reason}")
-        lines.append("  What to do: stop other work on this machine and run again; or lower the "
-                     "load (--speedup and --time-scale, fewer --replicas); --repeat N shows the "
-                     "spread.")
+        lines.append(f"NOT TRUSTED: {len(bad)} of {len(policies)} rows. Their latencies include "
+                     "waits a real fleet would not have (or leave failed requests out), and their "
+                     "ranking may be wrong. Do not quote them:")
+        causes: set[str] = set()
+        for label, m in bad.items():
+            own = m.get("untrusted_causes") or []
+            causes.update(own)
+            words = "; ".join(CAUSE_WORDS[c] for c in own if c in CAUSE_WORDS)
+            lines.append(f"  {label}: {words + ' (' if words else ''}{m['untrusted_reason']}"
+                         f"{')' if words else ''}")
+        good = [label for label in policies if label not in bad]
+        if good:
+            lines.append(f"trusted: {', '.join(good)}")
+        todo = []
+        if causes & {"emulator_lag", "machine_busy", "replayer_late"}:
+            todo.append("stop other work on this machine and run again, or lower the load "
+                        "(a lower --speedup, fewer --replicas)")
+        if "errors" in causes:
+            todo.append("see the errors note above and the logs under the output directory's "
+                        "logs/")
+        todo.append("--repeat N shows the spread")
+        lines.append(f"  What to do: {'; '.join(todo)}.")
     else:
         lines.append(f"trusted: every row (emulator lag p99 <= {TRUST_LAG_P99_S * 1000:.0f} ms and "
                      f"max <= {TRUST_LAG_MAX_S:.0f} s, machine <= {TRUST_MACHINE_BUSY:.0%} busy, "
-                     f"replayer on time within {TRUST_SEND_LAG_S * 1000:.0f} ms).")
+                     f"replayer on time within {TRUST_SEND_LAG_S * 1000:.0f} ms, no failed "
+                     "requests).")
     rank = results.get("ranking") or {}
-    if results.get("repeat", 1) > 1 and rank.get("orders") and len(rank["orders"][0]) > 1:
+    if results.get("repeat", 1) > 1 and "held" in rank:
         if rank["held"]:
-            lines.append(f"ranking by TTFT p50 held in all {len(rank['orders'])} rounds: "
-                         + " < ".join(rank["orders"][0]))
+            lines.append(f"ranking by TTFT p50 of the trusted rows held in all "
+                         f"{len(rank['orders'])} rounds: " + " < ".join(rank["orders"][0]))
         else:
-            lines.append("ranking by TTFT p50 did NOT hold in every round:")
+            lines.append("ranking by TTFT p50 of the trusted rows did NOT hold in every round:")
             lines.extend(f"  round {i + 1}: " + " < ".join(order)
                          for i, order in enumerate(rank["orders"]))
+    elif results.get("repeat", 1) > 1:
+        lines.append("ranking: not checked (fewer than two rows trusted in every round)")
     if rank.get("left_out"):
         lines.append("not ranked (not measured in every round): " + ", ".join(rank["left_out"]))
     prio = next((m.get("priority") for m in policies.values() if m.get("priority")), None)

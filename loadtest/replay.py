@@ -345,6 +345,41 @@ def read_records(path: str | Path) -> list[RequestRecord]:
         return [RequestRecord(**json.loads(line)) for line in fh if line.strip()]
 
 
+ERROR_REASON_CHARS = 80
+
+
+def error_reason(record: RequestRecord) -> str:
+    """A failed request's reason in a few words, the same for every request that failed the same
+    way: an OpenAI-shaped error body's ``error.message``, else the error text, cut at
+    ``ERROR_REASON_CHARS``."""
+    text = record.error or f"HTTP {record.status}"
+    head = f"HTTP {record.status}: "
+    if record.status and text.startswith(head):
+        text = text[len(head):]
+        with contextlib.suppress(ValueError, TypeError, AttributeError):
+            text = str(json.loads(text)["error"]["message"])
+    return text.strip()[:ERROR_REASON_CHARS] or "no reason given"
+
+
+def error_kinds(records: Sequence[RequestRecord]) -> list[dict[str, Any]]:
+    """Every failed request counted by kind: ``[{"status", "reason", "count", "first_s",
+    "last_s"}]``, most frequent first; ``status`` the HTTP status (0: no response), ``reason``
+    from ``error_reason``, ``first_s``/``last_s`` the first and last send time (seconds from
+    the replay's start; the schedule's time for a request never sent)."""
+    kinds: dict[tuple[int, str], dict[str, Any]] = {}
+    for r in records:
+        if r.ok:
+            continue
+        at = round(r.send_s if r.send_s is not None else r.scheduled_s, 2)
+        kind = kinds.setdefault((r.status, error_reason(r)), {
+            "status": r.status, "reason": error_reason(r), "count": 0,
+            "first_s": at, "last_s": at})
+        kind["count"] += 1
+        kind["first_s"] = min(kind["first_s"], at)
+        kind["last_s"] = max(kind["last_s"], at)
+    return sorted(kinds.values(), key=lambda k: (-k["count"], k["first_s"]))
+
+
 def summarize(records: Sequence[RequestRecord]) -> dict[str, Any]:
     """Client-side summary: counts, TTFT/e2e percentiles (s), throughput (completed requests per
     second between the first send and the last completion), token hit rate from usage (sum of
@@ -377,6 +412,7 @@ def summarize(records: Sequence[RequestRecord]) -> dict[str, Any]:
         "num_sent": len(sent),
         "num_ok": len(ok),
         "num_errors": len(records) - len(ok),
+        "errors_by_kind": error_kinds(records),
         "ttft_p50_s": percentile(ttfts, 50),
         "ttft_p90_s": percentile(ttfts, 90),
         "ttft_p99_s": percentile(ttfts, 99),

@@ -246,7 +246,9 @@ def ttft_floor(requests: Sequence[TraceRequest], latency: LatencyModel, *, time_
     roofline model with the attention term against the tokens before it, divided by
     ``time_scale`` (the emulator's speed-up). Quantiles of it bound a measured run's TTFT
     quantiles from below: a policy cannot beat the GPU's own prefill time. Returns
-    ``{"p50_s", "p90_s", "p99_s", "no_hit_p50_s", "no_hit_p99_s", "num_requests"}``; raises
+    ``{"p50_s", "p90_s", "p99_s", "no_hit_p50_s", "no_hit_p99_s", "num_requests",
+    "percentiles_s"}`` (``percentiles_s[k]`` the k-th percentile, k = 0..100: the floor's CDF
+    for a plot); raises
     ``ValueError`` for an empty slice or a non-positive scale or chunk.
     """
     if not requests:
@@ -273,7 +275,8 @@ def ttft_floor(requests: Sequence[TraceRequest], latency: LatencyModel, *, time_
         cold.append(alone_s(req.input_length, 0))
     return {"p50_s": _quantile(best, 0.5), "p90_s": _quantile(best, 0.9),
             "p99_s": _quantile(best, 0.99), "no_hit_p50_s": _quantile(cold, 0.5),
-            "no_hit_p99_s": _quantile(cold, 0.99), "num_requests": len(requests)}
+            "no_hit_p99_s": _quantile(cold, 0.99), "num_requests": len(requests),
+            "percentiles_s": [_quantile(best, k / 100) for k in range(101)]}
 
 
 def compare_placements(requests: Sequence[TraceRequest], replicas: int, capacity_blocks: int,

@@ -16,9 +16,12 @@ from loadtest.compare import (
     aggregate_rounds,
     format_table,
     ranking,
+    run_notes,
+    untrusted_causes,
     verdict,
     verdict_lines,
 )
+from loadtest.replay import RequestRecord, error_kinds, summarize
 from worker.emulator.metrics import ReplicaMetrics
 
 
@@ -76,7 +79,8 @@ def test_rounds_give_medians_ranges_and_the_ranking() -> None:
     slow = [_run(ttft_p50_s=t, trusted=ok, untrusted_reason=None if ok else "machine 99% busy")
             for t, ok in ((0.09, True), (0.08, False), (0.10, True))]
     rounds = [{"prefix": f, "round_robin": s} for f, s in zip(fast, slow, strict=True)]
-    records: list[dict[str, list[Any]]] = [{"prefix": [], "round_robin": []} for _ in rounds]
+    records: list[dict[str, list[Any]]] = [{"prefix": [], "round_robin": [],
+                                            "consistent_hash": []} for _ in rounds]
     policies, _ = aggregate_rounds(rounds, records)
     assert policies["prefix"]["ttft_p50_s"] == pytest.approx(0.06)
     assert policies["prefix"]["range"]["ttft_p50_s"] == [0.05, 0.07]
@@ -85,13 +89,91 @@ def test_rounds_give_medians_ranges_and_the_ranking() -> None:
     assert "round 2: machine 99% busy" in policies["round_robin"]["untrusted_reason"]
     table = format_table(policies)
     assert "0.060 (0.050-0.070)" in table and "NO" in table
+    # an untrusted row is not ranked: with one trusted row left, no ranking to hold
+    rank = ranking(rounds)
+    assert "held" not in rank and rank["untrusted"] == ["round_robin"]
+    assert rank["orders"][0] == ["prefix"]
+    rounds[1]["round_robin"] = _run(ttft_p50_s=0.08, trusted=True, untrusted_reason=None)
     rank = ranking(rounds)
     assert rank["held"] and rank["orders"][0] == ["prefix", "round_robin"]
     # a flipped round breaks the ranking, and the closing lines say so
     rounds[0]["round_robin"] = _run(ttft_p50_s=0.01, trusted=True, untrusted_reason=None)
+    rounds[2]["consistent_hash"] = _run(ttft_p50_s=0.2, trusted=False,
+                                        untrusted_reason="machine 99% busy",
+                                        untrusted_causes=["machine_busy"])
     assert not ranking(rounds)["held"]
     policies, _ = aggregate_rounds(rounds, records)
     lines = verdict_lines({"policies": policies, "ranking": ranking(rounds), "repeat": 3})
-    assert lines[0].startswith("NOT TRUSTED: 1 of 2 rows")
+    assert lines[0].startswith("NOT TRUSTED: 1 of 3 rows")
     assert any("did NOT hold" in line for line in lines)
     assert not math.isnan(policies["round_robin"]["ttft_p50_s"])
+
+
+def test_nothing_trusted_holds_no_ranking() -> None:
+    """Every row untrusted (the newcomer's busy-machine runs): no ``held`` in results.json,
+    and the closing lines say the ranking was not checked."""
+    rounds = [{label: _run(ttft_p50_s=t, trusted=False, untrusted_reason="machine 99% busy",
+                           untrusted_causes=["machine_busy"])
+               for label, t in (("prefix", 0.05), ("round_robin", 0.09))} for _ in range(2)]
+    rank = ranking(rounds)
+    assert "held" not in rank and rank["untrusted"] == ["prefix", "round_robin"]
+    policies, _ = aggregate_rounds(rounds, [{"prefix": [], "round_robin": []}] * 2)
+    lines = verdict_lines({"policies": policies, "ranking": rank, "repeat": 2})
+    assert "ranking: not checked (fewer than two rows trusted in every round)" in lines
+    assert not any("held in all" in line for line in lines)
+
+
+def test_each_row_names_only_its_own_causes() -> None:
+    """One row failed on emulator lag alone at 62% busy, one on the machine, one on errors: the
+    closing lines name each row's causes and no other's (the newcomer's run said "no CPU
+    headroom" for rows that were 62-66% busy)."""
+    lagging = _run(emulator_lag_p99_s=0.05)
+    busy = _run(cpu_s={"machine_util": 0.97})
+    failing = _run(num_requests=1000, num_errors=3, errors_by_kind=[
+        {"status": 503, "reason": "no routable replica", "count": 2, "first_s": 12.0,
+         "last_s": 13.5},
+        {"status": 0, "reason": "timeout after 300.0 s", "count": 1, "first_s": 40.0,
+         "last_s": 40.0}])
+    policies = {}
+    for label, m in (("prefix", lagging), ("ttft", busy), ("round_robin", failing),
+                     ("least_loaded", _run())):
+        m["trusted"], m["untrusted_reason"] = verdict(m)
+        m["untrusted_causes"] = [c for c, _ in untrusted_causes(m)]
+        policies[label] = m
+    lines = verdict_lines({"policies": policies, "ranking": ranking([policies]), "repeat": 1})
+    assert lines[0].startswith("NOT TRUSTED: 3 of 4 rows")
+    row = {line.split(":")[0].strip(): line for line in lines[1:4]}
+    assert "fell behind" in row["prefix"] and "headroom" not in row["prefix"]
+    assert "headroom" in row["ttft"] and "fell behind" not in row["ttft"]
+    assert "requests failed" in row["round_robin"] and "headroom" not in row["round_robin"]
+    assert "2 x HTTP 503 'no routable replica' at 12.0-13.5 s" in row["round_robin"]
+    assert "1 x no response 'timeout after 300.0 s' at 40.0 s" in row["round_robin"]
+    assert "trusted: least_loaded" in lines
+    notes = run_notes(policies)
+    assert any(n.startswith("round_robin: 3 failed requests, by kind") for n in notes)
+
+
+def test_table_has_full_names_a_legend_and_tier_columns_only_with_a_tier() -> None:
+    policies = {"prefix": {**_run(), "trusted": True, "tiers_token_hit_rate": 0.15,
+                           "num_requests": 10, "num_errors": 0}}
+    table = format_table(policies)
+    header = table.splitlines()[0]
+    assert "busy max/mean" in header and "work max/mean" in header and "imbal" not in header
+    assert "CPU tier" not in table
+    assert "  busy max/mean: busy time of the busiest replica" in table
+    assert "+CPU tier hit %" in format_table(policies, cpu_tier=True)
+
+
+def test_failed_requests_are_counted_by_status_reason_and_time() -> None:
+    body = '{"error": {"message": "no routable replica: every heartbeat is stale", "code": 503}}'
+    records = [RequestRecord(0, 0, 0.0, send_s=0.0, status=200),
+               RequestRecord(1, 1, 1.0, send_s=1.2, status=503, error=f"HTTP 503: {body}"),
+               RequestRecord(2, 2, 3.0, send_s=3.5, status=503, error=f"HTTP 503: {body}"),
+               RequestRecord(3, 3, 4.0, send_s=4.0, error="timeout after 300.0 s"),
+               RequestRecord(4, 4, 9.0, error="not sent")]
+    kinds = error_kinds(records)
+    assert kinds[0] == {"status": 503, "reason": "no routable replica: every heartbeat is stale",
+                        "count": 2, "first_s": 1.2, "last_s": 3.5}
+    assert {(k["status"], k["reason"], k["count"], k["first_s"]) for k in kinds[1:]} == {
+        (0, "timeout after 300.0 s", 1, 4.0), (0, "not sent", 1, 9.0)}
+    assert summarize(records)["errors_by_kind"] == kinds

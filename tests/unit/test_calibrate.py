@@ -1,0 +1,69 @@
+"""The demo's choice of replay speed from the machine's headroom (``loadtest.calibrate``): the
+fastest speed whose projected busy share stays under the target, the slowest when none does,
+and a refusal when even the slowest passes the verdict's limit; the measurement itself reads
+real CPU counters."""
+
+from __future__ import annotations
+
+import pytest
+
+from loadtest.calibrate import (
+    SPEEDUPS,
+    STACK_CPU_S_PER_REQUEST,
+    TARGET_BUSY,
+    Headroom,
+    choose_speedup,
+    measure_headroom,
+    projected_busy,
+)
+from loadtest.compare import TRUST_MACHINE_BUSY
+
+# the demo slice: 1,000 requests over 330 trace seconds
+NUM, SPAN_S = 1000, 330.0
+
+
+def _machine(busy: float, cores: int = 2) -> Headroom:
+    return Headroom(busy=busy, num_cores=cores, duration_s=3.0, wake_lag_p99_s=0.001,
+                    load_average_1m=busy * cores)
+
+
+def test_a_quiet_machine_gets_the_fastest_speed() -> None:
+    choice = choose_speedup(_machine(0.02), NUM, SPAN_S, TRUST_MACHINE_BUSY)
+    assert choice.speedup == SPEEDUPS[0] and choice.can_trust
+    assert choice.projected_busy <= TARGET_BUSY
+    assert "2% busy of 2 cores" in choice.why
+
+
+def test_one_busy_loop_beside_halves_the_speed_and_keeps_the_target() -> None:
+    """A busy loop takes one of two cores: the demo slows until the stack fits the rest."""
+    choice = choose_speedup(_machine(0.5), NUM, SPAN_S, TRUST_MACHINE_BUSY)
+    assert choice.can_trust and choice.speedup < SPEEDUPS[0]
+    assert choice.projected_busy <= TARGET_BUSY
+    faster = SPEEDUPS[SPEEDUPS.index(choice.speedup) - 1]
+    assert projected_busy(_machine(0.5), NUM / SPAN_S * faster) > TARGET_BUSY
+    assert f"speedup {SPEEDUPS[0]:g} would need more" in choice.why
+
+
+def test_a_saturated_machine_is_refused_before_any_run() -> None:
+    choice = choose_speedup(_machine(0.95), NUM, SPAN_S, TRUST_MACHINE_BUSY)
+    assert not choice.can_trust and choice.speedup == SPEEDUPS[-1]
+    assert "over the verdict's 90% limit" in choice.why
+
+
+def test_between_target_and_limit_runs_at_the_slowest_speed_with_a_warning() -> None:
+    slowest_cores = NUM / SPAN_S * SPEEDUPS[-1] * STACK_CPU_S_PER_REQUEST
+    busy = (TARGET_BUSY + TRUST_MACHINE_BUSY) / 2 - slowest_cores / 2
+    choice = choose_speedup(_machine(busy), NUM, SPAN_S, TRUST_MACHINE_BUSY)
+    assert choice.can_trust and choice.speedup == SPEEDUPS[-1]
+    assert "over the 75% aimed for but under the verdict's 90%" in choice.why
+
+
+def test_bad_input_is_refused() -> None:
+    with pytest.raises(ValueError):
+        choose_speedup(_machine(0.1), NUM, 0.0, TRUST_MACHINE_BUSY)
+
+
+def test_measure_reads_the_machine() -> None:
+    headroom = measure_headroom(0.3)
+    assert 0.0 <= headroom.busy <= 1.0 and headroom.num_cores >= 1
+    assert headroom.duration_s >= 0.3 and headroom.wake_lag_p99_s >= 0.0
