@@ -85,7 +85,8 @@ def test_a_stopped_engine_catches_up_on_its_own_clock(tmp_path: Path) -> None:
     # The lag metric shows the stall, and a quiet engine keeps time.
     assert stalled["lag"].max_s >= 0.8 * STALL_S
     assert stalled["lag"].count > 0 and quiet["lag"].count > 0
-    assert quiet["lag"].max_s < 0.5 * STALL_S
+    # (relative to the quiet run on this machine now: a busy machine delays both alike)
+    assert stalled["lag"].max_s - quiet["lag"].max_s >= 0.4 * STALL_S, (quiet, stalled)
 
 
 NEWCOMERS = 12

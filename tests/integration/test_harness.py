@@ -4,7 +4,6 @@ read once complete, and stopping escalates to SIGKILL."""
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 import pytest
@@ -22,12 +21,11 @@ from loadtest.harness import (
 
 def test_a_wait_fails_fast_with_the_dead_process_output() -> None:
     proc = start_process([PYTHON, "-c", "print('no such model', flush=True); raise SystemExit(3)"])
-    started = time.monotonic()
     try:
+        # ProcessExited, not the TimeoutError the 30 s wait would end in: it did not wait out
         with pytest.raises(ProcessExited, match=r"exited with status 3 while waiting for it"
                                                 r"(.|\n)*no such model"):
             wait_for(lambda: False, 30, message="it", procs=[proc])
-        assert time.monotonic() - started < 10  # not the 30 s timeout
     finally:
         stop_process(proc)
 
@@ -52,8 +50,7 @@ def test_stopping_escalates_to_sigkill() -> None:
               "print('up', flush=True); time.sleep(60)")
     proc = start_process([PYTHON, "-c", script])
     wait_for(lambda: "up" in output(proc), 30)
-    started = time.monotonic()
     out = stop_process(proc, timeout_s=1.0)
+    # killed (-9), not the 60 s sleep's natural exit (0): the escalation happened
     assert proc.returncode == -9 and "up" in out
-    assert time.monotonic() - started < 10
 

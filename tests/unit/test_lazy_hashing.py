@@ -202,7 +202,9 @@ def test_a_whole_chain_follows_pending_tails_too_and_the_wait_is_bounded() -> No
         # a tail that is never recorded holds a request up for PENDING_TAIL_WAIT_S at most
         third = parse_prompt("completion", {"model": MODEL, "prompt": [
             rng.randrange(1000, 100_000) for _ in range(8192)]})
+        hashed_at = time.monotonic()
         routed3 = await service.router.route(third)
+        baseline_s = time.monotonic() - hashed_at  # routing this prompt on this machine now
         blocker = threading.Event()
         service.chainer.rest_executor.submit(blocker.wait)
         send(service, routed3, third)
@@ -211,6 +213,8 @@ def test_a_whole_chain_follows_pending_tails_too_and_the_wait_is_bounded() -> No
             await service.router.route(parse_prompt("completion", {"model": MODEL, "prompt": third.token_ids}))
         finally:
             blocker.set()
-        assert time.monotonic() - started < 2 * PENDING_TAIL_WAIT_S
+        # held for the bound, not until the tail is recorded (never: the blocker holds it); the
+        # routing's own time beside it is measured, so a busy machine does not fail this
+        assert time.monotonic() - started < PENDING_TAIL_WAIT_S + 1.0 + 5 * baseline_s
 
     run_scenario(service, scenario, gate)
