@@ -825,9 +825,9 @@ def aggregate_rounds(rounds: Sequence[dict[str, dict[str, Any]]],
 
 def ranking(rounds: Sequence[dict[str, dict[str, Any]]]) -> dict[str, Any]:
     """The order by TTFT p50 in each round (fastest first) of the policies measured and trusted
-    in every round, and whether it was the same in every round: ``held`` only when at least two
-    policies are ranked (an order of untrusted latencies proves nothing, so with none trusted
-    there is no ``held``). ``untrusted`` lists the policies measured in every round but not
+    in every round, and whether it was the same in every round: ``held`` only with two rounds
+    or more and at least two policies ranked (an order of untrusted latencies proves nothing, so
+    with none trusted there is no ``held``). ``untrusted`` lists the policies measured in every round but not
     trusted in all, ``left_out`` those not measured in every round."""
     measured = [label for label in (rounds[0] if rounds else {})
                 if all(label in rnd and rnd[label].get("ttft_p50_s") is not None
@@ -841,7 +841,7 @@ def ranking(rounds: Sequence[dict[str, dict[str, Any]]]) -> dict[str, Any]:
     left_out = sorted({label for rnd in rounds for label in rnd} - set(measured))
     out: dict[str, Any] = {"by": "ttft_p50_s", "orders": orders, "left_out": left_out,
                            "untrusted": [label for label in measured if label not in common]}
-    if len(common) >= 2:
+    if len(common) >= 2 and len(rounds) > 1:
         out["held"] = all(o == orders[0] for o in orders)
     return out
 
