@@ -145,6 +145,9 @@ F_PREFIX_CACHE_HITS: Final = "prefix_cache_hits"  # tokens, counter
 F_NUM_BLOCKS: Final = "num_blocks"  # resident block keys
 F_NUM_GPU_BLOCKS: Final = "num_gpu_blocks"  # pool capacity
 F_HEARTBEAT_TS: Final = "heartbeat_ts"  # unix seconds, float
+# "1" while Redis refuses the worker's writes for lack of memory (maxmemory reached under
+# noeviction): its changes are held, so routers' view of this replica lags; "" or absent: no
+F_REDIS_OOM: Final = "redis_oom"
 
 # Stream entry fields ({prefix}:events).
 E_REPLICA: Final = "replica"

@@ -58,6 +58,7 @@ class Replica:
     num_waiting: int = 0
     kv_usage: float = 0.0
     num_gpu_blocks: int = 0  # KV capacity in blocks from the heartbeat; 0 = not reported
+    redis_oom: bool = False  # its worker reports Redis refusing its writes (out of memory)
     healthy: bool = True
     heartbeat_ts: float = 0.0
     suspect_until: float = 0.0  # monotonic time until which connection failures bench it
@@ -281,6 +282,7 @@ class Fleet:
         replica.num_waiting = int_field(fields.get(c.F_NUM_WAITING), 0) or 0
         replica.kv_usage = float_field(fields.get(c.F_KV_USAGE), 0.0)
         replica.num_gpu_blocks = max(int_field(fields.get(c.F_NUM_GPU_BLOCKS), 0) or 0, 0)
+        replica.redis_oom = fields.get(c.F_REDIS_OOM) == "1"
         replica.heartbeat_ts = float_field(fields.get(c.F_HEARTBEAT_TS), wall_now)
         replica.healthy = wall_now - replica.heartbeat_ts <= c.HEARTBEAT_TTL_S + 0.5
         epoch = int_field(fields.get(c.F_EPOCH), 0) or 0

@@ -107,6 +107,10 @@ class RouterMetrics:
         self.redis_connected = Gauge(
             "router_redis_connected", "1 when the fleet reader is connected to Redis",
             registry=registry)
+        self.redis_oom = Gauge(
+            "router_redis_oom", "1 while Redis refuses writes for lack of memory (maxmemory "
+            "reached under noeviction): reported by a worker or met by this router's reads; "
+            "the index lags the replicas until it ends", registry=registry)
         self.stream_gaps = Counter(
             "router_event_stream_gaps_total", "Times stream entries were lost to this router: "
             "the stream trimmed past its read position (a full resync follows) or a replica's "

@@ -43,13 +43,13 @@ from router.settings import StartupError
 from worker.block_keys import KEY_MODE_RECOMPUTED, EngineKeys, RecomputedKeys
 from worker.event_filter import EventFilter, parse_kv_tiers
 from worker.heartbeat import EngineClient, EngineLoad, EngineModels, EngineUnreachable, Heartbeat
-from worker.kv_events import BlockStored, KVEventBatch
+from worker.kv_events import BlockRemoved, BlockStored, KVEventBatch
 from worker.metrics import WorkerSnapshot, make_registry, start_metrics_server
 from worker.probe import PROBE_TIMEOUT_S, ProbeCatcher, judge, probe_tokens
 from worker.redis_writer import RedisWriter, StoredState
 from worker.replica_view import NO_SEQ, Change, ReplicaView
 from worker.report_config import ConfigError, WorkerConfig, load_config
-from worker.subscriber import KVEventSubscriber
+from worker.subscriber import BatchRefused, KVEventSubscriber, max_message_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -117,8 +117,12 @@ class Worker:
     # -- subscriber sink ---------------------------------------------------------
 
     def apply(self, seq: int, batch: KVEventBatch) -> None:
+        """Apply batch ``seq``. Raises ``BatchRefused`` (nothing applied) for a batch that
+        would leave more GPU blocks resident than the engine's KV cache holds."""
         epoch = self.view.epoch
-        for change in self.view.apply_batch(seq, self.filtered(batch)):
+        batch = self.filtered(batch)
+        self._check_capacity(batch)
+        for change in self.view.apply_batch(seq, batch):
             self.writer.enqueue(change)
         self.writer.advance(self.view.epoch, seq)
         self.event_lag_s = max(0.0, time.time() - batch.ts)
@@ -129,6 +133,26 @@ class Worker:
                     catcher.observe(event)
         if self.view.epoch != epoch:
             self._epoch_changed()
+
+    def _check_capacity(self, batch: KVEventBatch) -> None:
+        """Raise ``BatchRefused`` when ``batch`` would leave more GPU-tier blocks resident than
+        the engine has (``num_gpu_blocks`` of ``vllm:cache_config_info``): vLLM's ``BlockPool``
+        cannot hold more, so such a batch is not the engine's (a rogue or broken publisher) and
+        none of it may reach Redis. A store counts each block, an eviction takes one off; the
+        view holds at most as many distinct keys as the engine holds blocks."""
+        load = self.heartbeat.load
+        capacity = load.num_gpu_blocks if load is not None else None
+        if not capacity:
+            return
+        delta = 0
+        for event in batch.events:
+            if isinstance(event, BlockStored) and event.medium in (None, "GPU"):
+                delta += len(event.block_hashes)
+            elif isinstance(event, BlockRemoved) and event.medium in (None, "GPU"):
+                delta -= len(event.block_hashes)
+        if len(self.view.blocks) + delta > capacity:
+            raise BatchRefused(f"{len(self.view.blocks)} resident blocks {delta:+d} would "
+                               f"exceed the engine's KV capacity of {capacity} blocks")
 
     def filtered(self, batch: KVEventBatch) -> KVEventBatch:
         """``batch`` without the events the index cannot use (other tiers, block sizes, ...; ``EventFilter``)."""
@@ -350,6 +374,9 @@ class Worker:
             skipped_tier_events=dict(self.event_filter.skipped_tiers),
             num_messages=sub.num_messages if sub else 0,
             num_malformed=sub.num_malformed if sub else 0,
+            num_refused_batches=sub.num_refused if sub else 0,
+            num_publisher_disconnects=sub.num_disconnects if sub else 0,
+            redis_oom=int(self.writer.oom),
             num_bad_events=stats.num_bad_events,
             num_seq_gaps=sub.num_gaps if sub else 0,
             num_replays=sub.num_replays if sub else 0,
@@ -424,7 +451,10 @@ class Worker:
         self.subscriber = KVEventSubscriber(
             config.kv_events_endpoint, self, replay_endpoint=config.kv_replay_endpoint,
             topic=config.kv_events_topic, last_seq=self.view.seq,
-            replay_timeout_s=config.replay_timeout_s, event_window_s=config.event_window_s)
+            replay_timeout_s=config.replay_timeout_s, event_window_s=config.event_window_s,
+            max_message_bytes=max_message_bytes(
+                self.heartbeat.load.num_gpu_blocks if self.heartbeat.load else None,
+                self.engine_block_size))
         logger.info("worker for replica %s: engine %s, events %s, redis %s (%s)", config.replica_id,
                     config.engine_url, config.kv_events_endpoint, config.redis_url,
                     f"continuing from seq {self.view.seq}" if replay_from_state else "fresh start")

@@ -26,7 +26,7 @@ from loadtest.redis_server import RedisServer
 from router import contract
 from tests.helpers import PYTHON, free_port, start_process, stop_process, wait_for
 from tests.integration.test_worker_emulator import REPLICA, Emulator, start_emulator
-from worker.kv_events import BlockRemoved, BlockStored, KVEventBatch
+from worker.kv_events import BlockRemoved, BlockStored, KVEventBatch, encode_batch, seq_bytes
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -324,3 +324,78 @@ async def test_sigterm_while_a_batch_waits_in_the_event_window(
         await until(lambda: blocks(client) == {1, 2}, message="batch 2 replayed")
     finally:
         stop_process(worker)
+
+
+# -- a rogue or broken publisher on the worker's endpoint ---------------------------------
+# A 300 MB message part is refused by libzmq unread (``zmq.MAXMSGSIZE``, derived from the
+# engine's KV capacity), a 2,000,000-block batch too, and a well-formed batch of more blocks
+# than the engine (4,000 blocks) holds is refused by the worker: the worker's memory stays
+# small, nothing of them reaches Redis, each is counted once, the log says so in at most one
+# line per interval, and the real events go on being published.
+
+RSS_LIMIT_KB = 200 * 1024
+
+
+def peak_rss_kb(pid: int) -> int:
+    """VmHWM of ``pid``: the most resident memory it ever had, in kB."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1])
+    raise RuntimeError("no VmHWM")
+
+
+def counter(text: str, name: str) -> float:
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith(name + " ") or line.startswith(name + "{"))
+
+
+async def test_rogue_publisher_is_bounded(emulator: Emulator, publisher: KVEventPublisher,
+                                          redis_url: str) -> None:
+    client = redis.Redis.from_url(redis_url)
+    metrics_port = free_port()
+    worker = start_worker(emulator, publisher, redis_url, metrics_port)
+    try:
+        await until(lambda: epoch(client) > 0, message="first heartbeat")
+
+        async def publish_until_resident(key: int) -> None:
+            for _ in range(40):  # a dropped connection loses what was sent before it is back
+                await publisher.publish(stored(key))
+                try:
+                    await until(lambda: key in blocks(client), timeout_s=1.0, message="stored")
+                    return
+                except TimeoutError:
+                    continue
+            raise TimeoutError(f"block {key} never reached Redis")
+
+        await publish_until_resident(1)
+        topic = publisher.topic
+        # 1: a 300 MB message part
+        await publisher.send_raw([topic, seq_bytes(publisher.next_seq), b"\x00" * 300_000_000])
+        await until(lambda: counter(worker_metrics(metrics_port),
+                                    "worker_publisher_disconnects_total") >= 1,
+                    message="the 300 MB frame refused")
+        await publish_until_resident(2)
+        # 2: a well-formed 2,000,000-block batch (about 50 MB)
+        huge = stored(*range(10_000_000, 12_000_000))
+        await publisher.send_raw([topic, seq_bytes(publisher.next_seq), encode_batch(huge)])
+        del huge
+        await until(lambda: counter(worker_metrics(metrics_port),
+                                    "worker_publisher_disconnects_total") >= 2,
+                    message="the 2,000,000-block batch refused")
+        await publish_until_resident(3)
+        # 3: 5,000 blocks, more than the engine's 4,000: small enough to read, impossible
+        await publisher.send_raw([topic, seq_bytes(publisher.next_seq),
+                                  encode_batch(stored(*range(20_000_000, 20_005_000)))])
+        await until(lambda: counter(worker_metrics(metrics_port),
+                                    "worker_refused_batches_total") == 1,
+                    message="the over-capacity batch refused")
+        await publish_until_resident(4)
+        assert blocks(client) == {1, 2, 3, 4}  # nothing impossible reached Redis
+        text = await asyncio.to_thread(worker_metrics, metrics_port)
+        assert counter(text, "worker_refused_batches_total") == 1
+        assert counter(text, "worker_publisher_disconnects_total") == 2
+        assert peak_rss_kb(worker.pid) < RSS_LIMIT_KB
+    finally:
+        output = stop_process(worker)
+    assert "refusing KV event batch" in output
+    assert output.count("KV event publisher at") <= 2, output

@@ -60,8 +60,9 @@ def test_heartbeat_fields_are_the_contract_fields() -> None:
                               load=parse_metrics(METRICS), seed_fingerprint="ab", hash_verified="1",
                               key_mode="engine", num_blocks=5, now_s=1.5)
     expected = {getattr(contract, n) for n in dir(contract) if n.startswith("F_")}
-    # the writer adds epoch, seq and entry_seq
-    assert set(fields) == expected - {contract.F_EPOCH, contract.F_SEQ, contract.F_ENTRY_SEQ}
+    # the writer adds epoch, seq, entry_seq and redis_oom
+    assert set(fields) == expected - {contract.F_EPOCH, contract.F_SEQ, contract.F_ENTRY_SEQ,
+                                      contract.F_REDIS_OOM}
     assert fields[contract.F_PREFIX_CACHE_QUERIES] == 1000
     assert fields[contract.F_NUM_GPU_BLOCKS] == 2048
 
