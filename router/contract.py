@@ -51,11 +51,12 @@ per-replica data (sets, heartbeats, and the set writes) spread over the masters.
 Contract version 4 (``CONTRACT_VERSION``; heartbeat field ``contract``): per-tier sets and
 stream fields (above). Version 3: hash-tagged keys and ``entry_seq``; a version 3 worker folds
 the CPU tier into its one set, so a version 4 router reports it as ``config_mismatch``
-(routable, no prefix-hit credit, its entries dropped), as it does older versions. Version 2 added the coarse index and the one-entry-per-flush stream format.
+(no prefix-hit credit, its entries dropped, no traffic while a matched replica serves the model), as it does older versions. Version 2 added the coarse index and the one-entry-per-flush stream format.
 Entries without ``entry_seq`` (version 2, and version 1: ``op`` = ``stored``/``removed``/
 ``cleared`` and ``keys``) are still parsed, unchecked; but a version 1/2 worker writes its keys
 without hash tags (``{prefix}:replica:{r}``), which a version 3 router reads only to report it
-(``config_mismatch``: routable, no prefix-hit credit, its entries dropped). Upgrade routers first,
+(``config_mismatch``: no prefix-hit credit, its entries dropped, no traffic while a matched
+replica serves the model). Upgrade routers first,
 then workers: an older router does not see version 3 workers at all.
 
 **Coarse index.** ``index_stride`` (N, heartbeat field ``index_stride``; the same

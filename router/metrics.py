@@ -131,7 +131,9 @@ class RouterMetrics:
         self._replica_targets: dict[str, tuple[str, str, str]] = {}  # {replica: info labels}
         self.replica_config_mismatch = Gauge(
             "router_replica_config_mismatch", "1 when a replica's worker uses another Redis "
-            "contract version or index_stride than this router (it gets no prefix-hit credit)",
+            "contract version, index_stride, block size, hash algorithm or hash seed than this "
+            "router (no prefix-hit credit; no traffic while a replica without one serves the "
+            "model)",
             ["replica"], registry=registry)
 
     def watch_audit(self, audit: Any, top_k: int) -> None:

@@ -28,7 +28,7 @@ from typing import Any, Final, TypeVar
 import aiohttp
 import redis.asyncio as aioredis
 
-from router.contract import OP_CLEARED, TIERS
+from router.contract import HEARTBEAT_TTL_S, OP_CLEARED, TIERS
 from router.hashing import BlockHasher, HashConfigError
 from router.kv_event_sources import (
     AUTO_ENDPOINT,
@@ -268,8 +268,18 @@ class Worker:
         self.num_probes += 1
         self.hash_verified = "1" if verdict.verified else "0"
         if verdict.verified:
-            logger.info("hash probe: engine block hashes agree with the routers' (%s, block size %d)",
-                        hasher.hash_algo, hasher.block_size)
+            # what was checked: the engine's hashes against this worker's hasher, whose
+            # settings are the routers' only where they are configured here
+            given = [name for name, value in (("block size", self.config.block_size),
+                                              ("hash algo", self.config.hash_algo),
+                                              ("hash seed", self.config.hash_seed)) if value]
+            logger.info("hash probe: engine block hashes match this worker's hasher (%s, block "
+                        "size %d, seed fingerprint %s; %s); routers with other settings report "
+                        "this replica as config_mismatch", hasher.hash_algo, hasher.block_size,
+                        hasher.seed_fingerprint,
+                        f"{', '.join(given)} set for this worker" if given else
+                        "the engine's own settings: none of block size, hash algo, hash seed "
+                        "set for this worker")
             if self.view.key_mode != EngineKeys.mode:
                 await self._switch(EngineKeys(), "engine hashes verified: back to key_mode=engine")
         else:
@@ -325,8 +335,9 @@ class Worker:
             self.view = ReplicaView(epoch=epoch, index_stride=self.config.index_stride)
             self.writer.enqueue(Change(OP_CLEARED, [], epoch, NO_SEQ))
             await self.writer.flush()
-            logger.info("no previous state for replica %s: starting at epoch %d",
-                        self.config.replica_id, epoch)
+            logger.info("no previous state for replica %s (first start, or its heartbeat "
+                        "expired over %.0f s ago): starting at epoch %d", self.config.replica_id,
+                        HEARTBEAT_TTL_S, epoch)
         else:
             self.writer.committed_epoch = state.epoch
             self.writer.committed_seq = state.seq
