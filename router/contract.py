@@ -105,6 +105,9 @@ DEFAULT_REDIS_PREFIX: Final = "pr"
 DEFAULT_INDEX_STRIDE: Final = 16  # blocks between anchors (N); 1 = exact index. See README
 HEARTBEAT_INTERVAL_S: Final = 1.0  # worker refresh period
 HEARTBEAT_TTL_S: Final = 3.0  # about 3 heartbeats; expiry takes the replica out
+# seconds a replica's block sets outlive its last heartbeat (their TTL, refreshed by every
+# heartbeat and flush): a scaled-down replica's state expires then (worker --state-ttl-s)
+DEFAULT_STATE_TTL_S: Final = 600.0
 EVENTS_STREAM_MAXLEN: Final = 200_000  # approximate MAXLEN for {prefix}:events
 
 TIER_GPU: Final = "GPU"  # vLLM KV event ``medium`` of the GPU's own pool

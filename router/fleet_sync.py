@@ -104,6 +104,7 @@ class FleetReader:
         self.oom = False  # Redis refuses writes for lack of memory (a worker says so, or a read)
         self._oom_read_until = 0.0  # monotonic: a read of this router was refused until then
         self._oom_log = RateLimitedLog(logger, OOM_READ_HOLD_S)
+        self._bad_log = RateLimitedLog(logger, OOM_READ_HOLD_S)  # malformed stream entries
 
     async def run(self) -> None:
         from router.redis_client import FIRST_RECONNECT_WAIT_S, reconnect_retry, redis_errors
@@ -196,7 +197,8 @@ class FleetReader:
         for rid, replica in list(self.fleet.replicas.items()):
             if not replica.static and rid not in seen and not keep_missing:
                 logger.info("replica %s %s; out of rotation", rid, "not in Redis" if
-                            replica.fallback else "heartbeat expired")
+                            replica.fallback else "heartbeat gone (expired, or its worker "
+                            "deregistered)")
                 self.fleet.drop_replica(rid)
                 self.metrics.forget_replica(rid)
         self._update_gauges()
@@ -378,7 +380,7 @@ class FleetReader:
                 ops = [op for op, present in ((c.OP_CLEARED, cleared), (c.OP_STORED, stored),
                                               (c.OP_REMOVED, removed)) if present]
         except (KeyError, ValueError, UnicodeDecodeError) as exc:
-            logger.warning("dropping malformed stream entry: %s", exc)
+            self._bad_log.warning("dropping malformed stream entry: %s", exc)
             self.metrics.event_errors.labels("malformed").inc()
             return
         if dropped == "gap":

@@ -75,7 +75,7 @@ OOM_BACKOFF_BASE_S: Final = 0.5  # first wait after Redis refused a write for la
 OOM_BACKOFF_CAP_S: Final = 10.0  # longest wait between two write attempts under OOM
 OOM_LOG_INTERVAL_S: Final = 10.0  # one OOM warning line per this many seconds
 MAX_HELD_CHANGES: Final = 10_000  # queued changes under OOM before they collapse into a rewrite
-DEFAULT_STATE_TTL_S: Final = 600.0  # block sets outlive the last heartbeat this long
+DEFAULT_STATE_TTL_S: Final = contract.DEFAULT_STATE_TTL_S
 
 # One flush: the replica's three keys, one hash slot (tag {r}). KEYS: GPU-tier blocks set,
 # heartbeat hash, CPU-tier blocks set.
@@ -310,6 +310,14 @@ class RedisWriter:
             entry_seq=self.entry_seq,
             cpu_keys=cpu_keys,
         )
+
+    async def deregister(self) -> None:
+        """Delete the replica's heartbeat hash and block sets (one ``DEL``, one hash slot):
+        routers take it out of rotation at their next heartbeat refresh instead of waiting
+        for the heartbeat to expire, and nothing of it stays in Redis. Raises ``RedisError``."""
+        async with self._lock:
+            await self.client.delete(self.replica_key, self.blocks_key, self.cpu_blocks_key)
+            self.hash_expected = False
 
     # -- heartbeat ---------------------------------------------------------------
 

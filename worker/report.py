@@ -46,7 +46,7 @@ from worker.heartbeat import EngineClient, EngineLoad, EngineModels, EngineUnrea
 from worker.kv_events import BlockRemoved, BlockStored, KVEventBatch
 from worker.metrics import WorkerSnapshot, make_registry, start_metrics_server
 from worker.probe import PROBE_TIMEOUT_S, ProbeCatcher, judge, probe_tokens
-from worker.redis_writer import RedisWriter, StoredState
+from worker.redis_writer import REDIS_ERRORS, RedisWriter, StoredState
 from worker.replica_view import NO_SEQ, Change, ReplicaView
 from worker.report_config import ConfigError, WorkerConfig, load_config
 from worker.subscriber import BatchRefused, KVEventSubscriber, max_message_bytes
@@ -57,6 +57,7 @@ SOURCES_RETRY_MAX_S: Final = 5.0  # longest wait between asks of an engine still
 ENGINE_WAIT_S: Final = 10.0  # wait this long for the engine's cache config before subscribing
 PROBE_RETRY_S: Final = 2.0
 SHUTDOWN_FLUSH_S: Final = 2.0
+DEREGISTER_TIMEOUT_S: Final = 2.0  # a Redis that does not answer at shutdown: expiry does it
 
 T = TypeVar("T")
 
@@ -92,7 +93,8 @@ class Worker:
         self.view = ReplicaView(index_stride=config.index_stride)
         self.event_filter = EventFilter(tiers=parse_kv_tiers(config.kv_tiers), dp_rank=dp_rank)
         self.writer = RedisWriter(client, config.redis_prefix, config.replica_id,
-                                  on_recovered=self._on_redis_recovered)
+                                  on_recovered=self._on_redis_recovered,
+                                  state_ttl_s=config.state_ttl_s)
         self.engine = EngineClient(session, config.engine_url, dp_rank)
         self.heartbeat = Heartbeat(self.engine, self.writer, replica_id=config.replica_id,
                                    url=config.url, fields=self._heartbeat_fields,
@@ -443,7 +445,29 @@ class Worker:
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
+            if self._heartbeat_task is not None:
+                await self._deregister()
             await runner.cleanup()
+
+    async def _deregister(self) -> None:
+        """Leave the fleet on a stop signal: the replica's heartbeat and sets are deleted, so
+        routers stop sending it requests at once (not after the heartbeat's TTL); a worker
+        started later begins afresh from the engine's replay buffer."""
+        failure = None
+        try:
+            await asyncio.wait_for(self.writer.deregister(), DEREGISTER_TIMEOUT_S)
+        except TimeoutError:
+            failure = f"Redis did not answer within {DEREGISTER_TIMEOUT_S:.0f} s"
+        except REDIS_ERRORS as exc:
+            failure = str(exc)
+        if failure is not None:
+            logger.warning("could not deregister replica %s (%s): routers drop it when its "
+                           "heartbeat expires (%.0f s)", self.config.replica_id, failure,
+                           HEARTBEAT_TTL_S)
+            return
+        logger.info("deregistered replica %s: its heartbeat and block sets are deleted from "
+                    "Redis, routers take it out of rotation at their next refresh",
+                    self.config.replica_id)
 
     async def _start(self) -> None:
         """Every start-up step up to running: the stored state (retried until Redis answers),

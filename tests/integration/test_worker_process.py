@@ -313,8 +313,9 @@ async def test_sigterm_while_a_batch_waits_in_the_event_window(
         status = await asyncio.to_thread(worker.wait, 10)
         stopped_after = time.monotonic() - started
         assert status == 0
-        # sitting out the rest of the window would take 0.9 s; a prompt stop takes 0.1-0.2 s
-        assert stopped_after < 0.7
+        # sitting out the rest of the window takes 0.9 s at least; a prompt stop takes 0.1-0.2 s
+        # on a quiet machine (the bound is the behaviour's, not a quiet machine's)
+        assert stopped_after < 0.9
         assert blocks(client) == {1}
     finally:
         output = stop_process(worker)
@@ -399,3 +400,50 @@ async def test_rogue_publisher_is_bounded(emulator: Emulator, publisher: KVEvent
         output = stop_process(worker)
     assert "refusing KV event batch" in output
     assert output.count("KV event publisher at") <= 2, output
+
+
+async def test_sigterm_deregisters_the_replica(
+        emulator: Emulator, publisher: KVEventPublisher, redis_url: str) -> None:
+    """A stopped worker deletes its heartbeat and block sets (routers take the replica out at
+    their next refresh, not after the heartbeat's TTL) and says so; a worker started again
+    begins afresh and rebuilds the set from the engine's replay buffer."""
+    client = redis.Redis.from_url(redis_url)
+    worker = start_worker(emulator, publisher, redis_url)
+    try:
+        await until(lambda: epoch(client) > 0, message="first heartbeat")
+        await publisher.publish(stored(1, 2))
+        await until(lambda: blocks(client) == {1, 2}, message="stored")
+        worker.send_signal(signal.SIGTERM)
+        assert await asyncio.to_thread(worker.wait, 15) == 0
+        assert not client.exists(contract.replica_key("pr", REPLICA),
+                                 contract.blocks_key("pr", REPLICA))
+    finally:
+        output = stop_process(worker)
+    assert f"deregistered replica {REPLICA}" in output, output
+    worker = start_worker(emulator, publisher, redis_url)
+    try:
+        await until(lambda: blocks(client) == {1, 2}, message="rebuilt from the replay buffer")
+    finally:
+        output = stop_process(worker)
+    assert f"no previous state for replica {REPLICA}" in output, output
+
+
+async def test_a_gone_replicas_block_sets_expire(
+        emulator: Emulator, publisher: KVEventPublisher, redis_url: str) -> None:
+    """A worker killed without a word (a scaled-down pod): its heartbeat expires at once and
+    its block sets ``state_ttl_s`` after the last heartbeat; nothing of it stays in Redis."""
+    client = redis.Redis.from_url(redis_url)
+    worker = start_worker(emulator, publisher, redis_url, 0, "--state-ttl-s", "10")
+    try:
+        await until(lambda: epoch(client) > 0, message="first heartbeat")
+        await publisher.publish(stored(5))
+        await until(lambda: blocks(client) == {5}, message="stored")
+        ttl_ms = client.pttl(contract.blocks_key("pr", REPLICA))
+        assert 0 < ttl_ms <= 10_000  # type: ignore[operator]
+        worker.kill()
+        await asyncio.to_thread(worker.wait, 10)
+        await until(lambda: not client.exists(contract.blocks_key("pr", REPLICA)), 30,
+                    message="the block set expired")
+        assert not client.exists(contract.replica_key("pr", REPLICA))
+    finally:
+        stop_process(worker)
