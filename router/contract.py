@@ -51,11 +51,12 @@ per-replica data (sets, heartbeats, and the set writes) spread over the masters.
 Contract version 4 (``CONTRACT_VERSION``; heartbeat field ``contract``): per-tier sets and
 stream fields (above). Version 3: hash-tagged keys and ``entry_seq``; a version 3 worker folds
 the CPU tier into its one set, so a version 4 router reports it as ``config_mismatch``
-(routable, no prefix-hit credit, its entries dropped), as it does older versions. Version 2 added the coarse index and the one-entry-per-flush stream format.
+(no prefix-hit credit, its entries dropped, no traffic while a matched replica serves the model), as it does older versions. Version 2 added the coarse index and the one-entry-per-flush stream format.
 Entries without ``entry_seq`` (version 2, and version 1: ``op`` = ``stored``/``removed``/
 ``cleared`` and ``keys``) are still parsed, unchecked; but a version 1/2 worker writes its keys
 without hash tags (``{prefix}:replica:{r}``), which a version 3 router reads only to report it
-(``config_mismatch``: routable, no prefix-hit credit, its entries dropped). Upgrade routers first,
+(``config_mismatch``: no prefix-hit credit, its entries dropped, no traffic while a matched
+replica serves the model). Upgrade routers first,
 then workers: an older router does not see version 3 workers at all.
 
 **Coarse index.** ``index_stride`` (N, heartbeat field ``index_stride``; the same
@@ -104,6 +105,9 @@ DEFAULT_REDIS_PREFIX: Final = "pr"
 DEFAULT_INDEX_STRIDE: Final = 16  # blocks between anchors (N); 1 = exact index. See README
 HEARTBEAT_INTERVAL_S: Final = 1.0  # worker refresh period
 HEARTBEAT_TTL_S: Final = 3.0  # about 3 heartbeats; expiry takes the replica out
+# seconds a replica's block sets outlive its last heartbeat (their TTL, refreshed by every
+# heartbeat and flush): a scaled-down replica's state expires then (worker --state-ttl-s)
+DEFAULT_STATE_TTL_S: Final = 600.0
 EVENTS_STREAM_MAXLEN: Final = 200_000  # approximate MAXLEN for {prefix}:events
 
 TIER_GPU: Final = "GPU"  # vLLM KV event ``medium`` of the GPU's own pool
@@ -145,6 +149,9 @@ F_PREFIX_CACHE_HITS: Final = "prefix_cache_hits"  # tokens, counter
 F_NUM_BLOCKS: Final = "num_blocks"  # resident block keys
 F_NUM_GPU_BLOCKS: Final = "num_gpu_blocks"  # pool capacity
 F_HEARTBEAT_TS: Final = "heartbeat_ts"  # unix seconds, float
+# "1" while Redis refuses the worker's writes for lack of memory (maxmemory reached under
+# noeviction): its changes are held, so routers' view of this replica lags; "" or absent: no
+F_REDIS_OOM: Final = "redis_oom"
 
 # Stream entry fields ({prefix}:events).
 E_REPLICA: Final = "replica"

@@ -58,6 +58,7 @@ class Replica:
     num_waiting: int = 0
     kv_usage: float = 0.0
     num_gpu_blocks: int = 0  # KV capacity in blocks from the heartbeat; 0 = not reported
+    redis_oom: bool = False  # its worker reports Redis refusing its writes (out of memory)
     healthy: bool = True
     heartbeat_ts: float = 0.0
     suspect_until: float = 0.0  # monotonic time until which connection failures bench it
@@ -102,8 +103,11 @@ class Fleet:
     # -- views ------------------------------------------------------------------
 
     def config_mismatch(self, replica: Replica) -> str | None:
-        """How a worker-reported replica's Redis contract or index stride differs from this
-        router's (its keys would be read at the wrong positions), or ``None``."""
+        """How a worker-reported replica's Redis contract, index stride or hash settings
+        (block size, hash algorithm, seed) differ from this router's, or ``None``: its keys
+        are read at the wrong positions or are hashes of other blocks, so they can never
+        match this router's. Such a replica takes traffic only when no replica without a
+        mismatch serves the model (``eligible``)."""
         if replica.static:
             return None
         if replica.contract != c.CONTRACT_VERSION:
@@ -114,6 +118,12 @@ class Fleet:
         if replica.index_stride != self.index.stride:
             return (f"index_stride {replica.index_stride} != router's {self.index.stride} "
                     "(set one value for workers and routers)")
+        if replica.block_size is not None and replica.block_size != self.hasher.block_size:
+            return f"block_size {replica.block_size} != router's {self.hasher.block_size}"
+        if replica.hash_algo and replica.hash_algo != self.hasher.hash_algo:
+            return f"hash_algo {replica.hash_algo} != router's {self.hasher.hash_algo}"
+        if replica.seed_fingerprint and replica.seed_fingerprint != self.hasher.seed_fingerprint:
+            return "seed fingerprint differs (PYTHONHASHSEED / --hash-seed mismatch)"
         return None
 
     def affinity_problem(self, replica: Replica) -> str | None:
@@ -133,12 +143,6 @@ class Fleet:
         if replica.hash_verified == "0" and replica.key_mode != c.KEY_MODE_RECOMPUTED:
             # recomputed keys are this router's own hashes of the events' token ids: trusted
             return "hash_verified=0: the worker's probe hashes differ from the engine's"
-        if replica.block_size is not None and replica.block_size != self.hasher.block_size:
-            return f"block_size {replica.block_size} != router's {self.hasher.block_size}"
-        if replica.hash_algo and replica.hash_algo != self.hasher.hash_algo:
-            return f"hash_algo {replica.hash_algo} != router's {self.hasher.hash_algo}"
-        if replica.seed_fingerprint and replica.seed_fingerprint != self.hasher.seed_fingerprint:
-            return "seed fingerprint differs (PYTHONHASHSEED / --hash-seed mismatch)"
         return None
 
     def routable_problem(self, replica: Replica, now: float) -> str | None:
@@ -184,6 +188,10 @@ class Fleet:
             ready = [r for r in serving if self._down_problem(r, now) is None]
         if not ready:
             raise NoRoutableReplica(f"no routable replica serves model {model!r}")
+        # a config-mismatched replica's keys never match this router's: no traffic while a
+        # replica that can hit serves the model; routed on load alone when none can
+        matched = [r for r in ready if self.config_mismatch(r) is None]
+        ready = matched or ready
         lora = None
         if model is not None:
             for r in ready:
@@ -281,6 +289,7 @@ class Fleet:
         replica.num_waiting = int_field(fields.get(c.F_NUM_WAITING), 0) or 0
         replica.kv_usage = float_field(fields.get(c.F_KV_USAGE), 0.0)
         replica.num_gpu_blocks = max(int_field(fields.get(c.F_NUM_GPU_BLOCKS), 0) or 0, 0)
+        replica.redis_oom = fields.get(c.F_REDIS_OOM) == "1"
         replica.heartbeat_ts = float_field(fields.get(c.F_HEARTBEAT_TS), wall_now)
         replica.healthy = wall_now - replica.heartbeat_ts <= c.HEARTBEAT_TTL_S + 0.5
         epoch = int_field(fields.get(c.F_EPOCH), 0) or 0

@@ -21,9 +21,13 @@ import aiohttp
 from router import contract as c
 from router.config import DEFAULT_STREAM_READ_INTERVAL_S, RouterConfig
 from router.fleet import Fleet, Replica, int_field
+from router.logs import RateLimitedLog
 from router.metrics import RouterMetrics
 
 logger = logging.getLogger(__name__)
+
+OOM_READ_HOLD_S = 10.0  # a read refused for lack of memory keeps ``FleetReader.oom`` this long
+LOAD_ATTEMPTS = 5  # unchecked (non-MULTI) reads of a replica's set before giving up for now
 
 # minimum gap between two stream reads that returned entries: at 1,000 flushes/s a read carries
 # ~10 of them, for at most 10 ms more index lag (``RouterConfig.stream_read_interval_s``)
@@ -97,6 +101,10 @@ class FleetReader:
         # after a reconnect, replicas whose heartbeat is missing stay until then (monotonic):
         # a Redis that restarted empty gets one heartbeat TTL for the workers to re-register
         self._keep_missing_until = 0.0
+        self.oom = False  # Redis refuses writes for lack of memory (a worker says so, or a read)
+        self._oom_read_until = 0.0  # monotonic: a read of this router was refused until then
+        self._oom_log = RateLimitedLog(logger, OOM_READ_HOLD_S)
+        self._bad_log = RateLimitedLog(logger, OOM_READ_HOLD_S)  # malformed stream entries
 
     async def run(self) -> None:
         from router.redis_client import FIRST_RECONNECT_WAIT_S, reconnect_retry, redis_errors
@@ -189,11 +197,25 @@ class FleetReader:
         for rid, replica in list(self.fleet.replicas.items()):
             if not replica.static and rid not in seen and not keep_missing:
                 logger.info("replica %s %s; out of rotation", rid, "not in Redis" if
-                            replica.fallback else "heartbeat expired")
+                            replica.fallback else "heartbeat gone (expired, or its worker "
+                            "deregistered)")
                 self.fleet.drop_replica(rid)
                 self.metrics.forget_replica(rid)
         self._update_gauges()
         self._write_fleet_cache()
+        self._update_oom()
+
+    def _update_oom(self) -> None:
+        """``oom`` and its gauge: a worker reports Redis refusing its writes, or a read of this
+        router was refused in the last ``OOM_READ_HOLD_S``."""
+        oom = (time.monotonic() < self._oom_read_until
+               or any(r.redis_oom for r in self.fleet.replicas.values()))
+        if oom != self.oom:
+            logger.warning("Redis %s", "is out of memory (maxmemory reached): the workers hold "
+                           "their changes, the index lags until it ends" if oom else
+                           "accepts writes again: the index follows the stream")
+        self.oom = oom
+        self.metrics.redis_oom.set(1 if oom else 0)
 
     def _write_fleet_cache(self) -> None:
         """Keep the fleet seen in Redis in ``fleet_cache_file`` (rewritten when it changes), so
@@ -212,14 +234,29 @@ class FleetReader:
         """Load a replica's sets (GPU and CPU tier) with the ``epoch``/``entry_seq`` they are at
         (one transaction in the replica's hash slot): entries up to that ``entry_seq`` are in
         them."""
-        async with client.pipeline(transaction=True) as pipe:
-            # raw commands: redis-py 8.1's cluster MULTI passes the ``keys`` keyword of
-            # ``hmget``/``smembers`` to their reply callbacks, which raise TypeError
-            pipe.execute_command("HMGET", c.replica_key(self.prefix, replica_id), c.F_EPOCH,
-                                 c.F_ENTRY_SEQ)
-            pipe.execute_command("SMEMBERS", c.blocks_key(self.prefix, replica_id))
-            pipe.execute_command("SMEMBERS", c.blocks_key(self.prefix, replica_id, c.TIER_CPU))
-            (epoch_raw, entry_seq_raw), members, cpu_members = await pipe.execute()
+        from redis.exceptions import OutOfMemoryError
+
+        try:
+            read = await self._read_blocks(client, replica_id, transaction=True)
+        except OutOfMemoryError:
+            # Redis refuses every command queued in a MULTI once out of memory (even reads,
+            # ``processCommand``), but not the reads themselves: read without MULTI, the sets
+            # between two reads of epoch/entry_seq that agree (the worker changes sets and
+            # hash in one script, so equal values before and after mean the sets match them)
+            self._oom_read_until = time.monotonic() + OOM_READ_HOLD_S
+            self._update_oom()
+            self._oom_log.warning("Redis is out of memory (maxmemory reached): reading "
+                                  "replica %s's block set without MULTI", replica_id)
+            for _ in range(LOAD_ATTEMPTS):
+                read = await self._read_blocks(client, replica_id, transaction=False)
+                if read is not None:
+                    break
+            else:
+                logger.warning("replica %s: its block set kept changing while read; index "
+                               "kept as it is until the next reload", replica_id)
+                return
+        assert read is not None
+        (epoch_raw, entry_seq_raw), members, cpu_members = read
         keys = cast(list[c.BlockKey], [int.from_bytes(m, "big") for m in members if len(m) == 8])
         cpu_keys = cast(list[c.BlockKey],
                         [int.from_bytes(m, "big") for m in cpu_members if len(m) == 8])
@@ -233,6 +270,25 @@ class FleetReader:
         self.fleet.index.replace(replica_id, keys, epoch=replica.epoch, cpu_keys=cpu_keys)
         logger.info("replica %s: loaded %d block keys, %d on the CPU tier (epoch %d, entry %d)",
                     replica_id, len(keys), len(cpu_keys), replica.epoch, replica.entry_seq)
+
+    async def _read_blocks(self, client: Any, replica_id: str, *, transaction: bool,
+                           ) -> tuple[Any, Any, Any] | None:
+        """``((epoch, entry_seq), GPU members, CPU members)`` of a replica, in one MULTI
+        (``transaction``), or in a plain pipeline that reads epoch/entry_seq before and after
+        the sets: None when they differ (the sets changed meanwhile). Raises ``RedisError``."""
+        hmget = ("HMGET", c.replica_key(self.prefix, replica_id), c.F_EPOCH, c.F_ENTRY_SEQ)
+        async with client.pipeline(transaction=transaction) as pipe:
+            # raw commands: redis-py 8.1's cluster MULTI passes the ``keys`` keyword of
+            # ``hmget``/``smembers`` to their reply callbacks, which raise TypeError
+            pipe.execute_command(*hmget)
+            pipe.execute_command("SMEMBERS", c.blocks_key(self.prefix, replica_id))
+            pipe.execute_command("SMEMBERS", c.blocks_key(self.prefix, replica_id, c.TIER_CPU))
+            if not transaction:
+                pipe.execute_command(*hmget)
+            replies = await pipe.execute()
+        if not transaction and replies[0] != replies[3]:
+            return None
+        return replies[0], replies[1], replies[2]
 
     async def _follow(self, client: Any) -> None:
         stream = c.events_key(self.prefix)
@@ -324,7 +380,7 @@ class FleetReader:
                 ops = [op for op, present in ((c.OP_CLEARED, cleared), (c.OP_STORED, stored),
                                               (c.OP_REMOVED, removed)) if present]
         except (KeyError, ValueError, UnicodeDecodeError) as exc:
-            logger.warning("dropping malformed stream entry: %s", exc)
+            self._bad_log.warning("dropping malformed stream entry: %s", exc)
             self.metrics.event_errors.labels("malformed").inc()
             return
         if dropped == "gap":

@@ -107,6 +107,10 @@ class RouterMetrics:
         self.redis_connected = Gauge(
             "router_redis_connected", "1 when the fleet reader is connected to Redis",
             registry=registry)
+        self.redis_oom = Gauge(
+            "router_redis_oom", "1 while Redis refuses writes for lack of memory (maxmemory "
+            "reached under noeviction): reported by a worker or met by this router's reads; "
+            "the index lags the replicas until it ends", registry=registry)
         self.stream_gaps = Counter(
             "router_event_stream_gaps_total", "Times stream entries were lost to this router: "
             "the stream trimmed past its read position (a full resync follows) or a replica's "
@@ -127,7 +131,9 @@ class RouterMetrics:
         self._replica_targets: dict[str, tuple[str, str, str]] = {}  # {replica: info labels}
         self.replica_config_mismatch = Gauge(
             "router_replica_config_mismatch", "1 when a replica's worker uses another Redis "
-            "contract version or index_stride than this router (it gets no prefix-hit credit)",
+            "contract version, index_stride, block size, hash algorithm or hash seed than this "
+            "router (no prefix-hit credit; no traffic while a replica without one serves the "
+            "model)",
             ["replica"], registry=registry)
 
     def watch_audit(self, audit: Any, top_k: int) -> None:

@@ -545,8 +545,12 @@ class RouterService:
             })
         ready = any(item["routable"] for item in replicas) and not self.draining
         body = {"ready": ready, "draining": self.draining, "policy": self.config.policy,
-                "redis": None if self.reader is None else {"connected": self.reader.connected,
-                                                           "last_stream_id": self.reader.last_id},
+                "redis": None if self.reader is None else {
+                    "connected": self.reader.connected, "last_stream_id": self.reader.last_id,
+                    # writes refused for lack of memory: routing goes on, the index lags
+                    "oom": self.reader.oom,
+                    "oom_replicas": sorted(rid for rid, r in self.fleet.replicas.items()
+                                           if r.redis_oom)},
                 "tokenizer": self.tokenizer.source if self.tokenizer else None,
                 "index_blocks": len(self.fleet.index), "index_stride": self.config.index_stride,
                 "config_mismatches": sorted(str(r["replica_id"]) for r in replicas

@@ -29,7 +29,7 @@ import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
 from router import contract
-from worker.redis_writer import REDIS_ERRORS, RedisWriter
+from worker.redis_writer import REDIS_ERRORS, RedisOutOfMemory, RedisWriter
 
 logger = logging.getLogger(__name__)
 
@@ -333,6 +333,9 @@ class Heartbeat:
                                   **self.fields())  # type: ignore[arg-type]
         try:
             await self.writer.write_heartbeat(fields, self.ttl_s)
+        except RedisOutOfMemory:
+            self.num_redis_errors += 1  # the writer logs out-of-memory refusals, rate-limited
+            return False
         except REDIS_ERRORS as exc:
             self.num_redis_errors += 1
             logger.warning("heartbeat write failed: %s", exc)

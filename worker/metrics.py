@@ -33,6 +33,9 @@ class WorkerSnapshot:
     skipped_tier_events: Mapping[str, int] = field(default_factory=dict)  # {medium: of "tier"}
     num_messages: int = 0
     num_malformed: int = 0
+    num_refused_batches: int = 0
+    num_publisher_disconnects: int = 0
+    redis_oom: int = 0
     num_bad_events: int = 0
     num_seq_gaps: int = 0
     num_replays: int = 0
@@ -63,6 +66,11 @@ class WorkerSnapshot:
 _COUNTERS: tuple[tuple[str, str, str], ...] = (
     ("worker_kv_messages", "num_messages", "KV event messages received live."),
     ("worker_malformed_messages", "num_malformed", "KV event messages dropped as malformed."),
+    ("worker_refused_batches", "num_refused_batches", "Well-formed KV event batches refused as "
+     "impossible for the engine (more GPU blocks than its KV cache holds); none reach Redis."),
+    ("worker_publisher_disconnects", "num_publisher_disconnects", "Times the KV event "
+     "publisher's connection dropped: a message over the size limit (refused unread) or the "
+     "publisher went away."),
     ("worker_bad_events", "num_bad_events", "Events whose block keys could not be computed."),
     ("worker_seq_gaps", "num_seq_gaps", "KV event sequence gaps seen."),
     ("worker_replays", "num_replays", "Replay requests sent to the engine."),
@@ -92,6 +100,8 @@ _GAUGES: tuple[tuple[str, str, str], ...] = (
     ("worker_key_mode_recomputed", "key_mode_recomputed", "1 when keys are re-computed."),
     ("worker_engine_up", "engine_up", "1 when the engine answered the last poll."),
     ("worker_redis_up", "redis_up", "1 when the last Redis write succeeded."),
+    ("worker_redis_oom", "redis_oom", "1 while Redis refuses this worker's writes for lack of "
+     "memory (maxmemory reached under noeviction): its changes are held and retried."),
     ("worker_event_lag_seconds", "event_lag_s", "Wall time minus engine ts of the last batch."),
 )
 

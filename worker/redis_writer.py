@@ -29,11 +29,29 @@ the same way. A rewrite found by a heartbeat is written in the SAME transaction
 as the heartbeat that re-creates the hash, so a router sees the replica
 (re)appear, or its epoch change, only with its complete set in place
 (``router/fleet.py`` ``apply_heartbeat`` reloads the set then).
+
+Redis out of memory (``maxmemory`` reached under ``noeviction``) is no lost connection: Redis
+refuses the commands that may grow memory (``XADD``, ``SADD``, ``HSET``, and every command
+queued in a ``MULTI``) and answers the rest. A flush it refuses keeps its changes queued (the
+flush script fails before its first write, so nothing was applied) and a stream entry whose
+``XADD`` it refused after the script went through is kept and sent first once Redis accepts
+writes again, so routers get every entry in order and no epoch changes (no rewrite loop). The
+writer backs off (0.5 s doubling to ``OOM_BACKOFF_CAP_S``), logs one line per
+``OOM_LOG_INTERVAL_S`` and says so in the heartbeat (``F_REDIS_OOM``), which it keeps writing:
+its script refreshes the TTL first, and Redis lets a script that has already written go on
+("we can't stop in the middle", ``scriptVerifyOOM``), so the small, fixed-size hash is
+refreshed while the block sets wait. A set whose script found removals to make first goes
+through the same way (removals free memory; the stores with them are the engine's churn).
+
+Stale state: the block sets get a TTL of ``state_ttl_s`` (refreshed by every heartbeat and
+flush), so the sets of a replica whose worker is gone for good (scaled down) expire from Redis
+that long after its last heartbeat.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -41,10 +59,11 @@ from typing import Any, Final
 
 import redis.asyncio as aioredis
 from redis.asyncio.cluster import RedisCluster
-from redis.exceptions import NoScriptError
+from redis.exceptions import NoScriptError, OutOfMemoryError, ResponseError
 
 from router import contract
 from router.contract import OP_CLEARED, OP_STORED, TIER_CPU, TIER_GPU, BlockKey
+from router.logs import RateLimitedLog
 from router.redis_client import reconnect_retry, redis_errors
 from worker.replica_view import NO_SEQ, Change
 
@@ -52,13 +71,19 @@ logger = logging.getLogger(__name__)
 
 # what a retry loop catches: Redis failed or unreachable (a cluster's seeds too)
 REDIS_ERRORS: Final = redis_errors()
+OOM_BACKOFF_BASE_S: Final = 0.5  # first wait after Redis refused a write for lack of memory
+OOM_BACKOFF_CAP_S: Final = 10.0  # longest wait between two write attempts under OOM
+OOM_LOG_INTERVAL_S: Final = 10.0  # one OOM warning line per this many seconds
+MAX_HELD_CHANGES: Final = 10_000  # queued changes under OOM before they collapse into a rewrite
+DEFAULT_STATE_TTL_S: Final = contract.DEFAULT_STATE_TTL_S
 
 # One flush: the replica's three keys, one hash slot (tag {r}). KEYS: GPU-tier blocks set,
 # heartbeat hash, CPU-tier blocks set.
 # ARGV: 1 epoch, 2 seq, 3 cleared ("1"/"0": both sets), 4 packed stored keys, 5 packed removed
 # keys, 6 entry_seq (of the stream entry that follows, or the last one), 7 heartbeat TTL in ms
 # ("" = no heartbeat: record epoch/seq/entry_seq only if the hash exists), 8 packed CPU-tier
-# stored keys, 9 packed CPU-tier removed keys, 10.. heartbeat field/value pairs.
+# stored keys, 9 packed CPU-tier removed keys, 10 the block sets' TTL in ms (state TTL),
+# 11.. heartbeat field/value pairs.
 # Returns 1 when the heartbeat hash exists (or was written), 0 when it is gone.
 # Members are split off the packed strings in chunks below Lua's unpack() limit (LUAI_MAXCSTACK).
 _FLUSH: Final = """
@@ -82,9 +107,11 @@ apply('SREM', ARGV[5], KEYS[1])
 apply('SADD', ARGV[4], KEYS[1])
 apply('SREM', ARGV[9], KEYS[3])
 apply('SADD', ARGV[8], KEYS[3])
+redis.call('PEXPIRE', KEYS[1], ARGV[10])
+redis.call('PEXPIRE', KEYS[3], ARGV[10])
 if ARGV[7] ~= '' then
   redis.call('HSET', KEYS[2], 'epoch', ARGV[1], 'seq', ARGV[2], 'entry_seq', ARGV[6],
-             unpack(ARGV, 10))
+             unpack(ARGV, 11))
   redis.call('PEXPIRE', KEYS[2], ARGV[7])
   return 1
 end
@@ -95,15 +122,37 @@ end
 return 0
 """
 
-# One heartbeat: ARGV[1] TTL in ms, ARGV[2] "1" if the hash must already exist, then field/value
-# pairs. Returns -1 (and writes nothing) when the hash must exist but is gone, else 0.
+# One heartbeat: KEYS the heartbeat hash and the two block sets; ARGV[1] TTL in ms, ARGV[2] "1"
+# if the hash must already exist, ARGV[3] the block sets' TTL in ms, ARGV[4] "1" to HSET before
+# the PEXPIREs (refused by an out-of-memory Redis: the probe of whether it still is) or "0" to
+# HSET after them (once a script has written, Redis lets its HSET through under OOM, see the
+# module docstring), then field/value pairs. Returns -1 (and writes nothing) when the hash must
+# exist but is gone, else 0.
 _HEARTBEAT: Final = (
     "if ARGV[2] == '1' and redis.call('EXISTS', KEYS[1]) == 0 then return -1 end "
-    "if #ARGV > 2 then redis.call('HSET', KEYS[1], unpack(ARGV, 3)) end "
-    "redis.call('PEXPIRE', KEYS[1], ARGV[1]) return 0"
+    "if ARGV[4] == '1' and #ARGV > 4 then redis.call('HSET', KEYS[1], unpack(ARGV, 5)) end "
+    "redis.call('PEXPIRE', KEYS[1], ARGV[1]) "
+    "redis.call('PEXPIRE', KEYS[2], ARGV[3]) redis.call('PEXPIRE', KEYS[3], ARGV[3]) "
+    "if ARGV[4] ~= '1' and #ARGV > 4 then redis.call('HSET', KEYS[1], unpack(ARGV, 5)) end "
+    "return 0"
 )
 
 _BACK: Final = "Redis is back"
+_OOM_MARK: Final = "OOM command not allowed"  # Redis's error, also inside a script's error
+
+
+def is_oom(exc: BaseException) -> bool:
+    """True when Redis refused a command for lack of memory (``maxmemory`` reached, policy
+    ``noeviction``): redis-py's ``OutOfMemoryError``, or a script's error wrapping Redis's
+    ``-OOM`` reply (a ``ResponseError`` naming it)."""
+    return isinstance(exc, OutOfMemoryError) or (
+        isinstance(exc, ResponseError) and _OOM_MARK in str(exc))
+
+
+class RedisOutOfMemory(Exception):
+    """Redis refused a write for lack of memory; the writer kept what it could not write."""
+
+
 _LOST: Final = ("Redis lost the replica's state (its heartbeat hash is gone: Redis restarted, "
                 "failed over, was flushed, or the heartbeat expired)")
 
@@ -117,6 +166,7 @@ class WriterStats:
     num_keys: int = 0
     num_errors: int = 0
     num_rewrites: int = 0
+    num_oom_refusals: int = 0  # writes Redis refused for lack of memory
 
 
 @dataclass(frozen=True, slots=True)
@@ -166,7 +216,8 @@ class RedisWriter:
 
     def __init__(self, client: aioredis.Redis, prefix: str, replica_id: str, *,
                  on_recovered: Callable[[], Change],  # a ``cleared`` change: every tier's set
-                 stream_maxlen: int = contract.EVENTS_STREAM_MAXLEN) -> None:
+                 stream_maxlen: int = contract.EVENTS_STREAM_MAXLEN,
+                 state_ttl_s: float = DEFAULT_STATE_TTL_S) -> None:
         self.client = client
         self.replica_id = replica_id
         self.blocks_key = contract.blocks_key(prefix, replica_id)
@@ -174,6 +225,7 @@ class RedisWriter:
         self.events_key = contract.events_key(prefix)
         self.replica_key = contract.replica_key(prefix, replica_id)
         self.stream_maxlen = stream_maxlen
+        self.state_ttl_ms = int(state_ttl_s * 1000)
         self.on_recovered = on_recovered
         self.stats = WriterStats()
         self.committed_epoch = 0
@@ -194,6 +246,13 @@ class RedisWriter:
         self._heartbeat_script = client.register_script(_HEARTBEAT)
         self._cluster = isinstance(client, RedisCluster)  # the stream is in another slot's node
         self._sent: dict[Any, Any] = {}  # heartbeat fields as last written by the fast path
+        # Redis refused a write for lack of memory (until a write goes through)
+        self.oom = False
+        self._oom_log = RateLimitedLog(logger, OOM_LOG_INTERVAL_S)
+        # a stream entry whose script went through but whose XADD Redis refused (OOM): sent
+        # before anything else, so routers see every entry in order
+        self._unsent: dict[Any, Any] | None = None
+        self._writable = asyncio.Event()  # set when Redis accepts writes again after OOM
 
     # -- producer side -------------------------------------------------------
 
@@ -252,6 +311,14 @@ class RedisWriter:
             cpu_keys=cpu_keys,
         )
 
+    async def deregister(self) -> None:
+        """Delete the replica's heartbeat hash and block sets (one ``DEL``, one hash slot):
+        routers take it out of rotation at their next heartbeat refresh instead of waiting
+        for the heartbeat to expire, and nothing of it stays in Redis. Raises ``RedisError``."""
+        async with self._lock:
+            await self.client.delete(self.replica_key, self.blocks_key, self.cpu_blocks_key)
+            self.hash_expected = False
+
     # -- heartbeat ---------------------------------------------------------------
 
     async def write_heartbeat(self, fields: Mapping[str, Any], ttl_s: float) -> None:
@@ -262,35 +329,64 @@ class RedisWriter:
         the replica's state), or the writer is disconnected and Redis answers
         again, the full set is rewritten under a new epoch (``on_recovered``) in
         the same transaction that re-creates the hash. A failure marks the writer
-        disconnected (the flush loop then retries the rewrite). Raises ``RedisError``.
+        disconnected (the flush loop then retries the rewrite). Raises ``RedisError``, or
+        ``RedisOutOfMemory`` when Redis refused even the out-of-memory form of the heartbeat.
+
+        Out of memory: the heartbeat still goes through (written after its PEXPIRE, which
+        Redis allows), with ``F_REDIS_OOM`` "1"; every heartbeat first tries the plain form,
+        whose success ends the out-of-memory state and wakes the flush loop.
         """
         async with self._lock:
-            mapping: dict[Any, Any] = dict(fields)
             ttl_ms = int(ttl_s * 1000)
             try:
                 if self.connected:
-                    mapping[contract.F_EPOCH] = self.committed_epoch
-                    mapping[contract.F_SEQ] = self.committed_seq
-                    mapping[contract.F_ENTRY_SEQ] = self.entry_seq
-                    # only fields that changed since the last heartbeat this writer wrote: the
-                    # hash keeps the others (a lost hash is detected and rewritten in full)
-                    sent = self._sent if self.hash_expected else {}
-                    args: list[Any] = [ttl_ms, "1" if self.hash_expected else "0"]
-                    for name, value in mapping.items():
-                        if sent.get(name) != value:
-                            args += [name, value]
-                    found = await self._heartbeat_script(keys=[self.replica_key], args=args)
+                    try:
+                        found = await self._beat(fields, ttl_ms, oom_form=False)
+                    except REDIS_ERRORS as exc:
+                        if not is_oom(exc):
+                            raise
+                        self._refused(exc)
+                        found = await self._beat(fields, ttl_ms, oom_form=True)
+                    else:
+                        self._accepted()
                     if int(found) >= 0:
-                        self.hash_expected = True
-                        self._sent = mapping
                         return
                     self._lose_state()
                 else:
                     await self.client.ping()
+                mapping: dict[Any, Any] = dict(fields)
+                mapping[contract.F_REDIS_OOM] = "1" if self.oom else ""
                 await self._commit(heartbeat=(mapping, ttl_ms))
             except REDIS_ERRORS as exc:
+                if is_oom(exc):
+                    self._refused(exc)
+                    raise RedisOutOfMemory(str(exc)) from exc
                 self._disconnect(exc)
                 raise
+
+    async def _beat(self, fields: Mapping[str, Any], ttl_ms: int, *, oom_form: bool) -> Any:
+        """One heartbeat script call: the fields that changed since the last one written, the
+        committed epoch/seq/entry_seq and ``F_REDIS_OOM``. Returns the script's result (-1:
+        the hash is gone). Raises ``RedisError``."""
+        mapping: dict[Any, Any] = dict(fields)
+        mapping[contract.F_EPOCH] = self.committed_epoch
+        mapping[contract.F_SEQ] = self.committed_seq
+        mapping[contract.F_ENTRY_SEQ] = self.entry_seq
+        mapping[contract.F_REDIS_OOM] = "1" if oom_form else ""  # the plain form: OOM is over
+        # only fields that changed since the last heartbeat this writer wrote: the hash keeps
+        # the others (a lost hash is detected and rewritten in full)
+        sent = self._sent if self.hash_expected else {}
+        args: list[Any] = [ttl_ms, "1" if self.hash_expected else "0", self.state_ttl_ms,
+                           "1" if not oom_form else "0"]
+        for name, value in mapping.items():
+            if sent.get(name) != value:
+                args += [name, value]
+        found = await self._heartbeat_script(
+            keys=[self.replica_key, self.blocks_key, self.cpu_blocks_key], args=args)
+        if int(found) >= 0:
+            self.hash_expected = True
+            self._sent = mapping
+        return found
 
     # -- flushing ----------------------------------------------------------------
 
@@ -299,11 +395,22 @@ class RedisWriter:
         with exponential backoff, ``router.redis_client.reconnect_retry``: 0.1 s doubling to
         5 s, reset by a flush that went through)."""
         retry = reconnect_retry()
+        oom_wait_s = OOM_BACKOFF_BASE_S
         while True:
             await self._wake.wait()
             self._wake.clear()
-            while self._pending or self._position is not None or not self.connected:
-                await retry.call_with_retry(self._flush_reconnecting, self._flush_failed)
+            while (self._pending or self._position is not None or not self.connected
+                   or self._unsent is not None):
+                try:
+                    await retry.call_with_retry(self._flush_reconnecting, self._flush_failed)
+                except RedisOutOfMemory:
+                    # nothing lost: the changes stay queued; a heartbeat that Redis accepted
+                    # in its plain form ends the wait early
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(self._writable.wait(), oom_wait_s)
+                    oom_wait_s = min(oom_wait_s * 2, OOM_BACKOFF_CAP_S)
+                    continue
+                oom_wait_s = OOM_BACKOFF_BASE_S
             self._idle.set()
 
     async def _flush_reconnecting(self) -> None:
@@ -324,6 +431,28 @@ class RedisWriter:
         self._back_reason = _BACK
         self._idle.clear()
         self._wake.set()
+
+    def _refused(self, exc: BaseException) -> None:
+        """Redis refused a write for lack of memory: counted, one warning per interval."""
+        self.stats.num_errors += 1
+        self.stats.num_oom_refusals += 1
+        if not self.oom:
+            self._oom_log = RateLimitedLog(logger, OOM_LOG_INTERVAL_S)  # a new episode: say so
+        self.oom = True
+        self._writable.clear()
+        self._oom_log.warning("Redis is out of memory (maxmemory reached; run maxmemory-policy "
+                              "noeviction with room for the fleet, see the README): writes of "
+                              "replica %s refused, its changes held and retried (%s)",
+                              self.replica_id, exc)
+
+    def _accepted(self) -> None:
+        if self.oom:
+            logger.warning("Redis accepts writes again after being out of memory (%d writes "
+                           "refused so far); replica %s's held changes sent",
+                           self.stats.num_oom_refusals, self.replica_id)
+            self._writable.set()
+            self._wake.set()
+        self.oom = False
 
     def _lose_state(self) -> None:
         """The heartbeat hash is gone although it existed: Redis lost this replica's state."""
@@ -346,6 +475,9 @@ class RedisWriter:
             try:
                 await self._commit()
             except REDIS_ERRORS as exc:
+                if is_oom(exc):
+                    self._refused(exc)
+                    raise RedisOutOfMemory(str(exc)) from exc
                 self._disconnect(exc)
                 raise
 
@@ -359,14 +491,22 @@ class RedisWriter:
         change the set lacks in the stream. A failed ``XADD`` leaves ``entry_seq`` in the hash
         one ahead of the stream, which routers see as a gap at the next entry (and the writer,
         disconnected, rewrites the set under a new epoch)."""
+        if self._unsent is not None:
+            # the entry of a script that went through, refused by an out-of-memory Redis: it
+            # goes first (raises while Redis still refuses it; nothing else is touched)
+            await self.client.xadd(self.events_key, self._unsent, maxlen=self.stream_maxlen,
+                                   approximate=True)
+            self._unsent = None
         recovering = not self.connected
-        if recovering:
-            logger.warning("%s; rewriting the replica's full block set", self._back_reason)
+        if recovering or (self.oom and len(self._pending) > MAX_HELD_CHANGES):
+            if recovering:
+                logger.warning("%s; rewriting the replica's full block set", self._back_reason)
             self.stats.num_rewrites += 1
             self._pending = [self.on_recovered()]
             self._position = None
         changes, self._pending = self._pending, []
-        position, self._position = self._position, None
+        taken_position = position = self._position
+        self._position = None
         if changes:
             position = max(position or (0, NO_SEQ), (changes[-1].epoch, changes[-1].seq))
         if position is None:
@@ -387,11 +527,11 @@ class RedisWriter:
             mapping, ttl_ms = heartbeat
             for name in (contract.F_EPOCH, contract.F_SEQ, contract.F_ENTRY_SEQ):
                 mapping.pop(name, None)
-            args += [ttl_ms, packed_cpu_stored, packed_cpu_removed]
+            args += [ttl_ms, packed_cpu_stored, packed_cpu_removed, self.state_ttl_ms]
             for name, value in mapping.items():
                 args += [name, value]
         else:
-            args += ["", packed_cpu_stored, packed_cpu_removed]
+            args += ["", packed_cpu_stored, packed_cpu_removed, self.state_ttl_ms]
         keys = [self.blocks_key, self.replica_key, self.cpu_blocks_key]
         entry: dict[Any, Any] = {
             contract.E_REPLICA: self.replica_id, contract.E_EPOCH: epoch,
@@ -402,29 +542,21 @@ class RedisWriter:
         if cpu_removed:
             entry[contract.E_CPU_REMOVED] = packed_cpu_removed
         found: Any = None
-        if has_entry and not self._cluster:
-            # one round trip: one connection runs the script before the XADD (a cluster
-            # pipeline sends to the two slots' nodes at once, in no order: two round trips).
-            # Raw EVALSHA: a pipeline given the Script object asks SCRIPT EXISTS every time.
-            async with self.client.pipeline(transaction=False) as pipe:
-                pipe.evalsha(self._flush_script.sha, len(keys), *keys, *args)
-                pipe.xadd(self.events_key, entry, maxlen=self.stream_maxlen, approximate=True)
-                found, added = await pipe.execute(raise_on_error=False)
-            if isinstance(found, NoScriptError):
-                # Redis lost the script (restart, failover): the entry went out without its
-                # set change; run both again below (routers skip the second copy of entry_seq)
-                found = None
-            elif isinstance(found, Exception):
-                raise found
-            elif isinstance(added, Exception):
-                self.entry_seq = entry_seq  # committed in the hash
-                raise added
-        if found is None:
-            found = await self._flush_script(keys=keys, args=args)
-            if has_entry:
-                self.entry_seq = entry_seq  # committed in the hash even if the XADD fails
-                await self.client.xadd(self.events_key, entry, maxlen=self.stream_maxlen,
-                                       approximate=True)
+        refused: BaseException | None = None  # the XADD's OOM refusal, raised once committed
+        try:
+            found, refused = await self._send(keys, args, entry if has_entry else None,
+                                              entry_seq)
+        except REDIS_ERRORS as exc:
+            if is_oom(exc):
+                # the script failed at its first write: nothing applied, nothing lost
+                self.connected = True  # Redis answers: a queued rewrite is not made again
+                if not any(change.op == OP_CLEARED for change in self._pending):
+                    self._pending = changes + self._pending
+                if self._position is None:
+                    self._position = taken_position
+            raise
+        if refused is not None:
+            self._unsent = entry
         self.entry_seq = entry_seq
         self.connected = True
         self.committed_epoch, self.committed_seq = epoch, seq
@@ -439,3 +571,48 @@ class RedisWriter:
                 self.hash_expected = False
             else:
                 self._lose_state()
+        if refused is not None:
+            raise refused
+        self._accepted()
+
+    async def _send(self, keys: list[Any], args: list[Any], entry: dict[Any, Any] | None,
+                    entry_seq: int) -> tuple[Any, BaseException | None]:
+        """Run the flush script, then XADD ``entry`` (None: no entry). Returns the script's
+        result and the XADD's out-of-memory refusal (None: added). Raises ``RedisError``: the
+        script's (an OOM refusal of the script means nothing was applied)."""
+        found: Any = None
+        if entry is not None and not self._cluster and not self.oom:
+            # one round trip: one connection runs the script before the XADD (a cluster
+            # pipeline sends to the two slots' nodes at once, in no order: two round trips).
+            # Raw EVALSHA: a pipeline given the Script object asks SCRIPT EXISTS every time.
+            async with self.client.pipeline(transaction=False) as pipe:
+                pipe.evalsha(self._flush_script.sha, len(keys), *keys, *args)
+                pipe.xadd(self.events_key, entry, maxlen=self.stream_maxlen, approximate=True)
+                found, added = await pipe.execute(raise_on_error=False)
+            if isinstance(found, NoScriptError):
+                # Redis lost the script (restart, failover): the entry went out without its
+                # set change; run both again below (routers skip the second copy of entry_seq)
+                found = None
+            elif isinstance(found, Exception):
+                if is_oom(found) and not isinstance(added, Exception):
+                    # memory freed between the two: the entry is out without its set change;
+                    # the retry sends the same changes again as the next entry (idempotent)
+                    self.entry_seq = entry_seq
+                raise found
+            elif isinstance(added, Exception):
+                if is_oom(added):
+                    return found, added
+                self.entry_seq = entry_seq  # committed in the hash
+                raise added
+        if found is None:
+            found = await self._flush_script(keys=keys, args=args)
+            if entry is not None:
+                self.entry_seq = entry_seq  # committed in the hash even if the XADD fails
+                try:
+                    await self.client.xadd(self.events_key, entry, maxlen=self.stream_maxlen,
+                                           approximate=True)
+                except REDIS_ERRORS as exc:
+                    if not is_oom(exc):
+                        raise
+                    return found, exc
+        return found, None

@@ -46,6 +46,7 @@ from router.contract import (
     anchor_positions_between,
     is_anchor,
 )
+from router.logs import RateLimitedLog
 from worker.block_keys import KEY_MODE_ENGINE, EngineKeys, KeyMapper
 from worker.block_set import BlockSet
 from worker.kv_events import (
@@ -60,6 +61,7 @@ from worker.kv_events import (
 logger = logging.getLogger(__name__)
 
 NO_SEQ = -1  # last applied seq before any batch
+BAD_EVENT_LOG_INTERVAL_S = 10.0  # one warning line per this many seconds of bad events
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,6 +117,7 @@ class ReplicaView:
         self._depth: dict[int, int] = {}  # {engine block key: chain depth} of resident blocks
         self._extra_copies: dict[int, int] = {}  # {engine block key: copies beyond the first}
         self.stats = ViewStats()
+        self._bad_log = RateLimitedLog(logger, BAD_EVENT_LOG_INTERVAL_S)  # one line per interval
 
     @property
     def key_mode(self) -> str:
@@ -162,7 +165,8 @@ class ReplicaView:
                 continue
             except KVEventDecodeError as exc:
                 stats.num_bad_events += 1
-                logger.warning("dropping %s in batch seq %d: %s", type(event).__name__, seq, exc)
+                self._bad_log.warning("dropping %s in batch seq %d: %s", type(event).__name__,
+                                      seq, exc)
                 continue
             if not isinstance(event, _RemovedRun):
                 stats.events[type(event).__name__] += 1
@@ -230,7 +234,7 @@ class ReplicaView:
                     keys.extend(self._removed(event, tier))
                 except KVEventDecodeError as exc:
                     stats.num_bad_events += 1
-                    logger.warning("dropping BlockRemoved in batch seq %d: %s", seq, exc)
+                    self._bad_log.warning("dropping BlockRemoved in batch seq %d: %s", seq, exc)
                     continue
                 stats.events["BlockRemoved"] += 1
                 stats.events_by_tier[tier] += 1

@@ -28,7 +28,7 @@ from typing import Any, Final, TypeVar
 import aiohttp
 import redis.asyncio as aioredis
 
-from router.contract import OP_CLEARED, TIERS
+from router.contract import HEARTBEAT_TTL_S, OP_CLEARED, TIERS
 from router.hashing import BlockHasher, HashConfigError
 from router.kv_event_sources import (
     AUTO_ENDPOINT,
@@ -43,13 +43,13 @@ from router.settings import StartupError
 from worker.block_keys import KEY_MODE_RECOMPUTED, EngineKeys, RecomputedKeys
 from worker.event_filter import EventFilter, parse_kv_tiers
 from worker.heartbeat import EngineClient, EngineLoad, EngineModels, EngineUnreachable, Heartbeat
-from worker.kv_events import BlockStored, KVEventBatch
+from worker.kv_events import BlockRemoved, BlockStored, KVEventBatch
 from worker.metrics import WorkerSnapshot, make_registry, start_metrics_server
 from worker.probe import PROBE_TIMEOUT_S, ProbeCatcher, judge, probe_tokens
-from worker.redis_writer import RedisWriter, StoredState
+from worker.redis_writer import REDIS_ERRORS, RedisWriter, StoredState
 from worker.replica_view import NO_SEQ, Change, ReplicaView
 from worker.report_config import ConfigError, WorkerConfig, load_config
-from worker.subscriber import KVEventSubscriber
+from worker.subscriber import BatchRefused, KVEventSubscriber, max_message_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -57,6 +57,7 @@ SOURCES_RETRY_MAX_S: Final = 5.0  # longest wait between asks of an engine still
 ENGINE_WAIT_S: Final = 10.0  # wait this long for the engine's cache config before subscribing
 PROBE_RETRY_S: Final = 2.0
 SHUTDOWN_FLUSH_S: Final = 2.0
+DEREGISTER_TIMEOUT_S: Final = 2.0  # a Redis that does not answer at shutdown: expiry does it
 
 T = TypeVar("T")
 
@@ -92,7 +93,8 @@ class Worker:
         self.view = ReplicaView(index_stride=config.index_stride)
         self.event_filter = EventFilter(tiers=parse_kv_tiers(config.kv_tiers), dp_rank=dp_rank)
         self.writer = RedisWriter(client, config.redis_prefix, config.replica_id,
-                                  on_recovered=self._on_redis_recovered)
+                                  on_recovered=self._on_redis_recovered,
+                                  state_ttl_s=config.state_ttl_s)
         self.engine = EngineClient(session, config.engine_url, dp_rank)
         self.heartbeat = Heartbeat(self.engine, self.writer, replica_id=config.replica_id,
                                    url=config.url, fields=self._heartbeat_fields,
@@ -117,8 +119,12 @@ class Worker:
     # -- subscriber sink ---------------------------------------------------------
 
     def apply(self, seq: int, batch: KVEventBatch) -> None:
+        """Apply batch ``seq``. Raises ``BatchRefused`` (nothing applied) for a batch that
+        would leave more GPU blocks resident than the engine's KV cache holds."""
         epoch = self.view.epoch
-        for change in self.view.apply_batch(seq, self.filtered(batch)):
+        batch = self.filtered(batch)
+        self._check_capacity(batch)
+        for change in self.view.apply_batch(seq, batch):
             self.writer.enqueue(change)
         self.writer.advance(self.view.epoch, seq)
         self.event_lag_s = max(0.0, time.time() - batch.ts)
@@ -129,6 +135,26 @@ class Worker:
                     catcher.observe(event)
         if self.view.epoch != epoch:
             self._epoch_changed()
+
+    def _check_capacity(self, batch: KVEventBatch) -> None:
+        """Raise ``BatchRefused`` when ``batch`` would leave more GPU-tier blocks resident than
+        the engine has (``num_gpu_blocks`` of ``vllm:cache_config_info``): vLLM's ``BlockPool``
+        cannot hold more, so such a batch is not the engine's (a rogue or broken publisher) and
+        none of it may reach Redis. A store counts each block, an eviction takes one off; the
+        view holds at most as many distinct keys as the engine holds blocks."""
+        load = self.heartbeat.load
+        capacity = load.num_gpu_blocks if load is not None else None
+        if not capacity:
+            return
+        delta = 0
+        for event in batch.events:
+            if isinstance(event, BlockStored) and event.medium in (None, "GPU"):
+                delta += len(event.block_hashes)
+            elif isinstance(event, BlockRemoved) and event.medium in (None, "GPU"):
+                delta -= len(event.block_hashes)
+        if len(self.view.blocks) + delta > capacity:
+            raise BatchRefused(f"{len(self.view.blocks)} resident blocks {delta:+d} would "
+                               f"exceed the engine's KV capacity of {capacity} blocks")
 
     def filtered(self, batch: KVEventBatch) -> KVEventBatch:
         """``batch`` without the events the index cannot use (other tiers, block sizes, ...; ``EventFilter``)."""
@@ -244,8 +270,18 @@ class Worker:
         self.num_probes += 1
         self.hash_verified = "1" if verdict.verified else "0"
         if verdict.verified:
-            logger.info("hash probe: engine block hashes agree with the routers' (%s, block size %d)",
-                        hasher.hash_algo, hasher.block_size)
+            # what was checked: the engine's hashes against this worker's hasher, whose
+            # settings are the routers' only where they are configured here
+            given = [name for name, value in (("block size", self.config.block_size),
+                                              ("hash algo", self.config.hash_algo),
+                                              ("hash seed", self.config.hash_seed)) if value]
+            logger.info("hash probe: engine block hashes match this worker's hasher (%s, block "
+                        "size %d, seed fingerprint %s; %s); routers with other settings report "
+                        "this replica as config_mismatch", hasher.hash_algo, hasher.block_size,
+                        hasher.seed_fingerprint,
+                        f"{', '.join(given)} set for this worker" if given else
+                        "the engine's own settings: none of block size, hash algo, hash seed "
+                        "set for this worker")
             if self.view.key_mode != EngineKeys.mode:
                 await self._switch(EngineKeys(), "engine hashes verified: back to key_mode=engine")
         else:
@@ -301,8 +337,9 @@ class Worker:
             self.view = ReplicaView(epoch=epoch, index_stride=self.config.index_stride)
             self.writer.enqueue(Change(OP_CLEARED, [], epoch, NO_SEQ))
             await self.writer.flush()
-            logger.info("no previous state for replica %s: starting at epoch %d",
-                        self.config.replica_id, epoch)
+            logger.info("no previous state for replica %s (first start, or its heartbeat "
+                        "expired over %.0f s ago): starting at epoch %d", self.config.replica_id,
+                        HEARTBEAT_TTL_S, epoch)
         else:
             self.writer.committed_epoch = state.epoch
             self.writer.committed_seq = state.seq
@@ -350,6 +387,9 @@ class Worker:
             skipped_tier_events=dict(self.event_filter.skipped_tiers),
             num_messages=sub.num_messages if sub else 0,
             num_malformed=sub.num_malformed if sub else 0,
+            num_refused_batches=sub.num_refused if sub else 0,
+            num_publisher_disconnects=sub.num_disconnects if sub else 0,
+            redis_oom=int(self.writer.oom),
             num_bad_events=stats.num_bad_events,
             num_seq_gaps=sub.num_gaps if sub else 0,
             num_replays=sub.num_replays if sub else 0,
@@ -405,7 +445,29 @@ class Worker:
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
+            if self._heartbeat_task is not None:
+                await self._deregister()
             await runner.cleanup()
+
+    async def _deregister(self) -> None:
+        """Leave the fleet on a stop signal: the replica's heartbeat and sets are deleted, so
+        routers stop sending it requests at once (not after the heartbeat's TTL); a worker
+        started later begins afresh from the engine's replay buffer."""
+        failure = None
+        try:
+            await asyncio.wait_for(self.writer.deregister(), DEREGISTER_TIMEOUT_S)
+        except TimeoutError:
+            failure = f"Redis did not answer within {DEREGISTER_TIMEOUT_S:.0f} s"
+        except REDIS_ERRORS as exc:
+            failure = str(exc)
+        if failure is not None:
+            logger.warning("could not deregister replica %s (%s): routers drop it when its "
+                           "heartbeat expires (%.0f s)", self.config.replica_id, failure,
+                           HEARTBEAT_TTL_S)
+            return
+        logger.info("deregistered replica %s: its heartbeat and block sets are deleted from "
+                    "Redis, routers take it out of rotation at their next refresh",
+                    self.config.replica_id)
 
     async def _start(self) -> None:
         """Every start-up step up to running: the stored state (retried until Redis answers),
@@ -424,7 +486,10 @@ class Worker:
         self.subscriber = KVEventSubscriber(
             config.kv_events_endpoint, self, replay_endpoint=config.kv_replay_endpoint,
             topic=config.kv_events_topic, last_seq=self.view.seq,
-            replay_timeout_s=config.replay_timeout_s, event_window_s=config.event_window_s)
+            replay_timeout_s=config.replay_timeout_s, event_window_s=config.event_window_s,
+            max_message_bytes=max_message_bytes(
+                self.heartbeat.load.num_gpu_blocks if self.heartbeat.load else None,
+                self.engine_block_size))
         logger.info("worker for replica %s: engine %s, events %s, redis %s (%s)", config.replica_id,
                     config.engine_url, config.kv_events_endpoint, config.redis_url,
                     f"continuing from seq {self.view.seq}" if replay_from_state else "fresh start")

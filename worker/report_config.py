@@ -15,7 +15,12 @@ from typing import Any, Final
 from urllib.parse import urlsplit
 
 from router.config import LOG_FORMATS, with_redis_password
-from router.contract import DEFAULT_INDEX_STRIDE, DEFAULT_REDIS_PREFIX, check_configured_replica_id
+from router.contract import (
+    DEFAULT_INDEX_STRIDE,
+    DEFAULT_REDIS_PREFIX,
+    DEFAULT_STATE_TTL_S,
+    check_configured_replica_id,
+)
 from router.hashing import HASH_ALGOS
 from router.kv_event_sources import AUTO_ENDPOINT, offset_sources
 from router.redis_client import RedisUrlError, parse_redis_url
@@ -66,6 +71,9 @@ class WorkerConfig:
     # seconds a KV event batch waits so that the batches of the next steps join it (one
     # wake-up and one Redis flush for all); adds at most this much index lag; 0: one by one
     event_window_s: float = DEFAULT_EVENT_WINDOW_S
+    # seconds the replica's block sets outlive its last heartbeat in Redis (a scaled-down
+    # replica's state expires then); a TTL refreshed by every heartbeat and flush
+    state_ttl_s: float = DEFAULT_STATE_TTL_S
     log_level: str = "info"
     log_format: str = "text"  # text or json (one JSON object per line)
 
@@ -90,6 +98,8 @@ _HELP: Final = {
     "event_window_s": "seconds (0..1) a KV event batch waits for the next steps' batches, "
                       "handled and written to Redis together (CPU per batch, at most this much "
                       "more index lag); 0: each batch at once",
+    "state_ttl_s": "seconds the replica's block sets stay in Redis after its last heartbeat "
+                   "(a scaled-down replica's state then expires); at least 10",
     "replica_id": "this replica's name in Redis and on the routers' metrics; no '#' (it "
                   "separates data-parallel ranks: REPLICA_ID#rank)",
 }
@@ -163,6 +173,9 @@ def _validate(config: WorkerConfig) -> None:
     if not 0 < config.replay_timeout_s < float("inf"):
         raise ConfigError("replay_timeout_s must be a positive number of seconds",
                           "replay_timeout_s")
+    if not 10 <= config.state_ttl_s < float("inf"):
+        raise ConfigError(f"state_ttl_s must be at least 10 seconds, got {config.state_ttl_s}",
+                          "state_ttl_s")
     if not 0 <= config.event_window_s <= 1:
         raise ConfigError(f"event_window_s must be 0..1 seconds, got {config.event_window_s}",
                           "event_window_s")

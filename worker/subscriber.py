@@ -16,8 +16,13 @@ Sequence rules applied here (the sink does the state changes):
 * ``seq <= last`` (seq went backwards: the engine restarted): ``sink.resync``,
   then treat the engine as new (replay from 0 if the first batch seen is not 0).
   Live batches that merely repeat what a replay already applied are skipped.
-* Malformed messages are logged, counted and dropped; the loop never dies on
-  one and lets ``CancelledError`` through.
+* Malformed messages are logged (one line per ``BAD_MESSAGE_LOG_INTERVAL_S`` with a count),
+  counted and dropped; the loop never dies on one and lets ``CancelledError`` through.
+* Input bounds against a rogue or broken publisher: a message part larger than
+  ``max_message_bytes`` is refused by libzmq before it is buffered (``zmq.MAXMSGSIZE``: the
+  connection is dropped and re-made, counted from the socket monitor's disconnects), and a
+  batch the sink refuses (``BatchRefused``: more blocks than the engine's KV cache holds) is
+  counted and dropped without advancing the sequence number.
 * ``rebuild`` re-applies the whole replay buffer to another sink (a key-mode switch
   re-keys the view from the engine's history); live messages wait meanwhile.
 """
@@ -33,7 +38,9 @@ from typing import Final, Protocol
 
 import zmq
 import zmq.asyncio
+from zmq.utils.monitor import parse_monitor_message
 
+from router.logs import RateLimitedLog
 from worker.kv_events import (
     REPLAY_END_SEQ,
     KVEventBatch,
@@ -50,6 +57,31 @@ DEFAULT_REPLAY_TIMEOUT_S: Final = 2.0  # max wait for the next replay reply fram
 SUB_RCVHWM: Final = 100_000  # messages; as vLLM's default publisher hwm
 _YIELD_EVERY: Final = 8  # live messages between forced yields, so the writer task can run
 _DRAIN_MAX: Final = 256  # queued messages handled per yield with an event window
+BAD_MESSAGE_LOG_INTERVAL_S: Final = 10.0  # one warning line per this many seconds of bad input
+# the largest legitimate batch when the engine's KV capacity is unknown: 64 MiB holds a step
+# that stores and evicts 250,000 blocks of 16 tokens (``max_message_bytes``)
+DEFAULT_MAX_MESSAGE_BYTES: Final = 64 * 1024 * 1024
+# bytes one block can take in a msgpack batch, beyond 5 per token id (a uint32): its hash (a
+# 32-byte digest at most), in the store and again in the eviction that makes room for it,
+# parent hash, extra keys, LoRA name and the event's framing, with room to spare
+_BLOCK_OVERHEAD_BYTES: Final = 256
+_BATCH_OVERHEAD_BYTES: Final = 1024 * 1024  # the batch's own framing and small events
+
+
+def max_message_bytes(num_gpu_blocks: int | None, block_size: int | None) -> int:
+    """The ``zmq.MAXMSGSIZE`` of the event socket: the largest batch a legitimate engine can
+    send, from its KV capacity. One engine step cannot store more blocks than the cache holds
+    (vLLM's ``BlockPool`` has ``num_gpu_blocks``), and it evicts at most as many to make room,
+    so a batch is bounded by ``num_gpu_blocks`` blocks of ``block_size`` token ids (5 bytes
+    each in msgpack at most) plus ``_BLOCK_OVERHEAD_BYTES`` per block and 1 MiB.
+    ``DEFAULT_MAX_MESSAGE_BYTES`` when the capacity is unknown."""
+    if not num_gpu_blocks or not block_size:
+        return DEFAULT_MAX_MESSAGE_BYTES
+    return num_gpu_blocks * (5 * block_size + _BLOCK_OVERHEAD_BYTES) + _BATCH_OVERHEAD_BYTES
+
+
+class BatchRefused(Exception):
+    """The sink refuses a well-formed batch it knows to be impossible (the message says why)."""
 
 
 class BatchSink(Protocol):
@@ -73,6 +105,8 @@ class SubscriberStats:
     num_replay_failures: int = 0  # replay missing, timed out or not covering the gap
     num_restarts: int = 0  # seq went backwards
     num_duplicates: int = 0
+    num_refused: int = 0  # well-formed batches the sink refused (impossible for the engine)
+    num_disconnects: int = 0  # the publisher's connection dropped (an oversized message, or gone)
 
 
 class KVEventSubscriber:
@@ -98,6 +132,7 @@ class KVEventSubscriber:
         replay_timeout_s: float = DEFAULT_REPLAY_TIMEOUT_S,
         event_window_s: float = 0.0,
         context: zmq.asyncio.Context | None = None,
+        max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
     ) -> None:
         self.endpoint = endpoint
         self.replay_endpoint = replay_endpoint
@@ -108,6 +143,12 @@ class KVEventSubscriber:
         self.replay_timeout_s = replay_timeout_s
         self.event_window_s = event_window_s
         self.stats = SubscriberStats()
+        self.max_message_bytes = max_message_bytes
+        # one line per interval for each kind of bad input
+        self._bad_log = RateLimitedLog(logger, BAD_MESSAGE_LOG_INTERVAL_S)
+        self._refused_log = RateLimitedLog(logger, BAD_MESSAGE_LOG_INTERVAL_S)
+        self._disconnect_log = RateLimitedLog(logger, BAD_MESSAGE_LOG_INTERVAL_S)
+        self._monitor_task: asyncio.Task[None] | None = None
         self.connected = asyncio.Event()  # set once the SUB socket is connected
         self._ctx = context or zmq.asyncio.Context.instance()
         self._dealer: zmq.asyncio.Socket | None = None
@@ -123,10 +164,13 @@ class KVEventSubscriber:
         sub.setsockopt(zmq.RCVHWM, SUB_RCVHWM)
         sub.setsockopt(zmq.LINGER, 0)
         sub.setsockopt(zmq.SUBSCRIBE, self.topic)
+        sub.setsockopt(zmq.MAXMSGSIZE, self.max_message_bytes)
+        self._monitor_task = asyncio.create_task(
+            self._watch(sub, sub.get_monitor_socket(zmq.EVENT_DISCONNECTED)))
         sub.connect(self.endpoint)
         self.connected.set()
-        logger.info("subscribed to KV events at %s (replay %s)", self.endpoint,
-                    self.replay_endpoint or "off")
+        logger.info("subscribed to KV events at %s (replay %s, messages up to %d bytes)",
+                    self.endpoint, self.replay_endpoint or "off", self.max_message_bytes)
         try:
             if self.start_replay and self.replay_endpoint:
                 async with self._lock:
@@ -159,8 +203,32 @@ class KVEventSubscriber:
                 if received % _YIELD_EVERY == 0:
                     await asyncio.sleep(0)
         finally:
+            if self._monitor_task is not None:
+                self._monitor_task.cancel()
+                await asyncio.gather(self._monitor_task, return_exceptions=True)
+            sub.disable_monitor()
             sub.close(linger=0)
             self._close_dealer()
+
+    async def _watch(self, sub: zmq.asyncio.Socket, monitor: zmq.asyncio.Socket) -> None:
+        """Count the event socket's disconnects and connect again: libzmq drops a connection
+        whose message exceeds ``MAXMSGSIZE`` as a protocol error and, unlike after a lost
+        connection, never re-makes it (libzmq 4.3 ``session_base_t::engine_error``), so the
+        endpoint is disconnected and connected anew (a gap that follows is replayed)."""
+        try:
+            while True:
+                event = parse_monitor_message(await monitor.recv_multipart())
+                if event["event"] == zmq.EVENT_DISCONNECTED:
+                    self.stats.num_disconnects += 1
+                    with contextlib.suppress(zmq.ZMQError):  # already gone: nothing to undo
+                        sub.disconnect(self.endpoint)
+                    sub.connect(self.endpoint)
+                    self._disconnect_log.warning(
+                        "KV event publisher at %s disconnected: a message over %d bytes "
+                        "(MAXMSGSIZE, refused unread) or the publisher went away",
+                        self.endpoint, self.max_message_bytes)
+        finally:
+            monitor.close(linger=0)
 
     async def _handle_queued(self, sub: zmq.asyncio.Socket, limit: int) -> int:
         """Handle up to ``limit`` messages already queued on ``sub`` without waiting; returns
@@ -299,7 +367,12 @@ class KVEventSubscriber:
     # -- helpers -----------------------------------------------------------------
 
     def _apply(self, seq: int, batch: KVEventBatch) -> None:
-        self.sink.apply(seq, batch)
+        try:
+            self.sink.apply(seq, batch)
+        except BatchRefused as exc:
+            self.stats.num_refused += 1
+            self._refused_log.warning("refusing KV event batch %d: %s", seq, exc)
+            return
         self.last_seq = seq
 
     def _resync(self, reason: str) -> None:
@@ -309,7 +382,8 @@ class KVEventSubscriber:
         where = "live" if live else "replayed"
         if len(frames) != 3:
             self.stats.num_malformed += 1
-            logger.warning("dropping %s KV event message with %d frames (want 3)", where, len(frames))
+            self._bad_log.warning("dropping %s KV event message with %d frames (want 3)", where,
+                                  len(frames))
             return None
         if frames[0] != self.topic and self.topic:
             return None
@@ -318,7 +392,7 @@ class KVEventSubscriber:
             batch = decode_batch(frames[2])
         except KVEventDecodeError as exc:
             self.stats.num_malformed += 1
-            logger.warning("dropping malformed %s KV event batch: %s", where, exc)
+            self._bad_log.warning("dropping malformed %s KV event batch: %s", where, exc)
             return None
         return seq, batch
 
@@ -326,6 +400,7 @@ class KVEventSubscriber:
         if self._dealer is None:
             dealer = self._ctx.socket(zmq.DEALER)
             dealer.setsockopt(zmq.LINGER, 0)
+            dealer.setsockopt(zmq.MAXMSGSIZE, self.max_message_bytes)
             assert self.replay_endpoint is not None
             dealer.connect(self.replay_endpoint)
             self._dealer = dealer

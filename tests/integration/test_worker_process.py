@@ -11,7 +11,6 @@ import asyncio
 import signal
 import subprocess
 import tempfile
-import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -26,7 +25,7 @@ from loadtest.redis_server import RedisServer
 from router import contract
 from tests.helpers import PYTHON, free_port, start_process, stop_process, wait_for
 from tests.integration.test_worker_emulator import REPLICA, Emulator, start_emulator
-from worker.kv_events import BlockRemoved, BlockStored, KVEventBatch
+from worker.kv_events import BlockRemoved, BlockStored, KVEventBatch, encode_batch, seq_bytes
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -78,6 +77,14 @@ def start_worker(emu: Emulator, pub: KVEventPublisher, redis_url: str,
                           "--index-stride", "1", *extra],  # the exact index: every key
                          env={"WORKER_KV_EVENTS_ENDPOINT": pub.endpoint,
                               "WORKER_KV_REPLAY_ENDPOINT": pub.replay_endpoint})
+
+
+async def store_first(client: redis.Redis, publisher: KVEventPublisher, *keys: int) -> None:
+    """Wait for the worker's first heartbeat, publish ``keys`` stored and wait until Redis holds
+    exactly them."""
+    await until(lambda: epoch(client) > 0, message="first heartbeat")
+    await publisher.publish(stored(*keys))
+    await until(lambda: blocks(client) == set(keys), message="stored")
 
 
 def blocks(client: redis.Redis, tier: str = contract.TIER_GPU) -> set[int]:
@@ -297,37 +304,144 @@ async def test_redis_lost_state_without_error_is_republished(
 
 async def test_sigterm_while_a_batch_waits_in_the_event_window(
         emulator: Emulator, publisher: KVEventPublisher, redis_url: str) -> None:
-    """A worker stopped while a batch waits in its (1 s) event window exits 0 at once; the
-    batch is not lost: the next worker gets it from the engine's replay buffer."""
+    """A worker stopped while a batch waits in its (1 s) event window exits 0 without handling
+    it; the batch is not lost: the next worker gets it from the engine's replay buffer."""
     client = redis.Redis.from_url(redis_url)
     worker = start_worker(emulator, publisher, redis_url, 0, "--event-window-s", "1")
     try:
-        await until(lambda: epoch(client) > 0, message="first heartbeat")
-        await publisher.publish(stored(1))
-        await until(lambda: blocks(client) == {1}, message="stored")
+        await store_first(client, publisher, 1)
         await asyncio.sleep(1.2)  # that batch's window is over
         await publisher.publish(stored(2))
         await asyncio.sleep(0.1)  # inside the window of batch 2: 0.9 s of it left
         worker.send_signal(signal.SIGTERM)
-        started = time.monotonic()
-        status = await asyncio.to_thread(worker.wait, 10)
-        stopped_after = time.monotonic() - started
-        assert status == 0
-        assert blocks(client) == {1}
+        assert await asyncio.to_thread(worker.wait, 10) == 0
+        # a worker that sat out the window would have handled batch 2 and written its stream
+        # entry before leaving (the stream outlives the deregistration; the sets do not)
+        entries: Any = client.xrange(contract.events_key("pr"))
+        assert {k for _, f in entries for k in contract.unpack_keys(f[b"stored"])} == {1}
     finally:
         output = stop_process(worker)
     assert "Traceback" not in output and "ERROR" not in output, output
     worker = start_worker(emulator, publisher, redis_url, 0, "--event-window-s", "1")
     try:
         await until(lambda: blocks(client) == {1, 2}, message="batch 2 replayed")
-        # the baseline on this machine now: a stop with no batch in a window
-        await asyncio.sleep(1.2)
+    finally:
+        stop_process(worker)
+
+
+# -- a rogue or broken publisher on the worker's endpoint ---------------------------------
+# A 300 MB message part is refused by libzmq unread (``zmq.MAXMSGSIZE``, derived from the
+# engine's KV capacity), a 2,000,000-block batch too, and a well-formed batch of more blocks
+# than the engine (4,000 blocks) holds is refused by the worker: the worker's memory stays
+# small, nothing of them reaches Redis, each is counted once, the log says so in at most one
+# line per interval, and the real events go on being published.
+
+RSS_LIMIT_KB = 200 * 1024
+
+
+def peak_rss_kb(pid: int) -> int:
+    """VmHWM of ``pid``: the most resident memory it ever had, in kB."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1])
+    raise RuntimeError("no VmHWM")
+
+
+def counter(text: str, name: str) -> float:
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith(name + " ") or line.startswith(name + "{"))
+
+
+async def test_rogue_publisher_is_bounded(emulator: Emulator, publisher: KVEventPublisher,
+                                          redis_url: str) -> None:
+    client = redis.Redis.from_url(redis_url)
+    metrics_port = free_port()
+    worker = start_worker(emulator, publisher, redis_url, metrics_port)
+    try:
+        await until(lambda: epoch(client) > 0, message="first heartbeat")
+
+        async def publish_until_resident(key: int) -> None:
+            for _ in range(40):  # a dropped connection loses what was sent before it is back
+                await publisher.publish(stored(key))
+                try:
+                    await until(lambda: key in blocks(client), timeout_s=1.0, message="stored")
+                    return
+                except TimeoutError:
+                    continue
+            raise TimeoutError(f"block {key} never reached Redis")
+
+        await publish_until_resident(1)
+        topic = publisher.topic
+        # 1: a 300 MB message part
+        await publisher.send_raw([topic, seq_bytes(publisher.next_seq), b"\x00" * 300_000_000])
+        await until(lambda: counter(worker_metrics(metrics_port),
+                                    "worker_publisher_disconnects_total") >= 1,
+                    message="the 300 MB frame refused")
+        await publish_until_resident(2)
+        # 2: a well-formed 2,000,000-block batch (about 50 MB)
+        huge = stored(*range(10_000_000, 12_000_000))
+        await publisher.send_raw([topic, seq_bytes(publisher.next_seq), encode_batch(huge)])
+        del huge
+        await until(lambda: counter(worker_metrics(metrics_port),
+                                    "worker_publisher_disconnects_total") >= 2,
+                    message="the 2,000,000-block batch refused")
+        await publish_until_resident(3)
+        # 3: 5,000 blocks, more than the engine's 4,000: small enough to read, impossible
+        await publisher.send_raw([topic, seq_bytes(publisher.next_seq),
+                                  encode_batch(stored(*range(20_000_000, 20_005_000)))])
+        await until(lambda: counter(worker_metrics(metrics_port),
+                                    "worker_refused_batches_total") == 1,
+                    message="the over-capacity batch refused")
+        await publish_until_resident(4)
+        assert blocks(client) == {1, 2, 3, 4}  # nothing impossible reached Redis
+        text = await asyncio.to_thread(worker_metrics, metrics_port)
+        assert counter(text, "worker_refused_batches_total") == 1
+        assert counter(text, "worker_publisher_disconnects_total") == 2
+        assert peak_rss_kb(worker.pid) < RSS_LIMIT_KB
+    finally:
+        output = stop_process(worker)
+    assert "refusing KV event batch" in output
+    assert output.count("KV event publisher at") <= 2, output
+
+
+async def test_sigterm_deregisters_the_replica(
+        emulator: Emulator, publisher: KVEventPublisher, redis_url: str) -> None:
+    """A stopped worker deletes its heartbeat and block sets (routers take the replica out at
+    their next refresh, not after the heartbeat's TTL) and says so; a worker started again
+    begins afresh and rebuilds the set from the engine's replay buffer."""
+    client = redis.Redis.from_url(redis_url)
+    worker = start_worker(emulator, publisher, redis_url)
+    try:
+        await store_first(client, publisher, 1, 2)
         worker.send_signal(signal.SIGTERM)
-        started = time.monotonic()
-        assert await asyncio.to_thread(worker.wait, 10) == 0
-        baseline_s = time.monotonic() - started
-        # sitting out the rest of the window would add 0.9 s to a stop; a prompt one adds
-        # nothing (0.1-0.2 s each on a quiet machine)
-        assert stopped_after < baseline_s + 0.6, (stopped_after, baseline_s)
+        assert await asyncio.to_thread(worker.wait, 15) == 0
+        assert not client.exists(contract.replica_key("pr", REPLICA),
+                                 contract.blocks_key("pr", REPLICA))
+    finally:
+        output = stop_process(worker)
+    assert f"deregistered replica {REPLICA}" in output, output
+    worker = start_worker(emulator, publisher, redis_url)
+    try:
+        await until(lambda: blocks(client) == {1, 2}, message="rebuilt from the replay buffer")
+    finally:
+        output = stop_process(worker)
+    assert f"no previous state for replica {REPLICA}" in output, output
+
+
+async def test_a_gone_replicas_block_sets_expire(
+        emulator: Emulator, publisher: KVEventPublisher, redis_url: str) -> None:
+    """A worker killed without a word (a scaled-down pod): its heartbeat expires after its TTL
+    and its block sets ``state_ttl_s`` after the last heartbeat; nothing of it stays in Redis."""
+    client = redis.Redis.from_url(redis_url)
+    worker = start_worker(emulator, publisher, redis_url, 0, "--state-ttl-s", "10")
+    try:
+        await store_first(client, publisher, 5)
+        ttl_ms = client.pttl(contract.blocks_key("pr", REPLICA))
+        assert 0 < ttl_ms <= 10_000  # type: ignore[operator]
+        worker.kill()
+        await asyncio.to_thread(worker.wait, 10)
+        await until(lambda: not client.exists(contract.blocks_key("pr", REPLICA)), 30,
+                    message="the block set expired")
+        assert not client.exists(contract.replica_key("pr", REPLICA))
     finally:
         stop_process(worker)

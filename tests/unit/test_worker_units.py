@@ -60,8 +60,9 @@ def test_heartbeat_fields_are_the_contract_fields() -> None:
                               load=parse_metrics(METRICS), seed_fingerprint="ab", hash_verified="1",
                               key_mode="engine", num_blocks=5, now_s=1.5)
     expected = {getattr(contract, n) for n in dir(contract) if n.startswith("F_")}
-    # the writer adds epoch, seq and entry_seq
-    assert set(fields) == expected - {contract.F_EPOCH, contract.F_SEQ, contract.F_ENTRY_SEQ}
+    # the writer adds epoch, seq, entry_seq and redis_oom
+    assert set(fields) == expected - {contract.F_EPOCH, contract.F_SEQ, contract.F_ENTRY_SEQ,
+                                      contract.F_REDIS_OOM}
     assert fields[contract.F_PREFIX_CACHE_QUERIES] == 1000
     assert fields[contract.F_NUM_GPU_BLOCKS] == 2048
 
@@ -93,6 +94,28 @@ def test_config_errors() -> None:
             load_config([*BASE, "--event-window-s", bad], {})
     assert load_config([*BASE, "--event-window-s", "0"], {}).event_window_s == 0
     assert load_config(BASE, {"WORKER_EVENT_WINDOW_S": "0.1"}).event_window_s == 0.1
+    for bad in ("5", "inf", "nan"):
+        with pytest.raises(ConfigError, match="state-ttl-s"):
+            load_config([*BASE, "--state-ttl-s", bad], {})
+    assert load_config(BASE, {"WORKER_STATE_TTL_S": "30"}).state_ttl_s == 30
+
+
+def test_rate_limited_log_writes_one_line_per_interval_with_a_count(
+        caplog: pytest.LogCaptureFixture) -> None:
+    import logging
+
+    from router.logs import RateLimitedLog
+
+    log = RateLimitedLog(logging.getLogger("test.rate"), interval_s=3600.0)
+    with caplog.at_level(logging.WARNING, logger="test.rate"):
+        written = [log.warning("bad message %d", i) for i in range(1000)]
+    assert written == [True] + [False] * 999
+    assert [r.getMessage() for r in caplog.records] == ["bad message 0"]
+    assert log.num_held == 999
+    log._last_s = -1e9  # the interval is over: the next line carries the count
+    with caplog.at_level(logging.WARNING, logger="test.rate"):
+        assert log.warning("bad message %d", 1000)
+    assert caplog.records[-1].getMessage().startswith("bad message 1000 (1000 times in the last")
 
 
 def _events_for(tokens: list[int], hasher: BlockHasher) -> BlockStored:
