@@ -27,12 +27,19 @@ or more again is a near miss: the blocks from ``p // block_size`` on could have 
 
 Memory: at most ``max_families`` families (least recently seen evicted), each holding its
 exemplar head, ``MAX_ANCHORS`` anchors and ``MAX_EXAMPLES`` examples: about 10 KB a family.
-Families are kept per tenant (with API keys on) so no tenant's text shows in another's view.
-Thread-safe (one lock); ``observe`` is meant for a background thread, not the event loop.
+Families are kept per tenant (with API keys on) so no tenant's text shows in another's view,
+and a tenant's view counts its own requests only. A family id is keyed: the first 8 hex digits
+of HMAC-SHA256 under ``id_key`` (with API keys on, derived from the salt secret) of the tenant
+and the first block's tokens, so nobody without the secret can compute the id of a prompt he
+knows and look for it in ``/metrics`` (issue 29; an unkeyed hash of the tokens and the tenant
+name could be). Thread-safe (one lock); ``observe`` is meant for a background thread, not the
+event loop.
 """
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import re
 import threading
 from array import array
@@ -42,7 +49,6 @@ from dataclasses import dataclass, field
 from typing import Any, Final
 
 import numpy as np
-import xxhash
 
 DEFAULT_HEAD_TOKENS: Final = 1024  # tokens of each prompt's head the audit looks at
 DEFAULT_MAX_FAMILIES: Final = 256  # families kept (least recently seen evicted)
@@ -59,6 +65,7 @@ MAX_RESYNC_ANCHORS: Final = 16  # anchors after a difference tried for the share
 CONTEXT_TOKENS: Final = 6  # tokens decoded either side of a differing span
 _P: Final = np.uint64(0x100000001B3)  # FNV-64 prime: the window hash's multiplier
 _MIX: Final = np.uint64(0xFF51AFD7ED558CCD)  # murmur3 finaliser constant
+FAMILY_ID_HEX: Final = 8  # hex digits of a family id (32 bits: a metric label, not a secret)
 
 _KINDS: Final = (  # (kind, pattern over the differing text with its context), first match wins
     ("timestamp", re.compile(r"\d{4}-\d{2}-\d{2}|\d{1,2}:\d{2}(:\d{2})?|\b1[6-9]\d{8}(\d{3})?\b|"
@@ -128,6 +135,13 @@ class _Family:
     variable_starts: dict[int, int] = field(default_factory=dict)  # {first differing pos: count}
 
 
+@dataclass(slots=True)
+class _TenantCounts:
+    observed: int = 0
+    near_misses: int = 0
+    dropped: int = 0
+
+
 @dataclass(frozen=True, slots=True)
 class _Match:
     family: _Family
@@ -145,13 +159,16 @@ class PrefixAudit:
     """Bounded prefix-family statistics over a stream of prompt heads (see module docstring).
 
     ``decode(token_ids) -> str`` turns tokens back into text (None: reports show token ids).
+    ``id_key``: the key of the family ids' HMAC (``router.auth.derived_key``; empty without
+    API keys, when nothing is secret from anyone who can read ``/debug/prefixes``).
     """
 
     def __init__(self, block_size: int, decode: Callable[[Sequence[int]], str] | None = None,
                  max_families: int = DEFAULT_MAX_FAMILIES,
                  head_tokens: int = DEFAULT_HEAD_TOKENS,
                  min_family_tokens: int = DEFAULT_MIN_FAMILY_TOKENS,
-                 min_shared_after_tokens: int = DEFAULT_MIN_SHARED_AFTER_TOKENS) -> None:
+                 min_shared_after_tokens: int = DEFAULT_MIN_SHARED_AFTER_TOKENS,
+                 id_key: bytes = b"") -> None:
         if block_size < 1 or max_families < 1 or head_tokens < ANCHOR_WINDOW:
             raise ValueError("block_size and max_families must be >= 1, head_tokens >= "
                              f"{ANCHOR_WINDOW}")
@@ -161,12 +178,27 @@ class PrefixAudit:
         self.head_tokens = head_tokens
         self.min_family_tokens = min_family_tokens
         self.min_shared_after_tokens = min_shared_after_tokens
+        self._id_key = id_key
         self._families: OrderedDict[str, _Family] = OrderedDict()  # LRU: last seen at the end
         self._by_anchor: dict[tuple[str | None, int], str] = {}  # {(tenant, anchor): family id}
         self._lock = threading.Lock()
         self.observed = 0
         self.near_misses = 0
-        self.dropped = 0  # observations the caller dropped (queue full), counted by the caller
+        self.dropped = 0  # observations the caller dropped (queue full): ``drop``
+        # {tenant: its own counts}; tenants come from the key file, so this stays small
+        self._counts: dict[str | None, _TenantCounts] = {}
+
+    def _counts_of(self, tenant: str | None) -> _TenantCounts:
+        counts = self._counts.get(tenant)
+        if counts is None:
+            counts = self._counts[tenant] = _TenantCounts()
+        return counts
+
+    def drop(self, tenant: str | None = None) -> None:
+        """Count an observation of ``tenant``'s the caller dropped (its queue was full)."""
+        with self._lock:
+            self.dropped += 1
+            self._counts_of(tenant).dropped += 1
 
     def observe(self, tokens: Sequence[int], prompt_tokens: int | None = None,
                 predicted_hit_tokens: int = 0, cached_tokens: int | None = None,
@@ -180,13 +212,14 @@ class PrefixAudit:
         found = anchors(head)
         with self._lock:
             self.observed += 1
+            self._counts_of(tenant).observed += 1
             match = self._best_match(head, found, tenant)
             if match is None:
                 family = self._found(head, found, tenant)
             else:
                 family = match.family
                 self._families.move_to_end(family.family_id)
-                self._account_match(family, head, match)
+                self._account_match(family, head, match, tenant)
             n = prompt_tokens if prompt_tokens is not None else len(tokens)
             family.requests += 1
             family.prompt_tokens += n
@@ -248,11 +281,10 @@ class PrefixAudit:
             for anchor in old.exemplar_anchors:
                 if self._by_anchor.get((old.tenant, anchor)) == old.family_id:
                     del self._by_anchor[(old.tenant, anchor)]
-        digest = xxhash.xxh3_64_hexdigest(array("q", head[:self.block_size]).tobytes()
-                                          + (tenant or "").encode())
-        fid = digest[:8]
+        fid = self._family_id((tenant or "").encode() + b"\x00"
+                              + array("q", head[:self.block_size]).tobytes())
         while fid in self._families:  # same first block, another family (e.g. a short header)
-            fid = xxhash.xxh3_64_hexdigest(fid.encode())[:8]
+            fid = self._family_id(fid.encode())
         kept = dict(sorted(found.items(), key=lambda item: item[1])[:MAX_ANCHORS])
         family = _Family(fid, tenant, array("q", head), kept)
         self._families[fid] = family
@@ -260,7 +292,13 @@ class PrefixAudit:
             self._by_anchor.setdefault((tenant, anchor), fid)
         return family
 
-    def _account_match(self, family: _Family, head: list[int], m: _Match) -> None:
+    def _family_id(self, data: bytes) -> str:
+        """``FAMILY_ID_HEX`` hex digits of HMAC-SHA256(``id_key``, ``data``): a PRF under a
+        secret key, so neither computable nor invertible without it."""
+        return hmac.new(self._id_key, data, hashlib.sha256).hexdigest()[:FAMILY_ID_HEX]
+
+    def _account_match(self, family: _Family, head: list[int], m: _Match,
+                       tenant: str | None) -> None:
         b = self.block_size
         family.shared_prefix_tokens = (m.prefix if family.shared_prefix_tokens is None
                                        else min(family.shared_prefix_tokens, m.prefix))
@@ -268,6 +306,7 @@ class PrefixAudit:
             return
         # a near miss: everything after the difference could have been reused
         self.near_misses += 1
+        self._counts_of(tenant).near_misses += 1
         family.near_miss_requests += 1
         shared_end = m.member_end + m.shared_after
         family.near_miss_lost_tokens += max(shared_end // b * b - m.prefix // b * b, 0)
@@ -299,14 +338,17 @@ class PrefixAudit:
     def report(self, top_k: int = DEFAULT_TOP_K, tenant: str | None = None,
                all_tenants: bool = True) -> dict[str, Any]:
         """The top ``top_k`` families by requests, JSON-ready. ``all_tenants`` False: only
-        ``tenant``'s families (what a tenant may see)."""
+        ``tenant``'s families and request counts (what a tenant may see)."""
         with self._lock:
             families = [f for f in self._families.values() if all_tenants or f.tenant == tenant]
             families.sort(key=lambda f: (-f.requests, f.family_id))
             rows = [self._row(f) for f in families[:max(top_k, 0)]]
+            counts = (_TenantCounts(self.observed, self.near_misses, self.dropped) if all_tenants
+                      else self._counts.get(tenant, _TenantCounts()))
             return {"block_size": self.block_size, "head_tokens": self.head_tokens,
-                    "observed_requests": self.observed, "near_miss_requests": self.near_misses,
-                    "dropped_requests": self.dropped, "families_tracked": len(families),
+                    "observed_requests": counts.observed,
+                    "near_miss_requests": counts.near_misses,
+                    "dropped_requests": counts.dropped, "families_tracked": len(families),
                     "max_families": self.max_families, "families": rows}
 
     def top_families(self, top_k: int = DEFAULT_TOP_K) -> list[dict[str, Any]]:
@@ -373,7 +415,8 @@ HEAD_CHARS_PER_TOKEN: Final = 8  # characters of text tokenized per head token w
 def prompt_head(spec: Any, tokenizer: Any, max_tokens: int) -> list[int] | None:
     """The first ``max_tokens`` prompt tokens of a parsed request (``router.prompts.PromptSpec``):
     token ids as given, else the head of its text (a chat request's rendering from the
-    tokenizer's render cache) tokenized by ``tokenizer`` (``PromptTokenizer``). The last few
+    tokenizer's render cache) tokenized by ``tokenizer`` (``PromptTokenizer``) in the request's
+    ``cache_salt`` partition of its caches (the tenant's, as routing used). The last few
     tokens of a cut text may differ from the whole text's and are dropped. ``None`` when the
     prompt cannot be had without rendering again or without a tokenizer."""
     if spec.token_ids is not None:
@@ -385,7 +428,7 @@ def prompt_head(spec: Any, tokenizer: Any, max_tokens: int) -> list[int] | None:
         return None
     limit = max_tokens * HEAD_CHARS_PER_TOKEN
     cut = len(text) > limit
-    tokens = tokenizer.encode_text(text[:limit], spec.add_special_tokens)
+    tokens = tokenizer.encode_text(text[:limit], spec.add_special_tokens, spec.cache_salt)
     if cut:
         tokens = tokens[:-ANCHOR_WINDOW]
     return list(tokens[:max_tokens])

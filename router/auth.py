@@ -41,6 +41,7 @@ logger = logging.getLogger(__name__)
 
 RELOAD_CHECK_S: Final = 5.0  # seconds between checks of the key file's modification time
 SALT_CONTEXT: Final = b"prefix-router cache_salt v1\x00"  # HMAC domain separation
+FAMILY_ID_CONTEXT: Final = b"prefix-router audit family id v1\x00"  # the template audit's id key
 CLIENT_SALT_POLICIES: Final = ("override", "reject")
 DEBUG_ACCESS: Final = ("admin", "tenant")  # who may call /debug/* when keys are on
 METRICS_ACCESS: Final = ("open", "admin")  # who may scrape /metrics when keys are on
@@ -79,6 +80,13 @@ def tenant_salt(secret: bytes, tenant: str) -> str:
     """``cache_salt`` of ``tenant``: hex HMAC-SHA256 of the tenant under ``secret`` (64 chars,
     within vLLM's 1-128 characters and without ``@ / \\``)."""
     return hmac.new(secret, SALT_CONTEXT + tenant.encode(), hashlib.sha256).hexdigest()
+
+
+def derived_key(secret: bytes, context: bytes) -> bytes:
+    """A 32-byte key for one use (``context``, e.g. ``FAMILY_ID_CONTEXT``) derived from the salt
+    secret: HMAC-SHA256(secret, context). Knowing one derived key or salt tells nothing of the
+    secret or of the keys for other uses (HMAC is a pseudo-random function)."""
+    return hmac.new(secret, context, hashlib.sha256).digest()
 
 
 def parse_key_lines(text: str, source: str, tenant: str | None = None) -> dict[str, str]:
@@ -196,6 +204,9 @@ class TenantAuth:
         self.restrict_debug = debug_access == "admin"
         self.restrict_metrics = metrics_access == "admin"
         self._salts: dict[str, str] = {}  # {tenant: cache_salt}
+        # the key of the template audit's family ids: no one without the secret can compute
+        # the id of a prompt he knows and look for it in /metrics
+        self.family_id_key = derived_key(secret, FAMILY_ID_CONTEXT)
 
     def salt_of(self, tenant: str) -> str:
         salt = self._salts.get(tenant)

@@ -18,6 +18,10 @@ the block's tokens and its extra keys; the LoRA key is on every block and
 ``cache_salt`` on block 0, so both are part of the root). Multimodal items are
 not supported here (the router never sees them). Thread-safe: one lock guards
 the dict; hashing runs outside it.
+
+Tenants: since the root is per ``cache_salt`` (the tenant's, with API keys on) and every node
+is keyed under its parent's id, the trie is partitioned by salt: a prefix one tenant cached is
+walked from another root by another tenant, and misses (issue 29: no timing side channel).
 """
 
 from __future__ import annotations

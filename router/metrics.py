@@ -6,6 +6,7 @@ process. ``render()`` returns the text exposition for ``GET /metrics``.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -136,11 +137,19 @@ class RouterMetrics:
             "model)",
             ["replica"], registry=registry)
 
-    def watch_audit(self, audit: Any, top_k: int) -> None:
+    def watch_audit(self, audit: Any, top_k: int, per_family: bool = True) -> None:
         """Export the template audit (``router.audit.PrefixAudit``): per-family gauges for the
         ``top_k`` families by traffic only (bounded cardinality: at most ``top_k`` label values,
-        each an 8-hex family id that ``GET /debug/prefixes`` explains)."""
-        self.registry.register(_AuditCollector(audit, top_k))
+        each an 8-hex family id that ``GET /debug/prefixes`` explains), and its totals.
+        ``per_family`` False: the totals only (tenants' families are not for an open
+        ``/metrics``)."""
+        self.registry.register(_AuditCollector(audit, top_k if per_family else 0))
+
+    def watch_prompt_caches(self, caches: Callable[[], Iterable[tuple[str, Any]]]) -> None:
+        """Export ``router_prompt_cache_lookups_total{cache,result}`` at scrape time from
+        ``caches()``: ``(name, cache)`` pairs whose ``hits`` and ``misses`` count lookups
+        (``router.lru.SizedLRU``, ``router.chain_cache.ChainCache``)."""
+        self.registry.register(_PromptCacheCollector(caches))
 
     def child(self, metric: Any, *values: str) -> Any:
         """``metric.labels(*values)``, memoised: the request path calls this several times per
@@ -196,6 +205,18 @@ class _AuditCollector(Collector):
 
     def collect(self) -> Any:
         report = self.audit.report(self.top_k)
+        if self.top_k:  # 0: no per-family series at all
+            yield from self._families(report)
+        total = CounterMetricFamily("router_prefix_near_miss_requests", "Requests the template "
+                                    "audit found to be near misses of a prefix family")
+        total.add_metric([], report["near_miss_requests"])
+        yield total
+        dropped = CounterMetricFamily("router_prefix_audit_dropped_requests", "Requests the "
+                                      "template audit skipped because its queue was full")
+        dropped.add_metric([], report["dropped_requests"])
+        yield dropped
+
+    def _families(self, report: dict[str, Any]) -> Any:
         requests = GaugeMetricFamily(
             "router_prefix_family_requests", "Requests of a prefix family (top K by traffic; "
             "GET /debug/prefixes names them)", labels=["family"])
@@ -214,11 +235,24 @@ class _AuditCollector(Collector):
         yield requests
         yield hit_rate
         yield near_miss
-        total = CounterMetricFamily("router_prefix_near_miss_requests", "Requests the template "
-                                    "audit found to be near misses of a prefix family")
-        total.add_metric([], report["near_miss_requests"])
-        yield total
-        dropped = CounterMetricFamily("router_prefix_audit_dropped_requests", "Requests the "
-                                      "template audit skipped because its queue was full")
-        dropped.add_metric([], report["dropped_requests"])
-        yield dropped
+
+
+class _PromptCacheCollector(Collector):
+    """``router_prompt_cache_lookups_total`` from the prompt caches' own counters."""
+
+    def __init__(self, caches: Callable[[], Iterable[tuple[str, Any]]]) -> None:
+        self.caches = caches
+
+    def describe(self) -> list[Any]:
+        return []  # collected at scrape time only
+
+    def collect(self) -> Any:
+        lookups = CounterMetricFamily(
+            "router_prompt_cache_lookups_total", "Lookups in a prompt cache (chain, chunk_tokens, "
+            "rendered_chat) by result (hit, miss); each cache is partitioned by cache_salt (the "
+            "tenant's with API keys on), so one tenant's entries never serve another",
+            labels=["cache", "result"])
+        for name, cache in self.caches():
+            lookups.add_metric([name, "hit"], cache.hits)
+            lookups.add_metric([name, "miss"], cache.misses)
+        yield lookups

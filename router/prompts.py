@@ -28,6 +28,12 @@ tokenizers whose pre-tokenizer is the GPT-4/Qwen-style regex split with NFC or
 no normalizer and whose added tokens hold no whitespace and strip nothing; for
 any other tokenizer chunking is disabled and whole texts are tokenized. A
 self-check at load time compares both paths on sample texts.
+
+Tenants: every cache here is partitioned by the request's ``cache_salt`` (with API keys on,
+the router sets it to the tenant's HMAC salt, ``router.auth``), as vLLM partitions its prefix
+cache by it: a cached chunk or rendering saves one tenant's time only, so how fast a text is
+routed tells nobody whether another tenant sent it (issue 29). One LRU holds all partitions
+(keys ``(salt, chunk)``), so memory stays bounded and a single tenant keeps the whole cache.
 """
 
 from __future__ import annotations
@@ -358,9 +364,17 @@ def _decoded_call(call: Any) -> Any:
 
 
 def _chunk_bytes(key: Hashable, ids: array[int]) -> int:
-    # a str key costs its characters plus ~50 bytes (ASCII; more for other text), the ids
-    # 4 bytes each plus the array header, the LRU entry ~150
+    # a str key costs its characters plus ~50 bytes (ASCII; more for other text), a partition
+    # its salt's characters plus ~110 (the salt string and the key tuple), the ids 4 bytes each
+    # plus the array header, the LRU entry ~150
+    if isinstance(key, tuple):
+        return 110 + sum(len(part) for part in key if isinstance(part, str)) + _chunk_bytes("", ids)
     return 250 + (len(key) if isinstance(key, str) else 64) + 4 * len(ids)
+
+
+def _partitioned(partition: str | None, text: str) -> Hashable:
+    """Chunk-cache key of ``text`` in ``partition`` (a ``cache_salt``; ``None``: unsalted)."""
+    return text if partition is None else (partition, text)
 
 
 def _rendered_bytes(key: Hashable, text: str) -> int:
@@ -385,10 +399,11 @@ class PromptTokenizer:
             raise ValueError(f"tokenizer {source!r} has no fast (Rust) backend")
         self.backend = backend
         self.chat_template: str | None = getattr(self.hf, "chat_template", None)
-        # {chunk text: token ids as array('I'), 4 bytes each}
+        # {chunk text, or (cache_salt, chunk text): token ids as array('I'), 4 bytes each}
         self.cache: SizedLRU[array[int]] = SizedLRU(cache_chunks, cache_bytes, _chunk_bytes)
-        # {xxh3-128 of the request's chat fields: rendered text}; the digest, not the fields'
-        # JSON, is the key, so a multi-MB conversation is held once, as its rendered text
+        # {xxh3-128 of the request's cache_salt and chat fields: rendered text}; the digest, not
+        # the fields' JSON, is the key, so a multi-MB conversation is held once, as its rendered
+        # text
         self.rendered: SizedLRU[str] = SizedLRU(RENDER_CACHE_ENTRIES, render_cache_bytes,
                                                 _rendered_bytes)
         self._special_prefix, self._special_suffix = self._special_tokens()
@@ -430,11 +445,13 @@ class PromptTokenizer:
                 return False
         return True
 
-    def encode_text(self, text: str, add_special_tokens: bool) -> list[int]:
-        """Token ids of ``text`` exactly as ``tokenizer(text, add_special_tokens=...)``."""
+    def encode_text(self, text: str, add_special_tokens: bool,
+                    partition: str | None = None) -> list[int]:
+        """Token ids of ``text`` exactly as ``tokenizer(text, add_special_tokens=...)``, through
+        the chunk cache's ``partition`` (the request's ``cache_salt``)."""
         if not self.chunking:
             return list(self.backend.encode(text, add_special_tokens=add_special_tokens).ids)
-        found = self._chunk_tokens(text_chunks(text))
+        found = self._chunk_tokens(text_chunks(text), partition=partition)
         tokens: list[int] = list(self._special_prefix) if add_special_tokens else []
         for chunk_ids in found:
             tokens.extend(chunk_ids)
@@ -442,15 +459,18 @@ class PromptTokenizer:
             tokens.extend(self._special_suffix)
         return tokens
 
-    def _chunk_tokens(self, chunks: Sequence[str], split_first: bool = False) -> list[Sequence[int]]:
-        """Tokens of each chunk (``add_special_tokens=False``), through the chunk LRU.
+    def _chunk_tokens(self, chunks: Sequence[str], split_first: bool = False,
+                      partition: str | None = None) -> list[Sequence[int]]:
+        """Tokens of each chunk (``add_special_tokens=False``), through the chunk LRU's
+        ``partition`` (a ``cache_salt``: chunks another salt cached are not seen).
 
         With ``split_first`` the first uncached chunk (where a prompt leaves a cached prefix) is
         tokenized line by line at the chunker's newline boundaries, each line through the LRU, so
         the lines it shares with earlier prompts (a document's tail before a new question) are not
         tokenized again; the boundaries are the chunker's, so the tokens are the same.
         """
-        found: list[Sequence[int] | None] = [self.cache.get(c) for c in chunks]
+        found: list[Sequence[int] | None] = [self.cache.get(_partitioned(partition, c))
+                                             for c in chunks]
         missing = [i for i, ids in enumerate(found) if ids is None]
         if not missing:
             return [ids if ids is not None else () for ids in found]
@@ -458,7 +478,8 @@ class PromptTokenizer:
         if len(lines) < 2:
             lines = []
         units = [chunks[i] for i in (missing[1:] if lines else missing)]
-        line_ids: list[array[int] | None] = [self.cache.get(line) for line in lines]
+        line_ids: list[array[int] | None] = [self.cache.get(_partitioned(partition, line))
+                                             for line in lines]
         units.extend(line for line, ids in zip(lines, line_ids, strict=True) if ids is None)
         encoded: dict[str, array[int]] = {}
         if len(units) == 1:
@@ -468,7 +489,7 @@ class PromptTokenizer:
                                  strict=True):
                 encoded[unit] = array("I", enc.ids)
         for unit, unit_ids in encoded.items():
-            self.cache.put(unit, unit_ids)
+            self.cache.put(_partitioned(partition, unit), unit_ids)
         if lines:
             joined: array[int] = array("I")
             for line, cached in zip(lines, line_ids, strict=True):
@@ -504,7 +525,8 @@ class PromptTokenizer:
             suffix = self._special_suffix if add_special_tokens else []
 
             def tokens_of(indexes: list[int]) -> list[Sequence[int]]:
-                return self._chunk_tokens([pieces[i] for i in indexes], split_first=True)
+                return self._chunk_tokens([pieces[i] for i in indexes], split_first=True,
+                                          partition=cache_salt)
         else:
             held = None
             pieces = [(add_special_tokens, text)]
@@ -534,12 +556,14 @@ class PromptTokenizer:
         return chain
 
     def rendered_chat(self, spec: PromptSpec, cached_only: bool = False) -> str | None:
-        """``render_chat`` through an LRU keyed by the request's chat fields.
+        """``render_chat`` through an LRU keyed by the request's ``cache_salt`` and chat fields
+        (a rendering is cached for the tenant that asked for it only).
 
         With ``cached_only`` returns ``None`` instead of rendering. Raises
         ``PromptError`` on template errors.
         """
-        key = xxhash.xxh3_128_digest(msgspec.json.encode([spec.messages, spec.chat_options]))
+        key = xxhash.xxh3_128_digest(msgspec.json.encode([spec.cache_salt, spec.messages,
+                                                          spec.chat_options]))
         text = self.rendered.get(key)
         if text is not None or cached_only:
             return text
@@ -597,8 +621,8 @@ class PromptTokenizer:
         if spec.token_ids is not None:
             return spec.token_ids
         if spec.text is not None:
-            return self.encode_text(spec.text, spec.add_special_tokens)
-        return self.encode_text(self.render_chat(spec), spec.add_special_tokens)
+            return self.encode_text(spec.text, spec.add_special_tokens, spec.cache_salt)
+        return self.encode_text(self.render_chat(spec), spec.add_special_tokens, spec.cache_salt)
 
 
 def default_tokenizer_dir() -> str | None:

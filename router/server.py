@@ -119,6 +119,7 @@ class RouterService:
                                      config.tokenizer_threads)
         self.router = RequestRouter(config, self.fleet, self.tracker, self.learner, self.chainer,
                                     self.metrics, self.tracing)
+        self.metrics.watch_prompt_caches(self._prompt_caches)
         self.dispatcher = Dispatcher(self.fleet, self.tracker, self.chainer, config.block_size,
                                      config.index_stride, self.router.uses_index,
                                      self._update_inflight)
@@ -134,22 +135,26 @@ class RouterService:
         self.session: aiohttp.ClientSession | None = None
         self.proxy: Proxy | None = None
         self._tasks: list[asyncio.Task[None]] = []
-        self.audit: PrefixAudit | None = None
-        if config.audit_families:
-            decode = tokenizer.backend.decode if tokenizer is not None else None
-            self.audit = PrefixAudit(config.block_size, decode, config.audit_families,
-                                     config.audit_head_tokens)
-            self.metrics.watch_audit(self.audit, config.audit_top_k)
-        # the audit's own thread: it never competes with routing for the tokenizer pool
-        self.audit_executor = ThreadPoolExecutor(1, thread_name_prefix="audit")
-        self._audit_queued = 0  # observations submitted and not yet done
-        self.web_server: web.Server | None = None  # the listening server (client connections)
-        self.draining = False  # stopping: /ready answers 503 while in-flight requests finish
         self.auth: TenantAuth | None = None
         if config.api_keys:
             self.auth = load_tenant_auth(
                 config.api_keys, config.cache_salt_secret_file, config.client_cache_salt,
                 config.admin_tenants, config.debug_access, config.metrics_access)
+        self.audit: PrefixAudit | None = None
+        if config.audit_families:
+            decode = tokenizer.backend.decode if tokenizer is not None else None
+            self.audit = PrefixAudit(config.block_size, decode, config.audit_families,
+                                     config.audit_head_tokens,
+                                     id_key=self.auth.family_id_key if self.auth else b"")
+            # families are tenants' prompts: with API keys on, their series only where a key is
+            # needed to read them (metrics_access admin)
+            self.metrics.watch_audit(self.audit, config.audit_top_k, per_family=(
+                self.auth is None or self.auth.restrict_metrics))
+        # the audit's own thread: it never competes with routing for the tokenizer pool
+        self.audit_executor = ThreadPoolExecutor(1, thread_name_prefix="audit")
+        self._audit_queued = 0  # observations submitted and not yet done
+        self.web_server: web.Server | None = None  # the listening server (client connections)
+        self.draining = False  # stopping: /ready answers 503 while in-flight requests finish
 
     # -- lifecycle ---------------------------------------------------------------
 
@@ -248,12 +253,15 @@ class RouterService:
             handler.force_close()
         return max(surplus, 0)
 
-    def _prompt_cache_gauges(self) -> None:
+    def _prompt_caches(self) -> list[tuple[str, Any]]:
         caches: list[tuple[str, Any]] = [("chain", self.chainer.chains)]
         if self.tokenizer is not None:
             caches += [("chunk_tokens", self.tokenizer.cache),
                        ("rendered_chat", self.tokenizer.rendered)]
-        for name, cache in caches:
+        return caches
+
+    def _prompt_cache_gauges(self) -> None:
+        for name, cache in self._prompt_caches():
             self.metrics.prompt_cache_bytes.labels(name).set(cache.num_bytes)
             self.metrics.prompt_cache_entries.labels(name).set(len(cache))
 
@@ -457,7 +465,7 @@ class RouterService:
         if audit is None:
             return
         if self._audit_queued >= AUDIT_QUEUE:
-            audit.dropped += 1
+            audit.drop(tenant)
             return
         cached = cached_tokens_from_tail(outcome.tail)
         head = self.config.audit_head_tokens

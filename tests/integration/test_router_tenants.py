@@ -5,22 +5,36 @@ Tenant A's secret system prompt must give tenant B 0 cached tokens on the engine
 predicted hit blocks in ``/debug/route``, while A's own repeats (through another of A's keys,
 too) still hit; keys are checked (401 in the OpenAI shape), a client's own ``cache_salt`` is
 overridden or rejected per policy, and ``/metrics`` can be restricted to admin tenants.
+Issue 29: an outsider without a key finds nothing derived from B's prompt on any open endpoint
+(the template audit's family ids are keyed with the salt secret and left out of an open
+``/metrics``), and a text B sent is a miss in every router cache for A.
 """
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import json
 import random
 import subprocess
+from array import array
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+import xxhash
 
-from router.auth import hash_key, new_key, tenant_salt
+from router.auth import FAMILY_ID_CONTEXT, derived_key, hash_key, new_key, tenant_salt
 from tests.helpers import EMULATE, PYTHON, start_process, stop_process, wait_for
-from tests.integration.test_router_fleet import KV_EVENTS, Router, http, read_json_file
+from tests.integration.test_router_fleet import (
+    KV_EVENTS,
+    TOKENIZER,
+    Router,
+    http,
+    prometheus_value,
+    read_json_file,
+)
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -123,6 +137,22 @@ def secret_prompt(seed: int) -> list[int]:
     return random.Random(seed).sample(range(1000, 100000), 320)  # 20 blocks
 
 
+def family_ids(prompt: list[int], tenant: str) -> tuple[str, str]:
+    """The template audit's id of ``prompt``'s family: as anyone could compute it before issue
+    29 (xxh3 of the first block's ids and the tenant), and keyed with the salt secret now."""
+    first_block = array("q", prompt[:16]).tobytes()
+    old = xxhash.xxh3_64_hexdigest(first_block + tenant.encode())[:8]
+    new = hmac.new(derived_key(SECRET, FAMILY_ID_CONTEXT), tenant.encode() + b"\x00" + first_block,
+                   hashlib.sha256).hexdigest()[:8]
+    return old, new
+
+
+def audited(router: Router, requests: int) -> None:
+    """Wait until the template audit has observed ``requests`` requests (admin view)."""
+    wait_for(lambda: call(router, "ops", "/debug/prefixes", method="GET")[2][
+        "observed_requests"] == requests, 15, message=f"the audit observed {requests} requests")
+
+
 def test_keys_are_required_and_checked(replica: OneReplica, tmp_path: Path) -> None:
     router = start_router(replica, tmp_path)
     try:
@@ -185,7 +215,103 @@ def test_client_salt_rejected_and_metrics_restricted(replica: OneReplica, tmp_pa
         assert cached(complete(router, "b", secret_prompt(2))) == 0
         assert call(router, None, "/metrics", method="GET")[0] == 401
         assert call(router, "b", "/metrics", method="GET")[0] == 403
+        audited(router, 1)
         status, _, text = call(router, "ops", "/metrics", method="GET")
         assert status == 200 and b'status="400"' in text
+        # behind a key, the families are exported, under their keyed ids
+        old_id, new_id = family_ids(secret_prompt(2), "tenant-b")
+        assert f'router_prefix_family_requests{{family="{new_id}"}} 1.0'.encode() in text
+        assert old_id.encode() not in text
+    finally:
+        router.stop()
+
+
+def test_an_outsider_finds_nothing_derived_from_a_tenant_prompt(replica: OneReplica,
+                                                                 tmp_path: Path) -> None:
+    """Issue 29 item 2: the outsider knows B's prompt and computes its family id the old way
+    and (were the secret his) the new way; neither, nor the tenant's name or salt, shows on any
+    endpoint open without a key, in a body or a header. Tenant A's own views show none of B's."""
+    router = start_router(replica, tmp_path, "--debug-access", "tenant")
+    try:
+        prompt = secret_prompt(3)
+        complete(router, "b", prompt)
+        complete(router, "a1", secret_prompt(4))
+        audited(router, 2)
+        old_id, new_id = family_ids(prompt, "tenant-b")
+        secrets = [old_id, new_id, "tenant-b", tenant_salt(SECRET, "tenant-b")]
+        seen = []
+        for method, path, body in [("GET", "/metrics", None), ("GET", "/ready", None),
+                                   ("GET", "/health", None), ("GET", "/v1/models", None),
+                                   ("GET", "/debug/prefixes", None),
+                                   ("POST", "/debug/route", {"model": MODEL, "prompt": prompt}),
+                                   ("POST", "/v1/completions", {"model": MODEL, "prompt": prompt}),
+                                   ("GET", "/no-such-path", None)]:
+            status, headers, raw = http(method, router.url + path, body)
+            assert status in (200, 401, 404), (path, status)
+            seen.append(raw.decode() + json.dumps(headers))
+        for text in seen:
+            assert not [s for s in secrets if s in text]
+        metrics = seen[0]
+        assert "router_prefix_family_requests" not in metrics  # no family series when open
+        assert "router_prefix_near_miss_requests_total 0.0" in metrics  # the totals stay
+        _, _, everyone = call(router, "ops", "/debug/prefixes", method="GET")
+        assert new_id in {f["family"] for f in everyone["families"]}  # the id computed right
+        # tenant A's own debug views: its families and counts only, nothing of B's
+        _, _, mine = call(router, "a1", "/debug/prefixes", method="GET")
+        assert {f["tenant"] for f in mine["families"]} == {"tenant-a"}
+        assert mine["observed_requests"] == 1 and new_id not in json.dumps(mine)
+        _, _, route = call(router, "a1", "/debug/route", {"model": MODEL, "prompt": prompt})
+        assert route["hit_blocks"] == 0 and new_id not in json.dumps(route)
+    finally:
+        router.stop()
+
+
+def cache_lookups(router: Router) -> dict[tuple[str, str], float]:
+    """``router_prompt_cache_lookups_total`` by (cache, result)."""
+    text = call(router, "ops", "/metrics", method="GET")[2].decode()
+    return {(cache, result): prometheus_value(
+        text, f'router_prompt_cache_lookups_total{{cache="{cache}",result="{result}"}}')
+        for cache in ("chain", "chunk_tokens", "rendered_chat") for result in ("hit", "miss")}
+
+
+def lookups_during(router: Router, who: str, path: str, body: dict[str, Any]) -> dict[str, float]:
+    """The cache lookups one request of ``who`` made: ``{"chain hit": n, ...}``."""
+    before = cache_lookups(router)
+    status, _, answer = call(router, who, path, {"model": MODEL, "max_tokens": 1, **body})
+    assert status == 200, answer
+    after = cache_lookups(router)
+    return {f"{cache} {result}": after[cache, result] - before[cache, result]
+            for cache, result in after}
+
+
+@pytest.mark.skipif(TOKENIZER is None, reason="needs the Qwen3 tokenizer files")
+def test_a_text_another_tenant_sent_is_a_miss_in_every_router_cache(replica: OneReplica,
+                                                                     tmp_path: Path) -> None:
+    """Issue 29 item 3: the chunk-token cache was keyed by text alone, so B's text routed faster
+    for A (91 against 462 ms for 120k characters). Now every prompt cache is partitioned by the
+    tenant's salt: A's request for B's text misses in each (it is tokenized and hashed anew),
+    B's own repeat hits. Counted, not timed (loadtest/bench_tenant_cache.py times it)."""
+    assert TOKENIZER is not None
+    router = start_router(replica, tmp_path, "--tokenizer", TOKENIZER, "--audit-families", "0")
+    try:
+        rng = random.Random(29)
+        # ~1,800 characters: tokenized on the event loop, whole (no lazy rest on another thread)
+        text = ["".join(f"Clause {i}: " + " ".join(f"w{rng.randrange(10**6)}" for _ in range(9))
+                        + ".\n" for i in range(24)) for _ in range(2)]
+        cases: list[tuple[str, dict[str, Any], str]] = [
+            ("/v1/completions", {"prompt": text[0]}, "chunk_tokens"),
+            ("/v1/chat/completions", {"messages": [{"role": "user", "content": text[1]}]},
+             "rendered_chat")]
+        for path, body, cache in cases:
+            first = lookups_during(router, "b", path, body)
+            assert first[f"{cache} miss"] >= 1 and first[f"{cache} hit"] == 0
+            other = lookups_during(router, "a1", path, body)
+            assert other[f"{cache} miss"] >= 1 and other["chunk_tokens miss"] >= 1
+            assert (other["chain hit"], other["chunk_tokens hit"], other["rendered_chat hit"]) == (
+                0, 0, 0), other
+            repeat = lookups_during(router, "b", path, body)
+            assert repeat["chain hit"] >= 1 and repeat["chunk_tokens miss"] == 0, repeat
+            if cache == "rendered_chat":
+                assert repeat["rendered_chat hit"] >= 1
     finally:
         router.stop()

@@ -104,6 +104,39 @@ def test_memory_is_bounded_and_tenants_are_apart() -> None:
     assert [f["tenant"] for f in only_a] == ["a"] and only_a[0]["requests"] == 2
 
 
+def test_family_ids_are_keyed_and_a_tenant_view_counts_its_own_requests() -> None:
+    """Issue 29: the id of a family (a /metrics label) is an HMAC under the key derived from
+    the salt secret, not a hash anyone who knows the prompt can compute; a tenant's view counts
+    only its own requests, near misses and drops."""
+    import hashlib
+    import hmac
+    from array import array
+
+    import xxhash
+
+    from router.auth import FAMILY_ID_CONTEXT, derived_key
+
+    prompt = random.Random(6).sample(range(1000, 90000), 300)
+    key = derived_key(b"0123456789abcdef-secret", FAMILY_ID_CONTEXT)
+    audit = PrefixAudit(16, id_key=key)
+    fid = audit.observe(prompt, tenant="tenant-b")
+    first_block = array("q", prompt[:16]).tobytes()
+    unkeyed = xxhash.xxh3_64_hexdigest(first_block + b"tenant-b")[:8]  # the old id
+    assert fid != unkeyed
+    assert fid == hmac.new(key, b"tenant-b\x00" + first_block, hashlib.sha256).hexdigest()[:8]
+    other_key = derived_key(b"another-secret-of-16-bytes", FAMILY_ID_CONTEXT)
+    assert PrefixAudit(16, id_key=other_key).observe(prompt, tenant="tenant-b") != fid
+    audit.observe([*prompt[:100], 5, 6, 7, *prompt[103:]], tenant="tenant-b")  # a near miss
+    audit.drop("tenant-b")
+    audit.observe(prompt, tenant="tenant-a")
+    mine = audit.report(tenant="tenant-a", all_tenants=False)
+    assert (mine["observed_requests"], mine["near_miss_requests"], mine["dropped_requests"],
+            mine["families_tracked"]) == (1, 0, 0, 1)
+    everyone = audit.report()
+    assert (everyone["observed_requests"], everyone["near_miss_requests"],
+            everyone["dropped_requests"], everyone["families_tracked"]) == (3, 1, 1, 2)
+
+
 def test_anchors_follow_content_not_position() -> None:
     body = random.Random(5).sample(range(1000, 90000), 300)
     here, shifted = anchors(body), anchors([7, 8, 9, 10, 11, *body])

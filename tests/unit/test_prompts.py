@@ -138,6 +138,38 @@ def test_chat_chain_uses_render_cache(tok: PromptTokenizer) -> None:
 
 
 @needs_tokenizer
+def test_every_prompt_cache_is_partitioned_by_cache_salt(tok: PromptTokenizer) -> None:
+    """Issue 29: a text (or chat) tenant B had routed is a miss in every cache for tenant A (other
+    salt), so A's routing time tells nothing of B's prompts; B's own repeat still hits."""
+    hasher = BlockHasher(16)
+    chains = ChainCache(hasher, capacity=5000)
+    rng = random.Random(29)
+    text = "".join(f"line {i}: " + " ".join(f"w{rng.randrange(10**6)}" for _ in range(12)) + "\n"
+                   for i in range(60))  # about 20 chunks
+    salt_a, salt_b = "a" * 64, "b" * 64
+    first = tok.text_chain(text, True, chains, cache_salt=salt_b)
+    assert first is not None and first.cached_pieces == 0
+    hits, misses = tok.cache.hits, tok.cache.misses
+    other = tok.text_chain(text, True, chains, cache_salt=salt_a)
+    assert other is not None and other.cached_pieces == 0  # the chain cache: A's own root
+    assert tok.cache.hits == hits  # no chunk of B's text served A ...
+    assert tok.cache.misses - misses >= len(text_chunks(text))  # ... every one was tokenized
+    again = tok.text_chain(text, True, chains, cache_salt=salt_b)
+    assert again is not None and again.computed_pieces == 0  # B's repeat: all from the cache
+    hits = tok.cache.hits
+    unsalted = ChainCache(hasher, capacity=5000)  # (a chain cache that lost B's pieces)
+    assert tok.text_chain(text, True, unsalted, cache_salt=salt_b) is not None
+    assert tok.cache.hits - hits >= len(text_chunks(text))  # B's chunks still serve B
+    assert tok.encode_text(text, True, salt_a) == tok.hf(text)["input_ids"]  # exact as before
+    messages = [{"role": "user", "content": text}]
+    chat_b = parse_prompt("chat", {"messages": messages, "cache_salt": salt_b})
+    chat_a = parse_prompt("chat", {"messages": messages, "cache_salt": salt_a})
+    rendered = tok.rendered_chat(chat_b)
+    assert tok.rendered_chat(chat_a, cached_only=True) is None  # B's rendering: not A's
+    assert tok.rendered_chat(chat_b, cached_only=True) == rendered
+
+
+@needs_tokenizer
 def test_chat_matches_apply_chat_template(tok: PromptTokenizer) -> None:
     body = {"model": "m", "messages": [
         {"role": "developer", "content": "Be brief."},
