@@ -21,6 +21,7 @@ import aiohttp
 from router import contract as c
 from router.config import DEFAULT_STREAM_READ_INTERVAL_S, RouterConfig
 from router.fleet import Fleet, Replica, int_field
+from router.logs import IntervalLog
 from router.metrics import RouterMetrics
 
 logger = logging.getLogger(__name__)
@@ -97,6 +98,7 @@ class FleetReader:
         # after a reconnect, replicas whose heartbeat is missing stay until then (monotonic):
         # a Redis that restarted empty gets one heartbeat TTL for the workers to re-register
         self._keep_missing_until = 0.0
+        self._unreachable = IntervalLog(logger)  # connection lost / still unreachable
 
     async def run(self) -> None:
         from router.redis_client import FIRST_RECONNECT_WAIT_S, reconnect_retry, redis_errors
@@ -136,13 +138,18 @@ class FleetReader:
             await client.aclose()
             raise
         self._set_connected(True)
+        self._unreachable.reset()
         return client
 
     async def _lost(self, exc: Exception) -> None:
         self.attempted.set()
         if self.connected:
-            logger.warning("redis connection lost (%s); routing continues on ring and "
-                           "speculative state", exc)
+            self._unreachable.reset()
+            self._unreachable(logging.WARNING, "redis connection lost (%s); routing continues "
+                              "on ring and speculative state", exc)
+        else:  # one line per interval while it stays so (was silent: only /ready said it)
+            self._unreachable(logging.WARNING, "redis not reachable (%s); retrying, routing on "
+                              "ring and speculative state", exc)
         self._set_connected(False)
 
     def _set_connected(self, value: bool) -> None:

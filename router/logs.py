@@ -10,6 +10,9 @@ from __future__ import annotations
 
 import json
 import logging
+import math
+import time
+from collections.abc import Callable
 from contextvars import ContextVar
 from datetime import UTC, datetime
 from typing import Final
@@ -44,3 +47,39 @@ def configure_logging(level: str, log_format: str = "text") -> None:
     handler = logging.StreamHandler()
     handler.setFormatter(JsonFormatter() if log_format == "json" else logging.Formatter(TEXT_FORMAT))
     logging.basicConfig(level=level.upper(), handlers=[handler], force=True)
+
+
+UNREACHABLE_LOG_INTERVAL_S: Final = 10.0  # one "still unreachable" line per this many seconds
+
+
+class IntervalLog:
+    """One log line per ``interval_s`` for a condition that repeats (each failed reconnect of a
+    retry loop), carrying how many times it happened since the last line: a Redis that stays
+    down gets a line every 10 s, not one per retry (6 a second at first) nor none at all.
+    ``clock`` is monotonic seconds. Not thread-safe: one loop's callbacks."""
+
+    def __init__(self, logger: logging.Logger, interval_s: float = UNREACHABLE_LOG_INTERVAL_S,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.logger = logger
+        self.interval_s = interval_s
+        self.clock = clock
+        self.num_since = 0  # occurrences since the last line
+        self._last = -math.inf  # when the last line was written
+
+    def __call__(self, level: int, message: str, *args: object) -> bool:
+        """Count one occurrence; log ``message % args`` (with `` (N times since the last line)``
+        when more than one) if ``interval_s`` passed since the last line. Returns whether it
+        logged."""
+        self.num_since += 1
+        now = self.clock()
+        if now - self._last < self.interval_s:
+            return False
+        if self.num_since > 1:
+            message += f" ({self.num_since} times since the last line)"
+        self.logger.log(level, message, *args)
+        self._last, self.num_since = now, 0
+        return True
+
+    def reset(self) -> None:
+        """The condition ended: the next occurrence logs at once."""
+        self._last, self.num_since = -math.inf, 0
