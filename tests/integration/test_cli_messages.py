@@ -10,6 +10,7 @@ in the interpreter's own start (``site``), which no program code can guard.
 
 from __future__ import annotations
 
+import os
 import re
 import signal
 import subprocess
@@ -97,3 +98,33 @@ def test_capacity_of_a_missing_model_directory_says_it_does_not_exist(tmp_path: 
     (tmp_path / "empty").mkdir()
     result = run("router.cli", "capacity", str(tmp_path / "empty"))
     assert result.stderr.strip().endswith("has no config.json")
+
+
+WORKER = ["worker.cli", "report", "--engine-url", "http://127.0.0.1:9", "--kv-events-endpoint",
+          "tcp://127.0.0.1:9", "--redis-url", "redis://127.0.0.1:9/0"]
+
+
+@pytest.mark.parametrize(("args", "env", "yaml", "expected"), [
+    (["router.cli", "serve", "--replica", "http://127.0.0.1:9"], {"ROUTER_BLOCK_SIZE": "0"}, None,
+     "prefix-router serve: error: env ROUTER_BLOCK_SIZE: block_size must be >= 1, got 0"),
+    (["router.cli", "serve", "--replica", "http://127.0.0.1:9"], {}, "hash_seed: {a: 1}\n",
+     "prefix-router serve: error: config file {yaml}, key hash_seed: bad value {{'a': 1}} for "
+     "hash_seed: expected a string, got a mapping"),
+    (["router.cli", "serve"], {}, "replicas: [http://127.0.0.1:9\nport: 1\n",
+     "prefix-router serve: error: config file {yaml}: line 2, column 5: expected ',' or ']', "
+     "but got ':' (while parsing a flow sequence)"),
+    ([*WORKER, "--replica-id", "a#1"], {}, None,
+     "prefix-worker report: error: --replica-id: replica id 'a#1' must not contain '#': it "
+     "separates an engine's data-parallel ranks (name#rank)"),
+], ids=["env-range", "yaml-mapping", "yaml-syntax", "replica-id-separator"])
+def test_settings_errors_name_the_source_actually_used(
+        tmp_path: Path, args: list[str], env: dict[str, str], yaml: str | None,
+        expected: str) -> None:
+    path = tmp_path / "settings.yaml"
+    if yaml is not None:
+        path.write_text(yaml)
+        args = [*args, "--config", str(path)]
+    result = subprocess.run([PYTHON, "-m", *args], capture_output=True, text=True, timeout=60,
+                            check=False, env={**os.environ, **env})
+    assert result.returncode == 2
+    assert result.stderr.splitlines() == [expected.format(yaml=path)]
