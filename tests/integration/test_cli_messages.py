@@ -116,7 +116,10 @@ WORKER = ["worker.cli", "report", "--engine-url", "http://127.0.0.1:9", "--kv-ev
     ([*WORKER, "--replica-id", "a#1"], {}, None,
      "prefix-worker report: error: --replica-id: replica id 'a#1' must not contain '#': it "
      "separates an engine's data-parallel ranks (name#rank)"),
-], ids=["env-range", "yaml-mapping", "yaml-syntax", "replica-id-separator"])
+    (["router.cli", "serve", "--replica", "http://127.0.0.1:9"], {"ROUTER_API_KEYS": "/keys"},
+     None, "prefix-router serve: error: env ROUTER_API_KEYS: api_keys needs "
+     "cache_salt_secret_file (every router process must derive the same per-tenant cache salts)"),
+], ids=["env-range", "yaml-mapping", "yaml-syntax", "replica-id-separator", "env-api-keys"])
 def test_settings_errors_name_the_source_actually_used(
         tmp_path: Path, args: list[str], env: dict[str, str], yaml: str | None,
         expected: str) -> None:
