@@ -9,31 +9,35 @@ emulated fleet, and run the demo (the project's main benchmark). Does I/O (it is
 
 from __future__ import annotations
 
-import argparse
-import asyncio
-import json
-import logging
-import math
-import sys
-from collections.abc import Sequence
-from pathlib import Path
+from router.interrupt import exit_on_interrupt
 
-from loadtest.ab import add_ab_parser
-from loadtest.compare import add_compare_parsers
-from loadtest.data import PACKAGED_ARRIVALS, packaged_trace_path
-from loadtest.replay import (
-    DEFAULT_MAX_CONCURRENCY,
-    DEFAULT_MODEL,
-    DEFAULT_REQUEST_TIMEOUT_S,
-    PROMPT_FORMATS,
-    ReplayConfig,
-    replay,
-    summarize,
-    write_records,
-)
-from loadtest.trace import read_trace
-from router.version import version_line
+with exit_on_interrupt():  # Ctrl-C while these load: exit 130, no traceback
+    import argparse
+    import asyncio
+    import json
+    import logging
+    import math
+    import sys
+    from collections.abc import Sequence
+    from pathlib import Path
+    from typing import NoReturn
 
+    from loadtest.ab import add_ab_parser
+    from loadtest.compare import add_compare_parsers
+    from loadtest.data import PACKAGED_ARRIVALS, packaged_trace_path
+    from loadtest.replay import (
+        DEFAULT_MAX_CONCURRENCY,
+        DEFAULT_MODEL,
+        DEFAULT_REQUEST_TIMEOUT_S,
+        PROMPT_FORMATS,
+        ReplayConfig,
+        replay,
+        summarize,
+        write_records,
+    )
+    from loadtest.trace import read_trace
+    from router.settings import usage_error_line
+    from router.version import version_line
 logger = logging.getLogger(__name__)
 
 
@@ -104,9 +108,17 @@ def _cmd_replay(args: argparse.Namespace) -> int:
     return 0 if any(r.ok for r in records) else 1
 
 
+class _OneLineParser(argparse.ArgumentParser):
+    """argparse whose usage errors are one line on stderr, exit 2 (``usage_error_line``: the
+    closest flag or command, a pointer to ``--help``), for the subcommands' parsers too."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {usage_error_line(self, message)}\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="prefix-loadtest",
-                                     description=" ".join(__doc__.split("\n\n")[0].split()))
+    parser = _OneLineParser(prog="prefix-loadtest",
+                            description=" ".join(__doc__.split("\n\n")[0].split()))
     parser.add_argument("--log-level", default="warning", type=str.lower,
                         choices=("debug", "info", "warning", "error", "critical"))
     parser.add_argument("--version", action="version", version=version_line("prefix-loadtest"))
@@ -126,6 +138,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_ab_parser(sub)
     for command in sub.choices.values():  # ``prefix-loadtest demo --version`` too
         command.add_argument("--version", action="version", version=version_line("prefix-loadtest"))
+        # an unknown flag is reported by the subcommand that got it (argparse: the top parser)
+        command.set_defaults(command_parser=command)
 
     return parser
 
@@ -165,9 +179,21 @@ def missing_loadtest_modules() -> list[str]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of the ``prefix-loadtest`` console script; returns the exit status."""
+    """Entry point of the ``prefix-loadtest`` console script; returns the exit status (130
+    after Ctrl-C, at any point: one line, no traceback)."""
+    try:
+        return _main(argv)
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+
+
+def _main(argv: Sequence[str] | None) -> int:
     parser = build_parser()
-    args = parser.parse_args(list(argv) if argv is not None else None)
+    args, unknown = parser.parse_known_args(list(argv) if argv is not None else None)
+    parser = args.command_parser
+    if unknown:
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     _check_args(parser, args)
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -176,11 +202,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"prefix-loadtest: {', '.join(missing)} not installed; "
               "pip install -e '.[loadtest]' (or 'prefix-router[loadtest]')", file=sys.stderr)
         return 2
-    try:
-        return int(args.func(args))
-    except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
-        return 130
+    return int(args.func(args))
 
 
 if __name__ == "__main__":

@@ -6,26 +6,29 @@ CLI edge: parses arguments, prints results, maps errors to exit codes.
 
 from __future__ import annotations
 
-import argparse
-import dataclasses
-import json
-import sys
-from collections.abc import Sequence
-from pathlib import Path
-from typing import Any, NoReturn
+from router.interrupt import exit_on_interrupt
 
-from router import capacity
-from router.hashing import (
-    DEFAULT_BLOCK_SIZE,
-    DEFAULT_HASH_ALGO,
-    HASH_ALGOS,
-    BlockHasher,
-    HashConfigError,
-    MultiModalItem,
-    block_key,
-)
-from router.version import version_line
+with exit_on_interrupt():  # Ctrl-C while these load: exit 130, no traceback
+    import argparse
+    import dataclasses
+    import json
+    import sys
+    from collections.abc import Sequence
+    from pathlib import Path
+    from typing import Any, NoReturn
 
+    from router import capacity
+    from router.hashing import (
+        DEFAULT_BLOCK_SIZE,
+        DEFAULT_HASH_ALGO,
+        HASH_ALGOS,
+        BlockHasher,
+        HashConfigError,
+        MultiModalItem,
+        block_key,
+    )
+    from router.settings import unknown_command_line, usage_error_line
+    from router.version import version_line
 
 class UsageError(ValueError):
     """Bad command-line input; reported as one line on stderr with exit code 2."""
@@ -40,7 +43,7 @@ class _OneLineParser(argparse.ArgumentParser):
         self.add_argument("--version", action="version", version=version_line("prefix-router"))
 
     def error(self, message: str) -> NoReturn:
-        self.exit(2, f"{self.prog}: error: {message}\n")
+        self.exit(2, f"{self.prog}: error: {usage_error_line(self, message)}\n")
 
 
 def _parse_mm(spec: str) -> MultiModalItem:
@@ -162,6 +165,12 @@ def _capacity_shape(args: argparse.Namespace) -> capacity.ModelShape:
     source = "--weights-gb" if weights is not None else None
     if args.model_dir is not None:
         model_dir = Path(args.model_dir)
+        if not model_dir.exists():
+            raise UsageError(f"{model_dir}: no such directory (give a model directory holding "
+                             "config.json, or the shape flags)")
+        if not model_dir.is_dir():
+            raise UsageError(f"{model_dir} is not a directory (give the model directory "
+                             "holding config.json)")
         if not (model_dir / "config.json").is_file():
             raise UsageError(f"{model_dir} has no config.json")
         from transformers import AutoConfig  # heavy import, only for a model directory
@@ -334,7 +343,13 @@ def run_auth(argv: Sequence[str]) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of ``prefix-router``."""
+    """Entry point of ``prefix-router``. Ctrl-C before a command takes over the signal (during the
+    imports of seconds on a busy machine) ends it with status 130 and no traceback."""
+    with exit_on_interrupt():  # a command running an event loop sets its graceful stop
+        return _main(argv)
+
+
+def _main(argv: Sequence[str] | None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] in (["--version"], ["-V"]):
         print(version_line("prefix-router"))
@@ -344,9 +359,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                 "audit": "prompt-template audit of a file of requests",
                 "auth": "make or hash API keys for --api-keys",
                 "serve": "run the router"}
-    if not argv or argv[0] in ("-h", "--help") or argv[0] not in commands:
+    if argv and argv[0] not in commands and argv[0] not in ("-h", "--help"):
+        print(unknown_command_line("prefix-router", argv[0], commands), file=sys.stderr)
+        return 2
+    if not argv or argv[0] in ("-h", "--help"):
         lines = "\n".join(f"  {name:8s} {text}" for name, text in commands.items())
-        stream = sys.stdout if argv and argv[0] in ("-h", "--help") else sys.stderr
+        stream = sys.stdout if argv else sys.stderr
         print(f"usage: prefix-router [--version] {{{','.join(commands)}}} ...\n\ncommands:\n{lines}",
               file=stream)
         return 0 if stream is sys.stdout else 2

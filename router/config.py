@@ -247,7 +247,7 @@ class RouterConfig:
                 raise ConfigError(str(exc), name) from exc
         if self.api_keys and not self.cache_salt_secret_file:
             raise ConfigError("api_keys needs cache_salt_secret_file (every router process "
-                              "must derive the same per-tenant cache salts)")
+                              "must derive the same per-tenant cache salts)", "api_keys")
         if not self.redis_url and not self.replicas:
             raise ConfigError("need --redis-url (worker-reported fleet) or at least one --replica URL")
 

@@ -21,7 +21,7 @@ import aiohttp
 from router import contract as c
 from router.config import DEFAULT_STREAM_READ_INTERVAL_S, RouterConfig
 from router.fleet import Fleet, Replica, int_field
-from router.logs import RateLimitedLog
+from router.logs import IntervalLog
 from router.metrics import RouterMetrics
 
 logger = logging.getLogger(__name__)
@@ -103,8 +103,9 @@ class FleetReader:
         self._keep_missing_until = 0.0
         self.oom = False  # Redis refuses writes for lack of memory (a worker says so, or a read)
         self._oom_read_until = 0.0  # monotonic: a read of this router was refused until then
-        self._oom_log = RateLimitedLog(logger, OOM_READ_HOLD_S)
-        self._bad_log = RateLimitedLog(logger, OOM_READ_HOLD_S)  # malformed stream entries
+        self._oom_log = IntervalLog(logger, OOM_READ_HOLD_S)
+        self._bad_log = IntervalLog(logger, OOM_READ_HOLD_S)  # malformed stream entries
+        self._unreachable = IntervalLog(logger)  # connection lost / still unreachable
 
     async def run(self) -> None:
         from router.redis_client import FIRST_RECONNECT_WAIT_S, reconnect_retry, redis_errors
@@ -144,13 +145,18 @@ class FleetReader:
             await client.aclose()
             raise
         self._set_connected(True)
+        self._unreachable.reset()
         return client
 
     async def _lost(self, exc: Exception) -> None:
         self.attempted.set()
         if self.connected:
-            logger.warning("redis connection lost (%s); routing continues on ring and "
-                           "speculative state", exc)
+            self._unreachable.reset()
+            self._unreachable(logging.WARNING, "redis connection lost (%s); routing continues "
+                              "on ring and speculative state", exc)
+        else:  # one line per interval while it stays so (was silent: only /ready said it)
+            self._unreachable(logging.WARNING, "redis not reachable (%s); retrying, routing on "
+                              "ring and speculative state", exc)
         self._set_connected(False)
 
     def _set_connected(self, value: bool) -> None:

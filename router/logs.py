@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import time
+from collections.abc import Callable
 from contextvars import ContextVar
 from datetime import UTC, datetime
 from typing import Final
@@ -47,33 +49,44 @@ def configure_logging(level: str, log_format: str = "text") -> None:
     logging.basicConfig(level=level.upper(), handlers=[handler], force=True)
 
 
-class RateLimitedLog:
-    """At most one log line per ``interval_s`` for a recurring condition (a bad message, a
-    refused write), carrying how many occurrences it stands for. No I/O beyond the logger.
+UNREACHABLE_LOG_INTERVAL_S: Final = 10.0  # one "still unreachable" line per this many seconds
 
-    ``log(level, msg, *args)`` logs at once if the last line was ``interval_s`` ago or more,
-    suffixed ``" (N times in the last T s)"`` when occurrences were held back meanwhile; else it
-    only counts. Uses ``time.monotonic``. A flood of bad input costs one line per interval.
-    """
 
-    def __init__(self, logger: logging.Logger, interval_s: float = 10.0) -> None:
+class IntervalLog:
+    """One log line per ``interval_s`` for a condition that repeats (each failed reconnect of a
+    retry loop, a bad KV-event message, a write Redis refused), carrying how many times it
+    happened since the last line: a Redis that stays down gets a line every 10 s, not one per
+    retry (6 a second at first) nor none at all; a flood of bad input costs one line per interval.
+    ``clock`` is monotonic seconds. Not thread-safe: one loop's callbacks."""
+
+    def __init__(self, logger: logging.Logger, interval_s: float = UNREACHABLE_LOG_INTERVAL_S,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.logger = logger
         self.interval_s = interval_s
-        self.num_held = 0  # occurrences since the last line
-        self._last_s: float | None = None  # monotonic time of the last line
+        self.clock = clock
+        self.num_since = 0  # occurrences since the last line
+        self._last = -math.inf  # when the last line was written
 
-    def log(self, level: int, msg: str, *args: object) -> bool:
-        """Log or count one occurrence; True when a line was written."""
-        now = time.monotonic()
-        self.num_held += 1
-        if self._last_s is not None and now - self._last_s < self.interval_s:
+    def __call__(self, level: int, message: str, *args: object) -> bool:
+        """Count one occurrence; log ``message % args`` (with `` (N times since the last line)``
+        when more than one) if ``interval_s`` passed since the last line. Returns whether it
+        logged."""
+        self.num_since += 1
+        now = self.clock()
+        if now - self._last < self.interval_s:
             return False
-        if self.num_held > 1 and self._last_s is not None:
-            msg = f"{msg} ({self.num_held} times in the last {now - self._last_s:.0f} s)"
-        self.logger.log(level, msg, *args)
-        self._last_s = now
-        self.num_held = 0
+        if self.num_since > 1:
+            message += f" ({self.num_since} times since the last line)"
+        self.logger.log(level, message, *args)
+        self._last, self.num_since = now, 0
         return True
 
-    def warning(self, msg: str, *args: object) -> bool:
-        return self.log(logging.WARNING, msg, *args)
+    log = __call__
+
+    def warning(self, message: str, *args: object) -> bool:
+        """``self(logging.WARNING, message, *args)``."""
+        return self(logging.WARNING, message, *args)
+
+    def reset(self) -> None:
+        """The condition ended: the next occurrence logs at once."""
+        self._last, self.num_since = -math.inf, 0

@@ -61,6 +61,9 @@ MIN_CHUNK_CHARS: Final = 256  # smallest cached text chunk
 MAX_CHUNK_CHARS: Final = 1024  # a newline boundary is looked for up to here, else a space one
 LAZY_MIN_UNCACHED_CHARS: Final = 2 * MAX_CHUNK_CHARS  # less new text is tokenized whole, not lazily
 RENDER_CACHE_ENTRIES: Final = 1024  # rendered chat texts kept, by the request's chat fields
+# the chat rendered and tokenized at start-up (PromptTokenizer.warm): any short plain chat will do
+WARM_UP_MESSAGES: Final = ({"role": "system", "content": "You are a helpful assistant."},
+                           {"role": "user", "content": "Hello, how are you today?"})
 CACHE_SALT_MAX_CHARS: Final = 128  # vLLM validate_cache_salt
 
 # Pre-tokenizer regexes known to never join pieces across our boundaries.
@@ -408,6 +411,9 @@ class PromptTokenizer:
                                                 _rendered_bytes)
         self._special_prefix, self._special_suffix = self._special_tokens()
         self.chunking = self._chunking_is_exact()
+        # renders of the model's own template that compiled it (Jinja, in transformers): 0 or 1;
+        # /ready shows it, so that a test can tell that no request paid for the compile
+        self.num_template_loads = 0
         logger.info("tokenizer %s loaded (chunk cache %s)", source,
                     "on" if self.chunking else "off: pre-tokenizer not known to be chunk-safe")
 
@@ -598,6 +604,8 @@ class PromptTokenizer:
         template = options.get("chat_template") or self.chat_template
         if template is None:
             raise PromptError("the model's tokenizer has no chat template; pass 'chat_template'")
+        if options.get("chat_template") is None and not self.num_template_loads:
+            self.num_template_loads = 1  # this first render compiles it (cached after)
         tools = options.get("tools")
         messages = prepare_messages(spec.messages or [], template)
         try:
@@ -615,6 +623,15 @@ class PromptTokenizer:
         if not isinstance(rendered, str):
             raise PromptError("chat template did not render to text")
         return rendered
+
+    def warm(self) -> None:
+        """Render the model's chat template (when it has one) on a short chat and tokenize the
+        text, so that the first request pays neither Jinja's import and the template's compile
+        nor the first encode (seconds on a busy machine). Raises ``PromptError`` when the
+        model's template fails on a plain chat."""
+        spec = PromptSpec("chat", None, messages=[dict(m) for m in WARM_UP_MESSAGES])
+        text = self.render_chat(spec) if self.chat_template is not None else "Hello"
+        self.encode_text(text, add_special_tokens=True)
 
     def prompt_tokens(self, spec: PromptSpec) -> list[int]:
         """Exact prompt token ids of a parsed request. Raises ``PromptError`` on template errors."""

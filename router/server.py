@@ -41,7 +41,13 @@ from router.auth import (
     load_tenant_auth,
 )
 from router.chain_cache import ChainCache
-from router.chat_render import UNTRUSTED_TEMPLATE_MESSAGE, TemplateRenderer, has_request_template
+from router.chat_render import (
+    CHILD_START_TIMEOUT_S,
+    RENDER_PROCESSES,
+    UNTRUSTED_TEMPLATE_MESSAGE,
+    TemplateRenderer,
+    has_request_template,
+)
 from router.config import ConfigError, RouterConfig, load_config
 from router.contract import TIER_CPU
 from router.dispatch import Dispatch, Dispatcher, GaugedTicket
@@ -68,6 +74,7 @@ from router.metrics import CONTENT_TYPE, RouterMetrics
 from router.policy import Decision, LoadTracker
 from router.prompt_path import PromptChainer
 from router.prompts import (
+    PromptError,
     PromptSpec,
     PromptTokenizer,
     decode_json_body,
@@ -155,6 +162,8 @@ class RouterService:
         self._audit_queued = 0  # observations submitted and not yet done
         self.web_server: web.Server | None = None  # the listening server (client connections)
         self.draining = False  # stopping: /ready answers 503 while in-flight requests finish
+        # the start-up step warming up (``_warm_up``): /ready answers 503 until it is ""
+        self.warming = "start-up" if tokenizer is not None else ""
 
     # -- lifecycle ---------------------------------------------------------------
 
@@ -223,9 +232,47 @@ class RouterService:
                 await asyncio.wait_for(self.reader.attempted.wait(), timeout=5.0)
         if self.renderer is not None:
             asyncio.get_running_loop().run_in_executor(self.render_executor, self.renderer.start)
+        self._tasks.append(asyncio.create_task(self._warm_up()))
         self._tasks.append(asyncio.create_task(self._housekeeping()))
         self._tasks.append(asyncio.create_task(self._sweeper()))
         self._tasks.append(asyncio.create_task(self._stall_watch()))
+
+    async def _warm_up(self) -> None:
+        """Warm the tokenizer (the model's chat template compiled, a first encode) and then the
+        render children (``TemplateRenderer.wait_warm``) while ``warming`` names the step, which
+        keeps /ready false: no request pays for start-up (the first chats after start waited
+        3.1-3.4 s on a quiet machine, 16.6-16.9 s on a busy one). Each step is bounded; one
+        that fails or overruns is logged and the router gets ready without it."""
+        loop = asyncio.get_running_loop()
+        try:
+            if self.tokenizer is not None:
+                self.warming = "the tokenizer (chat template, first encode)"
+                try:
+                    await loop.run_in_executor(self.chainer.executor, self.tokenizer.warm)
+                except PromptError as exc:
+                    logger.warning("tokenizer warm-up: %s", exc)
+            if self.renderer is not None:
+                self.warming = "the chat render processes"
+                if not await loop.run_in_executor(self.render_executor, self.renderer.wait_warm,
+                                                  CHILD_START_TIMEOUT_S):
+                    logger.warning("chat render processes not warm after %g s (%d of %d): "
+                                   "ready without them", CHILD_START_TIMEOUT_S,
+                                   self.renderer.num_warmed, RENDER_PROCESSES)
+        finally:
+            self.warming = ""
+        logger.info("warm: tokenizer and chat render processes ready")
+
+    def _warm_up_state(self) -> dict[str, Any]:
+        """/ready's ``warm_up``: the step under way (``warming``, null once warm), the model
+        template's compiles so far and the render children's warm-ups and cold renders."""
+        renderer = self.renderer
+        return {
+            "warming": self.warming or None,
+            "template_loads": self.tokenizer.num_template_loads if self.tokenizer else None,
+            "render_processes": RENDER_PROCESSES if renderer else 0,
+            "render_processes_warmed": renderer.num_warmed if renderer else None,
+            "cold_renders": renderer.num_cold_renders if renderer else None,
+        }
 
     async def _on_cleanup(self, app: web.Application) -> None:
         for task in self._tasks:
@@ -552,7 +599,9 @@ class RouterService:
                 "inflight_prefill_tokens": self.tracker.prefill_tokens(rid),
             })
         ready = any(item["routable"] for item in replicas) and not self.draining
-        body = {"ready": ready, "draining": self.draining, "policy": self.config.policy,
+        ready = ready and not self.warming
+        body = {"ready": ready, "draining": self.draining, "warm_up": self._warm_up_state(),
+                "policy": self.config.policy,
                 "redis": None if self.reader is None else {
                     "connected": self.reader.connected, "last_stream_id": self.reader.last_id,
                     # writes refused for lack of memory: routing goes on, the index lags

@@ -29,13 +29,14 @@ import argparse
 import dataclasses
 import difflib
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Final, NoReturn, TypeVar
 
 import yaml
 
-__all__ = ["ConfigError", "Settings", "StartupError", "read_config_file"]
+__all__ = ["ConfigError", "Settings", "StartupError", "did_you_mean", "read_config_file",
+           "unknown_command_line", "usage_error_line"]
 
 KINDS: Final = ("tuple", "int", "float", "bool")  # else str
 TRUE_WORDS: Final = ("1", "true", "yes", "on")
@@ -109,19 +110,52 @@ def _yaml_problem(exc: yaml.YAMLError) -> str:
     return " ".join(str(exc).split())
 
 
+def did_you_mean(word: str, known: Collection[str]) -> str:
+    """`` (did you mean X?)`` for the entry of ``known`` closest to ``word`` (difflib, ratio 0.75, compared
+    without leading dashes, so that ``--bogus`` does not suggest ``--host`` for the dashes they
+    share), else ``""``."""
+    names = {k.lstrip("-"): k for k in known}
+    close = difflib.get_close_matches(word.lstrip("-"), list(names), n=1, cutoff=0.75)
+    return f" (did you mean {names[close[0]]}?)" if close else ""
+
+
+def usage_error_line(parser: argparse.ArgumentParser, message: str) -> str:
+    """argparse's error ``message`` as one line: unknown arguments named with the closest flag
+    of ``parser`` (the value after an unknown ``--flag`` is not listed again), an unknown
+    subcommand with the closest one, and a pointer to ``PROG --help``."""
+    unknown = message.removeprefix("unrecognized arguments: ")
+    if unknown != message:
+        flags = [o for a in parser._actions for o in a.option_strings]
+        hints: list[str] = []
+        previous = ""
+        for word in unknown.split():
+            if word.startswith("-"):
+                hints.append(word + did_you_mean(word.split("=", 1)[0], flags))
+            elif not previous.startswith("-") or "=" in previous:  # else: the flag's value
+                hints.append(word)
+            previous = word
+        message = f"unknown argument{'s' if len(hints) > 1 else ''} {', '.join(hints)}"
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction) and "invalid choice: " in message:
+            word = message.split("invalid choice: ", 1)[1].split(" (", 1)[0].strip("'")
+            return unknown_command_line(parser.prog, word, list(action.choices)).split(
+                ": error: ", 1)[1]
+    return f"{message}; see {parser.prog} --help"
+
+
+def unknown_command_line(prog: str, word: str, commands: Collection[str]) -> str:
+    """The one line a CLI prints for an unknown subcommand or option before one."""
+    what = "option" if word.startswith("-") else "command"
+    return (f"{prog}: error: unknown {what} {word!r}{did_you_mean(word, list(commands))}; "
+            f"commands: {', '.join(commands)}; see {prog} --help")
+
+
 class _Parser(argparse.ArgumentParser):
     """argparse that raises ``ConfigError`` (one line, naming the flag, pointing at ``--help``)
     where argparse prints its whole usage and exits."""
 
     def error(self, message: str) -> NoReturn:
-        unknown = message.removeprefix("unrecognized arguments: ")
-        if unknown != message:
-            flags = [o for a in self._actions for o in a.option_strings]
-            hints = [f"{word} (did you mean {close[0]}?)" if (
-                close := difflib.get_close_matches(word.split("=", 1)[0], flags, n=1)) else word
-                for word in unknown.split()]
-            message = f"unknown argument{'s' if len(hints) > 1 else ''} {', '.join(hints)}"
-        raise ConfigError(f"{message}; see {self.prog} --help")
+        raise ConfigError(usage_error_line(self, message))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -251,7 +285,8 @@ class Settings:
             for key, value in read_config_file(config_path).items():
                 name = yaml_names.get(str(key).replace("-", "_"))
                 if name is None:
-                    raise ConfigError(f"config file {config_path}: unknown key {key!r}")
+                    hint = did_you_mean(str(key), sorted({*yaml_names, *self.fields}))
+                    raise ConfigError(f"config file {config_path}: unknown key {key!r}{hint}")
                 source = f"config file {config_path}, key {key}"
                 if name in sources:
                     raise ConfigError(f"{source}: {name} is given twice ({sources[name]})")

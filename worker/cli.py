@@ -4,11 +4,14 @@ one command never pays for the other's dependencies."""
 
 from __future__ import annotations
 
-import sys
-from collections.abc import Sequence
+from router.interrupt import exit_on_interrupt
 
-from router.version import version_line
+with exit_on_interrupt():  # Ctrl-C while these load: exit 130, no traceback
+    import sys
+    from collections.abc import Sequence
 
+    from router.settings import unknown_command_line
+    from router.version import version_line
 COMMANDS = {
     "emulate": "run emulated vLLM replicas on a CPU",
     "report": "publish a replica's KV-cache blocks and load to Redis",
@@ -16,14 +19,23 @@ COMMANDS = {
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of ``prefix-worker``."""
+    """Entry point of ``prefix-worker``. Ctrl-C before a command takes over the signal (during the
+    imports of seconds on a busy machine) ends it with status 130 and no traceback."""
+    with exit_on_interrupt():  # a command running an event loop sets its graceful stop
+        return _main(argv)
+
+
+def _main(argv: Sequence[str] | None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     if args[:1] in (["--version"], ["-V"]):
         print(version_line("prefix-worker"))
         return 0
-    if not args or args[0] in ("-h", "--help") or args[0] not in COMMANDS:
+    if args and args[0] not in COMMANDS and args[0] not in ("-h", "--help"):
+        print(unknown_command_line("prefix-worker", args[0], COMMANDS), file=sys.stderr)
+        return 2
+    if not args or args[0] in ("-h", "--help"):
         lines = "\n".join(f"  {name:8s} {text}" for name, text in COMMANDS.items())
-        stream = sys.stdout if args and args[0] in ("-h", "--help") else sys.stderr
+        stream = sys.stdout if args else sys.stderr
         print(f"usage: prefix-worker [--version] {{{','.join(COMMANDS)}}} ...\n\ncommands:\n{lines}",
               file=stream)
         return 0 if stream is sys.stdout else 2

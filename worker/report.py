@@ -37,7 +37,7 @@ from router.kv_event_sources import (
     offset_sources,
     parse_kv_event_sources,
 )
-from router.logs import configure_logging
+from router.logs import IntervalLog, configure_logging
 from router.redis_client import reconnect_retry, redis_client
 from router.settings import StartupError
 from worker.block_keys import KEY_MODE_RECOMPUTED, EngineKeys, RecomputedKeys
@@ -115,6 +115,7 @@ class Worker:
         self._probe_task: asyncio.Task[None] | None = None
         self.starting = ""  # the start-up step under way ("" once running)
         self.stopped_while = ""  # the step a stop signal interrupted ("": none)
+        self._unreachable_log = IntervalLog(logger)  # one line per interval, not per retry
 
     # -- subscriber sink ---------------------------------------------------------
 
@@ -345,9 +346,8 @@ class Worker:
             self.writer.committed_seq = state.seq
         return state
 
-    @staticmethod
-    async def _unreachable(exc: Exception) -> None:
-        logger.warning("Redis not reachable yet (%s); retrying", exc)
+    async def _unreachable(self, exc: Exception) -> None:
+        self._unreachable_log(logging.WARNING, "Redis not reachable yet (%s); retrying", exc)
 
     def restore(self, state: StoredState) -> bool:
         """Continue from ``state``. Returns True when continuing from its seq (no reset)."""

@@ -149,9 +149,10 @@ def start_router(fleet: Fleet, tmp: Path, *extra: str, affinity: bool = True) ->
     router = Router(tmp, [*args, *extra])
 
     def all_routable() -> bool:
-        reps = router.ready()["replicas"]
+        ready = router.ready()  # and warm: the tokenizer's warm-up keeps /ready 503 until done
+        reps = ready["replicas"]
         return len(reps) == NUM_REPLICAS and all(r["routable"] and r["affinity"] == affinity
-                                                 for r in reps)
+                                                 for r in reps) and not ready["warm_up"]["warming"]
 
     try:
         wait_for(all_routable, 30, message=f"all replicas routable, affinity {affinity}")

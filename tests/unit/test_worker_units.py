@@ -100,22 +100,22 @@ def test_config_errors() -> None:
     assert load_config(BASE, {"WORKER_STATE_TTL_S": "30"}).state_ttl_s == 30
 
 
-def test_rate_limited_log_writes_one_line_per_interval_with_a_count(
+def test_interval_log_writes_one_line_per_interval_with_a_count(
         caplog: pytest.LogCaptureFixture) -> None:
     import logging
 
-    from router.logs import RateLimitedLog
+    from router.logs import IntervalLog
 
-    log = RateLimitedLog(logging.getLogger("test.rate"), interval_s=3600.0)
+    log = IntervalLog(logging.getLogger("test.rate"), interval_s=3600.0)
     with caplog.at_level(logging.WARNING, logger="test.rate"):
         written = [log.warning("bad message %d", i) for i in range(1000)]
     assert written == [True] + [False] * 999
     assert [r.getMessage() for r in caplog.records] == ["bad message 0"]
-    assert log.num_held == 999
-    log._last_s = -1e9  # the interval is over: the next line carries the count
+    assert log.num_since == 999
+    log._last = -1e9  # the interval is over: the next line carries the count
     with caplog.at_level(logging.WARNING, logger="test.rate"):
         assert log.warning("bad message %d", 1000)
-    assert caplog.records[-1].getMessage().startswith("bad message 1000 (1000 times in the last")
+    assert caplog.records[-1].getMessage() == "bad message 1000 (1000 times since the last line)"
 
 
 def _events_for(tokens: list[int], hasher: BlockHasher) -> BlockStored:
