@@ -20,8 +20,9 @@ Rules:
   stalled to the next replica;
 * the client disconnecting (the aiohttp handler is cancelled) closes the
   upstream connection, which makes vLLM abort the request;
-* hop-by-hop headers are dropped both ways, everything else (Authorization,
-  Content-Encoding, ...) passes; bodies are not decompressed.
+* hop-by-hop headers are dropped both ways, and so is every header a ``Connection`` header
+  names (RFC 9110 section 7.6.1: those are meant for the next hop only); everything else
+  (Authorization, Content-Encoding, ...) passes; bodies are not decompressed.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ from typing import Any, Final, Protocol
 
 import aiohttp
 from aiohttp import web
-from multidict import CIMultiDict
+from multidict import CIMultiDict, CIMultiDictProxy
 
 from router.config import RouterConfig
 from router.contract import DP_RANK_HEADER
@@ -104,17 +105,27 @@ def target_headers(headers: CIMultiDict[str], target: Target) -> CIMultiDict[str
     return ranked
 
 
+def hop_by_hop(headers: CIMultiDictProxy[str]) -> frozenset[str]:
+    """The lower-case names of ``headers`` not to forward: ``HOP_BY_HOP`` and every name the
+    ``Connection`` header(s) list (comma-separated tokens; RFC 9110 section 7.6.1)."""
+    listed = {token.strip().lower() for value in headers.getall("Connection", ())
+              for token in value.split(",")}
+    return HOP_BY_HOP | listed
+
+
 def upstream_headers(request: web.Request, request_id: str) -> CIMultiDict[str]:
-    """Client headers minus hop-by-hop ones, with the request id set. The body goes upstream
-    decoded (aiohttp decodes a gzip/deflate request body), so its Content-Encoding is dropped.
-    A client's ``X-data-parallel-rank`` is dropped too: the router picks the rank (``Target``),
-    and a client's choice would put the request where the index does not expect it."""
+    """Client headers minus hop-by-hop ones (``hop_by_hop``), with the request id set. The body
+    goes upstream decoded (aiohttp decodes a gzip/deflate request body), so its Content-Encoding
+    is dropped. A client's ``X-data-parallel-rank`` is dropped too: the router picks the rank
+    (``Target``), and a client's choice would put the request where the index does not expect
+    it."""
     headers: CIMultiDict[str] = CIMultiDict()
     # a key the router checked itself (router/auth.py) is the client's secret: it stays here
     authenticated = request.get("tenant") is not None
+    dropped = hop_by_hop(request.headers)
     for name, value in request.headers.items():
         lower = name.lower()
-        if lower not in HOP_BY_HOP and lower != "content-encoding" and lower != _DP_RANK and not (
+        if lower not in dropped and lower != "content-encoding" and lower != _DP_RANK and not (
                 authenticated and lower == "authorization"):
             headers.add(name, value)
     headers[REQUEST_ID_HEADER] = request_id
@@ -304,8 +315,9 @@ class Proxy:
             first_byte_s = time.perf_counter() - arrival
             ticket.first_token()
             out_headers: CIMultiDict[str] = CIMultiDict()
+            dropped = hop_by_hop(upstream.headers)
             for name, value in upstream.headers.items():
-                if name.lower() not in HOP_BY_HOP:
+                if name.lower() not in dropped:
                     out_headers.add(name, value)
             out_headers[REPLICA_HEADER] = target.replica_id
             out_headers[REASON_HEADER] = reason
