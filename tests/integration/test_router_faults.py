@@ -182,6 +182,53 @@ def test_a_hung_replica_is_benched_and_its_waiting_streams_move(
     assert 'router_upstream_retries_total{cause="stalled"}' in metrics
 
 
+def _closed_loop(router: Router, seed: int, stop: threading.Event,
+                 results: list[tuple[int, str]]) -> None:
+    """One client sending non-streamed prompts, each once the previous one is answered."""
+    rng = random.Random(seed)
+    while not stop.is_set():
+        status, headers, _ = router.post("/v1/completions", {"prompt": new_prompt(rng),
+                                                             "max_tokens": 1}, timeout=120)
+        results.append((status, headers.get("x-prefix-router-replica", "")))
+
+
+def test_a_hung_replica_fed_only_non_streamed_prompts_is_benched_after_few(
+        fleet: FaultFleet, routers: list[Router], tmp_path: Path) -> None:
+    """Issue 29: a replica that accepts prompts and never answers kept drawing non-streamed
+    ones under default settings (600 s first-byte timeout, stall detection for streams only).
+    Default settings here. Two clients in a closed loop: at most two prompts wait on the hung
+    replica at once, so it must be benched having been sent at most three (a half-open probe
+    included), and every prompt sent there is answered by the other replica (moved before its
+    first byte)."""
+    router = fleet.router(tmp_path)
+    routers.append(router)
+    rng = random.Random(29)
+    for _ in range(4):  # a fleet at work: both replicas answered lately
+        assert router.post("/v1/completions", {"prompt": new_prompt(rng), "max_tokens": 1})[0] == 200
+    fleet.fault("hang")
+    before = fleet.fault()["generate_requests"]
+    stop = threading.Event()
+    results: list[tuple[int, str]] = []
+    threads = [threading.Thread(target=_closed_loop, args=(router, 30 + i, stop, results))
+               for i in range(2)]
+    for t in threads:
+        t.start()
+    try:
+        wait_for(lambda: replica_state(router, BAD)["circuit"] != "closed", 90,
+                 message="the hung replica benched")
+        sent = fleet.fault()["generate_requests"] - before
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(150)
+    assert 1 <= sent <= 3, sent
+    assert results and all(status == 200 for status, _ in results), results
+    assert {rid for _, rid in results} == {"replica-0"}, results
+    metrics = router.metrics()
+    assert any(f'router_upstream_errors_total{{kind="{kind}",replica="{BAD}"}}' in metrics
+               for kind in ("hung", "first_byte_deadline")), metrics
+
+
 def test_first_byte_timeouts_count_as_errors_and_bench_the_replica(
         fleet: FaultFleet, routers: list[Router], tmp_path: Path) -> None:
     router = fleet.router(tmp_path, "--first-byte-timeout-s", "0.5", "--circuit-failures", "2")
