@@ -10,7 +10,7 @@ its worker polls too, the router on port 0), prints one JSON line of figures and
   (router ``--first-byte-timeout-s 2``), and the time from the hang until the replica is
   benched while streamed requests flow (default ``stall_timeout_s``);
 * ``hang-unstreamed``: a replica that never answers, non-streamed traffic only, default router
-  settings (issue 29): 60 new 1,000-token prompts, one every 2 s from its own client (120 s
+  settings (issue 29): 60 new 1,000-token prompts, one every 2 s from its own client (30 s
   client timeout); prompts sent to the hung replica before it is benched and in all, seconds
   from the hang to the bench, the clients' statuses;
 * ``template``: latency of 10 ordinary chat requests sent while two nested-loop
@@ -215,7 +215,7 @@ def scenario_hang_unstreamed(lab: Lab) -> dict[str, Any]:
 
     def send(seed: int) -> None:
         statuses.append(http("POST", router + "/v1/completions",
-                             {"prompt": new_prompt(seed), "max_tokens": 16}, timeout=120)[0])
+                             {"prompt": new_prompt(seed), "max_tokens": 16}, timeout=30)[0])
 
     hung_at = time.monotonic()
     benched: dict[str, Any] = {}
