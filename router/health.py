@@ -22,9 +22,11 @@ Three rules, all fed by the proxy and evaluated with the caller's monotonic cloc
   take to a first byte (the TTFT model's estimate, queue wait and prefill included, plus the
   generation of a non-streamed answer; ``router.dispatch``) and a deadline,
   ``first_byte_deadline_s`` of it. An attempt past its deadline is judged (``overdue``) by the
-  replica's progress (any byte it sent, or its engine's KV events, ``progress``) over the
-  deadline's span: some progress means the replica is busy, not hung (nothing is counted, the
-  attempt waits on); none, while another replica progressed within ``stall_timeout_s`` (or the
+  replica's progress (any byte it sent, or its engine's KV events, ``progress`` and
+  ``engine_report``) over the deadline's span: some progress, or an engine that reports
+  requests running or waiting while its KV events still come (``ENGINE_EVENT_SPAN_S``: the
+  coarse index keeps one key in 16 blocks, so events come every 256 tokens), means the replica
+  is busy, not hung (nothing is counted, the attempt waits on); none, while another replica progressed within ``stall_timeout_s`` (or the
   deadline's span if longer), means it is hung (the caller
   opens its circuit and moves every attempt still waiting there: the first byte has not come,
   so a retry is safe); none anywhere counts one failure against its breaker and moves that
@@ -43,6 +45,10 @@ OPEN: Final = "open"
 HALF_OPEN: Final = "half_open"
 HUNG: Final = "hung"  # ``overdue`` verdicts
 MISSED: Final = "first_byte_deadline"
+ENGINE_EVENT_SPAN_S: Final = 60.0  # a replica whose engine reports requests running or waiting is
+# busy while its KV events came within this: the index keeps one key per index_stride blocks, so
+# one entry comes per 256 generated tokens at the defaults (16 x 16), 13 s at 50 ms per token;
+# a hung engine holding requests sends none
 MIN_GIVE_UP_S: Final = 1.0  # a client leaving sooner says nothing of the replica (a user
 # pressing stop): it never counts as a failure
 
@@ -111,6 +117,8 @@ class ReplicaHealth:
         # {replica_id: monotonic time of its last progress: a byte, or its engine's KV events}
         self._last_byte: dict[str, float] = {}
         self._attempts: dict[str, dict[int, _Attempt]] = {}  # {replica_id: {token: attempt}}
+        self._last_event: dict[str, float] = {}  # {replica_id: monotonic time of its KV events}
+        self._engine_active: set[str] = set()  # replicas whose engine runs or queues requests
         self._next_token = 0
 
     # -- circuit breaker --------------------------------------------------------
@@ -189,6 +197,8 @@ class ReplicaHealth:
         self._breakers.pop(replica_id, None)
         self._last_byte.pop(replica_id, None)
         self._attempts.pop(replica_id, None)
+        self._last_event.pop(replica_id, None)
+        self._engine_active.discard(replica_id)
 
     # -- attempts in flight -----------------------------------------------------
 
@@ -227,9 +237,26 @@ class ReplicaHealth:
                 and self._last_byte.get(replica_id, -math.inf) < attempt.sent_at)
 
     def progress(self, replica_id: str, now: float) -> None:
-        """``replica_id`` progressed: it sent bytes (a first byte or a stream chunk), or its
-        engine reported KV events."""
+        """``replica_id`` sent bytes (a first byte or a stream chunk)."""
         self._last_byte[replica_id] = now
+
+    def engine_report(self, replica_id: str, now: float, active: bool, events: bool) -> None:
+        """What ``replica_id``'s worker reported: its engine runs or queues requests
+        (``active``, the heartbeat's counts), new KV events came (``events``: progress)."""
+        if events:
+            self._last_byte[replica_id] = self._last_event[replica_id] = now
+        if active:
+            self._engine_active.add(replica_id)
+        else:
+            self._engine_active.discard(replica_id)
+
+    def _busy(self, replica_id: str, since: float, now: float) -> bool:
+        """Progress since ``since``, or an engine holding requests whose KV events still come
+        (``ENGINE_EVENT_SPAN_S``)."""
+        if self._last_byte.get(replica_id, -math.inf) >= since:
+            return True
+        return (replica_id in self._engine_active
+                and self._last_event.get(replica_id, -math.inf) >= now - ENGINE_EVENT_SPAN_S)
 
     def overdue(self, now: float) -> list[Overdue]:
         """Attempts waiting for a first byte past their deadline whose replica sent nothing in
@@ -245,7 +272,7 @@ class ReplicaHealth:
                 if a.answered or a.counted or now - a.sent_at < a.deadline_s:
                     continue
                 since = now - a.deadline_s  # the deadline's span, ending now
-                if self._last_byte.get(rid, -math.inf) >= since:
+                if self._busy(rid, since, now):
                     continue  # busy, not hung: it waits on
                 # the router itself reaches the fleet: another replica progressed lately (the
                 # stall rule's span, or this deadline's if longer)

@@ -294,8 +294,11 @@ class RouterService:
             for rid, replica in self.fleet.replicas.items():
                 seen = entries.get(rid)
                 entries[rid] = (replica.epoch, replica.entry_seq)
-                if seen is not None and seen[0] == replica.epoch and seen[1] < replica.entry_seq:
-                    health.progress(rid, now)  # the engine stored or evicted blocks
+                # new stream entries: the engine stored or evicted blocks
+                events = (seen is not None and seen[0] == replica.epoch
+                          and seen[1] < replica.entry_seq)
+                health.engine_report(rid, now, replica.num_running + replica.num_waiting > 0,
+                                     events)
             for gone in entries.keys() - self.fleet.replicas.keys():
                 del entries[gone]
             self._judge_overdue(now)

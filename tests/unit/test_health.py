@@ -172,3 +172,21 @@ def test_others_progress_counts_within_the_stall_span_even_before_the_send() -> 
     h.progress("b", -1.0)  # 6 s before: beyond both spans
     token = h.attempt_started("a", 0.0, streamed=False, expected_s=0.1)
     assert h.overdue(5.0) == [Overdue("a", token, MISSED, False)]
+
+
+def test_an_engine_holding_requests_whose_kv_events_still_come_is_busy() -> None:
+    """Events come once per 256 generated tokens (coarse index): a long generation leaves
+    gaps longer than a deadline, but its engine reports the request running."""
+    h = make(deadline_floor_s=5.0)
+    h.engine_report("a", 0.0, active=True, events=True)
+    h.attempt_started("a", 1.0, streamed=False, expected_s=0.1)
+    h.progress("b", 9.0)
+    assert h.overdue(9.0) == []  # running, last events 9 s ago
+    h.engine_report("a", 9.5, active=False, events=False)  # the engine holds nothing: not ours
+    assert [o.verdict for o in h.overdue(10.0)] == [HUNG]
+    h = make(deadline_floor_s=5.0)
+    h.engine_report("a", 0.0, active=True, events=True)
+    token = h.attempt_started("a", 1.0, streamed=False, expected_s=0.1)
+    h.progress("b", 58.0)
+    assert h.overdue(59.0) == []  # events 59 s ago: within ENGINE_EVENT_SPAN_S
+    assert h.overdue(61.0) == [Overdue("a", token, HUNG, False)]  # holding, no events: hung
