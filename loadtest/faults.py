@@ -9,6 +9,10 @@ its worker polls too, the router on port 0), prints one JSON line of figures and
 * ``hang``: share of the next 20 new prompts sent to a replica that never answers them
   (router ``--first-byte-timeout-s 2``), and the time from the hang until the replica is
   benched while streamed requests flow (default ``stall_timeout_s``);
+* ``hang-unstreamed``: a replica that never answers, non-streamed traffic only, default router
+  settings (issue 29): 60 new 1,000-token prompts, one every 2 s from its own client (30 s
+  client timeout); prompts sent to the hung replica before it is benched and in all, seconds
+  from the hang to the bench, the clients' statuses;
 * ``template``: latency of 10 ordinary chat requests sent while two nested-loop
   ``chat_template`` requests are in flight, with the default (refused) and trusted settings;
 * ``cold``: a router started while Redis is down: seconds from its start to its first 200,
@@ -199,6 +203,40 @@ def scenario_hang(lab: Lab) -> dict[str, Any]:
         t.join(120)
     return {"first_byte_timeout_2s": share, "stall_detected_s": detected,
             "streams": {"ok": results.count(200), "failed": len(results) - results.count(200)}}
+
+
+def scenario_hang_unstreamed(lab: Lab) -> dict[str, Any]:
+    _, proxy = lab.fleet()
+    router, _ = lab.router("--redis-url", lab.redis.url if lab.redis else "", "--hash-seed", "0",
+                           wait=4)
+    fault(proxy, "hang")
+    before = fault(proxy)["generate_requests"]
+    statuses: list[int] = []
+
+    def send(seed: int) -> None:
+        statuses.append(http("POST", router + "/v1/completions",
+                             {"prompt": new_prompt(seed), "max_tokens": 16}, timeout=30)[0])
+
+    hung_at = time.monotonic()
+    benched: dict[str, Any] = {}
+    threads = []
+    for i in range(60):
+        t = threading.Thread(target=send, args=(5000 + i,))
+        t.start()
+        threads.append(t)
+        next_at = hung_at + 2.0 * (i + 1)
+        while time.monotonic() < next_at:
+            if not benched:
+                state = {r["replica_id"]: r for r in ready_of(router)["replicas"]}[BAD]
+                if state["circuit"] != "closed":
+                    benched = {"after_s": round(time.monotonic() - hung_at, 1),
+                               "prompts_sent_to_it": fault(proxy)["generate_requests"] - before}
+            time.sleep(0.2)
+    for t in threads:
+        t.join(150)
+    counts = {str(s): statuses.count(s) for s in sorted(set(statuses))}
+    return {"benched": benched or None, "sent_to_hung_in_120_s": fault(proxy)["generate_requests"]
+            - before, "of": 60, "statuses": counts}
 
 
 def scenario_template(lab: Lab) -> dict[str, Any]:
@@ -392,7 +430,8 @@ def scenario_rss(lab: Lab) -> dict[str, Any]:
 
 
 SCENARIOS: dict[str, Callable[[Lab], dict[str, Any]]] = {
-    "refuse": scenario_refuse, "hang": scenario_hang, "template": scenario_template,
+    "refuse": scenario_refuse, "hang": scenario_hang, "hang-unstreamed": scenario_hang_unstreamed,
+    "template": scenario_template,
     "cold": scenario_cold, "stall": scenario_stall, "slow-clients": scenario_slow_clients,
     "rss": scenario_rss}
 

@@ -88,6 +88,12 @@ DEFAULT_CIRCUIT_WINDOW_S: Final = 30.0  # ... within this many seconds open a re
 DEFAULT_CIRCUIT_EJECTION_S: Final = 5.0  # first ejection; doubles per repeat (Envoy: 30 s base)
 DEFAULT_CIRCUIT_MAX_EJECTION_S: Final = 60.0
 DEFAULT_STALL_TIMEOUT_S: Final = 15.0  # no byte on any streamed request while others progress
+DEFAULT_FIRST_BYTE_DEADLINE_FACTOR: Final = 4.0  # a request's first-byte deadline: this x the time
+# its replica should take (predicted TTFT, queue wait and prefill included, + a non-streamed
+# answer's generation); the learned model is good to 10-20% (router/ttft.py), a queue can
+# double it
+DEFAULT_FIRST_BYTE_DEADLINE_FLOOR_S: Final = 5.0  # ... and at least this: a hung replica fed
+# non-streamed prompts every few seconds is benched after at most a few of them (issue 29)
 DEFAULT_CLIENT_IDLE_TIMEOUT_S: Final = 15.0  # a client connection idle or sending its request head
 # this long is closed (uvicorn closes idle connections after 5 s, nginx's header timeout is 60 s)
 DEFAULT_CLIENT_BODY_TIMEOUT_S: Final = 30.0  # a request body must arrive within this (408 beyond)
@@ -114,7 +120,8 @@ _AT_LEAST: Final = {
 _POSITIVE: Final = ("ttft_prior_tokens_per_s", "cpu_load_tokens_per_s", "cold_write_window",
                     "speculative_ttl_s", "connect_timeout_s", "first_byte_timeout_s", "stream_idle_timeout_s",
                     "static_probe_interval_s", "circuit_window_s", "circuit_ejection_s",
-                    "circuit_max_ejection_s", "stall_timeout_s", "client_idle_timeout_s",
+                    "circuit_max_ejection_s", "stall_timeout_s", "first_byte_deadline_factor",
+                    "first_byte_deadline_floor_s", "client_idle_timeout_s",
                     "client_body_timeout_s", "chat_template_timeout_s")
 
 
@@ -183,6 +190,8 @@ class RouterConfig:
     circuit_ejection_s: float = DEFAULT_CIRCUIT_EJECTION_S
     circuit_max_ejection_s: float = DEFAULT_CIRCUIT_MAX_EJECTION_S
     stall_timeout_s: float = DEFAULT_STALL_TIMEOUT_S
+    first_byte_deadline_factor: float = DEFAULT_FIRST_BYTE_DEADLINE_FACTOR
+    first_byte_deadline_floor_s: float = DEFAULT_FIRST_BYTE_DEADLINE_FLOOR_S
     client_idle_timeout_s: float = DEFAULT_CLIENT_IDLE_TIMEOUT_S
     client_body_timeout_s: float = DEFAULT_CLIENT_BODY_TIMEOUT_S
     max_idle_client_connections: int = DEFAULT_MAX_IDLE_CLIENT_CONNECTIONS
@@ -358,6 +367,11 @@ _HELP: Final = {
                               "fewer reads (router CPU) against more index lag",
     "stall_timeout_s": "a replica sending no byte on its streamed requests this long, while "
                        "others do, is benched and its waiting requests move",
+    "first_byte_deadline_factor": "a request's first-byte deadline is this x the time its replica "
+                                  "should take (predicted TTFT + a non-streamed answer's "
+                                  "generation); a replica silent past it is hung (benched) or "
+                                  "failing (counted), see README",
+    "first_byte_deadline_floor_s": "a first-byte deadline is at least this (s)",
     "client_idle_timeout_s": "close client connections idle (or sending a request head) this long",
     "client_body_timeout_s": "a request body must arrive within this (408 beyond)",
     "trust_request_chat_template": "true: render a request's own chat_template (vLLM "

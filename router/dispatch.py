@@ -9,6 +9,10 @@ request ends (``settle``):
   time streamed ones to that replica took per prefill token (``Dispatcher.observe_first_byte``);
 - the **placement**: the prompt's anchor keys recorded as speculatively placed there (index
   policies), and, for a lazily hashed chain, the rest once ``PromptChainer.hash_rest`` has it;
+- the **expected first-byte time** there (``Dispatch.expected_first_byte_s``: the ttft policy's
+  prediction, or the same model's estimate from the learned prefill rate, plus, for a
+  non-streamed answer, the longest generation recent answers took), which sets the attempt's
+  first-byte deadline (``router.health``);
 - the **KV writes** counted for it there (``LoadTracker.record_writes``: full blocks beyond the
   predicted hit, CPU-tier hits included: loaded, not written), corrected when a lazily
   tokenized text's exact length is known.
@@ -25,19 +29,24 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Final
 
 from router.chain_cache import PromptChain
 from router.contract import BlockKey, anchor_keys
 from router.errors import STATUS_CLIENT_CLOSED
 from router.fleet import Fleet
-from router.policy import LoadTicket, LoadTracker
+from router.policy import LoadTicket, LoadTracker, TtftPrediction
 from router.prompt_path import PromptChainer
 from router.prompts import PromptSpec
 from router.routing import Routed
+from router.ttft import PrefillRateLearner, prefill_work_tokens
 
 PREFILL_RATE_EWMA_ALPHA = 0.1  # weight of the newest first-byte-per-prefill-token sample
+ANSWER_WINDOW: Final = 64  # recent non-streamed answers whose generation time bounds the next
+# one's (the router does not read max_tokens: the longest recent generation stands for it)
 
 
 class GaugedTicket:
@@ -106,9 +115,11 @@ class Dispatcher:
 
     def __init__(self, fleet: Fleet, tracker: LoadTracker, chainer: PromptChainer,
                  block_size: int, index_stride: int, uses_index: bool,
-                 on_load_change: Callable[[str], None]) -> None:
+                 on_load_change: Callable[[str], None],
+                 learner: PrefillRateLearner | None = None) -> None:
         self.fleet = fleet
         self.tracker = tracker
+        self.learner = learner or PrefillRateLearner()
         self.chainer = chainer
         self.block_size = block_size
         self.index_stride = index_stride  # only anchor keys are ever looked up
@@ -116,6 +127,13 @@ class Dispatcher:
         self.on_load_change = on_load_change
         # {replica_id: EWMA of streamed first-byte seconds per prefill token (incl. queueing)}
         self.prefill_s_per_token: dict[str, float] = {}
+        # seconds recent non-streamed answers took beyond their predicted TTFT (generation)
+        self.generation_s: deque[float] = deque(maxlen=ANSWER_WINDOW)
+
+    def generation_allowance_s(self) -> float:
+        """Seconds a non-streamed answer may take beyond its TTFT: the longest generation of the
+        last ``ANSWER_WINDOW`` non-streamed answers (0 before any)."""
+        return max(self.generation_s, default=0.0)
 
     def begin(self, routed: Routed, spec: PromptSpec) -> Dispatch:
         return Dispatch(self, routed, spec)
@@ -145,12 +163,14 @@ class Dispatch:
             routed.decision.replica_id).total_blocks * dispatcher.block_size, 1)
         self.placements: list[Placement] = []  # one per send, in order
         self._tickets: dict[str, GaugedTicket] = {}
+        self._predicted: dict[str, TtftPrediction] = {}  # {replica_id: TTFT expected at the send}
         self._rest: asyncio.Future[PromptChain] | None = None
         self._settled = False
 
     def start_ticket(self, replica_id: str) -> GaugedTicket:
         """Count the request's load on ``replica_id`` (the proxy releases the ticket)."""
         d = self._d
+        self._predicted[replica_id] = self._predict(replica_id)  # the queue ahead, without it
         ticket = GaugedTicket(d.tracker.dispatch(replica_id, self.prefill_tokens,
                                                  self.routed.num_tokens), d.on_load_change)
         d.on_load_change(replica_id)
@@ -162,6 +182,37 @@ class Dispatch:
             if per_token is not None:
                 ticket.release_prefill_after(per_token * self.prefill_tokens)
         return ticket
+
+    def _predict(self, replica_id: str) -> TtftPrediction:
+        """The ttft policy's prediction for ``replica_id``, or (other policies) the same model
+        (``router.ttft``): this router's prefill queued there plus the request's own prefill
+        work past its hit there, at the replica's learned rate."""
+        predicted = self.routed.decision.predictions.get(replica_id)
+        if predicted is not None:
+            return predicted
+        d = self._d
+        hit_tokens = self.routed.decision.hit(replica_id).total_blocks * d.block_size
+        work = d.tracker.prefill_tokens(replica_id) + prefill_work_tokens(
+            self.routed.num_tokens - hit_tokens, hit_tokens)
+        return TtftPrediction(work, d.learner.estimate(replica_id).predict_s(work))
+
+    def prediction(self, replica_id: str) -> TtftPrediction | None:
+        """The TTFT expected when the request was sent to ``replica_id`` (None: never sent)."""
+        return self._predicted.get(replica_id)
+
+    def expected_first_byte_s(self, replica_id: str) -> float:
+        """Seconds ``replica_id`` should take to the answer's first byte (after ``start_ticket``):
+        the expected TTFT, plus for a non-streamed answer (its first byte is the whole answer)
+        ``Dispatcher.generation_allowance_s``. Raises ``KeyError`` before ``start_ticket``."""
+        ttft_s = self._predicted[replica_id].ttft_s
+        return ttft_s if self.spec.stream else ttft_s + self._d.generation_allowance_s()
+
+    def observe_answer(self, replica_id: str, answer_s: float) -> None:
+        """A non-streamed answer from ``replica_id`` came ``answer_s`` after its send: its time
+        beyond the expected TTFT is a generation sample."""
+        predicted = self._predicted.get(replica_id)
+        if predicted is not None:
+            self._d.generation_s.append(max(answer_s - predicted.ttft_s, 0.0))
 
     def sent(self, replica_id: str) -> Placement:
         """The request went out to ``replica_id``: place its chain there and count its KV writes

@@ -92,7 +92,9 @@ class Fleet:
         self.health = ReplicaHealth(HealthParams(
             failure_threshold=config.circuit_failures, failure_window_s=config.circuit_window_s,
             ejection_s=config.circuit_ejection_s, max_ejection_s=config.circuit_max_ejection_s,
-            stall_timeout_s=config.stall_timeout_s))
+            stall_timeout_s=config.stall_timeout_s,
+            deadline_factor=config.first_byte_deadline_factor,
+            deadline_floor_s=config.first_byte_deadline_floor_s))
         for url in config.replicas:
             base, dp_rank = split_replica_url(url)
             rid = static_replica_id(url)

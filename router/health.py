@@ -1,6 +1,7 @@
-"""Passive health of replicas from request outcomes: a circuit breaker and a stall detector. Pure.
+"""Passive health of replicas from request outcomes: a circuit breaker, a stall detector and
+first-byte deadlines. Pure.
 
-Two rules, both fed by the proxy and evaluated with the caller's monotonic clock:
+Three rules, all fed by the proxy and evaluated with the caller's monotonic clock:
 
 * **Circuit breaker** (Envoy's outlier detection: ``consecutive_5xx`` / gateway failures, an
   ejection that grows with each repeat, then a half-open probe). ``failure_threshold``
@@ -8,17 +9,33 @@ Two rules, both fed by the proxy and evaluated with the caller's monotonic clock
   no traffic for ``ejection_s`` x 2^(ejections so far), at most ``max_ejection_s``. Then it is
   half-open: exactly one request may go to it; success closes the circuit, failure opens it
   again for longer. A failure is a 5xx answer, a refused, reset or timed-out connection, a
-  response that is not HTTP, a broken or stalled stream; a 4xx is the replica answering (the
-  request's fault), a client disconnect is neither.
+  response that is not HTTP, a broken or stalled stream, a missed first-byte deadline (below)
+  and a client that gave up waiting for a first byte far past its expected time (it waited
+  ``deadline_factor`` x the expected time, and at least ``MIN_GIVE_UP_S``, while the replica
+  sent nothing); a 4xx is the replica answering (the request's fault), any other client
+  disconnect is neither.
 * **Stall detection** (a hung replica answers nothing, so no error ever arrives): a replica
   with streamed requests in flight that has sent no byte for ``stall_timeout_s`` while another
   replica did send bytes in that time is stalled; the caller opens its circuit and moves its
-  waiting requests. Non-streamed requests are judged by the first-byte timeout only (their
-  first byte is the whole answer, which may take minutes).
+  waiting requests.
+* **First-byte deadlines**, streamed or not: each attempt carries the time its replica should
+  take to a first byte (the TTFT model's estimate, queue wait and prefill included, plus the
+  generation of a non-streamed answer; ``router.dispatch``) and a deadline,
+  ``first_byte_deadline_s`` of it. An attempt past its deadline is judged (``overdue``) by the
+  replica's progress (any byte it sent, or its engine's KV events, ``progress`` and
+  ``engine_report``) over the deadline's span: some progress, or an engine that reports
+  requests running or waiting while its KV events still come (``ENGINE_EVENT_SPAN_S``: the
+  coarse index keeps one key in 16 blocks, so events come every 256 tokens), means the replica
+  is busy, not hung (nothing is counted, the attempt waits on); none, while another replica progressed within ``stall_timeout_s`` (or the
+  deadline's span if longer), means it is hung (the caller
+  opens its circuit and moves every attempt still waiting there: the first byte has not come,
+  so a retry is safe); none anywhere counts one failure against its breaker and moves that
+  attempt only if it has a fallback (the last one keeps waiting, up to the first-byte timeout).
 """
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Final
@@ -26,6 +43,20 @@ from typing import Final
 CLOSED: Final = "closed"
 OPEN: Final = "open"
 HALF_OPEN: Final = "half_open"
+HUNG: Final = "hung"  # ``overdue`` verdicts
+MISSED: Final = "first_byte_deadline"
+ENGINE_EVENT_SPAN_S: Final = 60.0  # a replica whose engine reports requests running or waiting is
+# busy while its KV events came within this: the index keeps one key per index_stride blocks, so
+# one entry comes per 256 generated tokens at the defaults (16 x 16), 13 s at 50 ms per token;
+# a hung engine holding requests sends none
+MIN_GIVE_UP_S: Final = 1.0  # a client leaving sooner says nothing of the replica (a user
+# pressing stop): it never counts as a failure
+
+
+def first_byte_deadline_s(expected_s: float, factor: float, floor_s: float) -> float:
+    """Seconds an attempt may wait for its first byte before it is judged: ``factor`` x
+    ``expected_s`` (what the replica should take), at least ``floor_s``."""
+    return max(floor_s, factor * expected_s)
 
 
 @dataclass(slots=True)
@@ -47,17 +78,47 @@ class HealthParams:
     ejection_s: float = 5.0
     max_ejection_s: float = 60.0
     stall_timeout_s: float = 15.0
+    deadline_factor: float = 4.0  # a first-byte deadline is this x the expected time ...
+    deadline_floor_s: float = 5.0  # ... and at least this
+
+
+@dataclass(slots=True)
+class _Attempt:
+    """One attempt in flight (monotonic seconds)."""
+
+    replica_id: str
+    sent_at: float
+    streamed: bool
+    expected_s: float  # time to its first byte the replica should take
+    deadline_s: float  # ``first_byte_deadline_s`` of ``expected_s``
+    fallback: bool  # another replica would take it if it were moved
+    answered: bool = False  # its first byte came
+    counted: bool = False  # a missed deadline was counted against the replica
+
+
+@dataclass(frozen=True, slots=True)
+class Overdue:
+    """An attempt past its first-byte deadline with no progress from its replica: ``verdict``
+    ``HUNG`` (others progressed: bench the replica, move its waiting attempts) or ``MISSED``
+    (count one failure; move the attempt when ``fallback``)."""
+
+    replica_id: str
+    token: int
+    verdict: str
+    fallback: bool
 
 
 class ReplicaHealth:
-    """Breaker state and streamed-attempt progress per replica id."""
+    """Breaker state, attempts in flight and progress per replica id."""
 
     def __init__(self, params: HealthParams | None = None) -> None:
         self.params = params or HealthParams()
         self._breakers: dict[str, _Breaker] = {}  # {replica_id: breaker}
-        self._last_byte: dict[str, float] = {}  # {replica_id: monotonic time of its last byte}
-        # {replica_id: {attempt token: monotonic start}} for streamed attempts in flight
-        self._streamed: dict[str, dict[int, float]] = {}
+        # {replica_id: monotonic time of its last progress: a byte, or its engine's KV events}
+        self._last_byte: dict[str, float] = {}
+        self._attempts: dict[str, dict[int, _Attempt]] = {}  # {replica_id: {token: attempt}}
+        self._last_event: dict[str, float] = {}  # {replica_id: monotonic time of its KV events}
+        self._engine_active: set[str] = set()  # replicas whose engine runs or queues requests
         self._next_token = 0
 
     # -- circuit breaker --------------------------------------------------------
@@ -135,24 +196,94 @@ class ReplicaHealth:
         """The replica left the fleet."""
         self._breakers.pop(replica_id, None)
         self._last_byte.pop(replica_id, None)
-        self._streamed.pop(replica_id, None)
+        self._attempts.pop(replica_id, None)
+        self._last_event.pop(replica_id, None)
+        self._engine_active.discard(replica_id)
 
-    # -- stall detection --------------------------------------------------------
+    # -- attempts in flight -----------------------------------------------------
 
-    def attempt_started(self, replica_id: str, now: float) -> int:
-        """A streamed attempt was sent; returns its token for ``attempt_ended``."""
+    def attempt_started(self, replica_id: str, now: float, streamed: bool = True,
+                        expected_s: float = math.inf, fallback: bool = False) -> int:
+        """An attempt was sent to ``replica_id``; ``expected_s``: seconds the replica should take
+        to its first byte (``math.inf``: no deadline); ``fallback``: another replica would take
+        it if it were moved. Returns its token for ``first_byte`` and ``attempt_ended``."""
+        p = self.params
         self._next_token += 1
-        self._streamed.setdefault(replica_id, {})[self._next_token] = now
+        self._attempts.setdefault(replica_id, {})[self._next_token] = _Attempt(
+            replica_id, now, streamed, expected_s,
+            first_byte_deadline_s(expected_s, p.deadline_factor, p.deadline_floor_s), fallback)
         return self._next_token
 
+    def first_byte(self, replica_id: str, token: int, now: float) -> None:
+        """The attempt's first byte came (its deadline no longer applies)."""
+        attempt = self._attempts.get(replica_id, {}).get(token)
+        if attempt is not None:
+            attempt.answered = True
+        self.progress(replica_id, now)
+
     def attempt_ended(self, replica_id: str, token: int) -> None:
-        attempts = self._streamed.get(replica_id)
+        attempts = self._attempts.get(replica_id)
         if attempts is not None:
             attempts.pop(token, None)
+
+    def gave_up(self, replica_id: str, token: int, now: float) -> bool:
+        """The client left while the attempt waited for its first byte: True when that counts
+        against the replica (see the module docstring), which the caller then records."""
+        attempt = self._attempts.get(replica_id, {}).get(token)
+        if attempt is None or attempt.answered or attempt.counted:
+            return False
+        waited = now - attempt.sent_at
+        return (waited >= max(self.params.deadline_factor * attempt.expected_s, MIN_GIVE_UP_S)
+                and self._last_byte.get(replica_id, -math.inf) < attempt.sent_at)
 
     def progress(self, replica_id: str, now: float) -> None:
         """``replica_id`` sent bytes (a first byte or a stream chunk)."""
         self._last_byte[replica_id] = now
+
+    def engine_report(self, replica_id: str, now: float, active: bool, events: bool) -> None:
+        """What ``replica_id``'s worker reported: its engine runs or queues requests
+        (``active``, the heartbeat's counts), new KV events came (``events``: progress)."""
+        if events:
+            self._last_byte[replica_id] = self._last_event[replica_id] = now
+        if active:
+            self._engine_active.add(replica_id)
+        else:
+            self._engine_active.discard(replica_id)
+
+    def _busy(self, replica_id: str, since: float, now: float) -> bool:
+        """Progress since ``since``, or an engine holding requests whose KV events still come
+        (``ENGINE_EVENT_SPAN_S``)."""
+        if self._last_byte.get(replica_id, -math.inf) >= since:
+            return True
+        return (replica_id in self._engine_active
+                and self._last_event.get(replica_id, -math.inf) >= now - ENGINE_EVENT_SPAN_S)
+
+    def overdue(self, now: float) -> list[Overdue]:
+        """Attempts waiting for a first byte past their deadline whose replica sent nothing in
+        the deadline's span (see the module docstring); a replica whose circuit is open already
+        is left out (a half-open one's probe is judged), and a ``MISSED`` attempt is reported
+        once."""
+        found = []
+        for rid, attempts in self._attempts.items():
+            b = self._breakers.get(rid)
+            if not attempts or (b is not None and b.state == OPEN and now < b.open_until):
+                continue
+            for token, a in attempts.items():
+                if a.answered or a.counted or now - a.sent_at < a.deadline_s:
+                    continue
+                since = now - a.deadline_s  # the deadline's span, ending now
+                if self._busy(rid, since, now):
+                    continue  # busy, not hung: it waits on
+                # the router itself reaches the fleet: another replica progressed lately (the
+                # stall rule's span, or this deadline's if longer)
+                lately = now - max(a.deadline_s, self.params.stall_timeout_s)
+                others = any(ts >= lately for other, ts in self._last_byte.items() if other != rid)
+                if others:
+                    found.append(Overdue(rid, token, HUNG, a.fallback))
+                    break  # the whole replica is benched
+                a.counted = True
+                found.append(Overdue(rid, token, MISSED, a.fallback))
+        return found
 
     def stalled(self, now: float) -> list[str]:
         """Replicas silent for ``stall_timeout_s`` with streamed requests in flight, while some
@@ -160,10 +291,11 @@ class ReplicaHealth:
         limit = self.params.stall_timeout_s
         recent = {rid for rid, ts in self._last_byte.items() if now - ts < limit}
         found = []
-        for rid, attempts in self._streamed.items():
-            if not attempts or not recent - {rid} or self.problem(rid, now) is not None:
+        for rid, attempts in self._attempts.items():
+            streamed = [a.sent_at for a in attempts.values() if a.streamed]
+            if not streamed or not recent - {rid} or self.problem(rid, now) is not None:
                 continue
-            silent_since = max(self._last_byte.get(rid, float("-inf")), min(attempts.values()))
+            silent_since = max(self._last_byte.get(rid, float("-inf")), min(streamed))
             if now - silent_since >= limit:
                 found.append(rid)
         return found

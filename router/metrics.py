@@ -51,8 +51,9 @@ class RouterMetrics:
             ["model", "cache", "source"], buckets=_TTFT_BUCKETS, registry=registry)
         self.ttft_prediction_error = Histogram(
             "router_ttft_prediction_error_seconds", "Observed minus predicted time from dispatch "
-            "to first token of streamed requests, per replica (ttft policy only): how well the "
-            "learned prefill model fits the fleet", ["replica"], buckets=_ERROR_BUCKETS,
+            "to first token of streamed requests, per replica (the ttft policy's prediction, or "
+            "the same model's under other policies): how well the learned prefill model fits "
+            "the fleet", ["replica"], buckets=_ERROR_BUCKETS,
             registry=registry)
         self.overhead = Histogram(
             "router_overhead_seconds", "Router time from request arrival to upstream send "

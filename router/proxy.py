@@ -15,13 +15,17 @@ Rules:
 * connect, first-byte and stream-idle timeouts (``RouterConfig``);
 * every attempt's outcome feeds the replica's circuit breaker (``router.health``): a 5xx, a
   failed, timed-out or non-HTTP connection and a broken stream count against it, any other
-  answer for it; streamed attempts report their bytes to the stall detector, and
-  ``abort_waiting`` moves the attempts still waiting for a first byte from a replica found
-  stalled to the next replica;
+  answer for it; every attempt is registered with its expected first-byte time (its
+  deadline) and reports its bytes, and ``abort_waiting`` / ``abort_attempt`` move attempts
+  still waiting for a first byte from a replica found stalled or hung, or past their deadline,
+  to the next replica;
 * the client disconnecting (the aiohttp handler is cancelled) closes the
-  upstream connection, which makes vLLM abort the request;
-* hop-by-hop headers are dropped both ways, everything else (Authorization,
-  Content-Encoding, ...) passes; bodies are not decompressed.
+  upstream connection, which makes vLLM abort the request; it counts against the replica only
+  when it waited for a first byte far past the replica's expected time
+  (``ReplicaHealth.gave_up``);
+* hop-by-hop headers are dropped both ways, and so is every header a ``Connection`` header
+  names (RFC 9110 section 7.6.1: those are meant for the next hop only); everything else
+  (Authorization, Content-Encoding, ...) passes; bodies are not decompressed.
 """
 
 from __future__ import annotations
@@ -36,7 +40,7 @@ from typing import Any, Final, Protocol
 
 import aiohttp
 from aiohttp import web
-from multidict import CIMultiDict
+from multidict import CIMultiDict, CIMultiDictProxy
 
 from router.config import RouterConfig
 from router.contract import DP_RANK_HEADER
@@ -47,7 +51,7 @@ from router.errors import (
     UpstreamTimeout,
     error_body,
 )
-from router.health import ReplicaHealth
+from router.health import HUNG, MISSED, ReplicaHealth
 from router.metrics import RouterMetrics
 from router.routing import Target
 from router.tracing import Tracing
@@ -70,6 +74,8 @@ RETRY_STATUSES: Final = frozenset({500, 502, 503, 504})
 # failures that say the replica cannot take connections or does not speak HTTP (it is benched for
 # a few seconds); a connection it dropped or a 502/503/504 it answered may be about one request
 SUSPECT_CAUSES: Final = frozenset({"connect_error", "connect_timeout", "bad_response"})
+# causes the health watcher counted when it moved the attempt (``Proxy.abort_waiting``)
+COUNTED_CAUSES: Final = frozenset({"stalled", HUNG, MISSED})
 
 
 class ProxyTicket(Protocol):
@@ -104,17 +110,27 @@ def target_headers(headers: CIMultiDict[str], target: Target) -> CIMultiDict[str
     return ranked
 
 
+def hop_by_hop(headers: CIMultiDictProxy[str]) -> frozenset[str]:
+    """The lower-case names of ``headers`` not to forward: ``HOP_BY_HOP`` and every name the
+    ``Connection`` header(s) list (comma-separated tokens; RFC 9110 section 7.6.1)."""
+    listed = {token.strip().lower() for value in headers.getall("Connection", ())
+              for token in value.split(",")}
+    return HOP_BY_HOP | listed
+
+
 def upstream_headers(request: web.Request, request_id: str) -> CIMultiDict[str]:
-    """Client headers minus hop-by-hop ones, with the request id set. The body goes upstream
-    decoded (aiohttp decodes a gzip/deflate request body), so its Content-Encoding is dropped.
-    A client's ``X-data-parallel-rank`` is dropped too: the router picks the rank (``Target``),
-    and a client's choice would put the request where the index does not expect it."""
+    """Client headers minus hop-by-hop ones (``hop_by_hop``), with the request id set. The body
+    goes upstream decoded (aiohttp decodes a gzip/deflate request body), so its Content-Encoding
+    is dropped. A client's ``X-data-parallel-rank`` is dropped too: the router picks the rank
+    (``Target``), and a client's choice would put the request where the index does not expect
+    it."""
     headers: CIMultiDict[str] = CIMultiDict()
     # a key the router checked itself (router/auth.py) is the client's secret: it stays here
     authenticated = request.get("tenant") is not None
+    dropped = hop_by_hop(request.headers)
     for name, value in request.headers.items():
         lower = name.lower()
-        if lower not in HOP_BY_HOP and lower != "content-encoding" and lower != _DP_RANK and not (
+        if lower not in dropped and lower != "content-encoding" and lower != _DP_RANK and not (
                 authenticated and lower == "authorization"):
             headers.add(name, value)
     headers[REQUEST_ID_HEADER] = request_id
@@ -139,10 +155,11 @@ class Proxy:
         self.metrics = metrics
         self.health = health
         self.tracing = tracing or Tracing(None)
-        # {replica_id: first-byte timeouts of the attempts waiting on it}; ``abort_waiting``
-        # expires them now and records them in ``_aborted`` so they are retried, not 504
-        self._waiting: dict[str, set[asyncio.Timeout]] = {}
-        self._aborted: set[int] = set()  # ids of the aborted timeouts
+        # {attempt token: (replica_id, first-byte timeout)} of the attempts waiting for a first
+        # byte; ``abort_*`` expire them now and record them in ``_aborted`` so they are
+        # retried, not 504
+        self._waiting: dict[int, tuple[str, asyncio.Timeout]] = {}
+        self._aborted: dict[int, str] = {}  # {id of an aborted timeout: cause}
         self._timeout = aiohttp.ClientTimeout(total=None, connect=None,
                                               sock_connect=config.connect_timeout_s, sock_read=None)
 
@@ -159,6 +176,7 @@ class Proxy:
         arrival: float,
         on_sent: Callable[[str], None] | None = None,
         streamed: bool = False,
+        expected_s: Callable[[str], float] | None = None,
     ) -> tuple[web.StreamResponse, ProxyOutcome]:
         """Send ``body`` to ``targets[0]`` (then at most one fallback) and relay the answer.
 
@@ -166,6 +184,8 @@ class Proxy:
         released at the first byte and at the end on every path.
         ``on_failure(replica_id)`` marks a replica that refused or timed out a connection.
         ``streamed``: the client asked for SSE (the attempt is watched by the stall detector).
+        ``expected_s(replica_id)``: seconds the replica should take to the first byte, called
+        after ``start_ticket`` (None: no deadline).
         Raises ``UpstreamError`` (502) / ``UpstreamTimeout`` (504) when nothing
         was sent to the client.
         """
@@ -181,7 +201,9 @@ class Proxy:
             ticket = start_ticket(rid)
             now = time.monotonic()
             health.on_dispatch(rid, now)
-            token = health.attempt_started(rid, now) if streamed else None
+            token = health.attempt_started(
+                rid, now, streamed, math.inf if expected_s is None else expected_s(rid),
+                fallback=i + 1 < len(attempts))
             try:
                 if on_sent is not None:
                     on_sent(rid)
@@ -191,7 +213,7 @@ class Proxy:
                         "server.address": target.url, "url.path": path,
                         "prefix_router.attempt": i + 1}) as span:
                     result = await self._attempt(request, path, body, headers, target, reason,
-                                                 request_id, ticket, arrival,
+                                                 request_id, ticket, arrival, token,
                                                  retry_status=i + 1 < len(attempts))
                     if span is not None:
                         span.set_attribute("http.response.status_code", result[1].status)
@@ -204,7 +226,7 @@ class Proxy:
                     continue
                 if exc.cause in SUSPECT_CAUSES:
                     on_failure(rid)
-                if exc.cause != "stalled":  # benched and counted once, when found stalled
+                if exc.cause not in COUNTED_CAUSES:  # counted once, when found
                     self._failed(rid, exc.cause)
                 if i + 1 < len(attempts):
                     self.metrics.child(self.metrics.retries, exc.cause).inc()
@@ -216,13 +238,16 @@ class Proxy:
                 self._failed(rid, "first_byte_timeout" if isinstance(exc, UpstreamTimeout)
                              else "client_error")
                 raise
-            except BaseException:
+            except BaseException as exc:
                 ticket.finish()
-                health.record_neutral(rid)
+                if isinstance(exc, asyncio.CancelledError) and health.gave_up(
+                        rid, token, time.monotonic()):
+                    self._failed(rid, "client_gave_up")
+                else:
+                    health.record_neutral(rid)
                 raise
             finally:
-                if token is not None:
-                    health.attempt_ended(rid, token)
+                health.attempt_ended(rid, token)
             ticket.finish()
             status = result[1].status
             if status == STATUS_CLIENT_CLOSED:
@@ -239,15 +264,24 @@ class Proxy:
         if self.health.record_failure(replica_id, time.monotonic(), cause):
             logger.warning("replica %s: circuit opened after %s", replica_id, cause)
 
-    def abort_waiting(self, replica_id: str) -> int:
+    def abort_waiting(self, replica_id: str, cause: str = "stalled") -> int:
         """Make the attempts waiting for a first byte from ``replica_id`` give up now and go to
-        their next replica (a stalled replica). Returns how many there were."""
-        waiting = self._waiting.get(replica_id, ())
-        when = asyncio.get_running_loop().time()
-        for cm in waiting:
-            self._aborted.add(id(cm))
-            cm.reschedule(when)
-        return len(waiting)
+        their next replica (a stalled or hung replica). Returns how many there were."""
+        tokens = [t for t, (rid, _) in self._waiting.items() if rid == replica_id]
+        for token in tokens:
+            self.abort_attempt(token, cause)
+        return len(tokens)
+
+    def abort_attempt(self, token: int, cause: str) -> bool:
+        """Make the attempt ``token`` (``ReplicaHealth.attempt_started``) give up waiting for its
+        first byte now and go to its next replica. False if it no longer waits."""
+        waiting = self._waiting.get(token)
+        if waiting is None:
+            return False
+        cm = waiting[1]
+        self._aborted[id(cm)] = cause
+        cm.reschedule(asyncio.get_running_loop().time())
+        return True
 
     async def _attempt(
         self,
@@ -260,18 +294,19 @@ class Proxy:
         request_id: str,
         ticket: ProxyTicket,
         arrival: float,
+        token: int,
         retry_status: bool = True,
     ) -> tuple[web.StreamResponse, ProxyOutcome]:
-        """One attempt; ``retry_status`` False relays a 502/503/504 answer instead of retrying."""
+        """One attempt (``token``: its ``ReplicaHealth`` registration); ``retry_status`` False
+        relays a 502/503/504 answer instead of retrying."""
         cfg = self.config
         timeout = self._timeout
         upstream: aiohttp.ClientResponse | None = None
-        waiting = self._waiting.setdefault(target.replica_id, set())
         first_byte = asyncio.timeout(cfg.first_byte_timeout_s)
         try:
             try:
                 async with first_byte:
-                    waiting.add(first_byte)
+                    self._waiting[token] = (target.replica_id, first_byte)
                     upstream = await self.session.request(
                         request.method, f"{target.url}{path}", data=body or None,
                         headers=target_headers(headers, target), timeout=timeout, auto_decompress=False,
@@ -291,21 +326,22 @@ class Proxy:
                 raise _Retryable("bad_response") from exc
             except TimeoutError as exc:
                 if id(first_byte) in self._aborted:
-                    raise _Retryable("stalled") from exc
+                    raise _Retryable(self._aborted[id(first_byte)]) from exc
                 raise UpstreamTimeout(
                     f"replica {target.replica_id} sent no byte within "
                     f"{cfg.first_byte_timeout_s:g} s") from exc
             except aiohttp.ClientError as exc:
                 raise UpstreamError(f"replica {target.replica_id}: {exc}") from exc
             finally:
-                waiting.discard(first_byte)
-                self._aborted.discard(id(first_byte))
-            self.health.progress(target.replica_id, time.monotonic())
+                self._waiting.pop(token, None)
+                self._aborted.pop(id(first_byte), None)
+            self.health.first_byte(target.replica_id, token, time.monotonic())
             first_byte_s = time.perf_counter() - arrival
             ticket.first_token()
             out_headers: CIMultiDict[str] = CIMultiDict()
+            dropped = hop_by_hop(upstream.headers)
             for name, value in upstream.headers.items():
-                if name.lower() not in HOP_BY_HOP:
+                if name.lower() not in dropped:
                     out_headers.add(name, value)
             out_headers[REPLICA_HEADER] = target.replica_id
             out_headers[REASON_HEADER] = reason

@@ -62,6 +62,7 @@ from router.errors import (
 from router.fleet import Fleet
 from router.fleet_sync import FleetReader, StaticProber, read_fleet_cache
 from router.hashing import BlockHasher, HashConfigError
+from router.health import HUNG, MISSED
 from router.heap import HeapTrimmer
 from router.http_errors import (
     REQUEST_ID_KEY,
@@ -71,7 +72,7 @@ from router.http_errors import (
 )
 from router.logs import REQUEST_ID, configure_logging
 from router.metrics import CONTENT_TYPE, RouterMetrics
-from router.policy import Decision, LoadTracker
+from router.policy import Decision, LoadTracker, TtftPrediction
 from router.prompt_path import PromptChainer
 from router.prompts import (
     PromptError,
@@ -129,7 +130,7 @@ class RouterService:
         self.metrics.watch_prompt_caches(self._prompt_caches)
         self.dispatcher = Dispatcher(self.fleet, self.tracker, self.chainer, config.block_size,
                                      config.index_stride, self.router.uses_index,
-                                     self._update_inflight)
+                                     self._update_inflight, self.learner)
         # request-supplied chat templates (trusted only): rendered in a child process that is
         # killed on overrun; one thread waits on it so that no tokenizer thread ever does
         self.renderer: TemplateRenderer | None = None
@@ -335,19 +336,50 @@ class RouterService:
             await asyncio.sleep(1.0)
 
     async def _stall_watch(self) -> None:
-        """Bench replicas that stopped sending bytes while others did (``router.health``) and
-        move their requests that still wait for a first byte to the next replica."""
+        """Bench replicas that stopped sending bytes while others did, or hung past a first-byte
+        deadline, count missed deadlines (``router.health``), and move requests that still wait
+        for a first byte to the next replica. A replica's KV events count as its progress."""
         health = self.fleet.health
-        interval = min(1.0, self.config.stall_timeout_s / 4)
+        cfg = self.config
+        interval = min(1.0, cfg.stall_timeout_s / 4, cfg.first_byte_deadline_floor_s / 4)
+        entries: dict[str, tuple[int, int]] = {}  # {replica_id: (epoch, entry_seq) last seen}
         while True:
             await asyncio.sleep(interval)
             now = time.monotonic()
+            for rid, replica in self.fleet.replicas.items():
+                seen = entries.get(rid)
+                entries[rid] = (replica.epoch, replica.entry_seq)
+                # new stream entries: the engine stored or evicted blocks
+                events = (seen is not None and seen[0] == replica.epoch
+                          and seen[1] < replica.entry_seq)
+                health.engine_report(rid, now, replica.num_running + replica.num_waiting > 0,
+                                     events)
+            for gone in entries.keys() - self.fleet.replicas.keys():
+                del entries[gone]
+            self._judge_overdue(now)
             for rid in health.stalled(now):
                 health.trip(rid, now, "stalled")
                 self.metrics.child(self.metrics.upstream_errors, rid, "stalled").inc()
                 moved = self.proxy.abort_waiting(rid) if self.proxy is not None else 0
                 logger.warning("replica %s sent nothing for %.0f s while others did: benched; "
                                "%d waiting requests moved", rid, self.config.stall_timeout_s, moved)
+
+    def _judge_overdue(self, now: float) -> None:
+        """Act on the attempts past their first-byte deadline (``ReplicaHealth.overdue``)."""
+        health = self.fleet.health
+        for overdue in health.overdue(now):
+            rid = overdue.replica_id
+            self.metrics.child(self.metrics.upstream_errors, rid, overdue.verdict).inc()
+            if overdue.verdict == HUNG:
+                health.trip(rid, now, HUNG)
+                moved = self.proxy.abort_waiting(rid, HUNG) if self.proxy is not None else 0
+                logger.warning("replica %s sent nothing past a first-byte deadline while others "
+                               "progressed: benched; %d waiting requests moved", rid, moved)
+                continue
+            if health.record_failure(rid, now, MISSED):
+                logger.warning("replica %s: circuit opened after %s", rid, MISSED)
+            if overdue.fallback and self.proxy is not None:
+                self.proxy.abort_attempt(overdue.token, MISSED)
 
     async def _sweeper(self) -> None:
         """Sweep retired index slots (replica cleared or dropped) in steps that yield to the loop."""
@@ -431,7 +463,7 @@ class RouterService:
                 request, endpoint, body, routed.targets, decision.reason,
                 request[REQUEST_ID_KEY], dispatch.start_ticket,
                 lambda rid: self.fleet.mark_failed(rid, time.monotonic()), arrival, sent,
-                streamed=spec.stream)
+                streamed=spec.stream, expected_s=dispatch.expected_first_byte_s)
             status, replica_id = outcome.status, outcome.replica_id
             counted.status, counted.replica_id = status, replica_id
             self._observe(spec, routed, dispatch, outcome, arrival, request.get(TENANT_KEY))
@@ -459,13 +491,16 @@ class RouterService:
         """What an answered request teaches: first-byte rates, TTFT metrics, hit counters and
         the template audit."""
         decision, replica_id, status = routed.decision, outcome.replica_id, outcome.status
-        if spec.stream and outcome.first_byte_s is not None and status == 200:
-            # a non-streamed answer's first byte is the whole answer: not a TTFT
-            self.dispatcher.observe_first_byte(replica_id, outcome.first_byte_s,
-                                               dispatch.prefill_tokens)
-            self._observe_ttft(spec, decision, outcome)
-            self._observe_first_token(decision, replica_id,
-                                      arrival + outcome.first_byte_s - dispatch.sent_at(replica_id))
+        if outcome.first_byte_s is not None and status == 200:
+            since_send_s = arrival + outcome.first_byte_s - dispatch.sent_at(replica_id)
+            if not spec.stream:  # its first byte is the whole answer: not a TTFT
+                dispatch.observe_answer(replica_id, since_send_s)
+            else:
+                self.dispatcher.observe_first_byte(replica_id, outcome.first_byte_s,
+                                                   dispatch.prefill_tokens)
+                self._observe_ttft(spec, decision, outcome)
+                self._observe_first_token(dispatch.prediction(replica_id), replica_id,
+                                          since_send_s)
         hit_tokens = decision.hit_blocks * self.config.block_size
         predicted_hit = hit_tokens if replica_id == decision.replica_id else 0
         self.metrics.child(self.metrics.prompt_tokens, replica_id).inc(routed.num_tokens)
@@ -494,11 +529,12 @@ class RouterService:
         self.metrics.child(self.metrics.ttft, spec.model or "", cache, source).observe(
             outcome.first_byte_s)
 
-    def _observe_first_token(self, decision: Decision, replica_id: str, ttft_s: float) -> None:
+    def _observe_first_token(self, predicted: TtftPrediction | None, replica_id: str,
+                             ttft_s: float) -> None:
         """A streamed request's first byte came ``ttft_s`` after its dispatch to ``replica_id``:
-        teach the prefill-rate learner, and record how far off the ttft policy's prediction was."""
-        predicted = decision.predictions.get(replica_id)
-        if predicted is None:  # another policy: nothing predicted
+        teach the prefill-rate learner (every policy: the first-byte deadlines use its
+        estimate), and record how far off the prediction made at the send was."""
+        if predicted is None:
             return
         self.learner.observe(replica_id, predicted.work_tokens, ttft_s)
         self.metrics.child(self.metrics.ttft_prediction_error, replica_id).observe(

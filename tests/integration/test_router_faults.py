@@ -18,6 +18,7 @@ from typing import Any
 
 import pytest
 
+from loadtest.redis_server import RedisServer
 from tests.helpers import EMULATE, PYTHON, start_process, stop_process, wait_for
 from tests.integration.test_router_fleet import KV_EVENTS, Router, http, read_json_file
 
@@ -27,11 +28,11 @@ BAD = "replica-1"
 
 
 class FaultFleet:
-    def __init__(self, tmp: Path, redis_url: str) -> None:
+    def __init__(self, tmp: Path, redis_url: str, time_scale: str = "50") -> None:
         self.procs: list[Any] = []
         ready = tmp / "emu.json"
         self.procs.append(start_process([
-            *EMULATE, "--replicas", "2", "--kv-events-config", KV_EVENTS, "--time-scale", "50",
+            *EMULATE, "--replicas", "2", "--kv-events-config", KV_EVENTS, "--time-scale", time_scale,
             "--ready-file", str(ready)], env={"PYTHONHASHSEED": "0"}))
         reps = wait_for(lambda: read_json_file(ready), 60, message="emulator")["replicas"]
         proxy_ready = tmp / "proxy.json"
@@ -182,6 +183,88 @@ def test_a_hung_replica_is_benched_and_its_waiting_streams_move(
     metrics = router.metrics()
     assert f'router_upstream_errors_total{{kind="stalled",replica="{BAD}"}} 1.0' in metrics
     assert 'router_upstream_retries_total{cause="stalled"}' in metrics
+
+
+def _closed_loop(router: Router, seed: int, stop: threading.Event,
+                 results: list[tuple[int, str]]) -> None:
+    """One client sending non-streamed prompts, each once the previous one is answered."""
+    rng = random.Random(seed)
+    while not stop.is_set():
+        status, headers, _ = router.post("/v1/completions", {"prompt": new_prompt(rng),
+                                                             "max_tokens": 1}, timeout=120)
+        results.append((status, headers.get("x-prefix-router-replica", "")))
+
+
+def test_a_hung_replica_fed_only_non_streamed_prompts_is_benched_after_few(
+        fleet: FaultFleet, routers: list[Router], tmp_path: Path) -> None:
+    """Issue 29: a replica that accepts prompts and never answers kept drawing non-streamed
+    ones under default settings (600 s first-byte timeout, stall detection for streams only).
+    Default settings here. Two clients in a closed loop: at most two prompts wait on the hung
+    replica at once, so it must be benched having been sent at most three (a half-open probe
+    included), and every prompt sent there is answered by the other replica (moved before its
+    first byte)."""
+    router = fleet.router(tmp_path)
+    routers.append(router)
+    rng = random.Random(29)
+    for _ in range(4):  # a fleet at work: both replicas answered lately
+        assert router.post("/v1/completions", {"prompt": new_prompt(rng), "max_tokens": 1})[0] == 200
+    fleet.fault("hang")
+    before = fleet.fault()["generate_requests"]
+    stop = threading.Event()
+    results: list[tuple[int, str]] = []
+    threads = [threading.Thread(target=_closed_loop, args=(router, 30 + i, stop, results))
+               for i in range(2)]
+    for t in threads:
+        t.start()
+    try:
+        wait_for(lambda: replica_state(router, BAD)["circuit"] != "closed", 90,
+                 message="the hung replica benched")
+        sent = fleet.fault()["generate_requests"] - before
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(150)
+    assert 1 <= sent <= 3, sent
+    assert results and all(status == 200 for status, _ in results), results
+    assert {rid for _, rid in results} == {"replica-0"}, results
+    metrics = router.metrics()
+    assert any(f'router_upstream_errors_total{{kind="{kind}",replica="{BAD}"}}' in metrics
+               for kind in ("hung", "first_byte_deadline")), metrics
+
+
+def test_a_replica_busy_far_past_its_deadline_is_neither_benched_nor_moved(
+        tmp_path: Path) -> None:
+    """The other side of the deadlines: a healthy replica generating a long non-streamed answer
+    sends no byte for far longer than its deadline (a 3 s floor and factor 1 here, an emulator
+    at wall-clock speed: 1,500 tokens take about 8 s), while the other replica answered lately.
+    Its engine reports the request running and its KV events keep coming: it stays in rotation
+    and the request is answered where it was sent."""
+    with RedisServer() as redis:
+        fleet = FaultFleet(tmp_path, redis.url, time_scale="1")
+        router = None
+        try:
+            router = fleet.router(tmp_path, "--first-byte-deadline-floor-s", "3",
+                                  "--first-byte-deadline-factor", "1")
+            rng = random.Random(31)
+            served = set()
+            while served != {"replica-0", "replica-1"}:  # both answered lately
+                status, headers, _ = router.post("/v1/completions", {"prompt": new_prompt(rng),
+                                                                     "max_tokens": 1})
+                assert status == 200
+                served.add(headers["x-prefix-router-replica"])
+            started = time.monotonic()
+            status, headers, raw = router.post("/v1/completions", {
+                "prompt": new_prompt(rng), "max_tokens": 1500, "ignore_eos": True}, timeout=120)
+            assert status == 200, raw[:300]
+            assert time.monotonic() - started > 4.5  # far past the 3 s deadline: a real test
+            metrics = router.metrics()
+            for kind in ("hung", "first_byte_deadline"):
+                assert f'kind="{kind}"' not in metrics, metrics
+            assert all(r["circuit"] == "closed" for r in router.ready()["replicas"])
+        finally:
+            if router is not None:
+                print(router.stop()[-2000:])
+            fleet.stop()
 
 
 def test_first_byte_timeouts_count_as_errors_and_bench_the_replica(

@@ -237,3 +237,43 @@ def test_a_cookie_a_replica_sets_is_not_sent_with_other_clients_requests(tmp_pat
         if router is not None:
             router.stop()
         stop_process(replica)
+
+
+HEADERS_REPLICA = """
+import json, sys
+from aiohttp import web
+async def completions(request):
+    await request.read()
+    resp = web.json_response({"id": "h", "object": "text_completion", "choices": [],
+                              "headers": [k.lower() for k in request.headers]})
+    resp.headers["Connection"] = "X-Reply-Hop"  # X-Reply-Hop is for the router, not the client
+    resp.headers["X-Reply-Hop"] = "1"
+    resp.headers["X-Reply-End"] = "1"
+    return resp""" + FAKE_REPLICA_TAIL
+
+
+def test_headers_a_connection_header_names_are_not_forwarded_either_way(tmp_path: Path) -> None:
+    """RFC 9110 section 7.6.1: a header named in ``Connection`` is for the next hop only; the
+    router drops it from the client's request and from the replica's answer (it forwarded both)."""
+    replica, port = start_script_replica(tmp_path, "headers", HEADERS_REPLICA)
+    router = None
+    try:
+        router = Router(tmp_path, ["--replica", f"http://127.0.0.1:{port}"])
+        body = json.dumps({"model": "fixed", "prompt": [1, 2]}).encode()
+        head, _, answer = raw(router, (
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Connection: close, X-Client-Hop\r\nConnection: x-second-hop\r\n"
+            b"X-Client-Hop: secret\r\nX-Second-Hop: 2\r\nX-Client-End: 1\r\n"
+            b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)).partition(
+                b"\r\n\r\n")
+        assert head.split(b" ", 2)[1] == b"200", head
+        seen = json.loads(answer)["headers"]
+        assert "x-client-end" in seen, seen
+        assert "x-client-hop" not in seen and "x-second-hop" not in seen, seen
+        names = {line.split(b":", 1)[0].strip().lower() for line in head.split(b"\r\n")[1:]}
+        assert b"x-reply-end" in names, head
+        assert b"x-reply-hop" not in names, head
+    finally:
+        if router is not None:
+            router.stop()
+        stop_process(replica)

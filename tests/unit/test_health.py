@@ -2,7 +2,17 @@
 
 from __future__ import annotations
 
-from router.health import CLOSED, HALF_OPEN, OPEN, HealthParams, ReplicaHealth
+from router.health import (
+    CLOSED,
+    HALF_OPEN,
+    HUNG,
+    MISSED,
+    OPEN,
+    HealthParams,
+    Overdue,
+    ReplicaHealth,
+    first_byte_deadline_s,
+)
 
 
 def make(**kw: float) -> ReplicaHealth:
@@ -71,3 +81,112 @@ def test_a_silent_replica_is_stalled_only_while_others_progress() -> None:
     assert h.stalled(9.0) == []  # already benched
     h.attempt_ended("a", token)
     assert h.stalled(30.0) == []  # nothing in flight on it
+
+
+def test_a_first_byte_deadline_follows_the_expected_time_with_a_floor() -> None:
+    assert first_byte_deadline_s(0.05, 4.0, 5.0) == 5.0
+    assert first_byte_deadline_s(3.0, 4.0, 5.0) == 12.0
+    h = make(deadline_factor=4.0, deadline_floor_s=5.0)
+    h.attempt_started("a", 0.0, streamed=False, expected_s=3.0)
+    h.progress("b", 11.0)
+    assert h.overdue(11.9) == []  # 12 s: 4 x the 3 s it should take
+    assert [o.verdict for o in h.overdue(12.0)] == [HUNG]
+
+
+def test_a_silent_replica_past_a_deadline_is_hung_while_others_progress() -> None:
+    h = make(deadline_floor_s=5.0)
+    token = h.attempt_started("a", 0.0, streamed=False, expected_s=0.1, fallback=True)
+    h.attempt_started("a", 1.0, streamed=False, expected_s=0.1)
+    h.progress("b", 2.0)  # another replica answered meanwhile
+    assert h.overdue(4.9) == []
+    assert h.overdue(5.0) == [Overdue("a", token, HUNG, True)]
+    h.trip("a", 5.0, HUNG)
+    assert h.overdue(6.0) == []  # benched: nothing more to judge
+    assert h.state("a") == OPEN
+
+
+def test_a_busy_replica_past_a_deadline_is_not_judged() -> None:
+    """Any byte (another request's answer) or KV event from the replica within the deadline's
+    span means it is working: a long prompt or a long queue, not a hang."""
+    h = make(deadline_floor_s=5.0)
+    h.attempt_started("a", 0.0, streamed=False, expected_s=0.1)
+    h.progress("b", 4.0)
+    h.progress("a", 3.0)  # e.g. its engine's KV events
+    assert h.overdue(7.0) == []
+    assert h.overdue(7.9) == []
+    assert [o.verdict for o in h.overdue(8.1)] == [HUNG]  # silent for a whole deadline since
+    h.record_success("a")
+
+
+def test_a_missed_deadline_with_nothing_progressing_counts_once_against_the_breaker() -> None:
+    h = make(deadline_floor_s=5.0)
+    first = h.attempt_started("a", 0.0, streamed=False, expected_s=0.1, fallback=True)
+    assert h.overdue(5.0) == [Overdue("a", first, MISSED, True)]
+    assert h.overdue(6.0) == []  # reported once
+    last = h.attempt_started("a", 6.0, streamed=False, expected_s=0.1)
+    assert h.overdue(11.0) == [Overdue("a", last, MISSED, False)]
+    # the breaker counts what the caller records: three in a row open the circuit
+    assert not h.record_failure("a", 5.0, MISSED)
+    assert not h.record_failure("a", 11.0, MISSED)
+    assert h.record_failure("a", 12.0, MISSED)
+
+
+def test_an_answered_attempt_or_an_open_circuit_is_not_judged() -> None:
+    h = make(deadline_floor_s=5.0)
+    token = h.attempt_started("a", 0.0, streamed=False, expected_s=0.1)
+    h.first_byte("a", token, 0.5)
+    h.progress("b", 9.0)
+    assert h.overdue(10.0) == []  # answered (a non-streamed body still arriving is the relay's)
+    old = h.attempt_started("c", 0.0, streamed=False, expected_s=0.1)
+    h.trip("c", 1.0, "http_500")
+    assert h.overdue(5.5) == []
+    h.attempt_ended("c", old)
+    probe = h.attempt_started("c", 7.0, streamed=False, expected_s=0.1)  # half-open probe
+    h.on_dispatch("c", 7.0)
+    h.progress("b", 11.0)
+    assert Overdue("c", probe, HUNG, False) in h.overdue(12.0)
+
+
+def test_a_client_giving_up_far_past_the_expected_time_counts() -> None:
+    h = make(deadline_factor=4.0)
+    token = h.attempt_started("a", 0.0, streamed=False, expected_s=0.5)
+    assert not h.gave_up("a", token, 1.9)  # within 4 x 0.5 s
+    assert h.gave_up("a", token, 2.0)
+    h.progress("a", 1.0)
+    assert not h.gave_up("a", token, 3.0)  # it was working meanwhile
+    quick = h.attempt_started("a", 10.0, streamed=False, expected_s=0.01)
+    assert not h.gave_up("a", quick, 10.5)  # under MIN_GIVE_UP_S: a user pressing stop
+    answered = h.attempt_started("a", 20.0, streamed=True, expected_s=0.01)
+    h.first_byte("a", answered, 20.1)
+    assert not h.gave_up("a", answered, 30.0)  # mid-stream: not a wait for a first byte
+
+
+def test_others_progress_counts_within_the_stall_span_even_before_the_send() -> None:
+    """Closed-loop clients stuck on a hung replica stop the others' traffic: the others'
+    answers just before the send still show that the router reaches the fleet."""
+    h = make(deadline_floor_s=5.0, stall_timeout_s=10.0)
+    h.progress("b", -1.0)
+    token = h.attempt_started("a", 0.0, streamed=False, expected_s=0.1)
+    assert h.overdue(5.0) == [Overdue("a", token, HUNG, False)]
+    h = make(deadline_floor_s=5.0, stall_timeout_s=4.0)
+    h.progress("b", -1.0)  # 6 s before: beyond both spans
+    token = h.attempt_started("a", 0.0, streamed=False, expected_s=0.1)
+    assert h.overdue(5.0) == [Overdue("a", token, MISSED, False)]
+
+
+def test_an_engine_holding_requests_whose_kv_events_still_come_is_busy() -> None:
+    """Events come once per 256 generated tokens (coarse index): a long generation leaves
+    gaps longer than a deadline, but its engine reports the request running."""
+    h = make(deadline_floor_s=5.0)
+    h.engine_report("a", 0.0, active=True, events=True)
+    h.attempt_started("a", 1.0, streamed=False, expected_s=0.1)
+    h.progress("b", 9.0)
+    assert h.overdue(9.0) == []  # running, last events 9 s ago
+    h.engine_report("a", 9.5, active=False, events=False)  # the engine holds nothing: not ours
+    assert [o.verdict for o in h.overdue(10.0)] == [HUNG]
+    h = make(deadline_floor_s=5.0)
+    h.engine_report("a", 0.0, active=True, events=True)
+    token = h.attempt_started("a", 1.0, streamed=False, expected_s=0.1)
+    h.progress("b", 58.0)
+    assert h.overdue(59.0) == []  # events 59 s ago: within ENGINE_EVENT_SPAN_S
+    assert h.overdue(61.0) == [Overdue("a", token, HUNG, False)]  # holding, no events: hung
