@@ -63,7 +63,7 @@ from redis.exceptions import NoScriptError, OutOfMemoryError, ResponseError
 
 from router import contract
 from router.contract import OP_CLEARED, OP_STORED, TIER_CPU, TIER_GPU, BlockKey
-from router.logs import RateLimitedLog
+from router.logs import IntervalLog
 from router.redis_client import reconnect_retry, redis_errors
 from worker.replica_view import NO_SEQ, Change
 
@@ -248,7 +248,7 @@ class RedisWriter:
         self._sent: dict[Any, Any] = {}  # heartbeat fields as last written by the fast path
         # Redis refused a write for lack of memory (until a write goes through)
         self.oom = False
-        self._oom_log = RateLimitedLog(logger, OOM_LOG_INTERVAL_S)
+        self._oom_log = IntervalLog(logger, OOM_LOG_INTERVAL_S)
         # a stream entry whose script went through but whose XADD Redis refused (OOM): sent
         # before anything else, so routers see every entry in order
         self._unsent: dict[Any, Any] | None = None
@@ -437,7 +437,7 @@ class RedisWriter:
         self.stats.num_errors += 1
         self.stats.num_oom_refusals += 1
         if not self.oom:
-            self._oom_log = RateLimitedLog(logger, OOM_LOG_INTERVAL_S)  # a new episode: say so
+            self._oom_log = IntervalLog(logger, OOM_LOG_INTERVAL_S)  # a new episode: say so
         self.oom = True
         self._writable.clear()
         self._oom_log.warning("Redis is out of memory (maxmemory reached; run maxmemory-policy "

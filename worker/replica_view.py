@@ -46,7 +46,7 @@ from router.contract import (
     anchor_positions_between,
     is_anchor,
 )
-from router.logs import RateLimitedLog
+from router.logs import IntervalLog
 from worker.block_keys import KEY_MODE_ENGINE, EngineKeys, KeyMapper
 from worker.block_set import BlockSet
 from worker.kv_events import (
@@ -117,7 +117,7 @@ class ReplicaView:
         self._depth: dict[int, int] = {}  # {engine block key: chain depth} of resident blocks
         self._extra_copies: dict[int, int] = {}  # {engine block key: copies beyond the first}
         self.stats = ViewStats()
-        self._bad_log = RateLimitedLog(logger, BAD_EVENT_LOG_INTERVAL_S)  # one line per interval
+        self._bad_log = IntervalLog(logger, BAD_EVENT_LOG_INTERVAL_S)  # one line per interval
 
     @property
     def key_mode(self) -> str:

@@ -40,7 +40,7 @@ import zmq
 import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
-from router.logs import RateLimitedLog
+from router.logs import IntervalLog
 from worker.kv_events import (
     REPLAY_END_SEQ,
     KVEventBatch,
@@ -145,9 +145,9 @@ class KVEventSubscriber:
         self.stats = SubscriberStats()
         self.max_message_bytes = max_message_bytes
         # one line per interval for each kind of bad input
-        self._bad_log = RateLimitedLog(logger, BAD_MESSAGE_LOG_INTERVAL_S)
-        self._refused_log = RateLimitedLog(logger, BAD_MESSAGE_LOG_INTERVAL_S)
-        self._disconnect_log = RateLimitedLog(logger, BAD_MESSAGE_LOG_INTERVAL_S)
+        self._bad_log = IntervalLog(logger, BAD_MESSAGE_LOG_INTERVAL_S)
+        self._refused_log = IntervalLog(logger, BAD_MESSAGE_LOG_INTERVAL_S)
+        self._disconnect_log = IntervalLog(logger, BAD_MESSAGE_LOG_INTERVAL_S)
         self._monitor_task: asyncio.Task[None] | None = None
         self.connected = asyncio.Event()  # set once the SUB socket is connected
         self._ctx = context or zmq.asyncio.Context.instance()
