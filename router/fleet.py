@@ -226,10 +226,19 @@ class Fleet:
         if replica is not None:
             replica.suspect_until = now + SUSPECT_S
 
+    def routed(self, now: float) -> list[Replica]:
+        """The replicas requests go to now: the routable ones, or in panic mode (``panic``)
+        every one ``eligible_in_panic`` allows."""
+        if not self.panic(now)[0]:
+            return self.routable(now)
+        return [r for r in self.replicas.values()
+                if self.routable_problem(r, now) is None or self.eligible_in_panic(r, now)]
+
     def model_cards(self, now: float) -> list[dict[str, Any]]:
-        """Union of model cards over routable replicas, by id (``GET /v1/models``)."""
+        """Union of model cards over the replicas routed to (``routed``), by id
+        (``GET /v1/models``)."""
         cards: dict[str, dict[str, Any]] = {}
-        for r in self.routable(now):
+        for r in self.routed(now):
             if r.model_cards:
                 for card in r.model_cards:
                     cards.setdefault(str(card.get("id")), card)

@@ -515,10 +515,11 @@ class RouterService:
                                          str(status)).inc()
 
     async def handle_models(self, request: web.Request) -> web.Response:
-        """Union of the routable replicas' models; 503 when none is routable (an empty list
-        would tell a client the router serves no model at all)."""
+        """Union of the models of the replicas routed to (the routable ones, or in panic mode
+        all it routes to); 503 when there is none (an empty list would tell a client the router
+        serves no model at all)."""
         now = time.monotonic()
-        if not self.fleet.routable(now):
+        if not self.fleet.routed(now):
             raise NoRoutableReplica("no routable replica: the served models are unknown" if not
                                     self.fleet.replicas else "no routable replica")
         return web.json_response({"object": "list", "data": self.fleet.model_cards(now)})
@@ -551,9 +552,7 @@ class RouterService:
             })
         panic, num_routable, num_replicas = self.fleet.panic(now)
         # in panic mode the router routes to replicas /ready lists as not routable
-        routes = num_routable > 0 or (panic and any(
-            self.fleet.eligible_in_panic(r, now) for r in self.fleet.replicas.values()))
-        ready = routes and not self.draining
+        ready = bool(self.fleet.routed(now)) and not self.draining
         body = {"ready": ready, "draining": self.draining, "policy": self.config.policy,
                 "panic": {"active": panic, "routable_replicas": num_routable,
                           "replicas": num_replicas, "threshold": self.config.panic_threshold},

@@ -170,9 +170,9 @@ def test_busy_event_loop_keeps_fresh_replicas_routable(redis_url: str, tmp_path:
 def test_panic_mode_routes_when_most_replicas_look_down(tmp_path: Path,
                                                        replicas: list[FakeReplica]) -> None:
     """Both static replicas fail their ``/health`` probes but answer requests: below the panic
-    threshold (50%) the router routes to them anyway and says so in ``/ready`` and
-    ``/metrics``; with one of two down it routes to the other only; with panic mode off it
-    answers 503 "no routable replica"."""
+    threshold (50%) the router routes to them anyway (and lists their models) and says so in
+    ``/ready`` and ``/metrics``; with one of two down it routes to the other only; with panic
+    mode off it answers 503 "no routable replica"."""
     args = ["--replica", replicas[0].url, "--replica", replicas[1].url, "--model", "m",
             "--static-probe-interval-s", "0.2"]
     router = Router(tmp_path, args)
@@ -204,9 +204,11 @@ def test_panic_mode_routes_when_most_replicas_look_down(tmp_path: Path,
         assert prometheus_value(metrics, "router_panic_routed_requests_total") == 4
         wait_for(lambda: prometheus_value(router.metrics(), "router_fleet_panic") == 1, 10,
                  message="router_fleet_panic 1")
+        assert http("GET", router.url + "/v1/models")[0] == 200  # the models it routes to
         status, _, raw = off.post("/v1/completions", body)
         assert status == 503 and b"no routable replica" in raw, raw
         assert http("GET", off.url + "/ready")[0] == 503
+        assert http("GET", off.url + "/v1/models")[0] == 503
 
         replicas[0].health_flag.unlink()
         replicas[1].health_flag.unlink()
