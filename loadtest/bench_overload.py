@@ -9,8 +9,8 @@ replicas at ``--time-scale``, a worker each, the router), then runs ``--streams`
 for ``--seconds``: each sends streamed completions (``--prompt-tokens`` token ids, a shared
 head per group of prompts, ``--max-tokens`` out) one after another and reads each SSE stream
 to its end. When the time is up every loop finishes its current stream and the client session
-closes. Meanwhile ``/ready`` is read once a second (samples with a replica not routable, with
-panic mode on). Printed as one JSON object: requests, answers by status, 503s by error message,
+closes. Meanwhile ``/ready`` is read once a second (samples with a replica not routable, why,
+with panic mode on). Printed as one JSON object: requests, answers by status, 503s by error message,
 other errors (connection failures, streams without ``[DONE]``, SSE error events), the router's
 own ``router_requests_total`` 503s by reason and ``router_panic_routed_requests_total``, and the
 router's open fds (``/proc/<pid>/fd``) idle before the run, at the end of the last stream and
@@ -28,6 +28,7 @@ import random
 import re
 import time
 from collections import Counter
+from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -133,6 +134,10 @@ async def watch_ready(url: str, stop: asyncio.Event, out: Counter[str]) -> None:
                 reps = body.get("replicas", [])
                 if any(not r["routable"] for r in reps):
                     out["some_replica_not_routable"] += 1
+                for r in reps:
+                    if not r["routable"]:  # "not_routable: circuit open for 4.1 s more ..."
+                        reason = re.sub(r"[0-9.]+ s", "N s", str(r["not_routable_reason"]))
+                        out[f"not_routable: {reason}"] += 1
                 if reps and not any(r["routable"] for r in reps):
                     out["no_replica_routable"] += 1
                 if body.get("panic", {}).get("active"):
@@ -188,9 +193,11 @@ def main() -> None:
                         help="seconds after the last stream at which fds are counted again")
     parser.add_argument("--router-arg", action="append", default=[],
                         help="extra router flag (repeatable), e.g. --router-arg=--panic-threshold=0")
+    parser.add_argument("--log-dir", type=Path, help="keep every component's log here")
     args = parser.parse_args()
     config = FleetConfig(router=RouterSpec(OURS, "prefix"), replicas=args.replicas,
-                         time_scale=args.time_scale, router_args=tuple(args.router_arg))
+                         time_scale=args.time_scale, router_args=tuple(args.router_arg),
+                         log_dir=args.log_dir)
     with LoopbackFleet(config, progress=lambda msg: print(msg, flush=True)) as fleet:
         assert fleet.router_url is not None
         pid = fleet.pids["router"][0]

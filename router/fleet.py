@@ -205,12 +205,13 @@ class Fleet:
         return num_routable < self.config.panic_threshold * num_replicas
 
     def eligible_in_panic(self, replica: Replica, now: float) -> bool:
-        """Whether panic mode routes to ``replica``. Panic ignores the signals that many
-        replicas can show at once without being down (a stale heartbeat, failed ``/health``
-        probes, an open circuit: an overloaded router or network, a shared upstream error), but
-        not a refused connection within ``SUSPECT_S``, a data-parallel rank the engine lacks, or
-        a static replica never seen up (nothing says it ever was)."""
-        if replica.rank_problem is not None or replica.suspect_until > now:
+        """Whether panic mode routes to ``replica``. Panic ignores the health signals, which
+        many replicas can show at once without being down (a stale heartbeat, failed
+        ``/health`` probes, an open circuit, a failed or timed-out connection: an overloaded
+        router or network, a burst of connects), as Envoy's does; not a data-parallel rank the
+        engine lacks (a configuration error) or a static replica never seen up (nothing says
+        it ever was). A request sent to a replica that is down is retried on the next one."""
+        if replica.rank_problem is not None:
             return False
         return replica.probed_ok or not (replica.static or replica.fallback)
 

@@ -50,10 +50,12 @@ def test_panic_below_the_threshold_routes_to_every_replica_up_or_not() -> None:
     ready, _, panic = fleet.eligible("m", now)
     assert sorted(r.replica_id for r in ready) == ["r0", "r1", "r2", "r3"] and panic
     assert fleet.panic(now) == (True, 0, 4)
-    # a refused connection is no health estimate: panic leaves that replica out
+    # a failed or timed-out connection is ignored too (a burst of connects times out on every
+    # replica at once), a data-parallel rank the engine lacks is not
     fleet.mark_failed("r0", now)
+    fleet.replicas["r1"].rank_problem = "data-parallel rank 1 is not one of the engine's ranks"
     ready, _, panic = fleet.eligible("m", now)
-    assert sorted(r.replica_id for r in ready) == ["r1", "r2", "r3"] and panic
+    assert sorted(r.replica_id for r in ready) == ["r0", "r2", "r3"] and panic
 
 
 def test_panic_threshold_zero_is_off() -> None:
