@@ -8,6 +8,7 @@ probes ``/health`` and reads ``/v1/models`` of static ``--replica`` URLs.
 from __future__ import annotations
 
 import asyncio
+import http.client
 import json
 import logging
 import os
@@ -407,17 +408,19 @@ def probe_replica(url: str, want_models: bool,
                   timeout_s: float) -> tuple[bool, list[dict[str, Any]] | None]:
     """Blocking: ``GET {url}/health`` and, when healthy and ``want_models``, ``GET
     {url}/v1/models``. Returns ``(healthy, model cards or None)``; never raises."""
+    # urllib's HTTPError (a non-2xx answer) and URLError are OSErrors, an answer that is not
+    # HTTP an HTTPException; a body that is not a JSON object: ValueError / AttributeError
     try:
         with _PROBE_OPENER.open(f"{url}/health", timeout=timeout_s) as resp:
             healthy = resp.status == 200
             resp.read()
-        if not healthy or not want_models:
-            return healthy, None
+    except (OSError, http.client.HTTPException):
+        return False, None
+    if not healthy or not want_models:
+        return healthy, None
+    try:  # health is /health's answer alone: no model list yet is no outage
         with _PROBE_OPENER.open(f"{url}/v1/models", timeout=timeout_s) as resp:
             data = json.loads(resp.read())
-        cards = [card for card in data.get("data", []) if isinstance(card, dict)]
-        return True, cards
-    except (OSError, ValueError, AttributeError):
-        # urllib's HTTPError (a non-2xx answer) and URLError are OSErrors; a body that is not
-        # a JSON object: ValueError / AttributeError
-        return False, None
+        return True, [card for card in data.get("data", []) if isinstance(card, dict)]
+    except (OSError, http.client.HTTPException, ValueError, AttributeError):
+        return True, None

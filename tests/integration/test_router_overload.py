@@ -260,3 +260,31 @@ def test_fds_return_to_idle_after_a_burst_of_streams(tmp_path: Path,
         assert busiest > idle * 1.1  # the burst did hold connections
     finally:
         router.stop()
+
+
+def test_a_probe_of_a_non_http_answer_never_raises(replicas: list[FakeReplica]) -> None:
+    """``probe_replica`` runs in a thread: an answer that is not HTTP is a failed probe, not an
+    exception that ends the prober; a 503 from ``/health`` is a failed probe too."""
+    import socket
+
+    from router.fleet_sync import probe_replica
+
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", 0))
+        server.listen()
+
+        def answer_garbage() -> None:
+            conn, _ = server.accept()
+            with conn:
+                conn.recv(65536)
+                conn.sendall(b"garbage\r\n\r\n")
+
+        thread = threading.Thread(target=answer_garbage)
+        thread.start()
+        assert probe_replica(f"http://127.0.0.1:{server.getsockname()[1]}", True, 5.0) == (
+            False, None)
+        thread.join(5)
+    healthy, cards = probe_replica(replicas[0].url, True, 5.0)
+    assert healthy and cards and cards[0]["id"] == "fixed"
+    replicas[0].health_flag.touch()
+    assert probe_replica(replicas[0].url, True, 5.0) == (False, None)
