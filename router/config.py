@@ -87,6 +87,8 @@ DEFAULT_CIRCUIT_FAILURES: Final = 3  # consecutive failed requests (5xx, connect
 DEFAULT_CIRCUIT_WINDOW_S: Final = 30.0  # ... within this many seconds open a replica's circuit
 DEFAULT_CIRCUIT_EJECTION_S: Final = 5.0  # first ejection; doubles per repeat (Envoy: 30 s base)
 DEFAULT_CIRCUIT_MAX_EJECTION_S: Final = 60.0
+DEFAULT_PANIC_THRESHOLD: Final = 0.5  # fewer routable replicas than this share: route to all
+# (Envoy's healthy_panic_threshold default, 50%); 0 turns panic mode off
 DEFAULT_STALL_TIMEOUT_S: Final = 15.0  # no byte on any streamed request while others progress
 DEFAULT_FIRST_BYTE_DEADLINE_FACTOR: Final = 4.0  # a request's first-byte deadline: this x the time
 # its replica should take (predicted TTFT, queue wait and prefill included, + a non-streamed
@@ -192,6 +194,7 @@ class RouterConfig:
     stall_timeout_s: float = DEFAULT_STALL_TIMEOUT_S
     first_byte_deadline_factor: float = DEFAULT_FIRST_BYTE_DEADLINE_FACTOR
     first_byte_deadline_floor_s: float = DEFAULT_FIRST_BYTE_DEADLINE_FLOOR_S
+    panic_threshold: float = DEFAULT_PANIC_THRESHOLD
     client_idle_timeout_s: float = DEFAULT_CLIENT_IDLE_TIMEOUT_S
     client_body_timeout_s: float = DEFAULT_CLIENT_BODY_TIMEOUT_S
     max_idle_client_connections: int = DEFAULT_MAX_IDLE_CLIENT_CONNECTIONS
@@ -242,7 +245,8 @@ class RouterConfig:
         for name in _POSITIVE:
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be > 0, got {getattr(self, name)}", name)
-        for name in ("min_hit_fraction", "ttft_evicted_reuse", "ttft_decode_weight"):
+        for name in ("min_hit_fraction", "ttft_evicted_reuse", "ttft_decode_weight",
+                     "panic_threshold"):
             if not 0.0 <= getattr(self, name) <= 1.0:
                 raise ConfigError(f"{name} must be in [0, 1], got {getattr(self, name)}", name)
         for name in ("replicas", "fallback_replicas"):
@@ -365,6 +369,8 @@ _HELP: Final = {
                           "circuit_max_ejection_s); then one probe request",
     "stream_read_interval_s": "pause (s) after a KV-event stream read that was not a full batch: "
                               "fewer reads (router CPU) against more index lag",
+    "panic_threshold": "when fewer than this share (0-1) of a model's replicas are routable, "
+                       "route to all of them as if healthy (Envoy's panic mode; 0 = off)",
     "stall_timeout_s": "a replica sending no byte on its streamed requests this long, while "
                        "others do, is benched and its waiting requests move",
     "first_byte_deadline_factor": "a request's first-byte deadline is this x the time its replica "

@@ -172,10 +172,15 @@ class Fleet:
             self._ring_ids = ids
         return self._ring
 
-    def eligible(self, model: str | None, now: float) -> tuple[list[Replica], tuple[str, str] | None]:
-        """Routable replicas serving ``model`` and the LoRA (name, path) it names, if any.
+    def eligible(self, model: str | None,
+                 now: float) -> tuple[list[Replica], tuple[str, str] | None, bool]:
+        """Routable replicas serving ``model``, the LoRA (name, path) it names, if any, and
+        whether they are chosen in panic mode.
 
-        Raises ``ModelNotFound`` when no known replica serves the model and
+        Panic mode (Envoy's panic threshold): when fewer than ``panic_threshold`` of the
+        replicas serving ``model`` are routable, the health signals are taken to be wrong
+        rather than most of the fleet down at once, and every replica ``eligible_in_panic``
+        allows is used. Raises ``ModelNotFound`` when no known replica serves the model and
         ``NoRoutableReplica`` when some do but none is routable.
         """
         serving = [r for r in self.replicas.values() if r.serves(model)]
@@ -184,9 +189,12 @@ class Fleet:
                 raise NoRoutableReplica("no replica is known to the router yet")
             raise ModelNotFound(f"The model `{model}` does not exist.")
         ready = [r for r in serving if self.routable_problem(r, now) is None]
-        if not ready:
-            # every replica that is up has its circuit open: route to them anyway (Envoy's panic
-            # mode) rather than refuse everything on request errors alone
+        panic = self._panics(len(ready), len(serving))
+        if panic:
+            ready = [r for r in serving if self.eligible_in_panic(r, now)]
+        elif not ready:
+            # (panic_threshold 0) every replica that is up has its circuit open: route to them
+            # anyway rather than refuse everything on request errors alone
             ready = [r for r in serving if self._down_problem(r, now) is None]
         if not ready:
             raise NoRoutableReplica(f"no routable replica serves model {model!r}")
@@ -200,7 +208,28 @@ class Fleet:
                 if model in r.lora_adapters and not (r.models and model in r.models):
                     lora = (model, r.lora_adapters[model])
                     break
-        return ready, lora
+        return ready, lora, panic
+
+    def _panics(self, num_routable: int, num_replicas: int) -> bool:
+        """Envoy's panic threshold: fewer than ``panic_threshold`` of the replicas routable."""
+        return num_routable < self.config.panic_threshold * num_replicas
+
+    def eligible_in_panic(self, replica: Replica, now: float) -> bool:
+        """Whether panic mode routes to ``replica``. Panic ignores the health signals, which
+        many replicas can show at once without being down (a stale heartbeat, failed
+        ``/health`` probes, an open circuit, a failed or timed-out connection: an overloaded
+        router or network, a burst of connects), as Envoy's does; not a data-parallel rank the
+        engine lacks (a configuration error) or a static replica never seen up (nothing says
+        it ever was). A request sent to a replica that is down is retried on the next one."""
+        if replica.rank_problem is not None:
+            return False
+        return replica.probed_ok or not (replica.static or replica.fallback)
+
+    def panic(self, now: float) -> tuple[bool, int, int]:
+        """``(in panic, routable replicas, replicas)`` over the whole fleet (every model):
+        ``router_fleet_panic`` and ``/ready``."""
+        num_routable = len(self.routable(now))
+        return self._panics(num_routable, len(self.replicas)), num_routable, len(self.replicas)
 
     def mark_failed(self, replica_id: str, now: float) -> None:
         """Passive health: skip a replica for ``SUSPECT_S`` after a connection failure."""
@@ -208,10 +237,19 @@ class Fleet:
         if replica is not None:
             replica.suspect_until = now + SUSPECT_S
 
+    def routed(self, now: float) -> list[Replica]:
+        """The replicas requests go to now: the routable ones, or in panic mode (``panic``)
+        every one ``eligible_in_panic`` allows."""
+        if not self.panic(now)[0]:
+            return self.routable(now)
+        return [r for r in self.replicas.values()
+                if self.routable_problem(r, now) is None or self.eligible_in_panic(r, now)]
+
     def model_cards(self, now: float) -> list[dict[str, Any]]:
-        """Union of model cards over routable replicas, by id (``GET /v1/models``)."""
+        """Union of model cards over the replicas routed to (``routed``), by id
+        (``GET /v1/models``)."""
         cards: dict[str, dict[str, Any]] = {}
-        for r in self.routable(now):
+        for r in self.routed(now):
             if r.model_cards:
                 for card in r.model_cards:
                     cards.setdefault(str(card.get("id")), card)
@@ -257,11 +295,18 @@ class Fleet:
     # -- updates from Redis -----------------------------------------------------
 
     def apply_heartbeat(self, replica_id: str, fields: Mapping[str, str], wall_now: float,
-                        contract: int = c.CONTRACT_VERSION) -> bool:
+                        contract: int = c.CONTRACT_VERSION, ttl_ms: int = -1) -> bool:
         """Create or refresh a worker-reported replica. Returns True if its block set must be
         (re)loaded: new replica or a newer epoch. ``contract``: the version a heartbeat
         without a ``contract`` field is taken to have (the reader passes 1 for an untagged,
-        version 1/2 key; a hash-tagged key is version 3 at least)."""
+        version 1/2 key; a hash-tagged key is version 3 at least).
+
+        Freshness: ``ttl_ms`` is the key's ``PTTL`` read with the hash. A key Redis holds with
+        an expiry is fresh by Redis's own clock (the worker sets ``HEARTBEAT_TTL_S`` at every
+        write; Redis deletes the key when it lapses), whatever this router's clock or how late
+        its event loop got to the reply. A key without one (-1: written by hand or by a test)
+        is fresh while ``wall_now`` (unix s, read before the read was sent) is at most
+        ``HEARTBEAT_TTL_S`` + 0.5 s past its ``heartbeat_ts``."""
         replica = self.replicas.get(replica_id)
         is_new = replica is None
         if replica is None:
@@ -293,7 +338,12 @@ class Fleet:
         replica.num_gpu_blocks = max(int_field(fields.get(c.F_NUM_GPU_BLOCKS), 0) or 0, 0)
         replica.redis_oom = fields.get(c.F_REDIS_OOM) == "1"
         replica.heartbeat_ts = float_field(fields.get(c.F_HEARTBEAT_TS), wall_now)
-        replica.healthy = wall_now - replica.heartbeat_ts <= c.HEARTBEAT_TTL_S + 0.5
+        age_s = wall_now - replica.heartbeat_ts
+        healthy = ttl_ms >= 0 or age_s <= c.HEARTBEAT_TTL_S + 0.5
+        if replica.healthy and not healthy:
+            logger.warning("replica %s: heartbeat %.1f s old and its key has no expiry; out of "
+                           "rotation", replica_id, age_s)
+        replica.healthy = healthy
         epoch = int_field(fields.get(c.F_EPOCH), 0) or 0
         reload = is_new or epoch > replica.epoch
         replica.epoch = max(epoch, replica.epoch)

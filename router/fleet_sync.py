@@ -8,15 +8,15 @@ probes ``/health`` and reads ``/v1/models`` of static ``--replica`` URLs.
 from __future__ import annotations
 
 import asyncio
+import http.client
 import json
 import logging
 import os
 import time
+import urllib.request
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, cast
-
-import aiohttp
 
 from router import contract as c
 from router.config import DEFAULT_STREAM_READ_INTERVAL_S, RouterConfig
@@ -184,19 +184,25 @@ class FleetReader:
                 continue
             if tagged or rid not in found:
                 found[rid] = (key, tagged)
+        # each hash with its key's PTTL (Redis's own clock says whether it is fresh), and the
+        # wall clock read before the round trip: a busy event loop that gets to the reply
+        # seconds late must not age every heartbeat at once (issue 29: all four replicas of a
+        # healthy fleet "stale" under 1,000 streams)
         pipe = client.pipeline(transaction=False)
         for key, _ in found.values():
             pipe.hgetall(key)
-        results = await pipe.execute() if found else []
+            pipe.pttl(key)
         wall_now = time.time()
+        results = await pipe.execute() if found else []
         seen: set[str] = set()
-        for (rid, (_, tagged)), raw in zip(found.items(), results, strict=True):
+        for (rid, (_, tagged)), raw, ttl_ms in zip(found.items(), results[::2], results[1::2],
+                                                    strict=True):
             if not raw:
                 continue
             fields = {_text(k): _text(v) for k, v in raw.items()}
             seen.add(rid)
             reload = self.fleet.apply_heartbeat(rid, fields, wall_now,
-                                                c.CONTRACT_VERSION if tagged else 1)
+                                                c.CONTRACT_VERSION if tagged else 1, int(ttl_ms))
             if (reload or force_reload) and tagged:
                 await self._load_blocks(client, rid)
         keep_missing = time.monotonic() < self._keep_missing_until
@@ -411,12 +417,13 @@ class StaticProber:
     """Probes static ``--replica`` URLs: ``GET /health`` for health, ``GET /v1/models`` for models.
 
     A replica is down after ``failures`` failed probes in a row (the first one if it was never
-    up) and up again after one good probe."""
+    up) and up again after one good probe. Each probe is a blocking HTTP call in a worker
+    thread, timed by the kernel's socket timeout there, not by this process's event loop: a
+    loop busy with a thousand streams answers late, and a probe timed on it would fail every
+    replica at once (issue 29) though none was slow."""
 
-    def __init__(self, fleet: Fleet, session: aiohttp.ClientSession, interval_s: float,
-                 failures: int = 3) -> None:
+    def __init__(self, fleet: Fleet, interval_s: float, failures: int = 3) -> None:
         self.fleet = fleet
-        self.session = session
         self.interval_s = interval_s
         self.failures = failures  # consecutive failed probes before a replica is down
         self.probed = asyncio.Event()
@@ -427,24 +434,16 @@ class StaticProber:
         self.probed.set()
 
     async def _probe(self, replica: Replica) -> None:
-        timeout = aiohttp.ClientTimeout(total=2.0)
-        try:
-            async with self.session.get(f"{replica.url}/health", timeout=timeout) as resp:
-                healthy = resp.status == 200
-            if healthy and not replica.model_cards:
-                async with self.session.get(f"{replica.url}/v1/models", timeout=timeout) as resp:
-                    if resp.status == 200:
-                        data = await resp.json()
-                        cards = [card for card in data.get("data", []) if isinstance(card, dict)]
-                        replica.model_cards = cards
-                        bases = {str(k["id"]) for k in cards if not k.get("parent")}
-                        loras = {str(k["id"]): str(k.get("root", "")) for k in cards if k.get("parent")}
-                        if self.fleet.config.model:
-                            bases.add(self.fleet.config.model)
-                        replica.models = frozenset(bases) if bases else replica.models
-                        replica.lora_adapters = loras
-        except (aiohttp.ClientError, TimeoutError, ValueError):
-            healthy = False
+        healthy, cards = await asyncio.to_thread(probe_replica, replica.url,
+                                                 not replica.model_cards, PROBE_TIMEOUT_S)
+        if cards is not None:
+            replica.model_cards = cards
+            bases = {str(k["id"]) for k in cards if not k.get("parent")}
+            loras = {str(k["id"]): str(k.get("root", "")) for k in cards if k.get("parent")}
+            if self.fleet.config.model:
+                bases.add(self.fleet.config.model)
+            replica.models = frozenset(bases) if bases else replica.models
+            replica.lora_adapters = loras
         # one slow or failed probe of a busy replica is not an outage: down after
         # ``health_failures`` in a row (or the first, for a replica never seen up)
         replica.probe_failures = 0 if healthy else replica.probe_failures + 1
@@ -460,3 +459,30 @@ class StaticProber:
         while True:
             await self.probe_once()
             await asyncio.sleep(self.interval_s)
+
+
+PROBE_TIMEOUT_S = 2.0  # seconds a probe waits to connect and for each read of the answer
+# no proxy from the environment: a replica URL is a pod address, as with the aiohttp session
+_PROBE_OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+
+
+def probe_replica(url: str, want_models: bool,
+                  timeout_s: float) -> tuple[bool, list[dict[str, Any]] | None]:
+    """Blocking: ``GET {url}/health`` and, when healthy and ``want_models``, ``GET
+    {url}/v1/models``. Returns ``(healthy, model cards or None)``; never raises."""
+    # urllib's HTTPError (a non-2xx answer) and URLError are OSErrors, an answer that is not
+    # HTTP an HTTPException; a body that is not a JSON object: ValueError / AttributeError
+    try:
+        with _PROBE_OPENER.open(f"{url}/health", timeout=timeout_s) as resp:
+            healthy = resp.status == 200
+            resp.read()
+    except (OSError, http.client.HTTPException):
+        return False, None
+    if not healthy or not want_models:
+        return healthy, None
+    try:  # health is /health's answer alone: no model list yet is no outage
+        with _PROBE_OPENER.open(f"{url}/v1/models", timeout=timeout_s) as resp:
+            data = json.loads(resp.read())
+        return True, [card for card in data.get("data", []) if isinstance(card, dict)]
+    except (OSError, http.client.HTTPException, ValueError, AttributeError):
+        return True, None

@@ -123,6 +123,13 @@ class RouterMetrics:
         self.replica_routable = Gauge(
             "router_replica_routable", "1 when a replica takes traffic", ["replica"],
             registry=registry)
+        self.fleet_panic = Gauge(
+            "router_fleet_panic", "1 while fewer than panic_threshold of the replicas are "
+            "routable: the router routes as if all were healthy (Envoy's panic mode)",
+            registry=registry)
+        self.panic_requests = Counter(
+            "router_panic_routed_requests_total", "Requests routed in panic mode (fewer than "
+            "panic_threshold of the model's replicas routable)", registry=registry)
         self.replica_affinity = Gauge(
             "router_replica_affinity", "1 when a replica gets prefix-hit credit (hash verified, "
             "same block size and hash settings)", ["replica"], registry=registry)

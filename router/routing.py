@@ -91,7 +91,9 @@ class RequestRouter:
         """Route ``spec``; ``dry_run`` (``/debug/route``): hash whole, count nothing. Raises
         ``ModelNotFound`` / ``NoRoutableReplica`` (step 1) and ``PromptError`` (step 2)."""
         now = time.monotonic()
-        eligible, lora = self.fleet.eligible(spec.model, now)  # 1
+        eligible, lora, panic = self.fleet.eligible(spec.model, now)  # 1
+        if panic and not dry_run:
+            self.metrics.panic_requests.inc()
         prompt = await self.prompt_chain(spec, lora, dry_run)  # 2
         window = self.write_window(eligible)
         candidates = self.candidates(eligible, window)  # 3
@@ -199,7 +201,9 @@ class RequestRouter:
         """The least-loaded replica serving ``model`` (``/tokenize``, ``/detokenize``,
         ``/v1/embeddings``: nothing to hit). Raises ``ModelNotFound`` / ``NoRoutableReplica``."""
         now = time.monotonic()
-        eligible, _ = self.fleet.eligible(model, now)
+        eligible, _, panic = self.fleet.eligible(model, now)
+        if panic:
+            self.metrics.panic_requests.inc()
         candidates = [Candidate(r.replica_id, inflight_requests=self.tracker.requests(r.replica_id),
                                 engine_running=r.num_running, engine_waiting=r.num_waiting)
                       for r in eligible]

@@ -103,6 +103,10 @@ AUDIT_QUEUE = 64  # template-audit observations waiting at most (more are droppe
 # a client's X-Request-Id is kept only if short and plain (letters, digits, ._:/+=-), else replaced
 _REQUEST_ID_OK = re.compile(r"[A-Za-z0-9._:/+=-]{1,128}")
 CLIENT_LINGER_S = 1.0  # unread request body drained after the answer, at most (aiohttp: 10 s)
+# an idle pooled upstream connection is closed after this: below uvicorn's 5 s keep-alive (vLLM's
+# server closes idle connections then, and a reuse racing that close fails), and a burst of
+# 1,000 streams leaves no 1,000 idle sockets open for long (issue 29: 1,048 fds 10 s after)
+UPSTREAM_IDLE_S = 4.0
 
 
 class RouterService:
@@ -202,7 +206,8 @@ class RouterService:
             return response
 
     async def _on_startup(self, app: web.Application) -> None:
-        connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=30.0, enable_cleanup_closed=True)
+        connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=UPSTREAM_IDLE_S,
+                                         enable_cleanup_closed=True)
         # no cookie jar: the session is every client's, and a cookie one answer set (a sticky
         # load balancer in front of a replica) would ride along on every later request there
         self.session = aiohttp.ClientSession(connector=connector, auto_decompress=False,
@@ -216,8 +221,8 @@ class RouterService:
             if added:
                 logger.info("%d fallback replicas until Redis gives the fleet", added)
         if self.config.replicas or any(r.fallback for r in self.fleet.replicas.values()):
-            self.prober = StaticProber(self.fleet, self.session,
-                                       self.config.static_probe_interval_s, self.config.health_failures)
+            self.prober = StaticProber(self.fleet, self.config.static_probe_interval_s,
+                                       self.config.health_failures)
             await self.prober.probe_once()
             self._tasks.append(asyncio.create_task(self.prober.run()))
         rank_check = StaticRankCheck(self.fleet, self.session, self.config.static_probe_interval_s)
@@ -323,6 +328,7 @@ class RouterService:
             self.metrics.speculative_blocks.set(len(self.fleet.speculative))
             self.metrics.index_blocks.set(len(self.fleet.index))
             self._prompt_cache_gauges()
+            self.metrics.fleet_panic.set(1 if self.fleet.panic(now)[0] else 0)
             if self.heap.due():  # a large prompt's freed memory back to the OS (router.heap)
                 await asyncio.to_thread(self.heap.trim)
             for rid, replica in self.fleet.replicas.items():
@@ -600,10 +606,11 @@ class RouterService:
                                          str(status)).inc()
 
     async def handle_models(self, request: web.Request) -> web.Response:
-        """Union of the routable replicas' models; 503 when none is routable (an empty list
-        would tell a client the router serves no model at all)."""
+        """Union of the models of the replicas routed to (the routable ones, or in panic mode
+        all it routes to); 503 when there is none (an empty list would tell a client the router
+        serves no model at all)."""
         now = time.monotonic()
-        if not self.fleet.routable(now):
+        if not self.fleet.routed(now):
             raise NoRoutableReplica("no routable replica: the served models are unknown" if not
                                     self.fleet.replicas else "no routable replica")
         return web.json_response({"object": "list", "data": self.fleet.model_cards(now)})
@@ -634,10 +641,13 @@ class RouterService:
                 "inflight_requests": self.tracker.requests(rid),
                 "inflight_prefill_tokens": self.tracker.prefill_tokens(rid),
             })
-        ready = any(item["routable"] for item in replicas) and not self.draining
-        ready = ready and not self.warming
+        panic, num_routable, num_replicas = self.fleet.panic(now)
+        # in panic mode the router routes to replicas /ready lists as not routable
+        ready = bool(self.fleet.routed(now)) and not self.draining and not self.warming
         body = {"ready": ready, "draining": self.draining, "warm_up": self._warm_up_state(),
                 "policy": self.config.policy,
+                "panic": {"active": panic, "routable_replicas": num_routable,
+                          "replicas": num_replicas, "threshold": self.config.panic_threshold},
                 "redis": None if self.reader is None else {
                     "connected": self.reader.connected, "last_stream_id": self.reader.last_id,
                     # writes refused for lack of memory: routing goes on, the index lags

@@ -91,10 +91,13 @@ def free_port_run(count: int, rng: random.Random | None = None) -> int:
     raise RuntimeError(f"no {count} consecutive free ports")
 
 
-# the rest of a fake replica script after its ``completions`` handler (health, models, serving)
+# the rest of a fake replica script after its ``completions`` handler (health, models, serving);
+# ``/health`` answers 503 while the file named by FAKE_REPLICA_DOWN_FLAG (if set) exists
 FAKE_REPLICA_TAIL = """
+import os
 async def health(request):
-    return web.json_response({})
+    down = os.environ.get("FAKE_REPLICA_DOWN_FLAG")
+    return web.json_response({}, status=503 if down and os.path.exists(down) else 200)
 async def models(request):
     return web.json_response({"object": "list", "data": [{"id": "fixed", "object": "model"}]})
 app = web.Application()

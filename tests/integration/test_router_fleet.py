@@ -104,10 +104,12 @@ class Fleet:
 
 
 class Router:
-    def __init__(self, tmp: Path, args: list[str], name: str = "router") -> None:
+    def __init__(self, tmp: Path, args: list[str], name: str = "router",
+                 entry: tuple[str, ...] = ("-m", "router.cli"),
+                 env: dict[str, str] | None = None) -> None:
         ready = tmp / f"{name}-{time.monotonic_ns()}.json"
-        self.proc = start_process([PYTHON, "-m", "router.cli", "serve", "--port", "0",
-                                   "--ready-file", str(ready), *args])
+        self.proc = start_process([PYTHON, *entry, "serve", "--port", "0",
+                                   "--ready-file", str(ready), *args], env)
         info = wait_for(lambda: read_json_file(ready) or self.proc.poll() is not None, 60,
                         message="router ready file")
         if not isinstance(info, dict):

@@ -27,6 +27,7 @@ FORBIDDEN_SALT_CHARS: Final = ("@", "/", "\\", "\x00")
 OUTPUT_WORDS: Final = (" the", " quick", " brown", " fox", " jumps", " over", " a", " lazy",
                        " dog", ".")  # text of generated token i is OUTPUT_WORDS[i % 10]
 MAX_BODY_BYTES: Final = 64 * 1024 * 1024
+UVICORN_BACKLOG: Final = 2048  # listen backlog; uvicorn Config default, which vLLM's server keeps
 
 _json_encode = msgspec.json.encode
 _json_decode = msgspec.json.decode
@@ -177,7 +178,11 @@ class ReplicaServer:
         self._runner = web.AppRunner(self.app, access_log=None, handle_signals=False,
                                      handler_cancellation=True)
         await self._runner.setup()
-        site = web.TCPSite(self._runner, self.config.host, port, reuse_address=True)
+        # uvicorn's (vLLM's server's) listen backlog, not aiohttp's 128: a burst of 1,000 streams
+        # overflowed 128 and its connects waited out SYN retries past the router's connect
+        # timeout, benching every replica at once (issue 29)
+        site = web.TCPSite(self._runner, self.config.host, port, reuse_address=True,
+                           backlog=UVICORN_BACKLOG)
         await site.start()
         server = site._server
         sockets = getattr(server, "sockets", None) or []

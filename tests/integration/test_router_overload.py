@@ -1,0 +1,290 @@
+"""A busy router keeps its healthy replicas (issue 29): heartbeat freshness and ``/health`` probes
+are not judged on the router's own event loop, panic mode routes when most replicas look down
+at once, and the upstream connections of a burst of streams are closed soon after it.
+
+Real processes on loopback: the session's Redis, fake replicas (aiohttp servers whose
+``/health`` a flag file turns to 503), and router processes. The busy router is the real one
+started through a wrapper that, while a flag file exists, sleeps ``BUSY_BLOCK_S`` in every turn
+of its event loop: every await of a reply then ends seconds late, as under 1,000 streams.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import aiohttp
+import pytest
+
+from router import contract as c
+from tests.helpers import (
+    FAKE_REPLICA_TAIL,
+    PYTHON,
+    free_port,
+    start_process,
+    stop_process,
+    wait_for,
+)
+from tests.integration.test_router_fleet import Router, http, prometheus_value
+
+pytestmark = pytest.mark.timeout(150)
+
+# one sleep per loop turn: a reply awaited takes two turns or more, so a heartbeat read fresh in
+# Redis is > HEARTBEAT_TTL_S + 0.5 old on the router's clock once its reply is processed, and
+# a 2 s probe timed on the loop times out
+BUSY_BLOCK_S = 2.0
+BUSY_ROUTER = """
+import asyncio, os, sys, time
+from router import server
+
+FLAG, BLOCK_S = os.environ["BUSY_FLAG"], float(os.environ["BUSY_BLOCK_S"])
+turns = 0
+
+def busy_turn():
+    global turns
+    if os.path.exists(FLAG):
+        turns += 1
+        time.sleep(BLOCK_S)  # the loop runs nothing else meanwhile (other threads do)
+    elif turns:
+        print(f"busy loop: {turns} turns blocked", file=sys.stderr, flush=True)
+        turns = 0
+    if turns:
+        asyncio.get_running_loop().call_soon(busy_turn)  # the next turn blocks too
+    else:
+        asyncio.get_running_loop().call_later(0.05, busy_turn)
+
+started = server.RouterService._on_startup
+
+async def on_startup(self, app):
+    await started(self, app)
+    asyncio.get_running_loop().call_soon(busy_turn)
+
+server.RouterService._on_startup = on_startup
+from router.cli import main
+sys.exit(main())
+"""
+
+FAKE_REPLICA = """
+import asyncio, sys
+from aiohttp import web
+
+async def completions(request):
+    body = await request.json()
+    if not body.get("stream"):
+        return web.json_response({"id": "c", "object": "text_completion", "model": "m",
+                                  "choices": [{"index": 0, "text": "ok", "finish_reason": "stop"}]})
+    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+    await resp.prepare(request)
+    for _ in range(5):
+        await resp.write(b'data: {"choices": [{"index": 0, "text": "t"}]}\\n\\n')
+        await asyncio.sleep(0.02)
+    await resp.write(b"data: [DONE]\\n\\n")
+    return resp
+""" + FAKE_REPLICA_TAIL
+
+
+class FakeReplica:
+    """An aiohttp server answering completions (streamed: 5 chunks) and ``/health`` (503 while
+    ``health_flag`` exists)."""
+
+    def __init__(self, tmp: Path, name: str) -> None:
+        self.health_flag = tmp / f"{name}.unhealthy"
+        port = free_port()
+        self.url = f"http://127.0.0.1:{port}"
+        self.proc = start_process([PYTHON, "-c", FAKE_REPLICA, str(port)],
+                                  {"FAKE_REPLICA_DOWN_FLAG": str(self.health_flag)})
+        wait_for(lambda: http("GET", self.url + "/health", timeout=2)[0] == 200, 30,
+                 message=f"fake replica {name} up", procs=[self.proc])
+
+    def stop(self) -> None:
+        stop_process(self.proc)
+
+
+@pytest.fixture
+def replicas(tmp_path: Path) -> Iterator[list[FakeReplica]]:
+    started = [FakeReplica(tmp_path, f"replica-{i}") for i in range(2)]
+    try:
+        yield started
+    finally:
+        for replica in started:
+            replica.stop()
+
+
+def routable(router: Router) -> int:
+    return sum(r["routable"] for r in router.ready()["replicas"])
+
+
+def test_busy_event_loop_keeps_fresh_replicas_routable(redis_url: str, tmp_path: Path,
+                                                       replicas: list[FakeReplica]) -> None:
+    """Two worker-reported replicas whose heartbeats are written every second with the
+    worker's expiry, one static replica probed every 0.2 s (down at the first failed probe),
+    panic mode off: while the router's loop is blocked for 2 s every turn, no replica is
+    judged stale or failing. Before the fix every heartbeat was aged by the time the loop got
+    to the reply (all replicas "stale" at once) and each probe timed out on the loop."""
+    import redis as redis_lib
+
+    client = redis_lib.Redis.from_url(redis_url)
+    stop = threading.Event()
+
+    def heartbeats() -> None:  # what a worker writes (worker.redis_writer), once a second
+        while not stop.is_set():
+            for rid, replica in (("busy-a", replicas[0]), ("busy-b", replicas[1])):
+                key = c.replica_key("pr", rid)
+                client.hset(key, mapping={
+                    c.F_URL: replica.url, c.F_MODELS: '["m"]', c.F_BLOCK_SIZE: "16",
+                    c.F_HASH_ALGO: "sha256", c.F_HASH_VERIFIED: "1", c.F_EPOCH: "1",
+                    c.F_CONTRACT: str(c.CONTRACT_VERSION), c.F_INDEX_STRIDE: "16",
+                    c.F_HEARTBEAT_TS: str(time.time())})
+                client.pexpire(key, int(c.HEARTBEAT_TTL_S * 1000))
+            stop.wait(c.HEARTBEAT_INTERVAL_S)
+
+    writer = threading.Thread(target=heartbeats, daemon=True)
+    writer.start()
+    flag = tmp_path / "busy"
+    router = Router(tmp_path, [
+        "--redis-url", redis_url, "--replica", replicas[0].url, "--model", "m",
+        "--static-probe-interval-s", "0.2", "--health-failures", "1", "--panic-threshold", "0"],
+        entry=("-c", BUSY_ROUTER), env={"BUSY_FLAG": str(flag), "BUSY_BLOCK_S": str(BUSY_BLOCK_S)})
+    try:
+        wait_for(lambda: routable(router) == 3, 30, message="3 replicas routable")
+        flag.touch()
+        time.sleep(12 * BUSY_BLOCK_S)  # some heartbeat refreshes and probes, all on a busy loop
+        flag.unlink()
+        wait_for(lambda: routable(router) == 3, 60, message="3 replicas routable after")
+    finally:
+        output = router.stop()
+        stop.set()
+        writer.join(5)
+        client.close()
+    turns = [int(line.split()[2]) for line in output.splitlines()
+             if line.startswith("busy loop:")]
+    assert turns and turns[0] >= 8, output  # the loop was blocked all along
+    assert "heartbeat" not in output, output  # "replica busy-a: heartbeat 4.3 s old ..."
+    assert "is unhealthy" not in output, output  # "static replica ... is unhealthy"
+
+
+def test_panic_mode_routes_when_most_replicas_look_down(tmp_path: Path,
+                                                       replicas: list[FakeReplica]) -> None:
+    """Both static replicas fail their ``/health`` probes but answer requests: below the panic
+    threshold (50%) the router routes to them anyway (and lists their models) and says so in
+    ``/ready`` and ``/metrics``; with one of two down it routes to the other only; with panic
+    mode off it answers 503 "no routable replica"."""
+    args = ["--replica", replicas[0].url, "--replica", replicas[1].url, "--model", "m",
+            "--static-probe-interval-s", "0.2"]
+    router = Router(tmp_path, args)
+    off = Router(tmp_path, [*args, "--panic-threshold", "0"], "off")
+    body = {"model": "m", "prompt": [1, 2, 3], "max_tokens": 1}
+    try:
+        wait_for(lambda: routable(router) == 2 and routable(off) == 2, 30,
+                 message="both replicas routable")
+        replicas[0].health_flag.touch()
+        wait_for(lambda: routable(router) == 1, 30, message="one replica down")
+        ready = router.ready()
+        assert ready["ready"] and ready["panic"]["active"] is False, ready
+        for _ in range(4):
+            assert router.post("/v1/completions", body)[0] == 200
+        metrics = router.metrics()
+        assert prometheus_value(metrics, "router_panic_routed_requests_total") == 0
+
+        replicas[1].health_flag.touch()
+        wait_for(lambda: routable(router) == 0 and routable(off) == 0, 30,
+                 message="both replicas down")
+        ready = router.ready()
+        assert ready["ready"] is True, ready
+        assert ready["panic"] == {"active": True, "routable_replicas": 0, "replicas": 2,
+                                  "threshold": 0.5}, ready
+        for _ in range(4):
+            status, _, raw = router.post("/v1/completions", body)
+            assert status == 200, raw
+        metrics = router.metrics()
+        assert prometheus_value(metrics, "router_panic_routed_requests_total") == 4
+        wait_for(lambda: prometheus_value(router.metrics(), "router_fleet_panic") == 1, 10,
+                 message="router_fleet_panic 1")
+        assert http("GET", router.url + "/v1/models")[0] == 200  # the models it routes to
+        status, _, raw = off.post("/v1/completions", body)
+        assert status == 503 and b"no routable replica" in raw, raw
+        assert http("GET", off.url + "/ready")[0] == 503
+        assert http("GET", off.url + "/v1/models")[0] == 503
+
+        replicas[0].health_flag.unlink()
+        replicas[1].health_flag.unlink()
+        wait_for(lambda: routable(router) == 2, 30, message="replicas back")
+        wait_for(lambda: prometheus_value(router.metrics(), "router_fleet_panic") == 0, 10,
+                 message="router_fleet_panic 0")
+    finally:
+        router.stop()
+        off.stop()
+
+
+def router_fds(router: Router) -> int:
+    return len(os.listdir(f"/proc/{router.proc.pid}/fd"))
+
+
+async def streams(url: str, count: int) -> list[int]:
+    """``count`` concurrent streamed completions through ``url``, read to the end; the client
+    session (and its connections) closed after. Returns their statuses."""
+    body = {"model": "m", "prompt": [1, 2, 3], "max_tokens": 5, "stream": True}
+
+    async def one(session: aiohttp.ClientSession) -> int:
+        async with session.post(url + "/v1/completions", json=body) as resp:
+            await resp.read()
+            return resp.status
+
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
+        return await asyncio.gather(*(one(session) for _ in range(count)))
+
+
+def test_fds_return_to_idle_after_a_burst_of_streams(tmp_path: Path,
+                                                     replicas: list[FakeReplica]) -> None:
+    """300 concurrent streams through the router (its replicas keep idle connections open for
+    75 s, aiohttp's default, as the emulator does): 15 s after the last one its open fds are
+    back within 10% of the idle count. Before, its upstream pool kept every connection of the
+    burst for 30-60 s."""
+    router = Router(tmp_path, ["--replica", replicas[0].url, "--replica", replicas[1].url,
+                               "--model", "m"])
+    try:
+        wait_for(lambda: routable(router) == 2, 30, message="both replicas routable")
+        assert router.post("/v1/completions", {"model": "m", "prompt": [1], "max_tokens": 1}
+                           )[0] == 200
+        idle = router_fds(router)
+        statuses = asyncio.run(streams(router.url, 300))
+        assert statuses == [200] * 300
+        ended = time.monotonic()
+        busiest = router_fds(router)
+        wait_for(lambda: router_fds(router) <= idle * 1.1, 15 - (time.monotonic() - ended),
+                 message=f"router fds back to {idle} (+10%)")
+        assert busiest > idle * 1.1  # the burst did hold connections
+    finally:
+        router.stop()
+
+
+def test_a_probe_of_a_non_http_answer_never_raises(replicas: list[FakeReplica]) -> None:
+    """``probe_replica`` runs in a thread: an answer that is not HTTP is a failed probe, not an
+    exception that ends the prober; a 503 from ``/health`` is a failed probe too."""
+    import socket
+
+    from router.fleet_sync import probe_replica
+
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", 0))
+        server.listen()
+
+        def answer_garbage() -> None:
+            conn, _ = server.accept()
+            with conn:
+                conn.recv(65536)
+                conn.sendall(b"garbage\r\n\r\n")
+
+        thread = threading.Thread(target=answer_garbage)
+        thread.start()
+        assert probe_replica(f"http://127.0.0.1:{server.getsockname()[1]}", True, 5.0) == (
+            False, None)
+        thread.join(5)
+    healthy, cards = probe_replica(replicas[0].url, True, 5.0)
+    assert healthy and cards and cards[0]["id"] == "fixed"
+    replicas[0].health_flag.touch()
+    assert probe_replica(replicas[0].url, True, 5.0) == (False, None)
