@@ -855,13 +855,16 @@ def resolve_runs(policies: str, peers: str) -> tuple[tuple[RouterSpec, ...], dic
     ``vllm-router:POLICY`` / ``sglang:POLICY``) and the peers mode (``auto``: add the peer runs
     of ``PEER_SPECS`` when installed,
     ``yes``: add them and fail if missing, ``no``). Returns (runs, skipped label -> reason).
-    Raises ``ValueError`` for an unknown name."""
+    Raises ``ValueError`` for an unknown name or a named peer that is not installed."""
     runs: list[RouterSpec] = []
     for name in (p.strip() for p in policies.split(",") if p.strip()):
         if ":" in name:
             kind, policy = name.split(":", 1)
             if kind not in PEER_KINDS:
                 raise ValueError(f"unknown router {kind!r} in {name!r}")
+            if not peer_available(kind):
+                raise ValueError(f"{kind} is not installed, so {name} cannot run "
+                                 "(pip install 'prefix-router[peers]')")
             runs.append(RouterSpec(kind, policy))
         elif name in OWN_POLICIES:
             runs.append(RouterSpec(OURS, name))

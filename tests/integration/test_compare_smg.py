@@ -12,7 +12,6 @@ import psutil
 import pytest
 
 from loadtest.cli import main
-from loadtest.compare import resolve_runs
 from loadtest.fleet import SMG, FleetConfig, LoopbackFleet, RouterSpec, http_get, peer_available
 
 pytestmark = [
@@ -98,11 +97,3 @@ def test_compare_runs_smg_cache_aware_and_prefix_hash(tmp_path: Path) -> None:
         assert all(r["prompt_tokens"] == r["input_length"] for r in records)
     notes = " ".join(results.get("notes", []))
     assert "smg:cache_aware accepts only text prompts" in notes
-
-
-def test_peers_auto_adds_the_smg_runs() -> None:
-    runs, skipped = resolve_runs("prefix", "auto")
-    labels = [spec.label for spec in runs]
-    assert labels[0] == "prefix"
-    assert "smg:cache_aware" in labels and "smg:prefix_hash" in labels
-    assert "smg:cache_aware" not in skipped
