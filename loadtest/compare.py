@@ -67,6 +67,7 @@ from loadtest.fleet import (
     DEFAULT_HASH_ALGO,
     OURS,
     SGLANG,
+    SMG,
     VLLM_ROUTER,
     FleetConfig,
     FleetError,
@@ -83,8 +84,11 @@ from router.contract import DEFAULT_INDEX_STRIDE
 logger = logging.getLogger(__name__)
 
 OWN_POLICIES = ("prefix", "ttft", "round_robin", "least_loaded", "consistent_hash")
-PEER_SPECS = (RouterSpec(SGLANG, "cache_aware"), RouterSpec(VLLM_ROUTER, "cache_aware"),
-              RouterSpec(VLLM_ROUTER, "kv_aware"))
+PEER_SPECS = (RouterSpec(SMG, "cache_aware"), RouterSpec(SMG, "prefix_hash"),
+              RouterSpec(VLLM_ROUTER, "cache_aware"), RouterSpec(VLLM_ROUTER, "kv_aware"))
+PEER_KINDS = (SMG, VLLM_ROUTER, SGLANG)
+# Peers whose OpenAI endpoints take only text prompts (a token-id array is a 400 for them).
+TEXT_ONLY_PEERS = (SGLANG, SMG)
 DEFAULT_SAMPLE_INTERVAL_S = 1.0  # gauge sampling for busy time; 8 scrapes per second at most
 
 # The verdict's thresholds. Quiet-machine demo runs show an emulator lag p99 of a few ms; the
@@ -391,8 +395,8 @@ async def _measure(fleet: LoopbackFleet, requests: Sequence[TraceRequest], confi
     sampler_task = asyncio.create_task(sampler.run())
     assert fleet.router_url is not None
     replay_config = replace(config.replay, target=fleet.router_url)
-    if fleet.config.router.kind == SGLANG:
-        # the SGLang gateway rejects token-id prompts; send text of the same token counts
+    if fleet.config.router.kind in TEXT_ONLY_PEERS:
+        # the SGLang gateways reject token-id prompts; send text of the same token counts
         replay_config = replace(replay_config, prompt_format="text")
     try:
         records = await replay(requests, replay_config, progress=progress)
@@ -847,16 +851,20 @@ def ranking(rounds: Sequence[dict[str, dict[str, Any]]]) -> dict[str, Any]:
 
 
 def resolve_runs(policies: str, peers: str) -> tuple[tuple[RouterSpec, ...], dict[str, str]]:
-    """Runs from a comma-separated policy list (own policy names, or ``sglang:POLICY`` /
-    ``vllm-router:POLICY``) and the peers mode (``auto``: add the three peer runs when installed,
+    """Runs from a comma-separated policy list (own policy names, or ``smg:POLICY`` /
+    ``vllm-router:POLICY`` / ``sglang:POLICY``) and the peers mode (``auto``: add the peer runs
+    of ``PEER_SPECS`` when installed,
     ``yes``: add them and fail if missing, ``no``). Returns (runs, skipped label -> reason).
-    Raises ``ValueError`` for an unknown name."""
+    Raises ``ValueError`` for an unknown name or a named peer that is not installed."""
     runs: list[RouterSpec] = []
     for name in (p.strip() for p in policies.split(",") if p.strip()):
         if ":" in name:
             kind, policy = name.split(":", 1)
-            if kind not in (SGLANG, VLLM_ROUTER):
+            if kind not in PEER_KINDS:
                 raise ValueError(f"unknown router {kind!r} in {name!r}")
+            if not peer_available(kind):
+                raise ValueError(f"{kind} is not installed, so {name} cannot run "
+                                 "(pip install 'prefix-router[peers]')")
             runs.append(RouterSpec(kind, policy))
         elif name in OWN_POLICIES:
             runs.append(RouterSpec(OURS, name))
@@ -904,7 +912,8 @@ def add_compare_parsers(sub: Any, add_slice_args: Callable[[argparse.ArgumentPar
         add_slice_args(p, DEMO_DEFAULTS["limit"] if demo else 1000)
         p.add_argument("--policies", default=",".join(OWN_POLICIES),
                        help="comma-separated: " + ", ".join(OWN_POLICIES) +
-                            ", sglang:cache_aware, vllm-router:cache_aware, vllm-router:kv_aware")
+                            ", smg:cache_aware, smg:prefix_hash, vllm-router:cache_aware, "
+                            "vllm-router:kv_aware (sglang:POLICY with sglang-router installed)")
         p.add_argument("--peers", choices=("auto", "yes", "no"), default="auto",
                        help="also run the peer routers (auto: when the peers extra is installed)")
         p.add_argument("--replicas", type=int, default=DEMO_DEFAULTS["replicas"])
@@ -1089,11 +1098,11 @@ def run_notes(policies: dict[str, dict[str, Any]]) -> list[str]:
             notes.append(f"{label}: {total} failed requests, by kind (HTTP status, reason, when "
                          "sent in seconds from the replay's start): "
                          + "; ".join(f"{head}{describe_errors(ks)}" for head, ks in per_round))
-        if label.startswith(f"{SGLANG}:"):
+        if label.split(":", 1)[0] in TEXT_ONLY_PEERS:
             cpu = m.get("cpu_s", {})
             per_req = cpu.get("emulator", 0.0) / max(1, m.get("num_requests") or 1)
             notes.append(
-                f"{label} accepts only text prompts, so its run sends text of exactly the same "
+                f"{label} accepts only text prompts over HTTP, so its run sends text of exactly the same "
                 f"Qwen3 token counts and the emulator tokenizes it on this machine's CPU "
                 f"({per_req * 1000:.0f} ms of emulator CPU per request in this run; the machine "
                 f"was {cpu.get('machine_util', 0.0):.0%} busy): its hit rate and balance are "

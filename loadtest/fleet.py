@@ -49,6 +49,7 @@ AFFINITY_TIMEOUT_S = 20.0  # wait for the workers' hash verification before a re
 OURS = "prefix-router"
 SGLANG = "sglang"
 VLLM_ROUTER = "vllm-router"
+SMG = "smg"  # the SGLang model gateway's successor (PyPI ``smg``, Shepherd Model Gateway)
 
 # The emulated GPUs come first: a real GPU does not slow down when the router's host is busy,
 # so the process standing in for them runs at a higher priority than the router stack, the peers
@@ -64,7 +65,7 @@ class FleetError(RuntimeError):
 
 @dataclass(frozen=True)
 class RouterSpec:
-    """Which router fronts the fleet: ``kind`` is ``OURS``, ``SGLANG`` or ``VLLM_ROUTER``,
+    """Which router fronts the fleet: ``kind`` is ``OURS``, ``SGLANG``, ``VLLM_ROUTER`` or ``SMG``,
     ``policy`` its policy name; ``label`` names the run in results (e.g. ``sglang:cache_aware``)."""
 
     kind: str
@@ -168,6 +169,8 @@ def peer_available(kind: str) -> bool:
         return importlib.util.find_spec("sglang_router") is not None
     if kind == VLLM_ROUTER:
         return importlib.util.find_spec("vllm_router") is not None
+    if kind == SMG:
+        return importlib.util.find_spec("smg") is not None
     raise ValueError(f"unknown peer router kind {kind!r}")
 
 
@@ -440,6 +443,13 @@ class LoopbackFleet:
             args = [sys.executable, "-c",
                     "import sys; from vllm_router.launch_router import main; sys.exit(main())",
                     "--log-level", "warning"]
+        elif spec.kind == SMG:
+            # The replicas are HTTP workers: smg routes them with its approximate trees (text or
+            # token ids seen at routing time); its event-driven KV index needs gRPC workers that
+            # serve SubscribeKvEvents, which the emulator is not. No tokenizer: nothing here
+            # needs one and the hub is out of reach.
+            args = [sys.executable, "-m", "smg", "launch", "--log-level", "warn",
+                    "--backend", "vllm", "--disable-tokenizer-autoload"]
         else:
             raise ValueError(f"unknown router kind {spec.kind!r}")
         args += ["--host", "127.0.0.1", "--port", str(port), "--worker-urls", *urls,
