@@ -6,9 +6,10 @@ Modelled on vLLM 0.33 ``vllm/v1/core/sched/scheduler.py`` (FCFS policy):
   are served first (one token each in decode, a chunk of the remaining prompt in
   prefill: chunked prefill), then waiting requests are admitted in arrival order
   while the budget, ``max_num_seqs`` and free blocks allow;
-* a waiting request is admitted only if blocks for its scheduled tokens can be
-  allocated (prefix hits count, free-but-cached blocks are free); otherwise it
-  and everything behind it wait;
+* a waiting request is admitted only if blocks for all its tokens are free, not
+  only for its first chunk (vLLM ``scheduler_reserve_full_isl``, on by default;
+  prefix hits count, free-but-cached blocks are free); otherwise it and
+  everything behind it wait;
 * when a running request cannot get a block, the lowest-priority running request
   (the last admitted) is preempted by recompute: its blocks are freed, its
   computed tokens forgotten and it goes back to the head of the waiting queue;
@@ -256,7 +257,7 @@ class Scheduler:
             if request.num_computed_tokens:  # its CPU-tier load ended: no second lookup
                 num_hit = request.num_computed_tokens
                 num_new = min(request.num_tokens - num_hit, budget)
-                if not kv.allocate_slots(request, num_new):
+                if not kv.allocate_slots(request, num_new, full_sequence_must_fit=True):
                     break
                 waiting.popleft()
             else:
@@ -267,7 +268,8 @@ class Scheduler:
                         deferred.append(waiting.popleft())
                         continue
                     if num_external:
-                        if not kv.allocate_slots(request, num_external, hits, cache=False):
+                        if not kv.allocate_slots(request, num_external, hits, cache=False,
+                                                 full_sequence_must_fit=True):
                             break
                         waiting.popleft()
                         kv.record_lookup(request.num_tokens, num_hit, request.num_preemptions > 0)
@@ -277,7 +279,7 @@ class Scheduler:
                                            num_external // kv.block_size, now_s)
                         continue
                 num_new = min(request.num_tokens - num_hit, budget)
-                if not kv.allocate_slots(request, num_new, hits):
+                if not kv.allocate_slots(request, num_new, hits, full_sequence_must_fit=True):
                     break
                 waiting.popleft()
                 kv.record_lookup(request.num_tokens, num_hit, request.num_preemptions > 0)
