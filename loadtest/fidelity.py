@@ -26,7 +26,9 @@ emulator's own on the other, so their hashes differ by construction.
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
+import hashlib
 import json
 import random
 import sys
@@ -42,12 +44,14 @@ import zmq
 
 from loadtest import harness
 from loadtest.trace import TokenMapper, read_trace
+from loadtest.vllm_engine import make_model_dir, start_vllm_engine, unavailable_reason
 from worker.kv_events import (
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
     KVEventBatch,
     decode_batch,
+    encode_batch,
     event_hash_key,
 )
 
@@ -148,6 +152,39 @@ class EngineRun:
     batches: list[KVEventBatch]
     errors: list[str] = field(default_factory=list)
     missed_batches: int = 0  # batches the subscriber missed and the replay socket supplied
+
+
+def save_run(run: EngineRun, path: Path, prompts: Sequence[list[int]],
+             config: FidelityConfig) -> None:
+    """Write ``run`` (batches as base64 msgpack, as published) with what it was run on, so a
+    later emulator can be compared with it without starting vLLM again (``load_run``)."""
+    path.write_text(json.dumps({
+        "name": run.name, "cached_tokens": run.cached_tokens, "errors": run.errors,
+        "missed_batches": run.missed_batches, "workload_digest": workload_digest(prompts),
+        "config": asdict(config),
+        "batches": [base64.b64encode(encode_batch(b)).decode() for b in run.batches]}))
+
+
+def load_run(path: Path, prompts: Sequence[list[int]], config: FidelityConfig) -> EngineRun:
+    """The run ``save_run`` wrote to ``path``. Raises ``ValueError`` when it was run on another
+    workload or with other engine flags (a comparison would be meaningless)."""
+    data = json.loads(path.read_text())
+    if data["workload_digest"] != workload_digest(prompts):
+        raise ValueError(f"{path} was recorded on another workload")
+    recorded = {k: v for k, v in data["config"].items() if k != "concurrency"}
+    if recorded != {k: v for k, v in asdict(config).items() if k != "concurrency"}:
+        raise ValueError(f"{path} was recorded with other flags: {data['config']}")
+    return EngineRun(data["name"], data["cached_tokens"],
+                     [decode_batch(base64.b64decode(b)) for b in data["batches"]],
+                     data["errors"], data["missed_batches"])
+
+
+def workload_digest(prompts: Sequence[list[int]]) -> str:
+    """SHA-256 of the prompts' token ids, in order."""
+    digest = hashlib.sha256()
+    for prompt in prompts:
+        digest.update(json.dumps(prompt).encode())
+    return digest.hexdigest()
 
 
 async def _send_sequence(url: str, model: str, prompts: Sequence[list[int]],
@@ -421,14 +458,12 @@ def run_vllm(prompts: Sequence[list[int]], config: FidelityConfig, log_dir: Path
              progress: Callable[[str], None] = lambda line: None) -> EngineRun:
     """A fresh vLLM CPU engine (``loadtest.vllm_engine``) with ``config``'s flags, given
     ``prompts``; stopped afterwards. Raises ``RuntimeError`` when vLLM cannot run here."""
-    from loadtest import vllm_engine
-
-    reason = vllm_engine.unavailable_reason()
+    reason = unavailable_reason()
     if reason is not None:
         raise RuntimeError(reason)
-    model_dir = vllm_engine.make_model_dir(log_dir / "model")
+    model_dir = make_model_dir(log_dir / "model")
     progress("starting vLLM (1-3 min on a busy machine)")
-    engine = vllm_engine.start_vllm_engine(
+    engine = start_vllm_engine(
         model_dir, num_gpu_blocks=config.num_gpu_blocks, hash_seed=config.hash_seed,
         hash_algo=config.hash_algo, block_size=config.block_size,
         extra_args=config.engine_flags(), log_path=log_dir / "vllm.log")
@@ -442,16 +477,27 @@ def run_vllm(prompts: Sequence[list[int]], config: FidelityConfig, log_dir: Path
 
 def run_fidelity(prompts: Sequence[list[int]], config: FidelityConfig,
                  log_dir: Path | None = None,
-                 progress: Callable[[str], None] = lambda line: None) -> dict[str, Any]:
+                 progress: Callable[[str], None] = lambda line: None,
+                 vllm_run: Path | None = None, record_dir: Path | None = None,
+                 ) -> dict[str, Any]:
     """Run ``prompts`` on a fresh emulator and a fresh vLLM (one after the other: a vLLM engine
-    takes a core's worth of CPU while it prefills) and return ``compare``'s report."""
+    takes a core's worth of CPU while it prefills) and return ``compare``'s report.
+    ``vllm_run``: take vLLM's side from this recording (``save_run``) instead of an engine;
+    ``record_dir``: record both runs there (``emulator.run.json``, ``vllm.run.json``)."""
     with contextlib.ExitStack() as stack:
         if log_dir is None:
             log_dir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="fidelity-")))
         log_dir.mkdir(parents=True, exist_ok=True)
         progress(f"emulator: sending {len(prompts)} requests")
         emulator = run_emulator(prompts, config, log_dir)
-        vllm = run_vllm(prompts, config, log_dir, progress)
+        if vllm_run is not None:
+            vllm = load_run(vllm_run, prompts, config)
+        else:
+            vllm = run_vllm(prompts, config, log_dir, progress)
+        if record_dir is not None:
+            record_dir.mkdir(parents=True, exist_ok=True)
+            save_run(emulator, record_dir / "emulator.run.json", prompts, config)
+            save_run(vllm, record_dir / "vllm.run.json", prompts, config)
         report = compare(emulator, vllm, [len(p) for p in prompts])
         report["config"] = asdict(config)
         return report
@@ -488,6 +534,13 @@ def add_fidelity_parser(sub: Any) -> None:
                    help="requests in flight per engine (1: one at a time, the exact comparison)")
     p.add_argument("--output", type=Path, default=None, help="write the JSON report here")
     p.add_argument("--log-dir", type=Path, default=None, help="keep the engines' logs here")
+    p.add_argument("--record", type=Path, default=None, metavar="DIR",
+                   help="record both runs (requests' cached tokens and every KV-event batch) "
+                        "in DIR")
+    p.add_argument("--vllm-run", type=Path, default=None, metavar="FILE",
+                   help="take vLLM's side from a recording (DIR/vllm.run.json of --record, same "
+                        "workload and flags) instead of starting an engine: for trying emulator "
+                        "changes")
     p.set_defaults(func=_cmd_fidelity)
 
 
@@ -521,8 +574,9 @@ def _cmd_fidelity(args: Any) -> int:
         print(line, file=sys.stderr, flush=True)
 
     try:
-        report = run_fidelity(prompts, config, args.log_dir, progress)
-    except RuntimeError as exc:
+        report = run_fidelity(prompts, config, args.log_dir, progress, args.vllm_run,
+                              args.record)
+    except (RuntimeError, ValueError) as exc:
         print(f"prefix-loadtest fidelity: {exc}", file=sys.stderr)
         return 2
     report["workload"] = workload

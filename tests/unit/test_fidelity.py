@@ -3,6 +3,10 @@ comparison report."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
+import pytest
+
 from loadtest.fidelity import (
     EngineRun,
     FidelityConfig,
@@ -10,6 +14,8 @@ from loadtest.fidelity import (
     first_difference,
     flatten,
     format_report,
+    load_run,
+    save_run,
     synthetic_workload,
 )
 from worker.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent, KVEventBatch
@@ -80,3 +86,17 @@ def test_a_failed_request_is_a_mismatch() -> None:
     report = compare(emu, real, [10, 10])
     assert not report["identical"] and report["agree"] == 1
     assert report["errors"] == ["emulator: request 1: HTTP 400"]
+
+
+def test_a_recorded_run_loads_back_only_for_its_workload_and_flags(tmp_path: Path) -> None:
+    prompts = [[1000, 1001, 1002], [1000, 1001, 2000]]
+    run = EngineRun("vllm", [0, 0], [batch(stored(1, 2)), batch(removed(1))], missed_batches=1)
+    path = tmp_path / "vllm.run.json"
+    save_run(run, path, prompts, FidelityConfig())
+    back = load_run(path, prompts, FidelityConfig(concurrency=4))  # how it was sent may differ
+    assert back.cached_tokens == [0, 0] and back.missed_batches == 1
+    assert flatten(back.batches) == flatten(run.batches)
+    with pytest.raises(ValueError, match="another workload"):
+        load_run(path, [[1000]], FidelityConfig())
+    with pytest.raises(ValueError, match="other flags"):
+        load_run(path, prompts, FidelityConfig(num_gpu_blocks=99))
