@@ -442,7 +442,9 @@ def run_emulator(prompts: Sequence[list[int]], config: FidelityConfig,
             "--prefix-caching-hash-algo", config.hash_algo,
             "--kv-events-config", json.dumps(kv_events), "--enable-prompt-tokens-details",
             "--served-model-name", EMULATOR_MODEL, *config.engine_flags()]
-    proc, replicas = harness.start_emulator(log_dir / "emulator.ready.json", args,
+    ready = log_dir / "emulator.ready.json"
+    ready.unlink(missing_ok=True)  # a kept log directory's last run must not pass for this one
+    proc, replicas = harness.start_emulator(ready, args,
                                             env={"PYTHONHASHSEED": config.hash_seed},
                                             log_path=log_dir / "emulator.log")
     try:

@@ -35,8 +35,11 @@ from worker.emulator.kv_cache import KVCacheBlock, KVCacheManager
 from worker.emulator.offload import CpuOffload
 from worker.emulator.profiles import LatencyModel
 
-DEFAULT_MAX_NUM_BATCHED_TOKENS: Final = 8192  # tokens per step; vLLM default for online serving
-DEFAULT_MAX_NUM_SEQS: Final = 256  # running requests; vLLM default
+# vLLM's OpenAI-server defaults on a GPU of at least 70 GB that is not an A100, the emulator's
+# H100-class profile (vllm/engine/arg_utils.py get_batch_defaults; 2048 and 256 below 70 GB,
+# 2048 and 128 on a CPU)
+DEFAULT_MAX_NUM_BATCHED_TOKENS: Final = 8192  # tokens per step
+DEFAULT_MAX_NUM_SEQS: Final = 1024  # running requests
 OUTPUT_TOKEN_BASE: Final = 1000  # generated token i is OUTPUT_TOKEN_BASE + i % OUTPUT_TOKEN_PERIOD
 OUTPUT_TOKEN_PERIOD: Final = 1000
 
