@@ -75,17 +75,18 @@ def test_freed_blocks_with_prefix_caching_off_are_reused_lifo() -> None:
     assert pool.free_queue_ids() == [3, 2, 1, 4, 5]
 
 
+def update_hashes(req: Request) -> None:
+    """Extend ``req.block_hashes`` to its full blocks (the engine's ``_update_hashes``)."""
+    have = len(req.block_hashes)
+    if len(req.all_token_ids) // B > have:
+        req.block_hashes.extend(HASHER.digests(
+            req.all_token_ids, parent=req.block_hashes[-1] if have else None, start_block=have))
+
+
 def make_scheduler(num_blocks: int, budget: int) -> Scheduler:
     kv = KVCacheManager(BlockPool(num_blocks), B)
 
-    def update(req: Request) -> None:
-        have = len(req.block_hashes)
-        if len(req.all_token_ids) // B > have:
-            req.block_hashes.extend(HASHER.digests(
-                req.all_token_ids, parent=req.block_hashes[-1] if have else None,
-                start_block=have))
-
-    return Scheduler(SchedulerConfig(budget, 256), kv, LatencyModel(), update)
+    return Scheduler(SchedulerConfig(budget, 256), kv, LatencyModel(), update_hashes)
 
 
 def test_admission_needs_blocks_for_the_whole_prompt_not_its_first_chunk() -> None:
@@ -114,3 +115,42 @@ def test_admission_needs_blocks_for_the_whole_prompt_not_its_first_chunk() -> No
     s.add_request(short)
     step = s.schedule()
     assert step is not None and [r.request_id for r, _ in step.scheduled] == ["running", "short"]
+
+
+def decode_events(burst_s: float) -> tuple[list[object], int]:
+    """Two requests decoding 40 tokens each across block boundaries (at different steps) on a
+    pool small enough to evict; the flat event sequence and the number of steps it took."""
+    pool = BlockPool(12)  # 11 usable blocks: the decodes evict the cached filler blocks
+    kv = KVCacheManager(pool, B)
+
+    s = Scheduler(SchedulerConfig(8192, 256, max_decode_burst_s=burst_s), kv, LatencyModel(),
+                  update_hashes)
+    filler = make_request(list(range(5000, 5064)), "filler")  # 4 cached blocks, then freed
+    a = make_request(list(range(20)), "a")
+    b = make_request(list(range(100, 128)), "b")
+    a.max_output_tokens = b.max_output_tokens = 40
+    events: list[object] = []
+    steps = 0
+    for batch in ([filler], [a, b]):
+        for request in batch:
+            s.add_request(request)
+        while s.has_work():
+            step = s.schedule()
+            assert step is not None
+            s.complete(step)
+            steps += 1
+            events.extend(pool.take_events())
+    return events, steps
+
+
+def test_a_decode_burst_allocates_and_commits_step_by_step() -> None:
+    """vllm/v1/core/sched/scheduler.py calls ``allocate_slots(request, 1)`` for each running
+    request at every step: a block is taken (evicting) when a token starts it and committed
+    (BlockStored) in the step after the token that fills it, request after request. A burst
+    of decode steps, which the emulator plans at once, must publish the same events in the
+    same order as single steps; it used to take all its blocks at its first step."""
+    single, single_steps = decode_events(0.0)
+    burst, burst_steps = decode_events(10.0)
+    assert burst_steps < single_steps  # the bursts happened
+    assert any(isinstance(e, BlockEvicted) for e in single)
+    assert burst == single

@@ -340,10 +340,13 @@ class Scheduler:
             burst_s += duration
             repeats += 1
         if repeats > 1:
-            for request, _ in step.scheduled:
-                if not self.kv.allocate_slots(request, repeats):
-                    del step.durations_s[1:]
-                    break
+            # complete() allocates each later step's slots as vLLM's schedule() would, step by
+            # step; blocks for all of them must be free now (nothing is freed mid-burst).
+            size = self.kv.block_size
+            needed = sum(max(0, -(-(r.num_computed_tokens + repeats) // size) - len(r.blocks))
+                         for r, _ in step.scheduled)
+            if needed > self.kv.pool.num_free_blocks:
+                del step.durations_s[1:]
 
     def complete(self, step: Step, repeats: int | None = None) -> list[RequestOutput]:
         """Apply ``repeats`` (default all) of ``step``'s repeats; return what each request got.
@@ -354,6 +357,7 @@ class Scheduler:
         repeats = step.max_repeat if repeats is None else max(1, min(repeats, step.max_repeat))
         outputs: list[RequestOutput] = []
         finished: list[Request] = []
+        burst: list[tuple[Request, int]] = []  # (request, its tokens before this step)
         for request, num_new in step.scheduled:
             if request.finished is not None:
                 continue
@@ -364,6 +368,8 @@ class Scheduler:
                     continue
             start = request.num_output_tokens
             produced = min(repeats, request.max_output_tokens - start)
+            if produced > 1:
+                burst.append((request, request.num_tokens))
             request.all_token_ids.extend([OUTPUT_TOKEN_BASE + i % OUTPUT_TOKEN_PERIOD
                                           for i in range(start, start + produced)])
             request.num_computed_tokens = request.num_tokens - 1
@@ -372,9 +378,27 @@ class Scheduler:
                 request.finished = request.finish_reason_at_limit
                 finished.append(request)
             outputs.append(RequestOutput(request, produced, request.finished))
+        if burst:
+            self._allocate_burst(burst, repeats)
         if finished:
             done = set(finished)
             self.running = [r for r in self.running if r not in done]
             for request in finished:
                 self.kv.free(request)
         return outputs
+
+    def _allocate_burst(self, burst: list[tuple[Request, int]], repeats: int) -> None:
+        """Allocate and commit the blocks of a decode burst's steps 2..``repeats`` in vLLM's
+        order: step by step, request by request within a step (each step's ``schedule()`` calls
+        ``allocate_slots`` for one token per running request, which takes a new block, evicting,
+        when the token starts one and commits the blocks full up to it). ``burst``: each
+        request with its tokens before the burst; their output tokens are appended already,
+        and ``_plan_durations`` made sure the blocks are free."""
+        kv = self.kv
+        for r in range(1, repeats):
+            for request, num_before in burst:
+                request.num_computed_tokens = num_before + r - 1
+                allocated = kv.allocate_slots(request, 1)
+                assert allocated, "a decode burst's blocks were free when it was planned"
+        for request, _ in burst:
+            request.num_computed_tokens = request.num_tokens - 1
