@@ -18,9 +18,10 @@ Requests go one at a time by default (``concurrency`` 1): each engine then sched
 same steps, so any difference is a rule the emulator gets wrong. With ``concurrency`` > 1 which
 requests share a step depends on each engine's own step times (a CPU vLLM's steps last far longer
 than the emulated GPU's), so differences there are expected and do not by themselves show a
-wrong rule. ``max_tokens`` 1 (the default) compares prompt blocks only: with more output tokens
+wrong rule. ``max_tokens`` 1 (the default) stores prompt blocks only; with more output tokens
 the blocks the output fills hold vLLM's sampled tokens (random weights) on one side and the
-emulator's own on the other, so their hashes differ by construction.
+emulator's own on the other, so their hashes differ by construction: such blocks are then
+compared by position (``flatten``'s ``prompt_keys``).
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ import random
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Sequence, Set
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Final
@@ -45,6 +46,7 @@ import zmq
 from loadtest import harness
 from loadtest.trace import TokenMapper, read_trace
 from loadtest.vllm_engine import make_model_dir, start_vllm_engine, unavailable_reason
+from router.hashing import BlockHasher, block_keys
 from worker.kv_events import (
     AllBlocksCleared,
     BlockRemoved,
@@ -313,22 +315,43 @@ def run_engine(name: str, url: str, model: str, events_endpoint: str,
 # ------------------------------------------------------------------------------------ comparison
 
 
-EventKey = tuple[str, int | None]  # ("stored" | "removed" | "cleared", block key or None)
+EventKey = tuple[str, int | str | None]  # ("stored" | "removed" | "cleared", block key or name)
 
 
-def flatten(batches: Sequence[KVEventBatch]) -> list[EventKey]:
+def flatten(batches: Sequence[KVEventBatch],
+            prompt_keys: Set[int] | None = None) -> list[EventKey]:
     """The GPU events of ``batches`` block by block: one ``("stored", key)`` per block of a
     BlockStored, one ``("removed", key)`` per hash of a BlockRemoved, ``("cleared", None)`` per
-    AllBlocksCleared (keys as the router indexes them, ``event_hash_key``)."""
+    AllBlocksCleared (keys as the router indexes them, ``event_hash_key``).
+
+    With ``prompt_keys`` (the keys of every full prompt block sent), a block that is not one
+    of them holds output tokens, which differ between the engines: it is named by its parent
+    instead (``"<parent>+o"``), so that the two engines' sequences compare by structure."""
     out: list[EventKey] = []
+    names: dict[int, int | str] = {}  # {block key: its name}
+
+    def name(key: int, parent: int | str | None) -> int | str:
+        if prompt_keys is None or key in prompt_keys:
+            return key
+        return f"{parent}+o"
+
     for batch in batches:
         for event in batch.events:
             if getattr(event, "medium", "GPU") not in (None, "GPU"):
                 continue
             if isinstance(event, BlockStored):
-                out.extend(("stored", event_hash_key(h)) for h in event.block_hashes)
+                parent: int | str | None = None
+                if event.parent_block_hash is not None:
+                    parent_key = event_hash_key(event.parent_block_hash)
+                    parent = names.get(parent_key, parent_key)
+                for h in event.block_hashes:
+                    key = event_hash_key(h)
+                    parent = names[key] = name(key, parent)
+                    out.append(("stored", parent))
             elif isinstance(event, BlockRemoved):
-                out.extend(("removed", event_hash_key(h)) for h in event.block_hashes)
+                for h in event.block_hashes:
+                    key = event_hash_key(h)
+                    out.append(("removed", names.get(key, key)))
             elif isinstance(event, AllBlocksCleared):
                 out.append(("cleared", None))
     return out
@@ -369,16 +392,19 @@ def _counts(batches: Sequence[KVEventBatch]) -> dict[str, int]:
     return counts
 
 
-def compare(emulator: EngineRun, vllm: EngineRun, prompt_lengths: Sequence[int]) -> dict[str, Any]:
+def compare(emulator: EngineRun, vllm: EngineRun, prompt_lengths: Sequence[int],
+            prompt_keys: Set[int] | None = None) -> dict[str, Any]:
     """The fidelity report of two runs of the same sequence (pure): ``agree`` requests of
     ``requests`` with equal cached tokens, ``mismatches`` (index, prompt tokens, each engine's
     cached tokens), totals, event counts, and per sequence (``stored``: stored block keys in
     order; ``removed``: removed block keys in order; ``events``: both interleaved) whether it is
-    identical and where it first differs. ``identical`` is the overall verdict."""
+    identical and where it first differs. ``identical`` is the overall verdict. ``prompt_keys``:
+    see ``flatten`` (output blocks compared by position)."""
     pairs = list(zip(emulator.cached_tokens, vllm.cached_tokens, strict=True))
     mismatches = [{"request": i, "prompt_tokens": prompt_lengths[i], "emulator": e, "vllm": v}
                   for i, (e, v) in enumerate(pairs) if e != v or e is None]
-    emu_events, vllm_events = flatten(emulator.batches), flatten(vllm.batches)
+    emu_events = flatten(emulator.batches, prompt_keys)
+    vllm_events = flatten(vllm.batches, prompt_keys)
     sequences = [
         _sequence_report("stored", [k for t, k in emu_events if t == "stored"],
                          [k for t, k in vllm_events if t == "stored"]),
@@ -399,6 +425,12 @@ def compare(emulator: EngineRun, vllm: EngineRun, prompt_lengths: Sequence[int])
         "errors": errors,
         "identical": not mismatches and not errors and all(s["identical"] for s in sequences),
     }
+
+
+def prompt_block_keys(prompts: Sequence[list[int]], config: FidelityConfig) -> set[int]:
+    """The keys of every full block of ``prompts``, hashed as both engines hash them."""
+    hasher = BlockHasher(config.block_size, config.hash_algo, config.hash_seed)
+    return {key for prompt in prompts for key in block_keys(hasher.digests(prompt))}
 
 
 def format_report(report: dict[str, Any], config: FidelityConfig, workload: str) -> str:
@@ -500,7 +532,8 @@ def run_fidelity(prompts: Sequence[list[int]], config: FidelityConfig,
             record_dir.mkdir(parents=True, exist_ok=True)
             save_run(emulator, record_dir / "emulator.run.json", prompts, config)
             save_run(vllm, record_dir / "vllm.run.json", prompts, config)
-        report = compare(emulator, vllm, [len(p) for p in prompts])
+        report = compare(emulator, vllm, [len(p) for p in prompts], prompt_block_keys(
+            prompts, config) if config.max_tokens > 1 else None)
         report["config"] = asdict(config)
         return report
 

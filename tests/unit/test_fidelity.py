@@ -100,3 +100,19 @@ def test_a_recorded_run_loads_back_only_for_its_workload_and_flags(tmp_path: Pat
         load_run(path, [[1000]], FidelityConfig())
     with pytest.raises(ValueError, match="other flags"):
         load_run(path, prompts, FidelityConfig(num_gpu_blocks=99))
+
+
+def test_output_blocks_compare_by_position_when_prompt_keys_are_given() -> None:
+    """Blocks holding output tokens have engine-specific hashes: named by their parent chain."""
+    def run(out1: int, out2: int) -> list[KVEventBatch]:
+        first = stored(1, 2)
+        outputs = BlockStored(block_hashes=[out1, out2], parent_block_hash=2,
+                              token_ids=[0] * 64, block_size=32, lora_id=None, medium="GPU",
+                              lora_name=None)
+        return [batch(first), batch(outputs), batch(removed(out2, 1))]
+
+    emu, real = run(500, 501), run(900, 901)
+    assert flatten(emu) != flatten(real)
+    assert flatten(emu, {1, 2}) == flatten(real, {1, 2}) == [
+        ("stored", 1), ("stored", 2), ("stored", "2+o"), ("stored", "2+o+o"),
+        ("removed", "2+o+o"), ("removed", 1)]
