@@ -5,6 +5,7 @@ emulated fleet, and run the demo (the project's main benchmark). Does I/O (it is
     prefix-loadtest compare [--policies prefix,round_robin,...] [--replicas 8] ...
     prefix-loadtest demo [--output-dir DIR] [--peers auto|yes|no] ...
     prefix-loadtest ab [--trace FILE | --requests FILE] [--on URL --off URL] ...
+    prefix-loadtest fidelity [--workload synthetic|trace] [--requests 120] [--concurrency 1] ...
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ with exit_on_interrupt():  # Ctrl-C while these load: exit 130, no traceback
     from loadtest.ab import add_ab_parser
     from loadtest.compare import add_compare_parsers
     from loadtest.data import PACKAGED_ARRIVALS, packaged_trace_path
+    from loadtest.fidelity import add_fidelity_parser
     from loadtest.replay import (
         DEFAULT_MAX_CONCURRENCY,
         DEFAULT_MODEL,
@@ -136,6 +138,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_compare_parsers(sub, _add_slice_args, _replay_config)
     add_ab_parser(sub)
+    add_fidelity_parser(sub)
     for command in sub.choices.values():  # ``prefix-loadtest demo --version`` too
         command.add_argument("--version", action="version", version=version_line("prefix-loadtest"))
         # an unknown flag is reported by the subcommand that got it (argparse: the top parser)

@@ -12,6 +12,8 @@ import contextlib
 import json
 import logging
 import os
+import random
+import socket
 import subprocess
 import sys
 import tempfile
@@ -22,9 +24,9 @@ from typing import IO, Any, TypeVar
 
 from loadtest.redis_server import free_port
 
-__all__ = ["EMULATE", "PYTHON", "ProcessExited", "cpu_seconds", "describe", "free_port", "output",
-           "output_hint", "start_emulator", "start_process", "stop_process", "stop_processes",
-           "wait_for", "wait_ready"]
+__all__ = ["EMULATE", "PYTHON", "ProcessExited", "cpu_seconds", "describe", "free_port",
+           "free_port_run", "output", "output_hint", "start_emulator", "start_process",
+           "stop_process", "stop_processes", "wait_for", "wait_ready"]
 
 logger = logging.getLogger(__name__)
 
@@ -171,6 +173,39 @@ def stop_processes(procs: Sequence[subprocess.Popen[bytes]], timeout_s: float = 
                 proc.wait(timeout=5)
         if not keep_output:
             _close_log(proc)
+
+
+def _ephemeral_low(default: int = 32768) -> int:
+    """The first port of the kernel's ephemeral range (Linux ``ip_local_port_range``)."""
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return default
+
+
+def free_port_run(count: int, rng: random.Random | None = None) -> int:
+    """A port ``base`` such that ``base`` .. ``base + count - 1`` were all free a moment ago on
+    every interface (a data-parallel engine binds ``tcp://*:P`` and rank r at P + r).
+
+    The run is drawn below the kernel's ephemeral range: ports there are never handed to the
+    client sockets other tests open meanwhile, which is what took ``free_port() + 1`` from an
+    engine's rank 1 about one run in three. Raises ``RuntimeError`` after 100 tries."""
+    rng = rng or random.Random()
+    high = min(_ephemeral_low(), 65536) - count
+    for _ in range(100):
+        base = rng.randrange(10000, high) if high > 10000 else free_port()
+        sockets: list[socket.socket] = []
+        try:
+            for port in range(base, base + count):
+                sockets.append(socket.socket())
+                sockets[-1].bind(("", port))
+            return base
+        except OSError:
+            continue
+        finally:
+            for s in sockets:
+                s.close()
+    raise RuntimeError(f"no {count} consecutive free ports")
 
 
 def cpu_seconds(pid: int) -> float:

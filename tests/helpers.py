@@ -3,17 +3,15 @@ loopback, waits on conditions) and a fake replica script."""
 
 from __future__ import annotations
 
-import random
-import socket
 import time
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
 from loadtest.harness import (
     EMULATE,
     PYTHON,
     free_port,
+    free_port_run,
     start_emulator,
     start_process,
     stop_process,
@@ -56,39 +54,6 @@ def wait_routable(router: Any, count: int, procs: Sequence[Any] = ()) -> None:
     of ``procs`` (the workers, say) exits first."""
     wait_for(lambda: sum(r["routable"] and r["affinity"] for r in router.ready()["replicas"])
              == count, 30, message=f"{count} replicas routable with affinity", procs=procs)
-
-
-def _ephemeral_low(default: int = 32768) -> int:
-    """The first port of the kernel's ephemeral range (Linux ``ip_local_port_range``)."""
-    try:
-        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
-    except (OSError, ValueError, IndexError):
-        return default
-
-
-def free_port_run(count: int, rng: random.Random | None = None) -> int:
-    """A port ``base`` such that ``base`` .. ``base + count - 1`` were all free a moment ago on
-    every interface (a data-parallel engine binds ``tcp://*:P`` and rank r at P + r).
-
-    The run is drawn below the kernel's ephemeral range: ports there are never handed to the
-    client sockets other tests open meanwhile, which is what took ``free_port() + 1`` from an
-    engine's rank 1 about one run in three. Raises ``RuntimeError`` after 100 tries."""
-    rng = rng or random.Random()
-    high = min(_ephemeral_low(), 65536) - count
-    for _ in range(100):
-        base = rng.randrange(10000, high) if high > 10000 else free_port()
-        sockets: list[socket.socket] = []
-        try:
-            for port in range(base, base + count):
-                sockets.append(socket.socket())
-                sockets[-1].bind(("", port))
-            return base
-        except OSError:
-            continue
-        finally:
-            for s in sockets:
-                s.close()
-    raise RuntimeError(f"no {count} consecutive free ports")
 
 
 # the rest of a fake replica script after its ``completions`` handler (health, models, serving);

@@ -44,10 +44,12 @@ def test_runs_are_deterministic_and_sticky_policies_hit_more() -> None:
         assert r["imbalance"] >= 1.0
 
 
-def test_a_cpu_tier_the_router_sees_gives_more_hits_than_one_it_does_not() -> None:
+def test_a_cpu_tier_gives_more_hits_whether_the_router_sees_it_or_not() -> None:
     """Small GPU pools (4,000 blocks) behind a host tier of 4x: returning conversations evicted
-    from the GPU are loaded from host memory (vLLM counts them in cached_tokens), and a router
-    that sees the tier sends them back to the host copy."""
+    from the GPU are loaded from host memory (vLLM counts them in cached_tokens). That a router
+    which sees the tier hits more than one which does not held until the emulator admitted a
+    waiting request only when its whole prompt's blocks are free (vLLM's
+    scheduler_reserve_full_isl): on this slice it is now 5.35% against 5.42%."""
     requests = read_trace(packaged_trace_path(), limit=400)
     offsets = schedule_offsets(requests, 10.0)
     hits = {}
@@ -56,7 +58,7 @@ def test_a_cpu_tier_the_router_sees_gives_more_hits_than_one_it_does_not() -> No
                                               tier_visible=False)),
                          ("visible", LabConfig(num_gpu_blocks=4000, cpu_tier_ratio=4))):
         hits[name] = run_policies(["prefix"], requests, offsets, config)[0]["hit_rate"]
-    assert hits["none"] < hits["hidden"] < hits["visible"]
+    assert hits["none"] < hits["hidden"] and hits["none"] < hits["visible"]
 
 
 @pytest.mark.parametrize("argv, message", [

@@ -11,9 +11,11 @@ Modelled on vLLM v1 ``vllm/v1/core/block_pool.py`` and ``kv_cache_manager.py``
 * a new request walks its block hashes from block 0 and reuses the longest run of
   cached blocks, capped at ``floor((N - 1) / B)`` blocks (the last prompt token is
   always recomputed, ``get_computed_blocks``);
-* blocks are reference-counted; a block whose count drops to 0 joins the tail of
-  the LRU free queue *still cached*; a request's blocks are freed tail-first
-  (``free`` walks them reversed), so shared heads are evicted last;
+* blocks are reference-counted; a cached block whose count drops to 0 joins the
+  tail of the LRU free queue *still cached*, a block without a hash (a partial
+  last block, or any block with prefix caching off) its head, to be reused first
+  (``free_blocks``); a request's blocks are freed tail-first (``free`` walks them
+  reversed), so shared heads are evicted last;
 * taking a block from the head of the free queue whose hash is cached evicts
   that hash (``BlockRemoved``, ``_maybe_evict_cached_block``); reviving a cached
   free block on a hit pulls it out of the queue (``touch``);
@@ -227,12 +229,23 @@ class BlockPool:
             ))
 
     def free_blocks(self, ordered_blocks: Sequence[KVCacheBlock]) -> None:
-        """Drop one reference per block; blocks reaching 0 join the queue tail in the given order."""
+        """Drop one reference per block (``ordered_blocks`` in eviction priority, first evicted
+        first). Of the blocks reaching 0, those without a hash go to the head of the free queue,
+        keeping their order, and cached ones to its tail (vLLM 0.32/0.33
+        ``BlockPool.free_blocks``: LIFO reuse of blocks that can never hit, so a request's
+        partial last block is reused before any cached block is evicted)."""
         free = self._free
+        uncached: list[KVCacheBlock] = []
         for block in ordered_blocks:
             block.ref_cnt -= 1
             if block.ref_cnt == 0:
-                free[block.block_id] = block
+                if block.block_hash is None:
+                    uncached.append(block)
+                else:
+                    free[block.block_id] = block
+        for block in reversed(uncached):  # prepend_n: the first of them ends up at the head
+            free[block.block_id] = block
+            free.move_to_end(block.block_id, last=False)
 
     def reset_prefix_cache(self) -> bool:
         """Drop every cached hash if no block is in use; return whether it did (vLLM semantics)."""
@@ -322,6 +335,7 @@ class KVCacheManager:
         new_computed_blocks: Sequence[KVCacheBlock] = (),
         *,
         cache: bool = True,
+        full_sequence_must_fit: bool = False,
     ) -> bool:
         """Give ``request`` blocks for ``num_new_tokens`` more tokens after its computed ones
         (plus the hit blocks ``new_computed_blocks``), then commit newly full blocks.
@@ -330,6 +344,10 @@ class KVCacheManager:
         ``allocate_slots`` returning None). Hit blocks that sit in the free queue
         count against the free blocks too (they leave the queue). ``cache=False`` commits
         nothing (vLLM ``delay_cache_blocks``: blocks a CPU-tier load is still filling).
+        ``full_sequence_must_fit``: also return False unless blocks for all of the request's
+        tokens are free, not only for this chunk's (vLLM 0.32/0.33 ``allocate_slots``
+        ``full_sequence_must_fit``, which the scheduler sets when admitting a waiting request:
+        ``SchedulerConfig.scheduler_reserve_full_isl``, on by default).
         """
         block_size = self.block_size
         if not new_computed_blocks:
@@ -346,7 +364,13 @@ class KVCacheManager:
         num_required = -(-total // self.block_size)
         num_new_blocks = num_required - len(request.blocks) - len(new_computed_blocks)
         num_evictable_hits = sum(1 for b in new_computed_blocks if b.ref_cnt == 0)
-        if max(num_new_blocks, 0) + num_evictable_hits > pool.num_free_blocks:
+        num_free = pool.num_free_blocks
+        if full_sequence_must_fit:
+            num_full_new = (-(-request.num_tokens // self.block_size) - len(request.blocks)
+                            - len(new_computed_blocks))
+            if max(num_full_new, 0) + num_evictable_hits > num_free:
+                return False
+        if max(num_new_blocks, 0) + num_evictable_hits > num_free:
             return False
         if new_computed_blocks:
             pool.touch(new_computed_blocks)

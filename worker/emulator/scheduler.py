@@ -6,9 +6,10 @@ Modelled on vLLM 0.33 ``vllm/v1/core/sched/scheduler.py`` (FCFS policy):
   are served first (one token each in decode, a chunk of the remaining prompt in
   prefill: chunked prefill), then waiting requests are admitted in arrival order
   while the budget, ``max_num_seqs`` and free blocks allow;
-* a waiting request is admitted only if blocks for its scheduled tokens can be
-  allocated (prefix hits count, free-but-cached blocks are free); otherwise it
-  and everything behind it wait;
+* a waiting request is admitted only if blocks for all its tokens are free, not
+  only for its first chunk (vLLM ``scheduler_reserve_full_isl``, on by default;
+  prefix hits count, free-but-cached blocks are free); otherwise it and
+  everything behind it wait;
 * when a running request cannot get a block, the lowest-priority running request
   (the last admitted) is preempted by recompute: its blocks are freed, its
   computed tokens forgotten and it goes back to the head of the waiting queue;
@@ -34,8 +35,11 @@ from worker.emulator.kv_cache import KVCacheBlock, KVCacheManager
 from worker.emulator.offload import CpuOffload
 from worker.emulator.profiles import LatencyModel
 
-DEFAULT_MAX_NUM_BATCHED_TOKENS: Final = 8192  # tokens per step; vLLM default for online serving
-DEFAULT_MAX_NUM_SEQS: Final = 256  # running requests; vLLM default
+# vLLM's OpenAI-server defaults on a GPU of at least 70 GB that is not an A100, the emulator's
+# H100-class profile (vllm/engine/arg_utils.py get_batch_defaults; 2048 and 256 below 70 GB,
+# 2048 and 128 on a CPU)
+DEFAULT_MAX_NUM_BATCHED_TOKENS: Final = 8192  # tokens per step
+DEFAULT_MAX_NUM_SEQS: Final = 1024  # running requests
 OUTPUT_TOKEN_BASE: Final = 1000  # generated token i is OUTPUT_TOKEN_BASE + i % OUTPUT_TOKEN_PERIOD
 OUTPUT_TOKEN_PERIOD: Final = 1000
 
@@ -256,7 +260,7 @@ class Scheduler:
             if request.num_computed_tokens:  # its CPU-tier load ended: no second lookup
                 num_hit = request.num_computed_tokens
                 num_new = min(request.num_tokens - num_hit, budget)
-                if not kv.allocate_slots(request, num_new):
+                if not kv.allocate_slots(request, num_new, full_sequence_must_fit=True):
                     break
                 waiting.popleft()
             else:
@@ -267,7 +271,8 @@ class Scheduler:
                         deferred.append(waiting.popleft())
                         continue
                     if num_external:
-                        if not kv.allocate_slots(request, num_external, hits, cache=False):
+                        if not kv.allocate_slots(request, num_external, hits, cache=False,
+                                                 full_sequence_must_fit=True):
                             break
                         waiting.popleft()
                         kv.record_lookup(request.num_tokens, num_hit, request.num_preemptions > 0)
@@ -277,7 +282,7 @@ class Scheduler:
                                            num_external // kv.block_size, now_s)
                         continue
                 num_new = min(request.num_tokens - num_hit, budget)
-                if not kv.allocate_slots(request, num_new, hits):
+                if not kv.allocate_slots(request, num_new, hits, full_sequence_must_fit=True):
                     break
                 waiting.popleft()
                 kv.record_lookup(request.num_tokens, num_hit, request.num_preemptions > 0)
@@ -335,10 +340,13 @@ class Scheduler:
             burst_s += duration
             repeats += 1
         if repeats > 1:
-            for request, _ in step.scheduled:
-                if not self.kv.allocate_slots(request, repeats):
-                    del step.durations_s[1:]
-                    break
+            # complete() allocates each later step's slots as vLLM's schedule() would, step by
+            # step; blocks for all of them must be free now (nothing is freed mid-burst).
+            size = self.kv.block_size
+            needed = sum(max(0, -(-(r.num_computed_tokens + repeats) // size) - len(r.blocks))
+                         for r, _ in step.scheduled)
+            if needed > self.kv.pool.num_free_blocks:
+                del step.durations_s[1:]
 
     def complete(self, step: Step, repeats: int | None = None) -> list[RequestOutput]:
         """Apply ``repeats`` (default all) of ``step``'s repeats; return what each request got.
@@ -349,6 +357,7 @@ class Scheduler:
         repeats = step.max_repeat if repeats is None else max(1, min(repeats, step.max_repeat))
         outputs: list[RequestOutput] = []
         finished: list[Request] = []
+        burst: list[tuple[Request, int]] = []  # (request, its tokens before this step)
         for request, num_new in step.scheduled:
             if request.finished is not None:
                 continue
@@ -359,6 +368,8 @@ class Scheduler:
                     continue
             start = request.num_output_tokens
             produced = min(repeats, request.max_output_tokens - start)
+            if produced > 1:
+                burst.append((request, request.num_tokens))
             request.all_token_ids.extend([OUTPUT_TOKEN_BASE + i % OUTPUT_TOKEN_PERIOD
                                           for i in range(start, start + produced)])
             request.num_computed_tokens = request.num_tokens - 1
@@ -367,9 +378,27 @@ class Scheduler:
                 request.finished = request.finish_reason_at_limit
                 finished.append(request)
             outputs.append(RequestOutput(request, produced, request.finished))
+        if burst:
+            self._allocate_burst(burst, repeats)
         if finished:
             done = set(finished)
             self.running = [r for r in self.running if r not in done]
             for request in finished:
                 self.kv.free(request)
         return outputs
+
+    def _allocate_burst(self, burst: list[tuple[Request, int]], repeats: int) -> None:
+        """Allocate and commit the blocks of a decode burst's steps 2..``repeats`` in vLLM's
+        order: step by step, request by request within a step (each step's ``schedule()`` calls
+        ``allocate_slots`` for one token per running request, which takes a new block, evicting,
+        when the token starts one and commits the blocks full up to it). ``burst``: each
+        request with its tokens before the burst; their output tokens are appended already,
+        and ``_plan_durations`` made sure the blocks are free."""
+        kv = self.kv
+        for r in range(1, repeats):
+            for request, num_before in burst:
+                request.num_computed_tokens = num_before + r - 1
+                allocated = kv.allocate_slots(request, 1)
+                assert allocated, "a decode burst's blocks were free when it was planned"
+        for request, _ in burst:
+            request.num_computed_tokens = request.num_tokens - 1
