@@ -36,14 +36,13 @@ from worker.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, event_
 
 pytestmark = pytest.mark.timeout(1800)  # the module's engine may take minutes to start
 
-NUM_BLOCKS = 64  # --num-gpu-blocks-override: 2,048 tokens of KV cache
+NUM_BLOCKS = 64  # --num-gpu-blocks-override: 63 usable blocks (vLLM's null block), 2,016 tokens
 HASHER = BlockHasher(BLOCK_SIZE, "sha256", SEED)
 
 
 @pytest.fixture(scope="module")
 def engine(model_dir: Path) -> Iterator[VllmEngine]:
-    eng = start_vllm_engine(model_dir, num_gpu_blocks=NUM_BLOCKS,
-                            extra_args=["--max-model-len", str(NUM_BLOCKS * BLOCK_SIZE)])
+    eng = start_vllm_engine(model_dir, num_gpu_blocks=NUM_BLOCKS)
     try:
         yield eng
     finally:
