@@ -252,7 +252,7 @@ def start_vllm_engine(model_dir: Path, *, num_gpu_blocks: int | None = None,
             "--model", str(model_dir), "--served-model-name", MODEL_NAME,
             "--load-format", "dummy", "--block-size", str(block_size),
             "--enable-prefix-caching", "--prefix-caching-hash-algo", hash_algo,
-            "--enable-prompt-tokens-details", "--disable-log-stats"]
+            "--enable-prompt-tokens-details"]
     if num_gpu_blocks is not None:
         # vLLM keeps block 0 as its null block: a request may use num_gpu_blocks - 1 of them,
         # and the engine refuses to start when max_model_len does not fit in those

@@ -61,10 +61,14 @@ def start_engines(model_dir: Path, count: int, **kwargs: object) -> list[VllmEng
     return engines
 
 
+TOOL_CALLING = ["--enable-auto-tool-choice", "--tool-call-parser", "hermes"]  # Qwen3's parser
+
+
 @pytest.fixture(scope="package")
 def engine_pair(model_dir: Path) -> Iterator[list[VllmEngine]]:
-    """Two engines with the default capacity (1 GiB of KV cache each), PYTHONHASHSEED 0."""
-    engines = start_engines(model_dir, 2)
+    """Two engines with the default capacity (1 GiB of KV cache each), PYTHONHASHSEED 0, tool
+    calling on (chat completions with ``tools`` need it)."""
+    engines = start_engines(model_dir, 2, extra_args=TOOL_CALLING)
     try:
         yield engines
     finally:

@@ -1,7 +1,8 @@
 """Chat rendering as vLLM renders it: for each chat body, the token ids the router computes
-(``POST /debug/route?token_ids=1``) equal those of the engine's own ``POST /tokenize`` of the
-same body (ids, not counts). The engine is one of the package's pair, serving the tiny Qwen3
-model with Qwen3's tokenizer and chat template.
+(``POST /debug/route?token_ids=1``) equal the prompt ids the engine serves the chat completion
+with (``return_token_ids``) and those of its own ``POST /tokenize`` (ids, not counts). The
+engine is one of the package's pair, serving the tiny Qwen3 model with Qwen3's tokenizer and
+chat template, tool calling on (hermes parser, as for Qwen3).
 """
 
 from __future__ import annotations
@@ -84,6 +85,49 @@ CHAT_BODIES: dict[str, dict[str, Any]] = {
         {"role": "user", "content": "With special tokens."}]},
     "crlf-and-trailing-space": {"messages": [
         {"role": "user", "content": "line one\r\nline two \n\n  indented\n"}]},
+    "system-and-developer": {"messages": [
+        {"role": "system", "content": "System rules."},
+        {"role": "user", "content": "Hi."},
+        {"role": "developer", "content": "Developer rules."},
+        {"role": "user", "content": "Again."}]},
+    "refusal-and-thinking-parts": {"messages": [
+        {"role": "user", "content": "Do something bad."},
+        {"role": "assistant", "content": [{"type": "thinking", "thinking": "No."},
+                                          {"type": "refusal", "refusal": "I can't."}]},
+        {"role": "user", "content": [{"type": "text", "text": "Fine."}, "a bare string"]}]},
+    "developer-parts-after-system": {"messages": [
+        {"role": "system", "content": "S"},
+        {"role": "developer", "content": [{"type": "text", "text": "p1"},
+                                          {"type": "text", "text": "p2"}]},
+        {"role": "user", "content": "u"}]},
+    "tool-result-parts": {"tools": [WEATHER_TOOL], "messages": [
+        {"role": "user", "content": "Weather in Zürich?"},
+        {"role": "assistant", "content": "", "tool_calls": [TOOL_CALL]},
+        {"role": "tool", "tool_call_id": "call_1",
+         "content": [{"type": "text", "text": "21 C"}, {"type": "text", "text": "clear"}]}]},
+    "claude-code-billing-header": {"messages": [
+        {"role": "system", "content": "x-anthropic-billing-header: cc_version=1; cch=8f3a\n"
+                                      "You are Claude Code."},
+        {"role": "user", "content": "List files."}]},
+    "billing-header-parts": {"messages": [
+        {"role": "system", "content": [
+            {"type": "text", "text": "x-anthropic-billing-header: cch=1\nKeep"},
+            {"type": "text", "text": "x-anthropic-billing-header: a"},
+            {"type": "text", "text": "Tail"}]},
+        {"role": "user", "content": "x-anthropic-billing-header: stays in a user message"}]},
+    "kwargs-cannot-override-request-fields": {
+        "chat_template_kwargs": {"add_generation_prompt": False},
+        "messages": [{"role": "user", "content": "Generation prompt stays."}]},
+    "reasoning-effort-none": {"reasoning_effort": "none", "messages": [
+        {"role": "user", "content": "No thinking, please."}]},
+    "reasoning-effort-with-enable-thinking": {
+        "reasoning_effort": "none", "chat_template_kwargs": {"enable_thinking": True},
+        "messages": [{"role": "user", "content": "The kwarg wins."}]},
+    "documents-and-task": {"documents": [{"title": "t", "text": "doc"}], "messages": [
+        {"role": "user", "content": "Use the document.", "task": "qa"}]},
+    "unused-template-kwarg": {"chat_template_kwargs": {"not_a_template_var": 1,
+                                                       "enable_thinking": True},
+                              "messages": [{"role": "user", "content": "Kwargs."}]},
 }
 
 
@@ -95,13 +139,24 @@ def ids_mismatch(ours: list[int], theirs: list[int]) -> str:
             f"router {ours[first:first + 8]} vLLM {theirs[first:first + 8]}")
 
 
+# request fields that vLLM's /tokenize does not take into the template (only chat completions
+# does, vLLM 0.32 ChatCompletionRequest.build_chat_params)
+CHAT_ONLY_FIELDS = ("reasoning_effort", "documents")
+
+
 @pytest.mark.parametrize("name", sorted(CHAT_BODIES))
-def test_router_token_ids_equal_vllm_tokenize(engine_fleet: EngineFleet, name: str) -> None:
+def test_router_token_ids_equal_vllms(engine_fleet: EngineFleet, name: str) -> None:
+    """The router's ids equal the prompt ids vLLM serves the chat completion with
+    (``return_token_ids``) and, for bodies without chat-only fields, its ``/tokenize``."""
     engine = engine_fleet.engines[0]
     body = {"model": engine.model, **CHAT_BODIES[name]}
     try:
-        theirs = post_json(f"{engine.url}/tokenize", body)["tokens"]
+        served = post_json(f"{engine.url}/v1/chat/completions",
+                           {**body, "max_tokens": 1, "return_token_ids": True})["prompt_token_ids"]
+        tokenized = (None if any(f in body for f in CHAT_ONLY_FIELDS)
+                     else post_json(f"{engine.url}/tokenize", body)["tokens"])
     except HTTPError as exc:
         pytest.fail(f"vLLM refused the body: {exc.code} {exc.read()!r}")
     ours = post_json(f"{engine_fleet.url}/debug/route?token_ids=1", body)["token_ids"]
-    assert ours == theirs, ids_mismatch(ours, theirs)
+    assert ours == served, ids_mismatch(ours, served)
+    assert tokenized is None or ours == tokenized, ids_mismatch(ours, tokenized)

@@ -182,19 +182,29 @@ def test_evictions_under_a_small_pool(engine: VllmEngine, tap: KVEventTap,
 
 def test_reset_prefix_cache_publishes_all_blocks_cleared(engine: VllmEngine, tap: KVEventTap,
                                                          workers: Workers) -> None:
+    """vLLM publishes a step's events after the step (``Scheduler.update_from_output``), so the
+    ``AllBlocksCleared`` of ``/reset_prefix_cache`` goes out with the next request's batch, before
+    that request's stores; nothing is published while the engine stays idle."""
     workers.start()
     rds = workers.rds
-    tokens = prompt(3 * BLOCK_SIZE, random.Random(13))
+    rng = random.Random(13)
+    tokens = prompt(3 * BLOCK_SIZE, rng)
     complete(engine, tokens)
     wait_for(lambda: set(HASHER.keys(tokens)[:2]) <= rds.blocks(), 30, message="keys stored")
-    epoch = rds.epoch()
-    seen = len(tap.events())
-    assert post_json(f"{engine.url}/reset_prefix_cache", {}) == {"success": True}
-    wait_for(lambda: any(isinstance(e, AllBlocksCleared) for e in tap.events()[seen:]), 30,
-             message="AllBlocksCleared")
-    wait_for(lambda: rds.epoch() > epoch, 30, message="the worker's epoch bump")
-    wait_for(lambda: not rds.blocks() & set(HASHER.keys(tokens)), 30, message="old keys gone")
     wait_for(lambda: settled(rds, tap), 30, message="worker set == engine's resident keys")
+    epoch = rds.epoch()
+    seen = len(tap.batches)
+    assert post_json(f"{engine.url}/reset_prefix_cache", {}) == {"success": True}
+    after = prompt(2 * BLOCK_SIZE + 1, rng)
+    complete(engine, after)
+    wait_for(lambda: set(HASHER.keys(after)) <= tap.resident(), 30,
+             message="the next request's stores")
+    events = [e for _, batch in tap.batches[seen:] for e in batch.events]
+    assert isinstance(events[0], AllBlocksCleared), events[:3]
+    assert not any(isinstance(e, AllBlocksCleared) for e in events[1:])
+    wait_for(lambda: rds.epoch() > epoch, 30, message="the worker's epoch bump")
+    wait_for(lambda: settled(rds, tap), 30, message="worker set == engine's resident keys")
+    assert set(HASHER.keys(after)) <= rds.blocks() and not set(HASHER.keys(tokens)) & rds.blocks()
 
 
 def test_a_restarted_worker_replays_what_it_missed(engine: VllmEngine, tap: KVEventTap,
