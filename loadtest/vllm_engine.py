@@ -212,6 +212,19 @@ class VllmEngine:
     block_size: int
     num_gpu_blocks: int | None
     args: list[str] = field(default_factory=list)
+    data_parallel_size: int = 1
+
+    def endpoints(self, rank: int) -> tuple[str, str]:
+        """Data-parallel rank ``rank``'s KV-event and replay endpoints (vLLM offsets each port
+        by the rank)."""
+        if not 0 <= rank < self.data_parallel_size:
+            raise ValueError(f"rank {rank} outside 0..{self.data_parallel_size - 1}")
+
+        def shifted(endpoint: str) -> str:
+            host, port = endpoint.rsplit(":", 1)
+            return f"{host}:{int(port) + rank}"
+
+        return shifted(self.kv_events_endpoint), shifted(self.kv_replay_endpoint)
 
     def output(self) -> str:
         """What the engine's processes have printed so far."""
@@ -226,7 +239,7 @@ class VllmEngine:
 def start_vllm_engine(model_dir: Path, *, num_gpu_blocks: int | None = None,
                       hash_seed: str = "0", hash_algo: str = "sha256",
                       block_size: int = BLOCK_SIZE, kv_events: bool = True, eager: bool = True,
-                      extra_args: Sequence[str] = (), env: Mapping[str, str] | None = None,
+                      data_parallel_size: int = 1, extra_args: Sequence[str] = (), env: Mapping[str, str] | None = None,
                       log_path: Path | None = None, timeout_s: float = START_TIMEOUT_S,
                       ) -> VllmEngine:
     """Start ``python -m vllm.entrypoints.openai.api_server`` on 127.0.0.1 serving
@@ -240,13 +253,17 @@ def start_vllm_engine(model_dir: Path, *, num_gpu_blocks: int | None = None,
     is on and ``--enable-prompt-tokens-details`` reports ``usage.prompt_tokens_details
     .cached_tokens``. ``eager``: ``--enforce-eager``, no torch.compile warm-up (about 2.5 of
     the minutes a start takes here; the prefix cache and its events do not depend on it).
-    ``extra_args`` are further vLLM flags (a later flag overrides).
+    ``data_parallel_size``: ``--data-parallel-size`` (ranks in one server; rank r publishes
+    its KV events at ``VllmEngine.endpoints(r)``). ``extra_args`` are further vLLM flags (a
+    later flag overrides).
 
     The engine runs in its own process group, which ``VllmEngine.stop`` ends. Raises
     ``ProcessExited`` (with its output) when it exits while starting, ``TimeoutError`` when it
     is not healthy in time; it is stopped in both cases."""
-    http = free_port_run(3)  # the HTTP, KV-event and replay ports, free a moment ago
-    events, replay = http + 1, http + 2
+    # the HTTP port, then the KV-event and the replay ports of each data-parallel rank (vLLM
+    # publishes rank r's events at the endpoint's port + r), all free a moment ago
+    http = free_port_run(1 + 2 * data_parallel_size)
+    events, replay = http + 1, http + 1 + data_parallel_size
     args = [PYTHON, "-m", "vllm.entrypoints.openai.api_server",
             "--host", "127.0.0.1", "--port", str(http),
             "--model", str(model_dir), "--served-model-name", MODEL_NAME,
@@ -261,6 +278,8 @@ def start_vllm_engine(model_dir: Path, *, num_gpu_blocks: int | None = None,
         args += ["--num-gpu-blocks-override", str(num_gpu_blocks), "--max-model-len", str(max_len)]
     if eager:
         args.append("--enforce-eager")
+    if data_parallel_size > 1:
+        args += ["--data-parallel-size", str(data_parallel_size)]
     if kv_events:
         config = {"enable_kv_cache_events": True, "publisher": "zmq",
                   "endpoint": f"tcp://*:{events}", "replay_endpoint": f"tcp://127.0.0.1:{replay}"}
@@ -271,7 +290,7 @@ def start_vllm_engine(model_dir: Path, *, num_gpu_blocks: int | None = None,
     proc = start_process(args, full_env, log_path, start_new_session=True)
     engine = VllmEngine(proc, f"http://127.0.0.1:{http}", MODEL_NAME,
                         f"tcp://127.0.0.1:{events}", f"tcp://127.0.0.1:{replay}",
-                        block_size, num_gpu_blocks, args)
+                        block_size, num_gpu_blocks, args, data_parallel_size)
     try:
         wait_for(lambda: _serves(engine), timeout_s, 1.0, "the vLLM engine's /health and /v1/models",
                  [proc])

@@ -23,6 +23,7 @@ from loadtest.vllm_engine import KVEventTap, post_json
 from tests.engine.conftest import EngineFleet
 from tests.helpers import wait_for
 from tests.integration.test_router_fleet import http
+from worker.kv_events import AllBlocksCleared
 
 pytestmark = pytest.mark.timeout(1800)
 
@@ -42,9 +43,16 @@ def taps(engine_fleet: EngineFleet) -> Iterator[dict[str, KVEventTap]]:
     out = {rid: KVEventTap(engine_fleet.engine(rid).kv_events_endpoint)
            for rid in engine_fleet.replica_ids}
     try:
-        for engine in engine_fleet.engines:
+        for rid, tap in out.items():
+            engine = engine_fleet.engine(rid)
             wait_for(lambda e=engine: post_json(f"{e.url}/reset_prefix_cache", {})["success"],
                      60, 1.0, "reset_prefix_cache")
+            # vLLM publishes the reset's AllBlocksCleared with the next step's events: a
+            # request shorter than a block runs one step and stores nothing
+            post_json(f"{engine.url}/v1/completions",
+                      {"model": engine.model, "prompt": [1000, 1001], "max_tokens": 1})
+            wait_for(lambda t=tap: any(isinstance(e, AllBlocksCleared) for e in t.events()),
+                     60, 0.1, "AllBlocksCleared")
         yield out
     finally:
         for tap in out.values():
