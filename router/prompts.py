@@ -251,9 +251,16 @@ def parse_prompt(kind: str, body: Any) -> PromptSpec:
         add_special = body.get("add_special_tokens", False)
         if not isinstance(add_special, bool):
             raise PromptError("'add_special_tokens' must be a boolean")
+        effort = body.get("reasoning_effort")
+        if effort is not None and not isinstance(effort, str):
+            raise PromptError("'reasoning_effort' must be a string")
+        documents = body.get("documents")
+        if documents is not None and not isinstance(documents, list):
+            raise PromptError("'documents' must be a list")
         options = {"tools": tools, "add_generation_prompt": add_generation_prompt,
                    "continue_final_message": continue_final, "chat_template_kwargs": kwargs,
-                   "chat_template": body.get("chat_template")}
+                   "chat_template": body.get("chat_template"), "reasoning_effort": effort,
+                   "documents": documents}
         return PromptSpec("chat", messages=messages, add_special_tokens=add_special,
                           chat_options=options, **common)
     raise ValueError(f"unknown prompt kind {kind!r}")
@@ -295,16 +302,41 @@ def _newline_pieces(text: str) -> list[str]:
     return pieces
 
 
-def _normalise_content(content: Any) -> Any:
+# the text of a text-like content part, by type (vLLM 0.32 chat_utils ``MM_PARSER_MAP`` and
+# ``TEXT_PART_TYPES``): a refusal's text is under "refusal", a thinking part's under "thinking"
+_TEXT_PART_KEYS: Final = {"text": "text", "input_text": "text", "output_text": "text",
+                          "refusal": "refusal", "thinking": "thinking"}
+# Claude Code's attribution line, whose ``cch`` changes on every request: vLLM drops it from
+# system messages (vLLM 0.32 chat_utils ``_strip_claude_code_billing_header``)
+CLAUDE_CODE_BILLING_HEADER: Final = "x-anthropic-billing-header"
+
+
+def _part_text(part: Any) -> str | None:
+    """A content part's text: a bare string, or a text-like part's field; None for others."""
+    if isinstance(part, str):
+        return part
+    if isinstance(part, dict) and part.get("type") in _TEXT_PART_KEYS:
+        text = part.get(_TEXT_PART_KEYS[part["type"]])
+        return text if isinstance(text, str) else None
+    return None
+
+
+def _normalise_content(content: Any, system: bool = False) -> Any:
     """vLLM "string" content format: text parts joined with newlines, other parts dropped, and
-    no content (``None``) as ""."""
+    no content (``None``) as "". For a ``system`` message a part (or the whole string) that
+    starts with Claude Code's billing header loses its first line, and is dropped when nothing
+    follows it."""
     if content is None:
         return ""
+    if isinstance(content, str):
+        content = [content] if system else content
     if isinstance(content, list):
-        texts = [part if isinstance(part, str) else part.get("text", "") for part in content
-                 if isinstance(part, str) or (isinstance(part, dict) and part.get("type") in
-                                               ("text", "input_text", "output_text", "refusal"))]
-        return "\n".join(t for t in texts if isinstance(t, str))
+        texts = [t for t in map(_part_text, content) if t is not None]
+        if system:
+            texts = [t.partition("\n")[2] if t.startswith(CLAUDE_CODE_BILLING_HEADER) else t
+                     for t in texts if not (t.startswith(CLAUDE_CODE_BILLING_HEADER)
+                                            and not t.partition("\n")[2])]
+        return "\n".join(texts)
     return content
 
 
@@ -318,20 +350,27 @@ def _normalise_tool(tool: Any) -> Any:
                          "parameters": fn.get("parameters")}}
 
 
+def knows_developer_role(template: str | None) -> bool:
+    """Whether a chat template names the ``developer`` role (quoted, as vLLM 0.32
+    ``_detect_developer_role_support`` looks for it)."""
+    return template is not None and ('"developer"' in template or "'developer'" in template)
+
+
 def prepare_messages(messages: Sequence[dict[str, Any]], template: str | None) -> list[dict[str, Any]]:
-    """Messages as vLLM hands them to the chat template (vLLM 0.33 chat_utils
-    ``_parse_chat_message_content`` and ``_postprocess_messages``): each becomes ``role`` and
-    string ``content`` (``None`` -> ""), plus for an assistant its ``tool_calls`` (arguments
-    JSON-decoded, ``{}`` when not JSON; an empty list dropped) and ``reasoning`` (also as
-    ``reasoning_content``), for a tool its ``tool_call_id``, and a string ``name``; other keys
-    are not passed. ``developer`` becomes ``system`` when the template does not know it."""
-    knows_developer = template is not None and "developer" in template
+    """Messages as vLLM hands them to the chat template (vLLM 0.32 chat_utils
+    ``_parse_chat_message_content`` and ``_postprocess_messages``, renderers/hf
+    ``safe_apply_chat_template``): each becomes ``role`` and string ``content`` (``None`` -> "";
+    a system message without Claude Code's billing-header line), plus for an assistant its
+    ``tool_calls`` (arguments JSON-decoded, ``{}`` when not JSON; an empty list dropped) and
+    ``reasoning`` (also as ``reasoning_content``), for a tool its ``tool_call_id``, a string
+    ``name`` and ``task``; other keys are not passed. When the template does not know the
+    ``developer`` role, developer messages become system messages and all system messages are
+    then merged into one at the front (``_consolidate_system_messages``)."""
     out = []
     for message in messages:
         role = message.get("role")
-        if role == "developer" and not knows_developer:
-            role = "system"
-        msg: dict[str, Any] = {"role": role, "content": _normalise_content(message.get("content"))}
+        content = _normalise_content(message.get("content"), system=role == "system")
+        msg: dict[str, Any] = {"role": role, "content": content}
         if role == "assistant":
             calls = message.get("tool_calls")
             if isinstance(calls, list) and calls:
@@ -342,12 +381,29 @@ def prepare_messages(messages: Sequence[dict[str, Any]], template: str | None) -
                 msg["reasoning"] = msg["reasoning_content"] = message["reasoning"]
         elif role == "tool" and "tool_call_id" in message:
             msg["tool_call_id"] = message["tool_call_id"]
-        if isinstance(message.get("name"), str):
-            msg["name"] = message["name"]
+        for key in ("name", "task"):
+            if isinstance(message.get(key), str):
+                msg[key] = message[key]
         if role == "developer":
             msg["tools"] = message.get("tools")
         out.append(msg)
+    if any(m["role"] == "developer" for m in out) and not knows_developer_role(template):
+        out = _consolidate_system([{k: v for k, v in m.items() if k != "tools"}
+                                   | {"role": "system"} if m["role"] == "developer" else m
+                                   for m in out])
     return out
+
+
+def _consolidate_system(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """All system messages merged into one at the front, their non-empty contents joined by a
+    blank line, when there is more than one or one is not first (vLLM 0.32 renderers/hf
+    ``_consolidate_system_messages``; some templates need the system message first)."""
+    systems = [i for i, m in enumerate(messages) if m["role"] == "system"]
+    if not systems or systems == [0]:
+        return messages
+    merged = "\n\n".join(c for i in systems if (c := messages[i]["content"]))
+    return [{"role": "system", "content": merged},
+            *(m for m in messages if m["role"] != "system")]
 
 
 def _decoded_call(call: Any) -> Any:
@@ -364,6 +420,25 @@ def _decoded_call(call: Any) -> Any:
     elif not isinstance(arguments, (dict, list)):
         fn["arguments"] = {}
     return {**call, "function": fn}
+
+
+def template_kwargs(options: dict[str, Any]) -> dict[str, Any]:
+    """The chat template's keyword arguments for a chat request's ``chat_options``, merged as vLLM
+    0.32 ``ChatCompletionRequest.build_chat_params`` merges them: the request's
+    ``chat_template_kwargs``, overridden by its ``add_generation_prompt`` and
+    ``continue_final_message`` and by its ``documents`` and ``reasoning_effort`` when set
+    (``merge_kwargs`` skips None); a ``reasoning_effort`` also sets ``enable_thinking`` (False
+    for "none") unless the request's kwargs set it."""
+    user = dict(options.get("chat_template_kwargs") or {})
+    explicit: dict[str, Any] = {
+        "add_generation_prompt": bool(options.get("add_generation_prompt", True)),
+        "continue_final_message": bool(options.get("continue_final_message", False)),
+        "documents": options.get("documents"),
+        "reasoning_effort": options.get("reasoning_effort"),
+    }
+    if explicit["reasoning_effort"] is not None and "enable_thinking" not in user:
+        explicit["enable_thinking"] = explicit["reasoning_effort"] != "none"
+    return user | {k: v for k, v in explicit.items() if v is not None and v != "auto"}
 
 
 def _chunk_bytes(key: Hashable, ids: array[int]) -> int:
@@ -600,7 +675,6 @@ class PromptTokenizer:
         Raises ``PromptError`` for a missing template or one that fails to render (jinja errors,
         the template's own ``raise_exception(...)``)."""
         options = dict(spec.chat_options or {})
-        kwargs = dict(options.pop("chat_template_kwargs", None) or {})
         template = options.get("chat_template") or self.chat_template
         if template is None:
             raise PromptError("the model's tokenizer has no chat template; pass 'chat_template'")
@@ -614,9 +688,7 @@ class PromptTokenizer:
                 tools=[_normalise_tool(t) for t in tools] if tools else None,
                 chat_template=options.get("chat_template"),
                 tokenize=False,
-                add_generation_prompt=bool(options.get("add_generation_prompt", True)),
-                continue_final_message=bool(options.get("continue_final_message", False)),
-                **kwargs,
+                **template_kwargs(options),
             )
         except Exception as exc:  # jinja errors, template raise_exception(...)
             raise PromptError(f"chat template error: {exc}") from exc

@@ -674,10 +674,16 @@ class RouterService:
             body = self.auth.salted_body(request, body)
         data = decode_json_body(body)
         kind = "chat" if isinstance(data, dict) and "messages" in data else "completion"
-        spec = parse_prompt(kind, data)
-        routed = await self.router.route(await self._request_template(spec), dry_run=True)
+        spec = await self._request_template(parse_prompt(kind, data))
+        routed = await self.router.route(spec, dry_run=True)
         d = routed.decision
-        return web.json_response({
+        extra: dict[str, Any] = {}
+        if request.query.get("token_ids") in ("1", "true") and self.tokenizer is not None:
+            # the prompt's token ids as the router computes them (to hold against the engine's
+            # own /tokenize); only on request: a long prompt's ids are a large answer
+            extra["token_ids"] = await asyncio.get_running_loop().run_in_executor(
+                self.chainer.executor, self.tokenizer.prompt_tokens, spec)
+        return web.json_response({**extra,
             "kind": kind, "policy": self.config.policy, "tokenized": routed.tokenized,
             "num_tokens": routed.num_tokens, "chain_blocks": len(routed.chain),
             "block_size": self.config.block_size, "replica": d.replica_id, "reason": d.reason,

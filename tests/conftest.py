@@ -10,6 +10,10 @@ from typing import Any
 import pytest
 
 from loadtest.redis_server import RedisServer
+from loadtest.vllm_engine import hide_unmatched_torch_packages
+
+# with the [vllm] extra installed, PyPI's torchvision beside vLLM's CPU torch breaks transformers
+hide_unmatched_torch_packages()
 
 ROOT = Path(__file__).resolve().parent.parent
 SHARED = ROOT.parent / "shared"

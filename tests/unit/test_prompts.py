@@ -17,6 +17,8 @@ from router.prompts import (
     default_tokenizer_dir,
     parse_prompt,
     parse_token_ids_completion,
+    prepare_messages,
+    template_kwargs,
     text_chunks,
 )
 
@@ -303,3 +305,96 @@ def test_lazy_text_chain_tokenizes_up_to_the_first_unheld_chunk(tok: PromptToken
     other = "".join(f"new {i}: {words(12)}\n" for i in range(100))
     assert tok.text_chain(other, True, chains, max_uncached_chars=MAX_CHUNK_CHARS,
                           held=lambda key: True) is None
+
+
+# -- rules from vLLM 0.32's chat rendering, each found by tests/engine/test_vllm_chat.py ----------
+
+QUOTED_DEVELOPER = "{% if m.role == 'developer' %}{% endif %}"  # a template that knows the role
+
+
+def test_developer_becomes_system_merged_with_the_other_system_messages() -> None:
+    """vLLM 0.32 renderers/hf: without a template that names 'developer', developer messages
+    become system messages (their ``tools`` dropped) and every system message is merged into
+    one at the front, joined by a blank line (empty contents skipped)."""
+    messages = [{"role": "system", "content": "S"}, {"role": "user", "content": "u1"},
+                {"role": "developer", "content": [{"type": "text", "text": "p1"}, "p2"],
+                 "tools": [{"x": 1}]},
+                {"role": "developer", "content": ""}, {"role": "user", "content": "u2"}]
+    assert prepare_messages(messages, "plain template") == [
+        {"role": "system", "content": "S\n\np1\np2"}, {"role": "user", "content": "u1"},
+        {"role": "user", "content": "u2"}]
+    # a developer message alone stays where it is, as a system message
+    assert prepare_messages([{"role": "developer", "content": "D"}], "t") == [
+        {"role": "system", "content": "D"}]
+    # a template that names the role (quoted, as vLLM looks for it) keeps the messages apart
+    kept = prepare_messages(messages, QUOTED_DEVELOPER)
+    assert [m["role"] for m in kept] == ["system", "user", "developer", "developer", "user"]
+    assert kept[2]["tools"] == [{"x": 1}]
+    # the word alone (in a comment, say) is not knowing the role
+    assert prepare_messages(messages, "{# no developer role #}")[0]["content"] == "S\n\np1\np2"
+
+
+def test_several_system_messages_without_a_developer_are_left_alone() -> None:
+    messages = [{"role": "system", "content": "A"}, {"role": "system", "content": "B"}]
+    assert prepare_messages(messages, "t") == messages
+
+
+def test_claude_code_billing_header_is_dropped_from_system_messages() -> None:
+    """vLLM 0.32 chat_utils ``_strip_claude_code_billing_header``: a system text part starting
+    with the header loses its first line, and is dropped when nothing follows; other roles keep
+    it."""
+    header = "x-anthropic-billing-header: cc_version=1; cch=8f3a"
+    assert prepare_messages([{"role": "system", "content": f"{header}\nYou are X."}], None) == [
+        {"role": "system", "content": "You are X."}]
+    parts = [{"type": "text", "text": f"{header}\nKeep"}, {"type": "text", "text": header},
+             "Tail"]
+    assert prepare_messages([{"role": "system", "content": parts}], None)[0]["content"] == (
+        "Keep\nTail")
+    assert prepare_messages([{"role": "system", "content": header}], None)[0]["content"] == ""
+    user = {"role": "user", "content": f"{header}\nhi"}
+    assert prepare_messages([user], None) == [user]
+
+
+def test_refusal_and_thinking_parts_are_text() -> None:
+    """vLLM 0.32 ``MM_PARSER_MAP``: a refusal part's text is its ``refusal``, a thinking part's
+    its ``thinking``; parts of other types (images) are dropped from the text."""
+    content = [{"type": "thinking", "thinking": "No."}, {"type": "refusal", "refusal": "I can't."},
+               {"type": "image_url", "image_url": {"url": "x"}}, {"type": "text", "text": None}]
+    assert prepare_messages([{"role": "assistant", "content": content}], None) == [
+        {"role": "assistant", "content": "No.\nI can't."}]
+
+
+def test_a_message_task_is_passed_to_the_template() -> None:
+    assert prepare_messages([{"role": "user", "content": "u", "task": "qa", "other": 1}], None) == [
+        {"role": "user", "content": "u", "task": "qa"}]
+
+
+def test_template_kwargs_merge_as_vllm_chat_completions_does() -> None:
+    """vLLM 0.32 ``ChatCompletionRequest.build_chat_params``: the request's own fields override
+    its ``chat_template_kwargs``; ``reasoning_effort`` sets ``enable_thinking`` unless the
+    kwargs do; unset (None) fields are not passed."""
+    spec = parse_prompt("chat", {"messages": [{"role": "user", "content": "u"}],
+                                 "chat_template_kwargs": {"add_generation_prompt": False, "k": 1}})
+    assert template_kwargs(spec.chat_options or {}) == {
+        "add_generation_prompt": True, "continue_final_message": False, "k": 1}
+    spec = parse_prompt("chat", {"messages": [{"role": "user", "content": "u"}],
+                                 "reasoning_effort": "none", "documents": [{"text": "d"}]})
+    assert template_kwargs(spec.chat_options or {}) == {
+        "add_generation_prompt": True, "continue_final_message": False, "documents": [{"text": "d"}],
+        "reasoning_effort": "none", "enable_thinking": False}
+    spec = parse_prompt("chat", {"messages": [{"role": "user", "content": "u"}],
+                                 "reasoning_effort": "low",
+                                 "chat_template_kwargs": {"enable_thinking": False}})
+    assert template_kwargs(spec.chat_options or {})["enable_thinking"] is False
+
+
+@needs_tokenizer
+def test_kwargs_naming_a_request_field_render_instead_of_failing(tok: PromptTokenizer) -> None:
+    """``chat_template_kwargs: {"add_generation_prompt": false}`` rendered as vLLM does (the
+    request field wins); it used to fail with "got multiple values for keyword argument"."""
+    body = {"messages": [{"role": "user", "content": "u"}]}
+    overridden = {**body, "chat_template_kwargs": {"add_generation_prompt": False}}
+    assert tok.render_chat(parse_prompt("chat", overridden)) == tok.render_chat(
+        parse_prompt("chat", body))
+    thinking_off = tok.render_chat(parse_prompt("chat", {**body, "reasoning_effort": "none"}))
+    assert thinking_off.endswith("<think>\n\n</think>\n\n")

@@ -1,0 +1,99 @@
+"""Data-parallel ranks on the CPU build: one vLLM server with ``--data-parallel-size 2`` (two
+engine cores, each publishing its KV events on its own port, rank r at the endpoint's port + r),
+one worker reporting both ranks, and a router that targets a rank with vLLM's
+``X-data-parallel-rank`` header. Each rank is probed and verified, and the router's predicted
+hit on the rank it picks equals that rank's ``cached_tokens``.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+
+from loadtest.redis_server import RedisServer
+from loadtest.vllm_engine import VllmEngine, start_vllm_engine
+from router import contract
+from tests.helpers import PYTHON, start_process, stop_process, wait_for, wait_ready
+from tests.integration.test_router_fleet import http
+
+pytestmark = pytest.mark.timeout(1800)
+
+RANKS = ("dp-engine#0", "dp-engine#1")  # the worker names rank r's routing target <id>#<r>
+
+
+@pytest.fixture(scope="module")
+def dp_engine(model_dir: Path) -> Iterator[VllmEngine]:
+    engine = start_vllm_engine(model_dir, num_gpu_blocks=256, data_parallel_size=2)
+    try:
+        yield engine
+    finally:
+        engine.stop()
+
+
+@pytest.fixture
+def fleet(dp_engine: VllmEngine, redis_server: RedisServer,
+          tmp_path: Path) -> Iterator[tuple[str, redis.Redis]]:
+    """The worker (both ranks) and a router; ``(router URL, Redis client)``."""
+    client = redis.Redis.from_url(redis_server.url)
+    client.flushall()
+    procs: list[subprocess.Popen[bytes]] = []
+    try:
+        procs.append(start_process([
+            PYTHON, "-m", "worker.cli", "report", "--engine-url", dp_engine.url,
+            "--kv-events-endpoint", dp_engine.kv_events_endpoint,
+            "--kv-replay-endpoint", dp_engine.kv_replay_endpoint, "--data-parallel-size", "2",
+            "--redis-url", redis_server.url, "--replica-id", "dp-engine", "--hash-seed", "0",
+            "--index-stride", "1"]))
+        ready = tmp_path / "router.json"
+        procs.append(start_process([
+            PYTHON, "-m", "router.cli", "serve", "--host", "127.0.0.1", "--port", "0",
+            "--ready-file", str(ready), "--redis-url", redis_server.url,
+            "--block-size", "32", "--hash-seed", "0", "--index-stride", "1"]))
+        url = wait_ready(ready, procs, 120, "the router's ready file")["url"]
+        yield url, client
+    finally:
+        for proc in reversed(procs):
+            print(stop_process(proc)[-4000:])  # shown on failure
+        client.close()
+
+
+def heartbeat(client: redis.Redis, replica_id: str) -> dict[str, str]:
+    raw: Any = client.hgetall(contract.replica_key("pr", replica_id))
+    return {k.decode(): v.decode() for k, v in raw.items()}
+
+
+def test_both_ranks_are_verified_and_predicted_hits_equal_cached_tokens(
+        dp_engine: VllmEngine, fleet: tuple[str, redis.Redis]) -> None:
+    router_url, client = fleet
+    wait_for(lambda: all(heartbeat(client, r).get(contract.F_HASH_VERIFIED) == "1"
+                         for r in RANKS), 180, message="both ranks verified by their probes")
+    assert [heartbeat(client, r)[contract.F_DP_RANK] for r in RANKS] == ["0", "1"]
+
+    def ready() -> dict[str, Any]:
+        return json.loads(http("GET", router_url + "/ready")[2])
+
+    wait_for(lambda: sum(r["routable"] and r["affinity"] for r in ready()["replicas"]) == 2, 120,
+             message="the router routes to both ranks")
+    rng = random.Random(31)
+    prompts = [[rng.randrange(1000, 100_000) for _ in range(6 * 32 + 5)] for _ in range(4)]
+    results = []
+    for tokens in [*prompts, *prompts]:  # the second round hits where the first went
+        index = {r["replica_id"]: r["index_blocks"] for r in ready()["replicas"]}
+        wait_for(lambda i=index: {r["replica_id"]: r["index_blocks"]
+                                  for r in ready()["replicas"]} == i, 30, 0.5,
+                 "the router's index to settle")
+        status, headers, raw = http("POST", router_url + "/v1/completions", {
+            "model": dp_engine.model, "prompt": tokens, "max_tokens": 1}, timeout=300)
+        assert status == 200, raw
+        cached = json.loads(raw)["usage"]["prompt_tokens_details"]["cached_tokens"]
+        results.append((headers["x-prefix-router-replica"],
+                        int(headers["x-prefix-router-confirmed-hit-tokens"]), cached))
+    assert all(predicted == cached for _, predicted, cached in results), results
+    assert all(cached == 6 * 32 for _, _, cached in results[4:]), results  # every repeat hit
