@@ -89,6 +89,13 @@ async def unless_stopped(awaitable: Awaitable[T], stop: asyncio.Event) -> T:
     return task.result()
 
 
+# payload bytes from which a batch's blocks are counted before it is decoded: a legitimate
+# step's batch is tens of KB (8,192 tokens of 16-token blocks: about 40 KB) and a smaller one
+# builds at most a few MB of hashes before ``_check_capacity`` refuses it (the count costs about
+# as much as the lazy decode, so the usual batch skips it)
+PRECHECK_MIN_BYTES: Final = 256 * 1024
+
+
 class Worker:
     """One replica's sidecar. ``apply``/``resync`` are the subscriber's sink (synchronous, cheap)."""
 
@@ -150,8 +157,9 @@ class Worker:
         from the msgpack array headers (``count_blocks``), over the events ``filtered`` keeps;
         the state-dependent ``_check_capacity`` follows the decode."""
         capacity = self._capacity()
-        # every block hash takes a byte at least: a payload this small cannot be impossible
-        if not capacity or len(payload) <= capacity:
+        # every block hash takes a byte at least: a payload this small cannot be impossible;
+        # below PRECHECK_MIN_BYTES the decode is cheap and ``_check_capacity`` refuses it after
+        if not capacity or len(payload) <= max(capacity, PRECHECK_MIN_BYTES):
             return
         # the stores first (cheap: removals skipped), the removals only when they matter
         delta = self._gpu_delta(count_blocks(payload, removals=False))
