@@ -1,7 +1,7 @@
 """Benchmark of the worker sidecar: block keys ingested per second into Redis, and Redis memory per block.
 
 ``python -m loadtest.bench_worker [--keys 1000000] [--min-batch 32] [--max-batch 512]
-[--evict-beyond N] [--batch-interval-ms MS] [--worker-arg=ARG ...]``
+[--evict-beyond N] [--vocab N] [--batch-interval-ms MS] [--worker-arg=ARG ...]``
 
 Starts a local Redis, one emulator replica (the worker's engine for heartbeat
 and probe) and a real ``prefix-worker report`` process whose KV events come
@@ -51,9 +51,10 @@ REPLICA = "bench-0"
 
 
 def _payloads(num_keys: int, lo: int, hi: int, rng: random.Random,
-              evict_beyond: int = 0) -> tuple[list[bytes], int, int]:
+              evict_beyond: int = 0, vocab: int = 0) -> tuple[list[bytes], int, int]:
     """Pre-encoded batches; returns (payloads, keys stored, keys resident at the end).
-    ``evict_beyond`` > 0: evict the oldest blocks past that many, one event per block."""
+    ``evict_beyond`` > 0: evict the oldest blocks past that many, one event per block.
+    ``vocab`` > 0: token ids drawn from ``range(vocab)`` (0: every id 7)."""
     payloads: list[bytes] = []
     resident: list[int | bytes] = []
     total = 0
@@ -61,7 +62,9 @@ def _payloads(num_keys: int, lo: int, hi: int, rng: random.Random,
         n = min(rng.randint(lo, hi), num_keys - total)
         hashes: list[int | bytes] = [rng.getrandbits(64) for _ in range(n)]
         events: list[Any] = [BlockStored(block_hashes=hashes, parent_block_hash=None,
-                                         token_ids=[7] * (16 * n), block_size=16, lora_id=None,
+                                         token_ids=([rng.randrange(vocab) for _ in range(16 * n)]
+                                                    if vocab else [7] * (16 * n)),
+                                         block_size=16, lora_id=None,
                                          medium="GPU", lora_name=None, extra_keys=[None] * n)]
         resident.extend(hashes)
         total += n
@@ -80,7 +83,7 @@ def _payloads(num_keys: int, lo: int, hi: int, rng: random.Random,
 async def _run(args: argparse.Namespace) -> dict[str, Any]:
     rng = random.Random(args.seed)
     payloads, num_keys, num_resident = _payloads(args.keys, args.min_batch, args.max_batch, rng,
-                                                 args.evict_beyond)
+                                                 args.evict_beyond, args.vocab)
     with RedisServer() as server, tempfile.TemporaryDirectory() as tmp:
         client = redis.Redis.from_url(server.url)
         emu, replicas = start_emulator(Path(tmp) / "ready.json")
@@ -172,6 +175,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="resident blocks past which each batch evicts its oldest, one "
                              "BlockRemoved per block (0: a few removals every tenth batch)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--vocab", type=int, default=0,
+                        help="draw token ids from this many (e.g. 151000, most then take 5 bytes "
+                             "and a Python int each when decoded); 0: every id 7, as before")
     parser.add_argument("--batch-interval-ms", type=float, default=0.0,
                         help="publish one batch every this many ms (0: as fast as possible); a "
                              "loaded engine publishes one batch per scheduler step, tens of ms apart")

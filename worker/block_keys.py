@@ -34,6 +34,8 @@ from worker.kv_events import (
     KVEventDecodeError,
     event_hash_key,
     from_event_extra_keys,
+    stored_extra_keys,
+    stored_token_ids,
 )
 
 KEY_MODE_ENGINE: Final = "engine"
@@ -130,9 +132,10 @@ class RecomputedKeys:
             raise UnresolvableEvent(
                 f"event block size {event.block_size} differs from the routers' {size}"
             )
-        if len(event.token_ids) != size * num_blocks:
+        token_ids = stored_token_ids(event)  # (decoded only here: ``LazyBlockStored``)
+        if len(token_ids) != size * num_blocks:
             raise UnresolvableEvent(
-                f"{len(event.token_ids)} token ids for {num_blocks} blocks of {size}"
+                f"{len(token_ids)} token ids for {num_blocks} blocks of {size}"
             )
         parent: bytes | None = None
         first_index = 0
@@ -143,7 +146,7 @@ class RecomputedKeys:
                 raise UnresolvableEvent("parent block unknown (stored before this worker saw it)")
             first_index = 1  # any block after block 0; only "is it block 0" matters (cache_salt)
         lora_path = self._lora_path(event.lora_name) if event.lora_name else None
-        extra_keys = event.extra_keys or [None] * num_blocks
+        extra_keys = stored_extra_keys(event) or [None] * num_blocks
         out: list[BlockKey] = []
         for i, engine_hash in enumerate(event.block_hashes):
             extra = from_event_extra_keys(
@@ -152,7 +155,7 @@ class RecomputedKeys:
                 lora_name=event.lora_name,
                 lora_path=lora_path,
             )
-            parent = self.hasher.hash_block(parent, event.token_ids[i * size : (i + 1) * size], extra)
+            parent = self.hasher.hash_block(parent, token_ids[i * size : (i + 1) * size], extra)
             _count(self._engine_to_ours, event_hash_key(engine_hash), parent)
             out.append(block_key(parent))
         return out

@@ -37,7 +37,13 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final
 
-from worker.kv_events import BlockRemoved, BlockStored, KVEventBatch, UnknownEvent
+from worker.kv_events import (
+    BlockRemoved,
+    BlockStored,
+    KVEventBatch,
+    LazyBlockStored,
+    UnknownEvent,
+)
 
 MEDIUM_GPU: Final = "GPU"
 DEFAULT_KV_TIERS: Final = ("GPU", "CPU")  # mediums indexed by default (vLLM native offloading)
@@ -45,7 +51,8 @@ KNOWN_MEDIUMS: Final = ("GPU", "CPU", "STORAGE")
 INDEXED_MEDIUMS: Final = ("GPU", "CPU")  # router.contract.TIERS: the tiers routers value
 SKIP_REASONS: Final = ("tier", "group", "no_chain", "block_size", "unknown_type", "dp_rank")
 OTHER_MEDIUM: Final = "other"  # label of a skipped medium vLLM does not name (bounded labels)
-_BLOCK_EVENTS: Final = frozenset({BlockStored, BlockRemoved})
+_STORED_EVENTS: Final = frozenset({BlockStored, LazyBlockStored})  # (as decoded: full or lazy)
+_BLOCK_EVENTS: Final = _STORED_EVENTS | {BlockRemoved}
 _MEDIUM_GROUP: Final = operator.attrgetter("medium", "group_idx")
 
 
@@ -114,7 +121,7 @@ class EventFilter:
             if shape[0] is BlockRemoved:
                 medium, group_idx = shape[1]
                 decided[shape] = self._shape_reason(BlockRemoved, medium, group_idx, None)
-        if BlockStored not in types and len(decided) == 1 and None in decided.values():
+        if types.isdisjoint(_STORED_EVENTS) and len(decided) == 1 and None in decided.values():
             return [None] * len(events)  # (the usual removal batch: all usable)
         return [decided[shape] if shape[0] is BlockRemoved else self._reason(event)
                 for shape, event in zip(shapes, events, strict=True)]
@@ -127,6 +134,16 @@ class EventFilter:
             return "unknown_type"
         return None
 
+    def skip_reason(self, stored: bool, medium: str | None, group_idx: int | None,
+                    block_size: int | None, rank: int | None) -> str | None:
+        """Why a store (``stored``) or removal of this shape in a batch of DP rank ``rank``
+        would be skipped by ``apply`` (None: usable); counts nothing. For a batch not yet
+        decoded (``worker.kv_events.count_blocks``)."""
+        if self.dp_rank is not None and rank is not None and rank != self.dp_rank:
+            return "dp_rank"
+        return self._shape_reason(BlockStored if stored else BlockRemoved, medium, group_idx,
+                                  block_size)
+
     def _shape_reason(self, event_type: type, medium: str | None, group_idx: int | None,
                       block_size: int | None) -> str | None:
         """Why a store or removal of this shape is skipped (None: usable)."""
@@ -135,7 +152,7 @@ class EventFilter:
             return "tier"
         if group_idx:
             return "group"
-        if event_type is BlockStored and (
+        if issubclass(event_type, BlockStored) and (
                 self.block_size is not None and block_size != self.block_size):
             return "block_size"
         return None

@@ -18,7 +18,7 @@ from typing import Final
 
 from router.contract import TIER_GPU
 from router.hashing import HASH_ALGOS, BlockHasher, HashConfigError
-from worker.kv_events import BlockStored, event_hash_key
+from worker.kv_events import BlockStored, KVEventDecodeError, event_hash_key, stored_token_ids
 
 PROBE_FULL_BLOCKS: Final = 2
 PROBE_TOKEN_LOW: Final = 1_000  # token ids drawn from [LOW, HIGH): inside any real vocabulary
@@ -56,8 +56,14 @@ class ProbeCatcher:
         carries no tokens to match, so it would match any prompt at block 0, and its block
         size may be a multiple of the GPU's; another group's blocks are not the routers'."""
         size = event.block_size
-        if (size <= 0 or not event.block_hashes or not event.token_ids or event.group_idx
+        if (size <= 0 or not event.block_hashes or event.group_idx
                 or (event.medium or TIER_GPU) != TIER_GPU):
+            return
+        try:
+            token_ids = stored_token_ids(event)
+        except KVEventDecodeError:
+            return  # not the probe's (the view counts the bad event if it needs the tokens)
+        if not token_ids:
             return
         if event.parent_block_hash is None:
             start = 0
@@ -66,7 +72,7 @@ class ProbeCatcher:
             if parent not in self.engine_keys:
                 return
             start = self.engine_keys.index(parent) + 1
-        if event.token_ids != self.tokens[start * size : start * size + len(event.token_ids)]:
+        if token_ids != self.tokens[start * size : start * size + len(token_ids)]:
             return
         if size != self.block_size:  # the engine's blocks are not the declared size
             self.event_block_size = size

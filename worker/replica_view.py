@@ -165,11 +165,11 @@ class ReplicaView:
                 continue
             except KVEventDecodeError as exc:
                 stats.num_bad_events += 1
-                self._bad_log.warning("dropping %s in batch seq %d: %s", type(event).__name__,
+                self._bad_log.warning("dropping %s in batch seq %d: %s", _event_name(event),
                                       seq, exc)
                 continue
             if not isinstance(event, _RemovedRun):
-                stats.events[type(event).__name__] += 1
+                stats.events[_event_name(event)] += 1
                 stats.events_by_tier[tier] += 1
             if not keys:
                 continue
@@ -341,6 +341,11 @@ class ReplicaView:
         self.stats.num_epoch_resets += 1
         logger.warning("epoch %d: replica view reset: %s", self.epoch, reason)
         return Change(OP_CLEARED, [], self.epoch, self.seq)
+
+
+def _event_name(event: object) -> str:
+    """An event's type as vLLM names it (a ``LazyBlockStored`` is a ``BlockStored``)."""
+    return "BlockStored" if isinstance(event, BlockStored) else type(event).__name__
 
 
 class _Skipped(Exception):

@@ -43,7 +43,13 @@ from router.settings import StartupError
 from worker.block_keys import KEY_MODE_RECOMPUTED, EngineKeys, RecomputedKeys
 from worker.event_filter import EventFilter, parse_kv_tiers
 from worker.heartbeat import EngineClient, EngineLoad, EngineModels, EngineUnreachable, Heartbeat
-from worker.kv_events import BlockRemoved, BlockStored, KVEventBatch
+from worker.kv_events import (
+    BlockRemoved,
+    BlockShape,
+    BlockStored,
+    KVEventBatch,
+    count_blocks,
+)
 from worker.metrics import WorkerSnapshot, make_registry, start_metrics_server
 from worker.probe import PROBE_TIMEOUT_S, ProbeCatcher, judge, probe_tokens
 from worker.redis_writer import REDIS_ERRORS, RedisWriter, StoredState
@@ -81,6 +87,13 @@ async def unless_stopped(awaitable: Awaitable[T], stop: asyncio.Event) -> T:
     if task.cancelled():
         raise Stopped
     return task.result()
+
+
+# payload bytes from which a batch's blocks are counted before it is decoded: a legitimate
+# step's batch is tens of KB (8,192 tokens of 16-token blocks: about 40 KB) and a smaller one
+# builds at most a few MB of hashes before ``_check_capacity`` refuses it (the count costs about
+# as much as the lazy decode, so the usual batch skips it)
+PRECHECK_MIN_BYTES: Final = 256 * 1024
 
 
 class Worker:
@@ -137,14 +150,53 @@ class Worker:
         if self.view.epoch != epoch:
             self._epoch_changed()
 
+    def precheck(self, payload: bytes) -> None:
+        """Raise ``BatchRefused`` for a batch payload whose GPU-tier stores net of its GPU-tier
+        evictions exceed the engine's whole KV capacity (``num_gpu_blocks``): impossible from
+        any state, so refused before the decode, its block hashes and token ids never built
+        (a 2,000,000-block batch fits under a 500,000-block engine's ``MAXMSGSIZE``). Counted
+        from the msgpack array headers (``count_blocks``), over the events ``filtered`` keeps;
+        the state-dependent ``_check_capacity`` follows the decode."""
+        capacity = self._capacity()
+        # every block hash takes a byte at least: a payload this small cannot be impossible;
+        # below PRECHECK_MIN_BYTES the decode is cheap and ``_check_capacity`` refuses it after
+        if not capacity or len(payload) <= max(capacity, PRECHECK_MIN_BYTES):
+            return
+        # the stores first (cheap: removals skipped), the removals only when they matter
+        delta = self._gpu_delta(count_blocks(payload, removals=False))
+        if delta > capacity:
+            delta = self._gpu_delta(count_blocks(payload))
+        if delta > capacity:
+            raise BatchRefused(f"{delta:+d} resident blocks exceed the engine's whole KV "
+                               f"capacity of {capacity} blocks (refused before decoding)")
+
+    def _gpu_delta(self, counted: tuple[int | None, dict[BlockShape, int]] | None) -> int:
+        """GPU-tier blocks stored minus removed by the events ``filtered`` would keep (0 for a
+        payload that is not a batch: the decode counts it as malformed)."""
+        if counted is None:
+            return 0
+        rank, counts = counted
+        event_filter = self.event_filter
+        event_filter.block_size = self.config.block_size or self.engine_block_size
+        delta = 0
+        for (stored, block_size, medium, group_idx), num_blocks in counts.items():
+            if (medium or "GPU") == "GPU" and event_filter.skip_reason(
+                    stored, medium, group_idx, block_size, rank) is None:
+                delta += num_blocks if stored else -num_blocks
+        return delta
+
+    def _capacity(self) -> int | None:
+        """The engine's ``num_gpu_blocks`` (None: not known yet)."""
+        load = self.heartbeat.load
+        return load.num_gpu_blocks if load is not None else None
+
     def _check_capacity(self, batch: KVEventBatch) -> None:
         """Raise ``BatchRefused`` when ``batch`` would leave more GPU-tier blocks resident than
         the engine has (``num_gpu_blocks`` of ``vllm:cache_config_info``): vLLM's ``BlockPool``
         cannot hold more, so such a batch is not the engine's (a rogue or broken publisher) and
         none of it may reach Redis. A store counts each block, an eviction takes one off; the
         view holds at most as many distinct keys as the engine holds blocks."""
-        load = self.heartbeat.load
-        capacity = load.num_gpu_blocks if load is not None else None
+        capacity = self._capacity()
         if not capacity:
             return
         delta = 0
@@ -489,7 +541,7 @@ class Worker:
             replay_timeout_s=config.replay_timeout_s, event_window_s=config.event_window_s,
             max_message_bytes=max_message_bytes(
                 self.heartbeat.load.num_gpu_blocks if self.heartbeat.load else None,
-                self.engine_block_size))
+                self.engine_block_size), precheck=self.precheck)
         logger.info("worker for replica %s: engine %s, events %s, redis %s (%s)", config.replica_id,
                     config.engine_url, config.kv_events_endpoint, config.redis_url,
                     f"continuing from seq {self.view.seq}" if replay_from_state else "fresh start")

@@ -22,7 +22,11 @@ Sequence rules applied here (the sink does the state changes):
   ``max_message_bytes`` is refused by libzmq before it is buffered (``zmq.MAXMSGSIZE``: the
   connection is dropped and re-made, counted from the socket monitor's disconnects), and a
   batch the sink refuses (``BatchRefused``: more blocks than the engine's KV cache holds) is
-  counted and dropped without advancing the sequence number.
+  counted and dropped without advancing the sequence number. ``precheck`` (the sink's) sees the
+  payload before it is decoded, so a batch of impossibly many blocks is refused the same way
+  before its blocks take memory (``worker.kv_events.count_blocks``).
+* Batches are decoded lazily (``decode_batch(lazy=True)``): a store's token ids stay msgpack
+  until a key mapper or the hash probe reads them.
 * ``rebuild`` re-applies the whole replay buffer to another sink (a key-mode switch
   re-keys the view from the engine's history); live messages wait meanwhile.
 """
@@ -133,6 +137,7 @@ class KVEventSubscriber:
         event_window_s: float = 0.0,
         context: zmq.asyncio.Context | None = None,
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+        precheck: Callable[[bytes], None] | None = None,
     ) -> None:
         self.endpoint = endpoint
         self.replay_endpoint = replay_endpoint
@@ -144,6 +149,7 @@ class KVEventSubscriber:
         self.event_window_s = event_window_s
         self.stats = SubscriberStats()
         self.max_message_bytes = max_message_bytes
+        self.precheck = precheck  # (payload) -> None; raises BatchRefused before the decode
         # one line per interval for each kind of bad input
         self._bad_log = IntervalLog(logger, BAD_MESSAGE_LOG_INTERVAL_S)
         self._refused_log = IntervalLog(logger, BAD_MESSAGE_LOG_INTERVAL_S)
@@ -389,10 +395,16 @@ class KVEventSubscriber:
             return None
         try:
             seq = parse_seq(frames[1])
-            batch = decode_batch(frames[2])
+            if self.precheck is not None:
+                self.precheck(frames[2])
+            batch = decode_batch(frames[2], lazy=True)
         except KVEventDecodeError as exc:
             self.stats.num_malformed += 1
             self._bad_log.warning("dropping malformed %s KV event batch: %s", where, exc)
+            return None
+        except BatchRefused as exc:  # (as ``_apply`` does, before the blocks are decoded)
+            self.stats.num_refused += 1
+            self._refused_log.warning("refusing KV event batch %d: %s", seq, exc)
             return None
         return seq, batch
 

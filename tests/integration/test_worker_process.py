@@ -404,6 +404,47 @@ async def test_rogue_publisher_is_bounded(emulator: Emulator, publisher: KVEvent
     assert output.count("KV event publisher at") <= 2, output
 
 
+async def test_a_batch_beyond_a_large_kv_cache_is_refused_before_it_is_decoded(
+        publisher: KVEventPublisher, redis_url: str, tmp_path: Path) -> None:
+    """An engine of 500,000 blocks: its MAXMSGSIZE (about 170 MB) admits a 2,000,000-block
+    batch (about 42 MB, one id per token); the worker counts the batch's blocks from the msgpack
+    headers and refuses it before building its hashes and 32,000,000 token ids (decoded whole
+    first, the worker peaked at 440 MB): peak RSS stays under 200 MB, the refusal is counted once,
+    nothing of it reaches Redis, the real events go on."""
+    emu = start_emulator(tmp_path, num_gpu_blocks=500_000)
+    client = redis.Redis.from_url(redis_url)
+    metrics_port = free_port()
+    worker = start_worker(emu, publisher, redis_url, metrics_port)
+    try:
+        await store_first(client, publisher, 1)
+        num_blocks = 2_000_000
+        token_ids = msgspec.Raw(b"\xdd" + (16 * num_blocks).to_bytes(4, "big") + b"\x01" * 16 * num_blocks)
+        huge = KVEventBatch(ts=0.0, events=[BlockStored(
+            block_hashes=list(range(10_000_000, 10_000_000 + num_blocks)), parent_block_hash=None,
+            token_ids=token_ids, block_size=16, lora_id=None, medium="GPU",  # type: ignore[arg-type]
+            lora_name=None)], data_parallel_rank=0)
+        payload = encode_batch(huge)
+        del huge, token_ids
+        await publisher.send_raw([publisher.topic, seq_bytes(publisher.next_seq), payload])
+        del payload
+        await until(lambda: counter(worker_metrics(metrics_port),
+                                    "worker_refused_batches_total") >= 1, timeout_s=60,
+                    message="the 2,000,000-block batch refused")
+        # the next batch shows a gap (the refused seq is lost): replayed or resynced, then stored
+        await publisher.publish(stored(2))
+        await until(lambda: 2 in blocks(client), message="the next real batch stored")
+        assert blocks(client) <= {1, 2}  # nothing of the refused batch reached Redis
+        text = await asyncio.to_thread(worker_metrics, metrics_port)
+        assert counter(text, "worker_refused_batches_total") == 1
+        assert counter(text, "worker_publisher_disconnects_total") == 0  # under MAXMSGSIZE
+        peak_kb = peak_rss_kb(worker.pid)  # 152 MB measured; 440 MB decoding it whole
+        assert peak_kb < RSS_LIMIT_KB, f"worker peak RSS {peak_kb} kB"
+    finally:
+        output = stop_process(worker)
+        stop_process(emu.proc)
+    assert "refused before decoding" in output, output
+
+
 async def test_sigterm_deregisters_the_replica(
         emulator: Emulator, publisher: KVEventPublisher, redis_url: str) -> None:
     """A stopped worker deletes its heartbeat and block sets (routers take the replica out at

@@ -17,7 +17,7 @@ import pytest
 
 from loadtest.kv_publisher import KVEventPublisher
 from tests.conftest import load_vectors
-from worker.kv_events import BlockStored, KVEventBatch, event_hash_key, seq_bytes
+from worker.kv_events import BlockStored, KVEventBatch, event_hash_key, seq_bytes, stored_token_ids
 from worker.replica_view import NO_SEQ
 from worker.subscriber import KVEventSubscriber
 
@@ -89,8 +89,9 @@ async def test_captured_vllm_frames_are_applied() -> None:
     assert isinstance(stored, BlockStored)
     assert [event_hash_key(h) for h in stored.block_hashes] == [3262291359910021016,
                                                                 7142137847444424233]
-    assert [type(e).__name__ for e in sink.batches[0].events] == [
+    assert [e.__struct_config__.tag for e in sink.batches[0].events] == [
         "BlockStored", "BlockRemoved", "AllBlocksCleared"]
+    assert stored_token_ids(stored) == list(range(32))  # decoded lazily: read on demand
     assert sink.resyncs == []
 
 

@@ -37,10 +37,19 @@ def cpu_stored(hashes: list[int]) -> BlockStored:
                        lora_id=None, medium="CPU", lora_name=None)
 
 
+_decode_lazily = [False]  # how ``run`` decodes: every test using it runs both ways
+
+
+@pytest.fixture(autouse=True, params=[False, True], ids=["full", "lazy"])
+def decode_lazily(request: pytest.FixtureRequest) -> None:
+    """The filter and the view behave the same on a lazily decoded batch (the worker's)."""
+    _decode_lazily[0] = request.param
+
+
 def run(view: ReplicaView, flt: EventFilter, *batches: list[Any]) -> set[int]:
     for events in batches:
         payload = encode_batch(KVEventBatch(1.0, events, 0))
-        view.apply_batch(view.seq + 1, flt.apply(decode_batch(payload)))
+        view.apply_batch(view.seq + 1, flt.apply(decode_batch(payload, lazy=_decode_lazily[0])))
     return set(view.blocks.keys())
 
 

@@ -16,13 +16,17 @@ from worker.kv_events import (
     BlockStored,
     KVEventBatch,
     KVEventDecodeError,
+    LazyBlockStored,
     UnknownEvent,
+    count_blocks,
     decode_batch,
     encode_batch,
     event_hash_key,
     from_event_extra_keys,
     parse_seq,
     seq_bytes,
+    stored_extra_keys,
+    stored_token_ids,
     to_event_extra_keys,
 )
 
@@ -157,3 +161,57 @@ def test_parse_seq_rejects_bad_frames() -> None:
     assert parse_seq(seq_bytes(2**63)) == 2**63
     with pytest.raises(KVEventDecodeError):
         parse_seq(b"\x00" * 4)
+
+
+@pytest.mark.parametrize("variant", FRAMES["variants"], ids=lambda v: f"int={v['int_block_hashes']}")
+def test_lazy_decode_leaves_token_ids_undecoded(variant: dict[str, Any]) -> None:
+    payload = bytes.fromhex(variant["frames_hex"][2])
+    full, lazy = decode_batch(payload), decode_batch(payload, lazy=True)
+    stored = lazy.events[0]
+    assert isinstance(stored, LazyBlockStored) and isinstance(stored, BlockStored)
+    assert isinstance(stored.token_ids, msgspec.Raw)  # no int built until asked for
+    assert stored_token_ids(stored) == list(range(32)) == stored_token_ids(full.events[0])
+    assert stored_extra_keys(stored) == [None, None]
+    assert stored.block_hashes == full.events[0].block_hashes
+    assert (stored.parent_block_hash, stored.block_size, stored.medium, stored.group_idx) == (
+        None, 16, "GPU", 0)
+    assert lazy.events[1:] == full.events[1:]
+    assert encode_batch(lazy) == payload  # the raw fields re-encode as they came
+
+
+def test_lazy_decode_checks_token_ids_when_read() -> None:
+    stored = {"type": "BlockStored", "block_hashes": [7], "parent_block_hash": None,
+              "token_ids": "not ids", "block_size": 16, "lora_id": None, "medium": "GPU",
+              "lora_name": None, "extra_keys": 5}
+    payload = msgspec.msgpack.encode([2.0, [stored], 0])
+    with pytest.raises(KVEventDecodeError):
+        decode_batch(payload)  # the full decode refuses the batch
+    event = decode_batch(payload, lazy=True).events[0]
+    assert isinstance(event, BlockStored) and event.block_hashes == [7]
+    with pytest.raises(KVEventDecodeError):
+        stored_token_ids(event)
+    with pytest.raises(KVEventDecodeError):
+        stored_extra_keys(event)
+    # A batch the typed decoder refuses takes the loose path: fully decoded, read the same way.
+    legacy = decode_batch(msgspec.msgpack.encode([1.0, [["BlockStored", [1], None, [5] * 16, 16]]]),
+                          lazy=True).events[0]
+    assert isinstance(legacy, BlockStored) and stored_token_ids(legacy) == [5] * 16
+
+
+def test_count_blocks_reads_lengths_without_decoding() -> None:
+    payload = bytes.fromhex(FRAMES["variants"][0]["frames_hex"][2])
+    assert count_blocks(payload) == (0, {(True, 16, "GPU", 0): 2, (False, None, "GPU", 0): 1})
+    for n in (1, 15, 16, 65_535, 65_536):  # fixarray, array 16 and array 32 headers
+        batch = KVEventBatch(1.0, [BlockStored(list(range(n)), None, [], 16, None, None, None),
+                                   BlockRemoved([1] * n, "CPU", group_idx=1),
+                                   BlockRemoved([2], "CPU", group_idx=1)], None)
+        assert count_blocks(encode_batch(batch)) == (None, {(True, 16, None, None): n,
+                                                            (False, None, "CPU", 1): n + 1})
+    # events of unknown types or legacy arrays are left out; the known ones still counted
+    mixed = msgspec.msgpack.encode([1.0, [{"type": "BlockPinned"}, ["BlockRemoved", [1, 2]],
+                                          {"type": "BlockRemoved", "block_hashes": [3, 4, 5],
+                                           "medium": None}], 2])
+    assert count_blocks(mixed) == (2, {(False, None, None, None): 3})
+    assert count_blocks(payload, removals=False) == (0, {(True, 16, "GPU", 0): 2})
+    for not_a_batch in (b"", b"\xc1", msgspec.msgpack.encode({"a": 1})):
+        assert count_blocks(not_a_batch) is None
