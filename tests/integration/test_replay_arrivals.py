@@ -42,8 +42,12 @@ def test_replay_on_azure_arrival_times(replica_url: str, tmp_path: Path,
                                SPEEDUP)
     assert [r["scheduled_s"] for r in records] == pytest.approx(expected)
     assert all(r["error"] is None and r["status"] == 200 for r in records)
-    # sent on schedule: 25 requests in about 4 s is no load for the replayer
-    assert all(r["send_s"] - r["scheduled_s"] < 0.5 for r in records)
+    # sent on schedule: never before its arrival time (the replayer sleeps until it), and not
+    # held back by the answers (25 requests in about 4 s). The lateness bound is an outer one:
+    # at 0.5 s a busy machine's loop stall could break it (the replayer's own lag is its
+    # max_send_lag_s, not the replayer's fault)
+    assert all(r["send_s"] >= r["scheduled_s"] - 0.01 for r in records), records
+    assert all(r["send_s"] - r["scheduled_s"] < 3.0 for r in records), records
     assert [r["input_length"] for r in records] == [r["prompt_tokens"] for r in records]
 
     capsys.readouterr()

@@ -19,13 +19,15 @@ from router.chat_render import UNTRUSTED_TEMPLATE_MESSAGE
 from tests.helpers import EMULATE, start_process, stop_process, wait_for
 from tests.integration.test_router_fleet import TOKENIZER, Router, read_json_file
 
-pytestmark = [pytest.mark.timeout(150),
+pytestmark = [pytest.mark.timeout(180),
               pytest.mark.skipif(TOKENIZER is None, reason="needs the Qwen3 tokenizer files")]
 
 # 10^10 empty iterations inside Jinja's sandbox: about an hour of CPU
 NESTED_LOOPS = ("{% for a in range(100000) %}{% for b in range(100000) %}{% endfor %}"
                 "{% endfor %}{{ messages[0].content }}")
 MESSAGES = [{"role": "user", "content": "hello there"}]
+RENDER_BOUND_S = 5  # --chat-template-timeout-s of the stall test: two kills hold the renderer
+# 10 s, time for ten ordinary chats even at load 20 on 2 cores (~0.1-0.3 s each)
 
 
 @pytest.fixture(scope="module")
@@ -68,7 +70,7 @@ def test_request_chat_template_is_refused_by_default(replica_url: str, tmp_path:
 def test_trusted_request_template_is_bounded_and_never_stalls_others(
         replica_url: str, tmp_path: Path) -> None:
     router = router_for(replica_url, tmp_path, "--trust-request-chat-template",
-                        "--chat-template-timeout-s", "1")
+                        "--chat-template-timeout-s", str(RENDER_BOUND_S))
     try:
         # a benign request template is rendered (the routed prompt is its output, not the
         # model template's)
@@ -79,22 +81,31 @@ def test_trusted_request_template_is_bounded_and_never_stalls_others(
             "model": "emulated-llm", "messages": MESSAGES})[2])
         assert own["num_tokens"] == 2 and default["num_tokens"] > own["num_tokens"], (own, default)
 
-        attacks: list[tuple[int, Any, float]] = []
-        threads = [threading.Thread(target=lambda: attacks.append(
-            chat(router, chat_template=NESTED_LOOPS))) for _ in range(2)]
+        # Two renders that run until killed hold the renderer for 2 x RENDER_BOUND_S (one at a
+        # time). Ordinary chats sent meanwhile must not wait for it: each is answered before
+        # the second render is killed. Asserted as an order of events, not a duration (was:
+        # every chat under 1.0 s with a 1 s bound, which a busy machine can break).
+        attacks: list[tuple[int, Any, float, float]] = []  # status, body, elapsed, done at
+
+        def attack() -> None:
+            attacks.append((*chat(router, chat_template=NESTED_LOOPS), time.monotonic()))
+
+        threads = [threading.Thread(target=attack) for _ in range(2)]
         for t in threads:
             t.start()
         time.sleep(0.2)
-        others = [chat(router) for _ in range(10)]  # meanwhile: ordinary chat requests
+        others = [(*chat(router), time.monotonic()) for _ in range(10)]  # ordinary chats
         for t in threads:
-            t.join(30)
-        assert all(status == 200 for status, _, _ in others)
-        assert max(elapsed for _, _, elapsed in others) < 1.0, others
-        assert [status for status, _, _ in attacks] == [400, 400]
-        assert all("took longer than 1 s" in body["error"]["message"] for _, body, _ in attacks)
-        # the two renders went in turn, each killed after 1 s (the second one on the spare
-        # child while the first one's child restarted)
-        assert min(elapsed for _, _, elapsed in attacks) < 3.0, attacks
+            t.join(4 * RENDER_BOUND_S + 60)
+        assert all(status == 200 for status, _, _, _ in others)
+        assert [status for status, _, _, _ in attacks] == [400, 400]
+        assert all(f"took longer than {RENDER_BOUND_S} s" in body["error"]["message"]
+                   for _, body, _, _ in attacks)
+        # each render ran its full bound before the kill (not refused early); the pebble
+        # timeout is what answered (its message above), not the hour the template would take
+        assert all(elapsed >= RENDER_BOUND_S for _, _, elapsed, _ in attacks), attacks
+        last_kill = max(done for _, _, _, done in attacks)
+        assert max(done for _, _, _, done in others) < last_kill, (others, attacks)
         # and the renderer comes back for the next trusted template
         status, _, _ = chat(router, chat_template="{{ messages[0].content }}")
         assert status == 200

@@ -20,13 +20,18 @@ from tests.integration.test_router_fleet import Router, http, prometheus_value, 
 pytestmark = pytest.mark.timeout(180)
 
 TIME_SCALE = 5.0  # a cold 3k-token prefill: ~25 ms wall at 400 TFLOP/s, ~100 ms at 100
+LEARNING_TIME_SCALE = 0.5  # the rate-learning test's: a cold 3k-token prefill ~0.25 s at 400
+# TFLOP/s, ~1 s at 100, so the prefill the router learns dwarfs what a busy host adds to a TTFT.
+# At 5x a host stall of 0.3-1.2 s in one of the slow replica's 4 samples made its rate 0.5x to
+# 100x off (fast/slow 0.02 to 9.9 against 4, at load 15-24)
 
 
 class Emulator:
-    def __init__(self, tmp: Path, name: str, gpu_tflops: float) -> None:
+    def __init__(self, tmp: Path, name: str, gpu_tflops: float,
+                 time_scale: float = TIME_SCALE) -> None:
         ready = tmp / f"{name}.json"
         self.proc = start_process([
-            *EMULATE, "--replicas", "1", "--time-scale", str(TIME_SCALE), "--gpu-tflops", str(gpu_tflops),
+            *EMULATE, "--replicas", "1", "--time-scale", str(time_scale), "--gpu-tflops", str(gpu_tflops),
             "--ready-file", str(ready)], env={"PYTHONHASHSEED": "0"})
         info = wait_for(lambda: read_json_file(ready), 60, message=f"{name} ready file")
         self.url: str = info["replicas"][0]["url"]
@@ -35,9 +40,9 @@ class Emulator:
 
 @pytest.fixture
 def two_speeds(tmp_path: Path) -> Iterator[tuple[Emulator, Emulator, Router]]:
-    fast = Emulator(tmp_path, "fast", 400.0)
+    fast = Emulator(tmp_path, "fast", 400.0, LEARNING_TIME_SCALE)
     try:
-        slow = Emulator(tmp_path, "slow", 100.0)
+        slow = Emulator(tmp_path, "slow", 100.0, LEARNING_TIME_SCALE)
     except BaseException:
         stop_process(fast.proc)
         raise
@@ -69,12 +74,28 @@ async def _send(url: str, prompts: list[list[int]], concurrency: int) -> list[st
         return await asyncio.gather(*(one(p) for p in prompts))
 
 
+async def _warm_up(router_url: str, replicas: list[str]) -> None:
+    """The one-off costs of a fresh fleet (connections, each process's first request) kept out
+    of the learner's samples: streamed requests straight to each replica, and non-streamed ones
+    through the router (the learner takes only streamed first bytes)."""
+    async with aiohttp.ClientSession() as session:
+        async def one(url: str, stream: bool) -> None:
+            async with session.post(url + "/v1/completions", json={
+                    "model": "emulated-llm", "prompt": list(range(1000, 1064)), "max_tokens": 2,
+                    "stream": stream}) as resp:
+                await resp.read()
+                assert resp.status == 200
+        await asyncio.gather(*(one(url, True) for url in replicas),
+                             *(one(router_url, False) for _ in range(4)))
+
+
 def test_learned_rates_separate_and_the_slow_replica_gets_less_cold_work(
         two_speeds: tuple[Emulator, Emulator, Router]) -> None:
     fast, slow, router = two_speeds
     rng = random.Random(16)
     prompts = [[rng.randrange(1000, 100_000) for _ in range(rng.randrange(1500, 4500))]
                for _ in range(48)]  # all cold: no prompt shares a block with another
+    asyncio.run(_warm_up(router.url, [fast.url, slow.url]))
     served = asyncio.run(_send(router.url, prompts, concurrency=3))
 
     # a prompt not sent before: no replica holds any of it (static replicas count this router's
@@ -86,7 +107,11 @@ def test_learned_rates_separate_and_the_slow_replica_gets_less_cold_work(
     rates = debug["prefill_rates"]
     assert rates[fast.replica_id]["samples"] >= 4 and rates[slow.replica_id]["samples"] >= 4
     ratio = rates[fast.replica_id]["tokens_per_s"] / rates[slow.replica_id]["tokens_per_s"]
-    assert 2.0 < ratio < 8.0, rates  # the emulators differ 4x in TFLOP/s
+    # the emulators differ 4x in TFLOP/s. The upper bound is loose: at load 15 with two CPU hogs
+    # host delays of ~0.4 s in the fast replica's samples made it 9.0 (its rate 2.2x high) in 1
+    # run of 4; the prediction errors below hold the magnitude. A learner that does not learn
+    # gives 1 (or no samples), one that ignores the work 0.01-100.
+    assert 2.0 < ratio < 12.0, rates
     # every candidate's prediction is shown in seconds
     for rid in (fast.replica_id, slow.replica_id):
         shown = debug["replicas"][rid]
@@ -102,14 +127,22 @@ def test_learned_rates_separate_and_the_slow_replica_gets_less_cold_work(
     metrics = router.metrics()
     observed = prometheus_value(metrics, "router_ttft_prediction_error_seconds_count")
     assert observed == len(prompts)
-    # after learning, the predictions of the last requests were close: most errors under 50 ms
-    within = sum(float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines()
-                 if line.startswith("router_ttft_prediction_error_seconds_bucket")
-                 and 'le="0.05"' in line)
-    below = sum(float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines()
-                if line.startswith("router_ttft_prediction_error_seconds_bucket")
-                and 'le="-0.05"' in line)
-    assert within - below >= len(prompts) // 2
+    # after learning, the predictions were close: most errors within a quarter of the mean
+    # TTFT (the largest bucket edge under it). Relative, because a busy host adds its
+    # delays to every TTFT; the prior alone (2x too fast for the fast replica) misses by half.
+    mean_ttft_s = (prometheus_value(metrics, "router_ttft_seconds_sum")
+                   / prometheus_value(metrics, "router_ttft_seconds_count"))
+    edges = {float(line.split('le="', 1)[1].split('"', 1)[0]) for line in metrics.splitlines()
+             if line.startswith("router_ttft_prediction_error_seconds_bucket")}
+    edge = max(e for e in edges if 0 < e <= mean_ttft_s / 4)
+
+    def at_most(le: float) -> float:
+        return sum(float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines()
+                   if line.startswith("router_ttft_prediction_error_seconds_bucket")
+                   and f'le="{le}"' in line)
+
+    within = at_most(edge) - at_most(-edge)
+    assert within >= len(prompts) // 2, (edge, mean_ttft_s, within)
     assert http("GET", router.url + "/health")[0] == 200
 
 
