@@ -60,7 +60,7 @@ def test_ctrl_c_while_loading_exits_130_without_a_traceback(command: list[str]) 
     (["worker.cli", "emulte"], "prefix-worker: error: unknown command 'emulte' (did you mean "
      "emulate?); commands: emulate, report; see prefix-worker --help"),
     (["loadtest.cli", "dmo"], "prefix-loadtest: error: unknown command 'dmo' (did you mean "
-     "demo?); commands: replay, compare, demo, ab; see prefix-loadtest --help"),
+     "demo?); commands: replay, compare, demo, ab, fidelity; see prefix-loadtest --help"),
     (["loadtest.cli", "demo", "--speedupp", "3"],  # was: the top-level usage, 4 lines
      "prefix-loadtest demo: error: unknown argument --speedupp (did you mean --speedup?); "
      "see prefix-loadtest demo --help"),
