@@ -48,16 +48,25 @@ def load_average() -> list[float]:
 
 
 def router_counts(metrics: str) -> dict[str, Any]:
-    """``router_requests_total`` 503s by reason and the panic counter, from ``/metrics`` text."""
+    """``router_requests_total`` 503s by reason, the panic counter, the upstream errors by kind
+    and the timeouts not counted because the router's loop ran late
+    (``router_loop_late_verdicts_total``) by kind, from ``/metrics`` text."""
     by_reason: Counter[str] = Counter()
+    errors: Counter[str] = Counter()
+    late: Counter[str] = Counter()
     panic = 0.0
     for line in metrics.splitlines():
+        kind = re.search(r'kind="([^"]*)"', line)
         if line.startswith("router_requests_total{") and 'status="503"' in line:
             reason = re.search(r'reason="([^"]*)"', line)
             by_reason[reason.group(1) if reason else "?"] += int(float(line.rsplit(" ", 1)[1]))
         elif line.startswith("router_panic_routed_requests_total "):
             panic = float(line.rsplit(" ", 1)[1])
-    return {"503_by_reason": dict(by_reason), "panic_routed_requests": int(panic)}
+        elif line.startswith(("router_upstream_errors_total{", "router_loop_late_verdicts_total{")):
+            out = errors if line.startswith("router_upstream") else late
+            out[kind.group(1) if kind else "?"] += int(float(line.rsplit(" ", 1)[1]))
+    return {"503_by_reason": dict(by_reason), "panic_routed_requests": int(panic),
+            "upstream_errors_by_kind": dict(errors), "loop_late_by_kind": dict(late)}
 
 
 class Load:

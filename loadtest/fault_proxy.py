@@ -31,6 +31,8 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
+from router.circuit_probe import PROBE_HEADER
+
 GENERATE_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
 MODES = ("pass", "500", "hang")
 _HOP = frozenset({"connection", "keep-alive", "transfer-encoding", "content-length", "host"})
@@ -42,6 +44,7 @@ class FaultProxy:
         self.mode = mode
         self.scope = "generate"  # or "all"
         self.generate_requests = 0  # generation requests received, any mode
+        self.probe_requests = 0  # of which the router's half-open probes (router.circuit_probe)
         self.session: aiohttp.ClientSession | None = None
 
     async def fault(self, request: web.Request) -> web.Response:
@@ -53,12 +56,14 @@ class FaultProxy:
                                                    "generate or all"}, status=400)
             self.mode, self.scope = mode, scope
         return web.json_response({"mode": self.mode, "scope": self.scope,
-                                  "generate_requests": self.generate_requests})
+                                  "generate_requests": self.generate_requests,
+                                  "probe_requests": self.probe_requests})
 
     async def relay(self, request: web.Request) -> web.StreamResponse:
         body = await request.read()
         generate = request.method == "POST" and request.path in GENERATE_PATHS
         self.generate_requests += generate
+        self.probe_requests += generate and PROBE_HEADER in request.headers
         if generate or self.scope == "all":
             if self.mode == "500":
                 return web.json_response({"error": {"message": "injected engine failure",

@@ -11,8 +11,9 @@ its worker polls too, the router on port 0), prints one JSON line of figures and
   benched while streamed requests flow (default ``stall_timeout_s``);
 * ``hang-unstreamed``: a replica that never answers, non-streamed traffic only, default router
   settings (issue 29): 60 new 1,000-token prompts, one every 2 s from its own client (30 s
-  client timeout); prompts sent to the hung replica before it is benched and in all, seconds
-  from the hang to the bench, the clients' statuses;
+  client timeout); prompts sent to the hung replica before it is benched and in all (the
+  router's own half-open probes among them), seconds from the hang to the bench, the clients'
+  statuses;
 * ``template``: latency of 10 ordinary chat requests sent while two nested-loop
   ``chat_template`` requests are in flight, with the default (refused) and trusted settings;
 * ``cold``: a router started while Redis is down: seconds from its start to its first 200,
@@ -210,7 +211,8 @@ def scenario_hang_unstreamed(lab: Lab) -> dict[str, Any]:
     router, _ = lab.router("--redis-url", lab.redis.url if lab.redis else "", "--hash-seed", "0",
                            wait=4)
     fault(proxy, "hang")
-    before = fault(proxy)["generate_requests"]
+    start = fault(proxy)
+    before, probes = start["generate_requests"], start.get("probe_requests", 0)
     statuses: list[int] = []
 
     def send(seed: int) -> None:
@@ -235,8 +237,10 @@ def scenario_hang_unstreamed(lab: Lab) -> dict[str, Any]:
     for t in threads:
         t.join(150)
     counts = {str(s): statuses.count(s) for s in sorted(set(statuses))}
-    return {"benched": benched or None, "sent_to_hung_in_120_s": fault(proxy)["generate_requests"]
-            - before, "of": 60, "statuses": counts}
+    end = fault(proxy)
+    return {"benched": benched or None, "sent_to_hung_in_120_s": end["generate_requests"]
+            - before, "of": 60, "router_probes_among_them": end.get("probe_requests", 0) - probes,
+            "statuses": counts}
 
 
 def scenario_template(lab: Lab) -> dict[str, Any]:

@@ -366,7 +366,7 @@ _HELP: Final = {
     "circuit_failures": "consecutive failed requests (within circuit_window_s) that open a "
                         "replica's circuit",
     "circuit_ejection_s": "first ejection of an open circuit (doubles per repeat, at most "
-                          "circuit_max_ejection_s); then one probe request",
+                          "circuit_max_ejection_s); then a router-made 1-token probe",
     "stream_read_interval_s": "pause (s) after a KV-event stream read that was not a full batch: "
                               "fewer reads (router CPU) against more index lag",
     "panic_threshold": "when fewer than this share (0-1) of a model's replicas are routable, "

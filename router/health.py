@@ -7,8 +7,11 @@ Three rules, all fed by the proxy and evaluated with the caller's monotonic cloc
   ejection that grows with each repeat, then a half-open probe). ``failure_threshold``
   consecutive failed attempts within ``failure_window_s`` open a replica's circuit: it takes
   no traffic for ``ejection_s`` x 2^(ejections so far), at most ``max_ejection_s``. Then it is
-  half-open: exactly one request may go to it; success closes the circuit, failure opens it
-  again for longer. A failure is a 5xx answer, a refused, reset or timed-out connection, a
+  half-open: still no client request goes to it, but the router sends it a probe of its own
+  (``probes_due`` / ``probe_done``; ``router.circuit_probe``: a 1-token completion, which only an
+  engine that runs can answer); success closes the circuit, failure opens it again for longer.
+  A client prompt used as the probe waited a whole deadline on a hung replica before moving
+  (issue 29: 5 of 60 prompts reached one over 120 s). A failure is a 5xx answer, a refused, reset or timed-out connection, a
   response that is not HTTP, a broken or stalled stream, a missed first-byte deadline (below)
   and a client that gave up waiting for a first byte far past its expected time (it waited
   ``deadline_factor`` x the expected time, and at least ``MIN_GIVE_UP_S``, while the replica
@@ -37,6 +40,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Final
 
@@ -45,6 +49,7 @@ OPEN: Final = "open"
 HALF_OPEN: Final = "half_open"
 HUNG: Final = "hung"  # ``overdue`` verdicts
 MISSED: Final = "first_byte_deadline"
+ROUTER_LATE: Final = "router_late"  # ``overdue``: not judged, the router's own loop ran late
 ENGINE_EVENT_SPAN_S: Final = 60.0  # a replica whose engine reports requests running or waiting is
 # busy while its KV events came within this: the index keeps one key per index_stride blocks, so
 # one entry comes per 256 generated tokens at the defaults (16 x 16), 13 s at 50 ms per token;
@@ -94,6 +99,7 @@ class _Attempt:
     fallback: bool  # another replica would take it if it were moved
     answered: bool = False  # its first byte came
     counted: bool = False  # a missed deadline was counted against the replica
+    late: bool = False  # reported once as not judged: the router's loop ran late
 
 
 @dataclass(frozen=True, slots=True)
@@ -133,18 +139,36 @@ class ReplicaHealth:
                     f"(ejection {b.ejections})")
         if b.trial_inflight:
             return "circuit half-open: a probe request is in flight"
-        return None
+        return "circuit half-open: waiting for a probe to succeed"
 
     def state(self, replica_id: str) -> str:
         b = self._breakers.get(replica_id)
         return CLOSED if b is None else b.state
 
-    def on_dispatch(self, replica_id: str, now: float) -> None:
-        """A request is sent to ``replica_id``: past its ejection it becomes the half-open probe."""
+    def probes_due(self, now: float) -> list[str]:
+        """Replicas past their ejection with no probe out: each is half-open now, its probe
+        counted as out until ``probe_done``."""
+        due = []
+        for rid, b in self._breakers.items():
+            if b.state != CLOSED and now >= b.open_until and not b.trial_inflight:
+                b.state, b.trial_inflight = HALF_OPEN, True
+                due.append(rid)
+        return due
+
+    def probe_done(self, replica_id: str, now: float, ok: bool | None) -> None:
+        """The probe of ``replica_id`` ended: answered (``ok``: closes the circuit), failed
+        (opens it again, for longer) or ``None``: judged nothing (the router's own loop ran
+        late; another probe goes next time)."""
         b = self._breakers.get(replica_id)
-        if b is not None and b.state != CLOSED and now >= b.open_until and not b.trial_inflight:
-            b.state = HALF_OPEN
-            b.trial_inflight = True
+        if b is None or b.state != HALF_OPEN:
+            return  # closed meanwhile (a request in panic mode answered), or forgotten
+        if ok:
+            b.state, b.trial_inflight, b.ejections = CLOSED, False, 0
+            b.failures.clear()
+        elif ok is None:
+            b.trial_inflight = False
+        else:
+            self._open(b, now, "probe_failed")
 
     def record_success(self, replica_id: str) -> None:
         """An attempt the replica answered (any status below 500): closes a half-open circuit
@@ -155,12 +179,6 @@ class ReplicaHealth:
         b.failures.clear()
         if b.state == HALF_OPEN:
             b.state, b.trial_inflight, b.ejections = CLOSED, False, 0
-
-    def record_neutral(self, replica_id: str) -> None:
-        """An attempt that ended saying nothing about the replica (the client went away)."""
-        b = self._breakers.get(replica_id)
-        if b is not None and b.state == HALF_OPEN:
-            b.trial_inflight = False
 
     def record_failure(self, replica_id: str, now: float, cause: str) -> bool:
         """A failed attempt. Returns True when this opened the circuit."""
@@ -258,11 +276,14 @@ class ReplicaHealth:
         return (replica_id in self._engine_active
                 and self._last_event.get(replica_id, -math.inf) >= now - ENGINE_EVENT_SPAN_S)
 
-    def overdue(self, now: float) -> list[Overdue]:
+    def overdue(self, now: float,
+                router_late: Callable[[float, float], bool] | None = None) -> list[Overdue]:
         """Attempts waiting for a first byte past their deadline whose replica sent nothing in
         the deadline's span (see the module docstring); a replica whose circuit is open already
-        is left out (a half-open one's probe is judged), and a ``MISSED`` attempt is reported
-        once."""
+        is left out (a half-open one's are judged: panic mode sends requests there), and a
+        ``MISSED`` attempt is reported once. ``router_late(since, now)``: the router's own loop
+        ran late over that span (``router.loop_lag``): the replica's bytes may be unread, so the
+        attempt is not judged (reported once as ``ROUTER_LATE``) and waits on."""
         found = []
         for rid, attempts in self._attempts.items():
             b = self._breakers.get(rid)
@@ -274,6 +295,11 @@ class ReplicaHealth:
                 since = now - a.deadline_s  # the deadline's span, ending now
                 if self._busy(rid, since, now):
                     continue  # busy, not hung: it waits on
+                if router_late is not None and router_late(since, now):
+                    if not a.late:
+                        a.late = True
+                        found.append(Overdue(rid, token, ROUTER_LATE, a.fallback))
+                    continue
                 # the router itself reaches the fleet: another replica progressed lately (the
                 # stall rule's span, or this deadline's if longer)
                 lately = now - max(a.deadline_s, self.params.stall_timeout_s)

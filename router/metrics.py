@@ -79,6 +79,14 @@ class RouterMetrics:
         self.upstream_errors = Counter(
             "router_upstream_errors_total", "Upstream failures, by replica and kind",
             ["replica", "kind"], registry=registry)
+        self.loop_late = Counter(
+            "router_loop_late_verdicts_total", "Timeouts not counted against a replica because "
+            "the router's own event loop ran late over their span (router.loop_lag), by kind",
+            ["kind"], registry=registry)
+        self.circuit_probes = Counter(
+            "router_circuit_probes_total", "Router-made 1-token completions sent to replicas "
+            "whose circuit is half-open, by replica and result (ok, failed, router_late)",
+            ["replica", "result"], registry=registry)
         self.index_blocks = Gauge(
             "router_index_blocks", "Distinct block keys in the router's index", registry=registry)
         self.prompt_cache_bytes = Gauge(

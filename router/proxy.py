@@ -52,6 +52,7 @@ from router.errors import (
     error_body,
 )
 from router.health import HUNG, MISSED, ReplicaHealth
+from router.loop_lag import LoopLag
 from router.metrics import RouterMetrics
 from router.routing import Target
 from router.tracing import Tracing
@@ -76,6 +77,8 @@ RETRY_STATUSES: Final = frozenset({500, 502, 503, 504})
 SUSPECT_CAUSES: Final = frozenset({"connect_error", "connect_timeout", "bad_response"})
 # causes the health watcher counted when it moved the attempt (``Proxy.abort_waiting``)
 COUNTED_CAUSES: Final = frozenset({"stalled", HUNG, MISSED})
+# failures that are timeouts measured on the router's loop: not counted when it ran late
+TIMED_CAUSES: Final = frozenset({"connect_timeout", "first_byte_timeout"})
 
 
 class ProxyTicket(Protocol):
@@ -149,8 +152,9 @@ class Proxy:
 
     def __init__(self, session: aiohttp.ClientSession, config: RouterConfig,
                  metrics: RouterMetrics, health: ReplicaHealth,
-                 tracing: Tracing | None = None) -> None:
+                 tracing: Tracing | None = None, loop_lag: LoopLag | None = None) -> None:
         self.session = session
+        self.loop_lag = loop_lag
         self.config = config
         self.metrics = metrics
         self.health = health
@@ -200,7 +204,6 @@ class Proxy:
             rid = target.replica_id
             ticket = start_ticket(rid)
             now = time.monotonic()
-            health.on_dispatch(rid, now)
             token = health.attempt_started(
                 rid, now, streamed, math.inf if expected_s is None else expected_s(rid),
                 fallback=i + 1 < len(attempts))
@@ -224,9 +227,11 @@ class Proxy:
                     stale_retry_used = True
                     self.metrics.child(self.metrics.retries, "stale_connection").inc()
                     continue
-                if exc.cause in SUSPECT_CAUSES:
-                    on_failure(rid)
-                if exc.cause not in COUNTED_CAUSES:  # counted once, when found
+                if self.router_late(exc.cause, now):
+                    pass  # the replica may well have answered: nothing against it
+                elif exc.cause not in COUNTED_CAUSES:  # counted once, when found
+                    if exc.cause in SUSPECT_CAUSES:
+                        on_failure(rid)
                     self._failed(rid, exc.cause)
                 if i + 1 < len(attempts):
                     self.metrics.child(self.metrics.retries, exc.cause).inc()
@@ -235,29 +240,38 @@ class Proxy:
                 continue
             except (UpstreamError, UpstreamTimeout) as exc:  # first-byte timeout or another client error
                 ticket.finish()
-                self._failed(rid, "first_byte_timeout" if isinstance(exc, UpstreamTimeout)
-                             else "client_error")
+                cause = "first_byte_timeout" if isinstance(exc, UpstreamTimeout) else "client_error"
+                if not self.router_late(cause, now):
+                    self._failed(rid, cause)
                 raise
             except BaseException as exc:
                 ticket.finish()
                 if isinstance(exc, asyncio.CancelledError) and health.gave_up(
                         rid, token, time.monotonic()):
                     self._failed(rid, "client_gave_up")
-                else:
-                    health.record_neutral(rid)
                 raise
             finally:
                 health.attempt_ended(rid, token)
             ticket.finish()
             status = result[1].status
             if status == STATUS_CLIENT_CLOSED:
-                health.record_neutral(rid)
+                pass  # the client went away: nothing said about the replica
             elif status >= 500:  # a relayed 5xx, or the stream failed after its first byte
                 health.record_failure(rid, time.monotonic(), f"http_{status}")
             else:
                 health.record_success(rid)
             return result
         raise UpstreamError(f"upstream failed before the first byte: {last_error}")
+
+    def router_late(self, cause: str, since: float) -> bool:
+        """Whether a ``cause`` failure of an attempt sent at ``since`` (monotonic) is a timeout
+        the router's own loop made (``router.loop_lag``: it ran late over the attempt's span);
+        counted in ``router_loop_late_verdicts_total``, never against the replica."""
+        if cause not in TIMED_CAUSES or self.loop_lag is None or not self.loop_lag.late(
+                since, time.monotonic()):
+            return False
+        self.metrics.child(self.metrics.loop_late, cause).inc()
+        return True
 
     def _failed(self, replica_id: str, cause: str) -> None:
         self.metrics.child(self.metrics.upstream_errors, replica_id, cause).inc()

@@ -48,6 +48,7 @@ from router.chat_render import (
     TemplateRenderer,
     has_request_template,
 )
+from router.circuit_probe import CircuitProber
 from router.config import ConfigError, RouterConfig, load_config
 from router.contract import TIER_CPU
 from router.dispatch import Dispatch, Dispatcher, GaugedTicket
@@ -62,7 +63,7 @@ from router.errors import (
 from router.fleet import Fleet
 from router.fleet_sync import FleetReader, StaticProber, read_fleet_cache
 from router.hashing import BlockHasher, HashConfigError
-from router.health import HUNG, MISSED
+from router.health import HUNG, MISSED, ROUTER_LATE
 from router.heap import HeapTrimmer
 from router.http_errors import (
     REQUEST_ID_KEY,
@@ -71,6 +72,7 @@ from router.http_errors import (
     openai_parser_errors,
 )
 from router.logs import REQUEST_ID, configure_logging
+from router.loop_lag import LoopLag
 from router.metrics import CONTENT_TYPE, RouterMetrics
 from router.policy import Decision, LoadTracker, TtftPrediction
 from router.prompt_path import PromptChainer
@@ -146,6 +148,7 @@ class RouterService:
         self.prober: StaticProber | None = None
         self.session: aiohttp.ClientSession | None = None
         self.proxy: Proxy | None = None
+        self.loop_lag = LoopLag()  # how late the loop ran: timeouts it made are not the replicas'
         self._tasks: list[asyncio.Task[None]] = []
         self.auth: TenantAuth | None = None
         if config.api_keys:
@@ -213,7 +216,10 @@ class RouterService:
         self.session = aiohttp.ClientSession(connector=connector, auto_decompress=False,
                                              cookie_jar=aiohttp.DummyCookieJar())
         self.proxy = Proxy(self.session, self.config, self.metrics, self.fleet.health,
-                           self.tracing)
+                           self.tracing, self.loop_lag)
+        self._tasks.append(asyncio.create_task(self.loop_lag.run()))
+        self._tasks.append(asyncio.create_task(CircuitProber(
+            self.fleet, self.session, self.config, self.metrics, self.loop_lag).run()))
         if self.config.redis_url:
             # until Redis answers: the last fleet seen there and the configured fallbacks
             added = self.fleet.add_fallbacks(read_fleet_cache(self.config.fleet_cache_file),
@@ -364,6 +370,10 @@ class RouterService:
                 del entries[gone]
             self._judge_overdue(now)
             for rid in health.stalled(now):
+                if self.loop_lag.late(now - cfg.stall_timeout_s, now):
+                    # its bytes may sit unread: the router was late, not the replica
+                    self.metrics.child(self.metrics.loop_late, "stalled").inc()
+                    continue
                 health.trip(rid, now, "stalled")
                 self.metrics.child(self.metrics.upstream_errors, rid, "stalled").inc()
                 moved = self.proxy.abort_waiting(rid) if self.proxy is not None else 0
@@ -373,8 +383,11 @@ class RouterService:
     def _judge_overdue(self, now: float) -> None:
         """Act on the attempts past their first-byte deadline (``ReplicaHealth.overdue``)."""
         health = self.fleet.health
-        for overdue in health.overdue(now):
+        for overdue in health.overdue(now, self.loop_lag.late):
             rid = overdue.replica_id
+            if overdue.verdict == ROUTER_LATE:
+                self.metrics.child(self.metrics.loop_late, MISSED).inc()
+                continue
             self.metrics.child(self.metrics.upstream_errors, rid, overdue.verdict).inc()
             if overdue.verdict == HUNG:
                 health.trip(rid, now, HUNG)

@@ -195,6 +195,25 @@ def _closed_loop(router: Router, seed: int, stop: threading.Event,
         results.append((status, headers.get("x-prefix-router-replica", "")))
 
 
+def _hang_under_two_clients(fleet: FaultFleet, router: Router, seed: int) -> tuple[
+        dict[str, Any], threading.Event, list[tuple[int, str]], list[threading.Thread]]:
+    """Both replicas answer a few prompts, then the bad one hangs and two ``_closed_loop``
+    clients start. Returns the fault proxy's counts at the hang, the clients' stop event,
+    their results and threads."""
+    rng = random.Random(seed)
+    for _ in range(4):  # a fleet at work: both replicas answered lately
+        assert router.post("/v1/completions", {"prompt": new_prompt(rng), "max_tokens": 1})[0] == 200
+    fleet.fault("hang")
+    counts = fleet.fault()
+    stop = threading.Event()
+    results: list[tuple[int, str]] = []
+    threads = [threading.Thread(target=_closed_loop, args=(router, seed + 1 + i, stop, results))
+               for i in range(2)]
+    for t in threads:
+        t.start()
+    return counts, stop, results, threads
+
+
 def test_a_hung_replica_fed_only_non_streamed_prompts_is_benched_after_few(
         fleet: FaultFleet, routers: list[Router], tmp_path: Path) -> None:
     """Issue 29: a replica that accepts prompts and never answers kept drawing non-streamed
@@ -205,17 +224,8 @@ def test_a_hung_replica_fed_only_non_streamed_prompts_is_benched_after_few(
     first byte)."""
     router = fleet.router(tmp_path)
     routers.append(router)
-    rng = random.Random(29)
-    for _ in range(4):  # a fleet at work: both replicas answered lately
-        assert router.post("/v1/completions", {"prompt": new_prompt(rng), "max_tokens": 1})[0] == 200
-    fleet.fault("hang")
-    before = fleet.fault()["generate_requests"]
-    stop = threading.Event()
-    results: list[tuple[int, str]] = []
-    threads = [threading.Thread(target=_closed_loop, args=(router, 30 + i, stop, results))
-               for i in range(2)]
-    for t in threads:
-        t.start()
+    counts, stop, results, threads = _hang_under_two_clients(fleet, router, 29)
+    before = counts["generate_requests"]
     try:
         wait_for(lambda: replica_state(router, BAD)["circuit"] != "closed", 90,
                  message="the hung replica benched")
@@ -312,3 +322,52 @@ def test_a_4_s_stall_keeps_the_replica_in_rotation(
     finally:
         fleet.fault("pass")
     assert out == []
+
+
+def probes(router: Router, result: str) -> float:
+    """``router_circuit_probes_total`` of the bad replica with ``result``."""
+    series = f'router_circuit_probes_total{{replica="{BAD}",result="{result}"}} '
+    return sum(float(line[len(series):]) for line in router.metrics().splitlines()
+               if line.startswith(series))
+
+
+def test_a_hung_replica_gets_only_router_probes_and_traffic_back_once_one_succeeds(
+        fleet: FaultFleet, routers: list[Router], tmp_path: Path) -> None:
+    """Issue 29: a benched replica's half-open probe was a client's prompt, which waited a whole
+    deadline on a hung replica before moving (5 of 60 prompts reached one over 120 s). With a
+    1 s ejection the circuit half-opens several times while two clients keep sending
+    non-streamed prompts for 20 s: at most 3 client prompts ever reach the hung replica (those before it
+    was benched), the rest there are the router's own probes. Once it answers again, a probe
+    succeeds and it takes client prompts again."""
+    router = fleet.router(tmp_path, "--circuit-ejection-s", "1", "--circuit-max-ejection-s", "2")
+    routers.append(router)
+    rng = random.Random(32)
+    start, stop, results, threads = _hang_under_two_clients(fleet, router, 40)
+    try:
+        wait_for(lambda: replica_state(router, BAD)["circuit"] != "closed", 90,
+                 message="the hung replica benched")
+        # several half-open rounds (1 s, then 2 s ejections) with clients sending throughout
+        time.sleep(20)
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(150)
+    end = fleet.fault()
+    probed = end["probe_requests"] - start["probe_requests"]
+    client_prompts = end["generate_requests"] - start["generate_requests"] - probed
+    assert 1 <= client_prompts <= 3, (probed, client_prompts)
+    assert probed >= 2 and probes(router, "failed") >= 2, probed
+    assert results and all(status == 200 for status, _ in results), results
+    assert {rid for _, rid in results} == {"replica-0"}, results
+
+    fleet.fault("pass")  # recovered: the next probe succeeds and client prompts come back
+    wait_for(lambda: replica_state(router, BAD)["circuit"] == "closed", 30,
+             message="circuit closed after a successful probe")
+    assert probes(router, "ok") >= 1
+
+    def served_by_bad() -> bool:
+        status, headers, _ = router.post("/v1/completions",
+                                         {"prompt": new_prompt(rng), "max_tokens": 1})
+        return status == 200 and headers["x-prefix-router-replica"] == BAD
+
+    wait_for(served_by_bad, 30, interval_s=0.0, message="client prompts back on the replica")

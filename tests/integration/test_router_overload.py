@@ -288,3 +288,41 @@ def test_a_probe_of_a_non_http_answer_never_raises(replicas: list[FakeReplica]) 
     assert healthy and cards and cards[0]["id"] == "fixed"
     replicas[0].health_flag.touch()
     assert probe_replica(replicas[0].url, True, 5.0) == (False, None)
+
+
+def test_timeouts_on_a_starved_router_loop_leave_the_replicas_circuits_closed(
+        tmp_path: Path, replicas: list[FakeReplica]) -> None:
+    """Issue 29: under 1,000 streams every replica's circuit opened within 100 ms on
+    ``connect_timeout``, a timeout measured on the router's own busy loop. Here the loop
+    sleeps 2 s every turn (panic mode off, a 1 s connect timeout): connections the kernel
+    completed at once are seen after their timer fired, and first bytes after their deadline.
+    Those timeouts are counted as the router's (``router_loop_late_verdicts_total``), never
+    against the replicas: no circuit opens, no replica is marked failed."""
+    flag = tmp_path / "busy"
+    router = Router(tmp_path, [
+        "--replica", replicas[0].url, "--replica", replicas[1].url, "--model", "m",
+        "--panic-threshold", "0", "--connect-timeout-s", "1"],
+        entry=("-c", BUSY_ROUTER), env={"BUSY_FLAG": str(flag), "BUSY_BLOCK_S": str(BUSY_BLOCK_S)})
+    body = {"model": "m", "prompt": [1, 2, 3], "max_tokens": 1}
+    try:
+        wait_for(lambda: routable(router) == 2, 30, message="both replicas routable")
+        flag.touch()
+        statuses: list[int] = []
+        clients = [threading.Thread(target=lambda: statuses.append(
+            router.post("/v1/completions", body, timeout=140)[0])) for _ in range(6)]
+        for t in clients:
+            t.start()
+        for t in clients:
+            t.join(140)
+        flag.unlink()
+        wait_for(lambda: len(statuses) == 6, 10, message="6 answers")
+        metrics = router.metrics()
+        ready = router.ready()
+    finally:
+        flag.unlink(missing_ok=True)
+        output = router.stop()
+    assert all(r["circuit"] == "closed" and r["routable"] for r in ready["replicas"]), ready
+    assert "circuit opened" not in output, output
+    assert "router_upstream_errors_total{" not in metrics, metrics
+    late = prometheus_value(metrics, "router_loop_late_verdicts_total")
+    assert late >= 1, (statuses, metrics)  # the starved loop did time attempts out

@@ -2,17 +2,21 @@
 
 from __future__ import annotations
 
+import pytest
+
 from router.health import (
     CLOSED,
     HALF_OPEN,
     HUNG,
     MISSED,
     OPEN,
+    ROUTER_LATE,
     HealthParams,
     Overdue,
     ReplicaHealth,
     first_byte_deadline_s,
 )
+from router.loop_lag import LoopLag
 
 
 def make(**kw: float) -> ReplicaHealth:
@@ -42,28 +46,29 @@ def test_a_success_or_the_window_resets_the_count() -> None:
     assert h.state("a") == CLOSED
 
 
-def test_half_open_admits_one_probe_and_ejections_grow() -> None:
+def test_half_open_takes_no_client_request_until_a_probe_succeeds() -> None:
+    """Issue 29: past its ejection a replica is probed by the router (``probes_due``), never
+    given a client's prompt; only a successful probe puts it back in rotation."""
     h = make()
     for t in (0.0, 0.1, 0.2):
         h.record_failure("a", t, "x")
     assert h.problem("a", 5.1) is not None  # opened at 0.2 for 5 s
-    assert h.problem("a", 5.3) is None
-    h.on_dispatch("a", 5.3)
+    assert h.probes_due(5.1) == []
+    assert "waiting for a probe" in (h.problem("a", 5.3) or "")  # ejection over: still out
+    assert h.probes_due(5.3) == ["a"] and h.probes_due(5.3) == []  # one probe at a time
     assert h.state("a") == HALF_OPEN and "probe" in (h.problem("a", 5.3) or "")
-    h.record_failure("a", 5.4, "x")  # the probe failed: open for 10 s
-    assert h.problem("a", 15.3) is not None and h.problem("a", 15.5) is None
-    h.on_dispatch("a", 15.5)
-    h.record_failure("a", 15.6, "x")  # capped at max_ejection_s (12, not 20)
-    assert h.problem("a", 27.5) is not None and h.problem("a", 27.7) is None
-    h.on_dispatch("a", 27.7)
-    h.record_neutral("a")  # the client went away: another probe may go
-    assert h.problem("a", 27.8) is None
-    h.on_dispatch("a", 27.8)
-    h.record_success("a")
+    h.probe_done("a", 5.4, False)  # the probe failed: open for 10 s
+    assert h.problem("a", 15.3) is not None and h.probes_due(15.3) == []
+    assert h.probes_due(15.5) == ["a"]
+    h.probe_done("a", 15.6, False)  # capped at max_ejection_s (12, not 20)
+    assert h.probes_due(27.5) == [] and h.probes_due(27.7) == ["a"]
+    h.probe_done("a", 27.7, None)  # not judged (the router's loop ran late): probed again
+    assert h.problem("a", 27.8) is not None and h.probes_due(27.8) == ["a"]
+    h.probe_done("a", 27.9, True)
     assert h.state("a") == CLOSED and h.problem("a", 27.9) is None
     for t in (30.0, 30.1, 30.2):  # closed after a good probe: the ejection starts over at 5 s
         h.record_failure("a", t, "x")
-    assert h.problem("a", 35.1) is not None and h.problem("a", 35.3) is None
+    assert h.problem("a", 35.1) is not None and h.probes_due(35.3) == ["a"]
 
 
 def test_a_silent_replica_is_stalled_only_while_others_progress() -> None:
@@ -105,6 +110,37 @@ def test_a_silent_replica_past_a_deadline_is_hung_while_others_progress() -> Non
     assert h.state("a") == OPEN
 
 
+def test_a_deadline_missed_while_the_router_ran_late_is_not_judged() -> None:
+    """The router's own loop ran late over the deadline's span (``router.loop_lag``): the
+    replica's first byte may be unread, so the attempt is reported once as ``ROUTER_LATE`` and
+    waits on; judged as usual once a span is clean."""
+    h = make(deadline_floor_s=5.0)
+    token = h.attempt_started("a", 0.0, streamed=False, expected_s=0.1)
+    h.progress("b", 5.5)
+
+    def late(since: float, now: float) -> bool:
+        return since < 3.0
+
+    assert h.overdue(6.0, late) == [Overdue("a", token, ROUTER_LATE, False)]
+    assert h.overdue(7.0, late) == []  # reported once
+    h.progress("b", 8.5)
+    assert h.overdue(9.0, late) == [Overdue("a", token, HUNG, False)]  # span 4-9: clean
+
+
+def test_loop_lag_sums_the_late_wake_ups_of_a_span() -> None:
+    lag = LoopLag()
+    lag._due = 10.0
+    lag.record(10.001)  # noise: not recorded
+    lag._due = 11.0
+    lag.record(13.0)  # 2 s late
+    lag._due = 13.05
+    assert lag.lateness(9.0, 13.05) == pytest.approx(2.0)
+    assert lag.lateness(13.0, 13.05) == 0.0  # the late wake-up ended at the span's start
+    assert lag.late(9.0, 13.05) and not lag.late(13.0, 13.05)
+    assert lag.lateness(13.0, 14.05) == pytest.approx(1.0)  # the sampler overdue by 1 s now
+    assert lag.lateness(13.9, 14.0) == pytest.approx(0.1)  # never more than the span
+
+
 def test_a_busy_replica_past_a_deadline_is_not_judged() -> None:
     """Any byte (another request's answer) or KV event from the replica within the deadline's
     span means it is working: a long prompt or a long queue, not a hang."""
@@ -141,8 +177,8 @@ def test_an_answered_attempt_or_an_open_circuit_is_not_judged() -> None:
     h.trip("c", 1.0, "http_500")
     assert h.overdue(5.5) == []
     h.attempt_ended("c", old)
-    probe = h.attempt_started("c", 7.0, streamed=False, expected_s=0.1)  # half-open probe
-    h.on_dispatch("c", 7.0)
+    assert h.probes_due(7.0) == ["c"]  # half-open: a request in panic mode is judged
+    probe = h.attempt_started("c", 7.0, streamed=False, expected_s=0.1)
     h.progress("b", 11.0)
     assert Overdue("c", probe, HUNG, False) in h.overdue(12.0)
 
