@@ -203,7 +203,7 @@ def test_a_router_following_many_replicas_on_a_cluster_holds_whole_flushes(
                                       writer.cpu_blocks_key],
                                 args=[1, flush, "0", c.pack_keys(_flush_keys(i, flush)),
                                       c.pack_keys(_flush_keys(i, flush - KEPT_FLUSHES)),
-                                      writer.entry_seq, "", b"", b""])
+                                      writer.entry_seq, "", b"", b"", writer.state_ttl_ms])
                             writer._pending.clear()
                         else:
                             await writer.flush()
