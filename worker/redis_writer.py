@@ -37,7 +37,12 @@ flush script fails before its first write, so nothing was applied) and a stream 
 ``XADD`` it refused after the script went through is kept and sent first once Redis accepts
 writes again, so routers get every entry in order and no epoch changes (no rewrite loop). The
 writer backs off (0.5 s doubling to ``OOM_BACKOFF_CAP_S``), logs one line per
-``OOM_LOG_INTERVAL_S`` and says so in the heartbeat (``F_REDIS_OOM``), which it keeps writing:
+``OOM_LOG_INTERVAL_S`` and says so in the heartbeat (``F_REDIS_OOM``), which it keeps writing.
+The state ends only when the held changes flush (or, with nothing held, when a heartbeat's HSET
+goes through): a heartbeat's small write can pass while Redis hovers at its limit and still
+refuses the flush, and ending the state on it made the worker alternate "out of memory" and
+"accepts writes again" every second; the recovery line is written only for an episode whose
+start was. The heartbeat:
 its script refreshes the TTL first, and Redis lets a script that has already written go on
 ("we can't stop in the middle", ``scriptVerifyOOM``), so the small, fixed-size hash is
 refreshed while the block sets wait. A set whose script found removals to make first goes
@@ -249,6 +254,7 @@ class RedisWriter:
         # Redis refused a write for lack of memory (until a write goes through)
         self.oom = False
         self._oom_log = IntervalLog(logger, OOM_LOG_INTERVAL_S)
+        self._oom_logged = False  # this episode's start was logged: so will its end be
         # a stream entry whose script went through but whose XADD Redis refused (OOM): sent
         # before anything else, so routers see every entry in order
         self._unsent: dict[Any, Any] | None = None
@@ -334,7 +340,8 @@ class RedisWriter:
 
         Out of memory: the heartbeat still goes through (written after its PEXPIRE, which
         Redis allows), with ``F_REDIS_OOM`` "1"; every heartbeat first tries the plain form,
-        whose success ends the out-of-memory state and wakes the flush loop.
+        whose success wakes the flush loop, and ends the out-of-memory state only when no
+        change is held (the held ones end it when they flush: ``_accepted``).
         """
         async with self._lock:
             ttl_ms = int(ttl_s * 1000)
@@ -348,7 +355,7 @@ class RedisWriter:
                         self._refused(exc)
                         found = await self._beat(fields, ttl_ms, oom_form=True)
                     else:
-                        self._accepted()
+                        self._probe_passed()
                     if int(found) >= 0:
                         return
                     self._lose_state()
@@ -372,7 +379,8 @@ class RedisWriter:
         mapping[contract.F_EPOCH] = self.committed_epoch
         mapping[contract.F_SEQ] = self.committed_seq
         mapping[contract.F_ENTRY_SEQ] = self.entry_seq
-        mapping[contract.F_REDIS_OOM] = "1" if oom_form else ""  # the plain form: OOM is over
+        # the plain form: OOM is over unless changes are still held (they may be refused yet)
+        mapping[contract.F_REDIS_OOM] = "1" if oom_form or (self.oom and self._holding()) else ""
         # only fields that changed since the last heartbeat this writer wrote: the hash keeps
         # the others (a lost hash is detected and rewritten in full)
         sent = self._sent if self.hash_expected else {}
@@ -436,20 +444,38 @@ class RedisWriter:
         """Redis refused a write for lack of memory: counted, one warning per interval."""
         self.stats.num_errors += 1
         self.stats.num_oom_refusals += 1
-        if not self.oom:
-            self._oom_log = IntervalLog(logger, OOM_LOG_INTERVAL_S)  # a new episode: say so
         self.oom = True
         self._writable.clear()
-        self._oom_log.warning("Redis is out of memory (maxmemory reached; run maxmemory-policy "
+        # no reset per episode: episodes that follow within the interval share its one line
+        self._oom_logged |= self._oom_log.warning("Redis is out of memory (maxmemory reached; run maxmemory-policy "
                               "noeviction with room for the fleet, see the README): writes of "
                               "replica %s refused, its changes held and retried (%s)",
                               self.replica_id, exc)
 
+    def _holding(self) -> bool:
+        """Changes (or a stream entry) wait to be written."""
+        return bool(self._pending) or self._position is not None or self._unsent is not None
+
+    def _probe_passed(self) -> None:
+        """A heartbeat's plain form went through: the flush loop retries at once; the
+        out-of-memory state ends here only if nothing is held (else when the held changes
+        flush: Redis near its limit may accept the small HSET and still refuse them)."""
+        if not self.oom:
+            return
+        if self._holding():
+            self._writable.set()
+            self._wake.set()
+        else:
+            self._accepted()
+
     def _accepted(self) -> None:
+        """A write went through with nothing left held: the out-of-memory state is over."""
         if self.oom:
-            logger.warning("Redis accepts writes again after being out of memory (%d writes "
-                           "refused so far); replica %s's held changes sent",
-                           self.stats.num_oom_refusals, self.replica_id)
+            if self._oom_logged:
+                logger.warning("Redis accepts writes again after being out of memory (%d "
+                               "writes refused so far); replica %s's held changes sent",
+                               self.stats.num_oom_refusals, self.replica_id)
+            self._oom_logged = False
             self._writable.set()
             self._wake.set()
         self.oom = False

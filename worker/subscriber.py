@@ -22,9 +22,11 @@ Sequence rules applied here (the sink does the state changes):
   ``max_message_bytes`` is refused by libzmq before it is buffered (``zmq.MAXMSGSIZE``: the
   connection is dropped and re-made, counted from the socket monitor's disconnects), and a
   batch the sink refuses (``BatchRefused``: more blocks than the engine's KV cache holds) is
-  counted and dropped without advancing the sequence number. ``precheck`` (the sink's) sees the
+  counted once and dropped, its sequence number used up: the next batch follows it without a
+  gap, so no replay fetches (and refuses) the buffer again. ``precheck`` (the sink's) sees the
   payload before it is decoded, so a batch of impossibly many blocks is refused the same way
-  before its blocks take memory (``worker.kv_events.count_blocks``).
+  before its blocks take memory (``worker.kv_events.count_blocks``); a replay skips the seqs
+  already handled before that check.
 * Batches are decoded lazily (``decode_batch(lazy=True)``): a store's token ids stay msgpack
   until a key mapper or the hash probe reads them.
 * ``rebuild`` re-applies the whole replay buffer to another sink (a key-mode switch
@@ -317,7 +319,8 @@ class KVEventSubscriber:
 
     # -- replay ------------------------------------------------------------------
 
-    async def _replay(self, start: int, trigger: tuple[int, KVEventBatch] | None, reason: str) -> None:
+    async def _replay(self, start: int, trigger: tuple[int, KVEventBatch | None] | None,
+                      reason: str) -> None:
         """Apply buffered batches from ``start``; resync if they do not connect to ``last_seq``.
 
         ``trigger`` is the live batch that revealed the gap (applied afterwards if
@@ -327,7 +330,9 @@ class KVEventSubscriber:
         covered = False
         if self.replay_endpoint:
             self.stats.num_replays += 1
-            covered = await self._fetch_replay(start, reason)
+            # a refused trigger is used up where the replay reaches it, not checked again
+            refused = trigger[0] if trigger is not None and trigger[1] is None else None
+            covered = await self._fetch_replay(start, reason, refused=refused)
         if not covered:
             self.stats.num_replay_failures += 1
         if trigger is not None:
@@ -343,8 +348,9 @@ class KVEventSubscriber:
         else:
             self._dup_floor = start
 
-    async def _fetch_replay(self, start: int, reason: str) -> bool:
-        """Request and apply ``start..``; True when the replay ended normally."""
+    async def _fetch_replay(self, start: int, reason: str, refused: int | None = None) -> bool:
+        """Request and apply ``start..``; True when the replay ended normally. ``refused``: the
+        seq of a batch already refused (and counted), used up unread when the replay has it."""
         dealer = self._get_dealer()
         logger.info("requesting KV event replay from seq %d (%s)", start, reason)
         await dealer.send_multipart([b"", seq_bytes(start)])
@@ -358,13 +364,16 @@ class KVEventSubscriber:
             frames = await dealer.recv_multipart()
             if len(frames) == 4 and frames[2] and parse_seq_safe(frames[2]) == REPLAY_END_SEQ:
                 return True
-            decoded = self._decode(frames[1:], live=False)
+            expected = self.last_seq + 1
+            if len(frames) == 4 and parse_seq_safe(frames[2]) == refused == expected:
+                self._apply(expected, None)
+                continue
+            # seqs below ``expected`` were applied or refused already: skipped before the
+            # precheck, so a refused batch is neither counted nor checked twice
+            decoded = self._decode(frames[1:], live=False, skip_below=expected)
             if decoded is None:
                 continue
             seq, batch = decoded
-            expected = self.last_seq + 1
-            if seq < expected:
-                continue
             if seq > expected and self.last_seq != NO_SEQ:
                 self.stats.num_replay_failures += 1
                 self._resync(f"replay buffer starts at seq {seq}, needed {expected}")
@@ -372,19 +381,28 @@ class KVEventSubscriber:
 
     # -- helpers -----------------------------------------------------------------
 
-    def _apply(self, seq: int, batch: KVEventBatch) -> None:
-        try:
-            self.sink.apply(seq, batch)
-        except BatchRefused as exc:
-            self.stats.num_refused += 1
-            self._refused_log.warning("refusing KV event batch %d: %s", seq, exc)
-            return
+    def _apply(self, seq: int, batch: KVEventBatch | None) -> None:
+        """Apply ``batch`` to the sink; ``None`` (refused by the precheck) or a batch the sink
+        refuses uses its seq up all the same: the engine sent it, nothing of it is applied, and
+        the next batch follows it (not a gap to replay, which would refuse it again)."""
+        if batch is not None:
+            try:
+                self.sink.apply(seq, batch)
+            except BatchRefused as exc:
+                self._count_refused(seq, exc)
         self.last_seq = seq
+
+    def _count_refused(self, seq: int, exc: BatchRefused) -> None:
+        self.stats.num_refused += 1
+        self._refused_log.warning("refusing KV event batch %d: %s", seq, exc)
 
     def _resync(self, reason: str) -> None:
         self.sink.resync(reason)
 
-    def _decode(self, frames: list[bytes], *, live: bool) -> tuple[int, KVEventBatch] | None:
+    def _decode(self, frames: list[bytes], *, live: bool,
+                skip_below: int = NO_SEQ) -> tuple[int, KVEventBatch | None] | None:
+        """``(seq, batch)``, ``(seq, None)`` for a batch the precheck refused (counted here), or
+        None for a message to drop: malformed (counted), another topic, or seq < ``skip_below``."""
         where = "live" if live else "replayed"
         if len(frames) != 3:
             self.stats.num_malformed += 1
@@ -395,6 +413,8 @@ class KVEventSubscriber:
             return None
         try:
             seq = parse_seq(frames[1])
+            if seq < skip_below:
+                return None
             if self.precheck is not None:
                 self.precheck(frames[2])
             batch = decode_batch(frames[2], lazy=True)
@@ -403,9 +423,8 @@ class KVEventSubscriber:
             self._bad_log.warning("dropping malformed %s KV event batch: %s", where, exc)
             return None
         except BatchRefused as exc:  # (as ``_apply`` does, before the blocks are decoded)
-            self.stats.num_refused += 1
-            self._refused_log.warning("refusing KV event batch %d: %s", seq, exc)
-            return None
+            self._count_refused(seq, exc)
+            return seq, None
         return seq, batch
 
     def _get_dealer(self) -> zmq.asyncio.Socket:

@@ -10,19 +10,25 @@ warning line per 10 s, and once memory frees the index must follow the stream ag
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import random
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import redis
 
 from loadtest.redis_server import RedisServer
 from router import contract
+from router.redis_client import redis_client
 from tests.helpers import wait_for
 from tests.integration.test_router_fleet import Router, prometheus_value
 from tests.integration.test_router_tenants import MODEL, OneReplica
+from worker.redis_writer import RedisOutOfMemory, RedisWriter
+from worker.replica_view import Change
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -115,3 +121,63 @@ def test_redis_out_of_memory_is_a_reported_state(own_redis: RedisServer, tmp_pat
     for output in router_outputs:
         assert len(warnings_in(output)) <= budget + 1, output
         assert "redis connection lost" not in output, output
+
+
+def test_a_heartbeat_passing_near_the_limit_does_not_end_the_oom_state(
+        own_redis: RedisServer, caplog: pytest.LogCaptureFixture) -> None:
+    """Redis hovering at its limit: a heartbeat's small HSET goes through while the held flush is
+    still refused (the memory dips and grows with the fleet's traffic; here ``maxmemory`` is set
+    to 50 KB under the memory used, then lifted, in turn). The worker stays out of memory (its
+    heartbeat still says so) until the held changes flush: one "out of memory" line and no
+    "accepts writes again" over five such rounds, then one recovery line when the flush goes
+    through. (Before the fix: each passing heartbeat ended the state, 6 OOM and 5 recovery lines.)
+    A RedisWriter in-process, so that a round is a heartbeat then a flush, in that order."""
+
+    async def scenario() -> tuple[list[str], list[bool], list[Any], bool, set[int]]:
+        client = redis_client(own_redis.url, None, socket_timeout=5.0)
+        admin = redis.Redis.from_url(own_redis.url)
+        try:
+            writer = RedisWriter(client, "pr", "r0",
+                                 on_recovered=lambda: Change(contract.OP_CLEARED, [], 1, 0))
+            await writer.read_state()
+            await writer.write_heartbeat({contract.F_URL: "http://127.0.0.1:9"}, 30.0)
+            writer.enqueue(Change(contract.OP_STORED, [contract.BlockKey(1)], 1, 1))
+            await writer.flush()
+            admin.config_set("maxmemory-policy", "noeviction")
+
+            def limit_under_use() -> None:
+                admin.config_set("maxmemory", str(admin.info("memory")["used_memory"] - 50_000))
+
+            writer.enqueue(Change(contract.OP_STORED, [contract.BlockKey(2)], 1, 2))
+            limit_under_use()
+            with pytest.raises(RedisOutOfMemory):
+                await writer.flush()
+            oom_states: list[bool] = []
+            flags: list[Any] = []
+            for beat in range(5):
+                admin.config_set("maxmemory", "0")  # the small write passes
+                await writer.write_heartbeat({contract.F_URL: "http://127.0.0.1:9",
+                                              "probe": str(beat)}, 30.0)
+                oom_states.append(writer.oom)
+                flags.append(admin.hget(contract.replica_key("pr", "r0"), contract.F_REDIS_OOM))
+                limit_under_use()  # the flush that follows is refused
+                with pytest.raises(RedisOutOfMemory):
+                    await writer.flush()
+            messages = [r.getMessage() for r in caplog.records]
+            admin.config_set("maxmemory", "0")  # memory frees: the held change goes through
+            await writer.flush()
+            members = await client.smembers(contract.blocks_key("pr", "r0"))
+            return messages, oom_states, flags, writer.oom, {contract.unpack_key(m) for m in members}
+        finally:
+            admin.config_set("maxmemory", "0")
+            await client.aclose()
+
+    with caplog.at_level(logging.WARNING, logger="worker.redis_writer"):
+        during, oom_states, flags, oom_after, members = asyncio.run(scenario())
+        after = [r.getMessage() for r in caplog.records][len(during):]
+    assert oom_states == [True] * 5
+    assert flags == [b"1"] * 5  # routers keep seeing the worker out of memory
+    assert len([m for m in during if "out of memory (maxmemory" in m]) == 1, during
+    assert not [m for m in during if "accepts writes again" in m], during
+    assert len([m for m in after if "accepts writes again" in m]) == 1, after
+    assert not oom_after and members == {1, 2}

@@ -404,6 +404,40 @@ async def test_rogue_publisher_is_bounded(emulator: Emulator, publisher: KVEvent
     assert output.count("KV event publisher at") <= 2, output
 
 
+async def test_consecutive_refused_batches_use_their_seqs_up(
+        emulator: Emulator, publisher: KVEventPublisher, redis_url: str) -> None:
+    """Six impossible batches in a row (more blocks than the engine's 4,000; three refused after
+    the decode, three of 15,000 blocks by the precheck before it), each in the publisher's replay
+    buffer: each is refused and counted once, its seq used up, so the next batch is no gap and
+    nothing asks the replay socket to send (and the worker to refuse) them again; the real batch
+    after them reaches Redis under the same epoch. (Before the fix: each refusal left a gap, every
+    next batch replayed the buffer from the refused seq, and the counter grew quadratically.)"""
+    client = redis.Redis.from_url(redis_url)
+    metrics_port = free_port()
+    worker = start_worker(emulator, publisher, redis_url, metrics_port)
+    try:
+        await store_first(client, publisher, 1)
+        first_epoch = epoch(client)
+        replays_before = publisher.num_replay_requests
+        num_impossible = 6
+        for i in range(num_impossible):
+            num_blocks = 5_000 if i % 2 else 15_000  # the first refusal logged: precheck
+            start = 20_000_000 + i * 100_000
+            await publisher.publish(stored(*range(start, start + num_blocks)))
+            await asyncio.sleep(0.1)
+        await publisher.publish(stored(2))
+        await until(lambda: 2 in blocks(client), message="the real batch after them stored")
+        text = await asyncio.to_thread(worker_metrics, metrics_port)
+        assert counter(text, "worker_refused_batches_total") == num_impossible
+        assert publisher.num_replay_requests == replays_before
+        assert blocks(client) == {1, 2}  # nothing of the refused batches reached Redis
+        assert epoch(client) == first_epoch  # no resync either
+    finally:
+        output = stop_process(worker)
+    assert "(gap)" not in output, output
+    assert "refused before decoding" in output, output  # the precheck path was taken too
+
+
 async def test_a_batch_beyond_a_large_kv_cache_is_refused_before_it_is_decoded(
         publisher: KVEventPublisher, redis_url: str, tmp_path: Path) -> None:
     """An engine of 500,000 blocks: its MAXMSGSIZE (about 170 MB) admits a 2,000,000-block
