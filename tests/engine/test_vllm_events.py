@@ -120,7 +120,7 @@ def test_hash_probe_agrees_with_the_engine(workers: Workers) -> None:
     assert heartbeat["key_mode"] == "engine"
     assert heartbeat["num_gpu_blocks"] == str(NUM_BLOCKS)
     log = workers.stop(worker)
-    assert f"engine block hashes agree with the routers' (sha256, block size {BLOCK_SIZE})" in log
+    assert f"engine block hashes match this worker's hasher (sha256, block size {BLOCK_SIZE}" in log
 
 
 def test_hash_probe_with_a_wrong_seed_fails_loudly(workers: Workers) -> None:
