@@ -27,6 +27,7 @@ from router.contract import DP_RANK_HEADER
 from router.fleet import Fleet
 from router.loop_lag import LoopLag
 from router.metrics import RouterMetrics
+from router.proxy import connect_refused
 
 logger = logging.getLogger(__name__)
 
@@ -91,6 +92,8 @@ class CircuitProber:
             ok, failure = (None if late else False), f"no answer ({exc.__class__.__name__})"
         except aiohttp.ClientError as exc:
             ok, failure = False, str(exc) or exc.__class__.__name__
+            if isinstance(exc, aiohttp.ClientConnectorError) and connect_refused(exc):
+                self.fleet.health.record_refused(replica_id, time.monotonic())
         result = "ok" if ok else "failed" if ok is False else "router_late"
         self.metrics.child(self.metrics.circuit_probes, replica_id, result).inc()
         if ok is None:

@@ -89,6 +89,7 @@ class Fleet:
         self.speculative = SpeculativePlacements(config.speculative_ttl_s)
         self._ring: HashRing | None = None
         self._ring_ids: tuple[str, ...] = ()
+        self.left: set[str] = set()  # worker-reported replicas dropped (expired, deregistered)
         self.health = ReplicaHealth(HealthParams(
             failure_threshold=config.circuit_failures, failure_window_s=config.circuit_window_s,
             ejection_s=config.circuit_ejection_s, max_ejection_s=config.circuit_max_ejection_s,
@@ -186,16 +187,17 @@ class Fleet:
         serving = [r for r in self.replicas.values() if r.serves(model)]
         if not serving:
             if not self.replicas:
-                raise NoRoutableReplica("no replica is known to the router yet")
+                raise NoRoutableReplica(self.unknown_problem(model))
             raise ModelNotFound(f"The model `{model}` does not exist.")
         ready = [r for r in serving if self.routable_problem(r, now) is None]
         panic = self._panics(len(ready), len(serving))
         if panic:
-            ready = [r for r in serving if self.eligible_in_panic(r, now)]
+            ready = self._answering([r for r in serving if self.eligible_in_panic(r, now)], now)
         elif not ready:
             # (panic_threshold 0) every replica that is up has its circuit open: route to them
             # anyway rather than refuse everything on request errors alone
-            ready = [r for r in serving if self._down_problem(r, now) is None]
+            ready = self._answering(
+                [r for r in serving if self._down_problem(r, now) is None], now)
         if not ready:
             raise NoRoutableReplica(f"no routable replica serves model {model!r}")
         # a config-mismatched replica's keys never match this router's: no traffic while a
@@ -209,6 +211,14 @@ class Fleet:
                     lora = (model, r.lora_adapters[model])
                     break
         return ready, lora, panic
+
+    def unknown_problem(self, model: str | None = None) -> str:
+        """Why no replica is known: none registered yet, or every one known has left."""
+        if not self.left:
+            return "no replica is known to the router yet"
+        of = f" of model {model!r}" if model is not None else ""
+        return (f"no replica{of} is registered (all {len(self.left)} known replicas left: their "
+                "heartbeats expired or they deregistered)")
 
     def _panics(self, num_routable: int, num_replicas: int) -> bool:
         """Envoy's panic threshold: fewer than ``panic_threshold`` of the replicas routable."""
@@ -224,6 +234,23 @@ class Fleet:
         if replica.rank_problem is not None:
             return False
         return replica.probed_ok or not (replica.static or replica.fallback)
+
+    def _answering(self, replicas: list[Replica], now: float) -> list[Replica]:
+        """``replicas`` less those that refused their last connection (``ReplicaHealth.refused``:
+        nothing listens, direct evidence the replica is down, not a signal a busy router or
+        network can fake), unless every one did."""
+        return [r for r in replicas if not self.health.refused(r.replica_id, now)] or replicas
+
+    def not_ready(self, now: float) -> str | None:
+        """Why no replica can take a request now (``/ready`` answers 503), or ``None``: none is
+        routed to (``routed``), or every one routed to refused its last connection."""
+        routed = self.routed(now)
+        if not routed:
+            return self.unknown_problem() if not self.replicas else "no routable replica"
+        if all(self.health.refused(r.replica_id, now) for r in routed):
+            return (f"every replica routed to ({len(routed)}) refused its last connection "
+                    "(nothing listens on its port) and has not answered since")
+        return None
 
     def panic(self, now: float) -> tuple[bool, int, int]:
         """``(in panic, routable replicas, replicas)`` over the whole fleet (every model):
@@ -242,8 +269,8 @@ class Fleet:
         every one ``eligible_in_panic`` allows."""
         if not self.panic(now)[0]:
             return self.routable(now)
-        return [r for r in self.replicas.values()
-                if self.routable_problem(r, now) is None or self.eligible_in_panic(r, now)]
+        return self._answering([r for r in self.replicas.values() if self.routable_problem(
+            r, now) is None or self.eligible_in_panic(r, now)], now)
 
     def model_cards(self, now: float) -> list[dict[str, Any]]:
         """Union of model cards over the replicas routed to (``routed``), by id
@@ -311,6 +338,7 @@ class Fleet:
         is_new = replica is None
         if replica is None:
             replica = self.replicas[replica_id] = Replica(replica_id, fields.get(c.F_URL, ""))
+            self.left.discard(replica_id)
         replica.url = fields.get(c.F_URL, replica.url).rstrip("/")
         dp_rank = int_field(fields.get(c.F_DP_RANK), None)
         replica.dp_rank = dp_rank if dp_rank is not None and dp_rank >= 0 else None
@@ -368,6 +396,7 @@ class Fleet:
         if replica_id in self.replicas and not self.replicas[replica_id].static:
             del self.replicas[replica_id]
             self.health.forget(replica_id)
+            self.left.add(replica_id)
         # O(1): the replica's slot is retired; sweep_index later removes it from the index and
         # the speculative placements before the slot is reused
         self.index.drop(replica_id)

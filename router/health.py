@@ -72,6 +72,8 @@ class _Breaker:
     ejections: int = 0  # times opened since it last closed after a successful probe
     trial_inflight: bool = False  # half-open: the one probe request is out
     cause: str = ""  # of the last opening
+    # monotonic time of its last refused connection (ECONNREFUSED) with no answer since, or None
+    refused_at: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -165,6 +167,7 @@ class ReplicaHealth:
         if ok:
             b.state, b.trial_inflight, b.ejections = CLOSED, False, 0
             b.failures.clear()
+            b.refused_at = None
         elif ok is None:
             b.trial_inflight = False
         else:
@@ -177,8 +180,25 @@ class ReplicaHealth:
         if b is None:
             return
         b.failures.clear()
+        b.refused_at = None
         if b.state == HALF_OPEN:
             b.state, b.trial_inflight, b.ejections = CLOSED, False, 0
+
+    def record_refused(self, replica_id: str, now: float) -> None:
+        """A connection to ``replica_id`` was refused (ECONNREFUSED: nothing listens on its
+        port). Unlike a timeout, which a late router loop or a burst of connects can cause, a
+        refusal is the kernel of the replica's host saying it is down (``refused``)."""
+        self._breakers.setdefault(replica_id, _Breaker()).refused_at = now
+
+    def refused(self, replica_id: str, now: float) -> bool:
+        """Whether ``replica_id`` refused its last connection with no answer since: within
+        ``failure_window_s``, or at any time while its circuit is not closed (it has not
+        answered a probe since). Panic mode skips such a replica while another is left, and a
+        router whose every replica refuses is not ready (``router.fleet``)."""
+        b = self._breakers.get(replica_id)
+        if b is None or b.refused_at is None:
+            return False
+        return b.state != CLOSED or now - b.refused_at <= self.params.failure_window_s
 
     def record_failure(self, replica_id: str, now: float, cause: str) -> bool:
         """A failed attempt. Returns True when this opened the circuit."""
@@ -237,6 +257,9 @@ class ReplicaHealth:
         attempt = self._attempts.get(replica_id, {}).get(token)
         if attempt is not None:
             attempt.answered = True
+        b = self._breakers.get(replica_id)
+        if b is not None:
+            b.refused_at = None  # it answers: whatever refused before is up now
         self.progress(replica_id, now)
 
     def attempt_ended(self, replica_id: str, token: int) -> None:

@@ -31,6 +31,7 @@ Rules:
 from __future__ import annotations
 
 import asyncio
+import errno
 import logging
 import math
 import time
@@ -74,7 +75,8 @@ HOP_BY_HOP: Final = frozenset({
 RETRY_STATUSES: Final = frozenset({500, 502, 503, 504})
 # failures that say the replica cannot take connections or does not speak HTTP (it is benched for
 # a few seconds); a connection it dropped or a 502/503/504 it answered may be about one request
-SUSPECT_CAUSES: Final = frozenset({"connect_error", "connect_timeout", "bad_response"})
+SUSPECT_CAUSES: Final = frozenset({"connect_error", "connect_refused", "connect_timeout",
+                                   "bad_response"})
 # causes the health watcher counted when it moved the attempt (``Proxy.abort_waiting``)
 COUNTED_CAUSES: Final = frozenset({"stalled", HUNG, MISSED})
 # failures that are timeouts measured on the router's loop: not counted when it ran late
@@ -111,6 +113,12 @@ def target_headers(headers: CIMultiDict[str], target: Target) -> CIMultiDict[str
     ranked = headers.copy()
     ranked[DP_RANK_HEADER] = str(target.dp_rank)
     return ranked
+
+
+def connect_refused(exc: aiohttp.ClientConnectorError) -> bool:
+    """Whether a failed connect was refused (ECONNREFUSED: nothing listens on the port)."""
+    return exc.os_error.errno == errno.ECONNREFUSED or isinstance(
+        exc.os_error, ConnectionRefusedError)
 
 
 def hop_by_hop(headers: CIMultiDictProxy[str]) -> frozenset[str]:
@@ -232,6 +240,8 @@ class Proxy:
                 elif exc.cause not in COUNTED_CAUSES:  # counted once, when found
                     if exc.cause in SUSPECT_CAUSES:
                         on_failure(rid)
+                    if exc.cause == "connect_refused":
+                        health.record_refused(rid, time.monotonic())
                     self._failed(rid, exc.cause)
                 if i + 1 < len(attempts):
                     self.metrics.child(self.metrics.retries, exc.cause).inc()
@@ -329,7 +339,10 @@ class Proxy:
                         raise _Retryable(f"http_{upstream.status}")
                     first = await upstream.content.readany()
             except aiohttp.ClientConnectorError as exc:
-                raise _Retryable("connect_error") from exc
+                # refused (nothing listens: the replica is down) apart from the other connect
+                # errors (unreachable host, DNS), which a busy network can cause
+                raise _Retryable("connect_refused" if connect_refused(exc)
+                                 else "connect_error") from exc
             except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as exc:
                 raise _Retryable("disconnected", same_replica=True) from exc
             except aiohttp.ServerTimeoutError as exc:

@@ -634,6 +634,7 @@ class RouterService:
     async def handle_ready(self, request: web.Request) -> web.Response:
         now = time.monotonic()
         replicas = []
+        routed = {r.replica_id for r in self.fleet.routed(now)}
         for rid in sorted(self.fleet.replicas):
             r = self.fleet.replicas[rid]
             problem = self.fleet.routable_problem(r, now)
@@ -651,13 +652,17 @@ class RouterService:
                 "index_cpu_blocks": self.fleet.index.num_blocks(rid, TIER_CPU),
                 "kv_tiers": list(r.kv_tiers),
                 "circuit": self.fleet.health.state(rid),
+                "routed": rid in routed,  # requests go there now (in panic mode: unroutable too)
+                "refused_connections": self.fleet.health.refused(rid, now),
                 "inflight_requests": self.tracker.requests(rid),
                 "inflight_prefill_tokens": self.tracker.prefill_tokens(rid),
             })
         panic, num_routable, num_replicas = self.fleet.panic(now)
-        # in panic mode the router routes to replicas /ready lists as not routable
-        ready = bool(self.fleet.routed(now)) and not self.draining and not self.warming
-        body = {"ready": ready, "draining": self.draining, "warm_up": self._warm_up_state(),
+        # in panic mode the router routes to replicas /ready lists as not routable ("routed")
+        not_ready = self.fleet.not_ready(now)
+        ready = not_ready is None and not self.draining and not self.warming
+        body = {"ready": ready, "not_ready_reason": not_ready,
+                "draining": self.draining, "warm_up": self._warm_up_state(),
                 "policy": self.config.policy,
                 "panic": {"active": panic, "routable_replicas": num_routable,
                           "replicas": num_replicas, "threshold": self.config.panic_threshold},

@@ -11,6 +11,7 @@ of its event loop: every await of a reply then ends seconds late, as under 1,000
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import threading
 import time
@@ -118,6 +119,37 @@ def routable(router: Router) -> int:
     return sum(r["routable"] for r in router.ready()["replicas"])
 
 
+class Heartbeats:
+    """What a worker writes (``worker.redis_writer``) for each ``{replica_id: replica}``, once a
+    second with the worker's expiry, on a thread until ``stop``."""
+
+    def __init__(self, redis_url: str, replicas: dict[str, FakeReplica]) -> None:
+        import redis as redis_lib
+
+        self.client = redis_lib.Redis.from_url(redis_url)
+        self.replicas = replicas
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            for rid, replica in self.replicas.items():
+                key = c.replica_key("pr", rid)
+                self.client.hset(key, mapping={
+                    c.F_URL: replica.url, c.F_MODELS: '["m"]', c.F_BLOCK_SIZE: "16",
+                    c.F_HASH_ALGO: "sha256", c.F_HASH_VERIFIED: "1", c.F_EPOCH: "1",
+                    c.F_CONTRACT: str(c.CONTRACT_VERSION), c.F_INDEX_STRIDE: "16",
+                    c.F_HEARTBEAT_TS: str(time.time())})
+                self.client.pexpire(key, int(c.HEARTBEAT_TTL_S * 1000))
+            self._stop.wait(c.HEARTBEAT_INTERVAL_S)
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(5)
+        self.client.close()
+
+
 def test_busy_event_loop_keeps_fresh_replicas_routable(redis_url: str, tmp_path: Path,
                                                        replicas: list[FakeReplica]) -> None:
     """Two worker-reported replicas whose heartbeats are written every second with the
@@ -125,25 +157,7 @@ def test_busy_event_loop_keeps_fresh_replicas_routable(redis_url: str, tmp_path:
     panic mode off: while the router's loop is blocked for 2 s every turn, no replica is
     judged stale or failing. Before the fix every heartbeat was aged by the time the loop got
     to the reply (all replicas "stale" at once) and each probe timed out on the loop."""
-    import redis as redis_lib
-
-    client = redis_lib.Redis.from_url(redis_url)
-    stop = threading.Event()
-
-    def heartbeats() -> None:  # what a worker writes (worker.redis_writer), once a second
-        while not stop.is_set():
-            for rid, replica in (("busy-a", replicas[0]), ("busy-b", replicas[1])):
-                key = c.replica_key("pr", rid)
-                client.hset(key, mapping={
-                    c.F_URL: replica.url, c.F_MODELS: '["m"]', c.F_BLOCK_SIZE: "16",
-                    c.F_HASH_ALGO: "sha256", c.F_HASH_VERIFIED: "1", c.F_EPOCH: "1",
-                    c.F_CONTRACT: str(c.CONTRACT_VERSION), c.F_INDEX_STRIDE: "16",
-                    c.F_HEARTBEAT_TS: str(time.time())})
-                client.pexpire(key, int(c.HEARTBEAT_TTL_S * 1000))
-            stop.wait(c.HEARTBEAT_INTERVAL_S)
-
-    writer = threading.Thread(target=heartbeats, daemon=True)
-    writer.start()
+    writer = Heartbeats(redis_url, {"busy-a": replicas[0], "busy-b": replicas[1]})
     flag = tmp_path / "busy"
     router = Router(tmp_path, [
         "--redis-url", redis_url, "--replica", replicas[0].url, "--model", "m",
@@ -157,9 +171,7 @@ def test_busy_event_loop_keeps_fresh_replicas_routable(redis_url: str, tmp_path:
         wait_for(lambda: routable(router) == 3, 60, message="3 replicas routable after")
     finally:
         output = router.stop()
-        stop.set()
-        writer.join(5)
-        client.close()
+        writer.stop()
     turns = [int(line.split()[2]) for line in output.splitlines()
              if line.startswith("busy loop:")]
     assert turns and turns[0] >= 8, output  # the loop was blocked all along
@@ -218,6 +230,52 @@ def test_panic_mode_routes_when_most_replicas_look_down(tmp_path: Path,
     finally:
         router.stop()
         off.stop()
+
+
+def test_a_fleet_refusing_every_connection_is_not_ready(redis_url: str, tmp_path: Path,
+                                                        replicas: list[FakeReplica]) -> None:
+    """Both worker-reported replicas die (their ports closed) while their heartbeats stay fresh
+    in Redis: their refused connections open their circuits, panic mode (below 50% routable)
+    would route to them anyway, but a refused connection is no signal a busy router can fake:
+    within a bounded wait ``/ready`` answers 503 and says why, and each replica is listed with
+    its circuit not closed, not routable and refusing. Before the fix ``/ready`` stayed 200
+    "ready" (panic mode routed to both) while every request got a 502. Then the heartbeats
+    stop: once both expire, a request's 503 says every known replica left."""
+    writer = Heartbeats(redis_url, {"refused-a": replicas[0], "refused-b": replicas[1]})
+    router = Router(tmp_path, ["--redis-url", redis_url, "--circuit-failures", "2"])
+    body = {"model": "m", "prompt": [1, 2, 3], "max_tokens": 1}
+    try:
+        wait_for(lambda: routable(router) == 2, 30, message="both replicas routable")
+        assert router.post("/v1/completions", body)[0] == 200
+        for replica in replicas:
+            replica.stop()  # the port closes: connections are refused
+
+        def not_ready() -> bool:
+            status = router.post("/v1/completions", body)[0]
+            assert status in (502, 503), status  # nothing answers
+            status, _, raw = http("GET", router.url + "/ready")
+            circuits = {r["circuit"] for r in json.loads(raw)["replicas"]}
+            return status == 503 and "closed" not in circuits  # both circuits opened
+
+        wait_for(not_ready, 60, message="/ready 503, every replica refusing, circuits open")
+        ready = router.ready()
+        assert ready["ready"] is False and "refused" in ready["not_ready_reason"], ready
+        assert ready["panic"]["active"] is True, ready  # panic mode, yet not ready
+        for r in ready["replicas"]:
+            assert r["refused_connections"] is True, r
+            # a replica whose circuit is not closed is never listed as routable
+            assert r["routable"] is False and r["not_routable_reason"], r
+        metrics = router.metrics()
+        assert 'kind="connect_refused"' in metrics, metrics
+
+        writer.stop()  # the heartbeats expire: both replicas leave the fleet
+        wait_for(lambda: not router.ready()["replicas"], 30, message="both replicas left")
+        status, _, raw = router.post("/v1/completions", body)
+        assert status == 503 and b"all 2 known replicas left" in raw, raw
+        assert b"known to the router yet" not in raw, raw
+    finally:
+        router.stop()
+        writer.stop()
 
 
 def router_fds(router: Router) -> int:

@@ -86,3 +86,37 @@ def test_panic_skips_static_replicas_never_seen_up() -> None:
     first.probed_ok = True  # was up, its probes fail now
     ready, _, panic = fleet.eligible(None, now)
     assert ready == [first] and panic
+
+
+def test_panic_skips_replicas_refusing_connections_unless_none_is_left() -> None:
+    """A refused connection (nothing listens) is direct evidence: panic mode skips the replica
+    while another is left, and ``not_ready`` names the cause once every routed one refuses."""
+    fleet = fleet_of(3)
+    now = time.monotonic()
+    for rid in ("r0", "r1", "r2"):
+        fleet.replicas[rid].healthy = False  # stale heartbeats: panic mode
+    fleet.health.record_refused("r0", now)
+    ready, _, panic = fleet.eligible("m", now)
+    assert panic and sorted(r.replica_id for r in ready) == ["r1", "r2"]
+    assert sorted(r.replica_id for r in fleet.routed(now)) == ["r1", "r2"]
+    assert fleet.not_ready(now) is None
+    fleet.health.record_refused("r1", now)
+    fleet.health.record_refused("r2", now)
+    ready, _, panic = fleet.eligible("m", now)  # none left: all of them (a retry is cheap)
+    assert panic and len(ready) == 3
+    assert "refused its last connection" in (fleet.not_ready(now) or "")
+    fleet.health.record_success("r2")  # it answers again
+    assert fleet.not_ready(now) is None
+    assert [r.replica_id for r in fleet.eligible("m", now)[0]] == ["r2"]
+
+
+def test_the_no_replica_error_says_every_known_replica_left() -> None:
+    fleet = fleet_of(0)
+    with pytest.raises(NoRoutableReplica, match="known to the router yet"):
+        fleet.eligible("m", time.monotonic())
+    fleet = fleet_of(2)
+    fleet.drop_replica("r0")
+    fleet.drop_replica("r1")
+    with pytest.raises(NoRoutableReplica, match=r"of model 'm' is registered \(all 2 known"):
+        fleet.eligible("m", time.monotonic())
+    assert "all 2 known replicas left" in (fleet.not_ready(time.monotonic()) or "")

@@ -226,3 +226,20 @@ def test_an_engine_holding_requests_whose_kv_events_still_come_is_busy() -> None
     h.progress("b", 58.0)
     assert h.overdue(59.0) == []  # events 59 s ago: within ENGINE_EVENT_SPAN_S
     assert h.overdue(61.0) == [Overdue("a", token, HUNG, False)]  # holding, no events: hung
+
+
+def test_a_refused_connection_counts_until_an_answer_or_the_window_ends() -> None:
+    h = make()  # failure_window_s 10
+    assert not h.refused("a", 0.0)
+    h.record_refused("a", 0.0)
+    assert h.refused("a", 9.0) and not h.refused("a", 11.0)  # circuit closed: the window
+    for t in (0.0, 1.0, 2.0):
+        h.record_failure("a", t, "connect_refused")
+    h.record_refused("a", 2.0)
+    assert h.state("a") == OPEN and h.refused("a", 100.0)  # not answered since: still refusing
+    assert h.probes_due(100.0) == ["a"]
+    h.probe_done("a", 100.0, True)
+    assert not h.refused("a", 100.0)
+    h.record_refused("b", 0.0)
+    h.first_byte("b", 0, 1.0)  # it answered
+    assert not h.refused("b", 1.0)
