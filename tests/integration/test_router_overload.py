@@ -348,6 +348,7 @@ def test_a_probe_of_a_non_http_answer_never_raises(replicas: list[FakeReplica]) 
     assert probe_replica(replicas[0].url, True, 5.0) == (False, None)
 
 
+@pytest.mark.timeout(420)  # up to three rounds on a loop that sleeps 2 s a turn
 def test_timeouts_on_a_starved_router_loop_leave_the_replicas_circuits_closed(
         tmp_path: Path, replicas: list[FakeReplica]) -> None:
     """Issue 29: under 1,000 streams every replica's circuit opened within 100 ms on
@@ -366,14 +367,21 @@ def test_timeouts_on_a_starved_router_loop_leave_the_replicas_circuits_closed(
         wait_for(lambda: routable(router) == 2, 30, message="both replicas routable")
         flag.touch()
         statuses: list[int] = []
-        clients = [threading.Thread(target=lambda: statuses.append(
-            router.post("/v1/completions", body, timeout=140)[0])) for _ in range(6)]
-        for t in clients:
-            t.start()
-        for t in clients:
-            t.join(140)
+        # a round can pass without any timer firing during a sleep (the connects all landed
+        # between two turns); the scenario needs at least one, so rounds go on until one did
+        num_rounds = 0
+        while num_rounds < 3:
+            num_rounds += 1
+            clients = [threading.Thread(target=lambda: statuses.append(
+                router.post("/v1/completions", body, timeout=140)[0])) for _ in range(6)]
+            for t in clients:
+                t.start()
+            for t in clients:
+                t.join(140)
+            if prometheus_value(router.metrics(), "router_loop_late_verdicts_total") >= 1:
+                break
         flag.unlink()
-        wait_for(lambda: len(statuses) == 6, 10, message="6 answers")
+        wait_for(lambda: len(statuses) == 6 * num_rounds, 10, message="every answer")
         metrics = router.metrics()
         ready = router.ready()
     finally:
