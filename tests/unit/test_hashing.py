@@ -188,7 +188,7 @@ def test_cli_reads_stdin_and_extras() -> None:
     (["--mm", "x:1", "--tokens", "[1]"], None, "ID:OFFSET:LENGTH"),
     (["--lora-name", "a", "--tokens", "[1]"], None, "together"),
     (["--block-size", "x", "--tokens", "[1]"], None, "invalid int value"),
-    (["--no-such-flag"], None, "unrecognized arguments"),
+    (["--no-such-flag"], None, "unknown argument --no-such-flag"),
     (["--tokens", "[1" + "0" * 5000 + "]"], None, "not a usable JSON array"),
 ])
 def test_cli_bad_input(args: list[str], stdin: str | None, message: str) -> None:
