@@ -44,6 +44,7 @@ from worker.block_keys import KEY_MODE_RECOMPUTED, EngineKeys, RecomputedKeys
 from worker.event_filter import EventFilter, parse_kv_tiers
 from worker.heartbeat import EngineClient, EngineLoad, EngineModels, EngineUnreachable, Heartbeat
 from worker.kv_events import (
+    AllBlocksCleared,
     BlockRemoved,
     BlockShape,
     BlockStored,
@@ -67,6 +68,23 @@ DEREGISTER_TIMEOUT_S: Final = 2.0  # a Redis that does not answer at shutdown: e
 
 T = TypeVar("T")
 
+
+
+def resident_after(num_resident: int, events: Sequence[object]) -> int:
+    """GPU-tier blocks resident after ``events``, from ``num_resident`` before them: a store adds
+    its blocks, an eviction takes them off, an ``AllBlocksCleared`` empties the cache (vLLM
+    publishes it with the next step's batch, so the stores after it in the same batch start
+    from nothing). Counts blocks, not distinct keys: a real engine's count never exceeds its
+    ``num_gpu_blocks``, and the view's distinct keys never exceed the engine's count."""
+    num = num_resident
+    for event in events:
+        if isinstance(event, AllBlocksCleared):
+            num = 0
+        elif isinstance(event, BlockStored) and event.medium in (None, "GPU"):
+            num += len(event.block_hashes)
+        elif isinstance(event, BlockRemoved) and event.medium in (None, "GPU"):
+            num -= len(event.block_hashes)
+    return num
 
 class Stopped(Exception):
     """The stop signal arrived before the awaited start-up step finished."""
@@ -199,15 +217,10 @@ class Worker:
         capacity = self._capacity()
         if not capacity:
             return
-        delta = 0
-        for event in batch.events:
-            if isinstance(event, BlockStored) and event.medium in (None, "GPU"):
-                delta += len(event.block_hashes)
-            elif isinstance(event, BlockRemoved) and event.medium in (None, "GPU"):
-                delta -= len(event.block_hashes)
-        if len(self.view.blocks) + delta > capacity:
-            raise BatchRefused(f"{len(self.view.blocks)} resident blocks {delta:+d} would "
-                               f"exceed the engine's KV capacity of {capacity} blocks")
+        num_after = resident_after(len(self.view.blocks), batch.events)
+        if num_after > capacity:
+            raise BatchRefused(f"{len(self.view.blocks)} resident blocks would become "
+                               f"{num_after}, over the engine's KV capacity of {capacity} blocks")
 
     def filtered(self, batch: KVEventBatch) -> KVEventBatch:
         """``batch`` without the events the index cannot use (other tiers, block sizes, ...; ``EventFilter``)."""

@@ -25,7 +25,14 @@ from loadtest.redis_server import RedisServer
 from router import contract
 from tests.helpers import PYTHON, free_port, start_process, stop_process, wait_for
 from tests.integration.test_worker_emulator import REPLICA, Emulator, start_emulator
-from worker.kv_events import BlockRemoved, BlockStored, KVEventBatch, encode_batch, seq_bytes
+from worker.kv_events import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    KVEventBatch,
+    encode_batch,
+    seq_bytes,
+)
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -518,5 +525,27 @@ async def test_a_gone_replicas_block_sets_expire(
         await until(lambda: not client.exists(contract.blocks_key("pr", REPLICA)), 30,
                     message="the block set expired")
         assert not client.exists(contract.replica_key("pr", REPLICA))
+    finally:
+        stop_process(worker)
+
+
+async def test_a_reset_batched_with_the_next_stores_is_applied_on_a_full_cache(
+        emulator: Emulator, publisher: KVEventPublisher, redis_url: str) -> None:
+    """vLLM publishes ``/reset_prefix_cache``'s ``AllBlocksCleared`` with the next step's batch,
+    before its stores. With the engine's 4,000 blocks all resident, such a batch leaves 3 blocks,
+    not 4,003: the capacity check must not refuse it (it did: the set kept the 4,000 old keys and
+    never followed the reset, seen against the real vLLM CPU engine)."""
+    client = redis.Redis.from_url(redis_url)
+    metrics_port = free_port()
+    worker = start_worker(emulator, publisher, redis_url, metrics_port)
+    try:
+        await store_first(client, publisher, *range(1, 4_001))
+        cleared_and_stored = stored(50_001, 50_002, 50_003)
+        cleared_and_stored.events.insert(0, AllBlocksCleared())
+        await publisher.publish(cleared_and_stored)
+        await until(lambda: blocks(client) == {50_001, 50_002, 50_003},
+                    message="the reset and the stores after it applied")
+        text = await asyncio.to_thread(worker_metrics, metrics_port)
+        assert counter(text, "worker_refused_batches_total") == 0
     finally:
         stop_process(worker)

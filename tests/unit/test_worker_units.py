@@ -173,3 +173,22 @@ def test_the_probe_ignores_offload_and_other_group_stores() -> None:
     assert not catcher.done.is_set() and catcher.engine_keys == [None, None]
     catcher.observe(_events_for(tokens, hasher))
     assert catcher.done.is_set() and judge(catcher, hasher).verified
+
+
+def test_resident_after_counts_from_nothing_after_all_blocks_cleared() -> None:
+    """vLLM publishes the ``AllBlocksCleared`` of ``/reset_prefix_cache`` with the next step's
+    batch, before that step's stores: a full cache (63 of 63 blocks) then 3 stores is 3 blocks,
+    not 66 (the capacity check refused such a batch, so the worker's set never followed a reset
+    on a full engine)."""
+    from worker.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
+    from worker.report import resident_after
+
+    def store(n: int, medium: str | None = "GPU") -> BlockStored:
+        return BlockStored(block_hashes=list(range(n)), parent_block_hash=None,
+                           token_ids=[1] * 16 * n, block_size=16, lora_id=None, medium=medium,
+                           lora_name=None)
+
+    assert resident_after(63, [AllBlocksCleared(), store(3)]) == 3
+    assert resident_after(63, [store(2), AllBlocksCleared(), store(3)]) == 3
+    assert resident_after(10, [store(4), BlockRemoved(block_hashes=[1, 2], medium="GPU")]) == 12
+    assert resident_after(10, [store(4, medium="CPU"), store(1, medium=None)]) == 11
