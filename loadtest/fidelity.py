@@ -45,7 +45,12 @@ import zmq
 
 from loadtest import harness
 from loadtest.trace import TokenMapper, read_trace
-from loadtest.vllm_engine import make_model_dir, start_vllm_engine, unavailable_reason
+from loadtest.vllm_engine import (
+    KVEventTap,
+    make_model_dir,
+    start_vllm_engine,
+    unavailable_reason,
+)
 from router.hashing import BlockHasher, block_keys
 from worker.kv_events import (
     AllBlocksCleared,
@@ -223,46 +228,6 @@ async def _send_sequence(url: str, model: str, prompts: Sequence[list[int]],
     return cached, errors
 
 
-class _Subscriber:
-    """A ZMQ SUB socket on an engine's KV-event endpoint, read by a thread: every batch from
-    the moment it is connected, as ``{seq: batch}``."""
-
-    def __init__(self, endpoint: str) -> None:
-        import threading
-
-        self.batches: dict[int, KVEventBatch] = {}
-        self.last_at = time.monotonic()
-        self._ctx = zmq.Context()
-        self._sub = self._ctx.socket(zmq.SUB)
-        self._sub.setsockopt(zmq.SUBSCRIBE, b"")
-        self._sub.setsockopt(zmq.RCVTIMEO, 100)
-        self._sub.connect(endpoint)
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="fidelity-sub", daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            try:
-                _topic, seq, payload = self._sub.recv_multipart()
-            except zmq.Again:
-                continue
-            self.batches[int.from_bytes(seq, "big")] = decode_batch(payload)
-            self.last_at = time.monotonic()
-
-    def wait_quiet(self, quiet_s: float = EVENTS_QUIET_S, timeout_s: float = EVENTS_WAIT_S) -> None:
-        """Return once no batch has come for ``quiet_s`` seconds (or after ``timeout_s``)."""
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline and time.monotonic() - self.last_at < quiet_s:
-            time.sleep(0.1)
-
-    def close(self) -> None:
-        self._stop.set()
-        self._thread.join(5)
-        self._sub.close(linger=0)
-        self._ctx.term()
-
-
 def replay_batches(endpoint: str, start_seq: int = 0, timeout_s: float = 30.0,
                    ) -> dict[int, KVEventBatch]:
     """Every batch an engine still buffers from ``start_seq`` on, through its replay (ROUTER)
@@ -292,12 +257,12 @@ def run_engine(name: str, url: str, model: str, events_endpoint: str,
                config: FidelityConfig) -> EngineRun:
     """Send ``prompts`` to a running engine while recording its KV events; the batches the
     subscriber missed (ZMQ's slow joiner, a dropped message) come from the replay socket."""
-    subscriber = _Subscriber(events_endpoint)
+    subscriber = KVEventTap(events_endpoint)
     try:
         time.sleep(1.0)  # let the subscription reach the publisher before the first event
         cached, errors = asyncio.run(_send_sequence(url, model, prompts, config))
-        subscriber.wait_quiet()
-        batches = dict(subscriber.batches)
+        subscriber.wait_quiet(EVENTS_QUIET_S, EVENTS_WAIT_S)
+        batches = dict(subscriber.batches)  # {seq: batch}
     finally:
         subscriber.close()
     missed = 0

@@ -372,6 +372,7 @@ class KVEventTap:
 
     def __init__(self, endpoint: str) -> None:
         self.batches: list[tuple[int, KVEventBatch]] = []
+        self.last_at = time.monotonic()  # when the last batch came (monotonic s)
         self._ctx = zmq.Context()
         self._sub = self._ctx.socket(zmq.SUB)
         self._sub.setsockopt(zmq.SUBSCRIBE, b"")
@@ -390,6 +391,13 @@ class KVEventTap:
                 continue
             with self._lock:
                 self.batches.append((int.from_bytes(seq, "big"), decode_batch(payload)))
+            self.last_at = time.monotonic()
+
+    def wait_quiet(self, quiet_s: float, timeout_s: float) -> None:
+        """Return once no batch has come for ``quiet_s`` seconds (or after ``timeout_s``)."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline and time.monotonic() - self.last_at < quiet_s:
+            time.sleep(0.1)
 
     def events(self) -> list[BlockStored | BlockRemoved | AllBlocksCleared]:
         """Every known event so far, in publishing order."""
