@@ -37,7 +37,8 @@ import numpy as np
 
 from loadtest.harness import ProcessExited, start_emulator, stop_process
 from loadtest.replay import RequestRecord, send_one
-from loadtest.trace import TokenMapper, read_trace
+from loadtest.trace import read_trace
+from router.tools.trace_format import TokenMapper
 
 logger = logging.getLogger(__name__)
 

@@ -14,7 +14,7 @@ import statistics
 import time
 from collections.abc import Sequence
 
-from router.hashing import HASH_ALGOS, BlockHasher
+from router.shared.hashing import HASH_ALGOS, BlockHasher
 
 PROMPT_LENGTHS = (1_024, 8_192, 32_768)  # tokens
 

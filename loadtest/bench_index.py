@@ -12,8 +12,8 @@ import random
 import time
 import tracemalloc
 
-from router.contract import BlockKey, anchor_keys
-from router.index import BlockIndex, SpeculativePlacements
+from router.decision.index import BlockIndex, SpeculativePlacements
+from router.shared.contract import BlockKey, anchor_keys
 
 
 def main() -> None:
@@ -27,7 +27,7 @@ def main() -> None:
                         help="index_stride: each replica's keys form one chain and only its anchor "
                              "keys enter the index, as workers publish them (1 = every key)")
     parser.add_argument("--sweep-keys", type=int, default=5_000,
-                        help="keys per background sweep step (router.server.SWEEP_KEYS_PER_STEP)")
+                        help="keys per background sweep step (router.service.server.SWEEP_KEYS_PER_STEP)")
     args = parser.parse_args()
     rng = random.Random(1)
     replica_ids = [f"replica-{i}" for i in range(args.replicas)]

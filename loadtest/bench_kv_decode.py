@@ -20,8 +20,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from worker.event_filter import EventFilter
-from worker.kv_events import (
+from router.shared.kv_events import (
     BlockRemoved,
     BlockStored,
     KVEventBatch,
@@ -29,6 +28,7 @@ from worker.kv_events import (
     decode_batch,
     encode_batch,
 )
+from worker.event_filter import EventFilter
 from worker.replica_view import ReplicaView
 
 BLOCK_SIZE = 16  # tokens; vLLM default

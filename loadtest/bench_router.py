@@ -35,7 +35,7 @@ from typing import Any
 import aiohttp
 
 from loadtest.harness import EMULATE, PYTHON, cpu_seconds, start_process, stop_processes, wait_ready
-from router.prompts import default_tokenizer_dir
+from router.request.prompts import default_tokenizer_dir
 
 
 def _start(args: list[str], log: Path) -> Any:

@@ -11,7 +11,7 @@ stream entry per flush, exactly what ``prefix-worker report`` writes). Per reque
 ``[h, h + blocks)`` (``h`` uniform below ``--max-hit-blocks``, the prefix it already held) and
 evicts as many, namely the blocks it stored ``--resident-requests`` requests earlier (before
 that: keys it never stored); with ``index_stride`` N only the anchor positions of those depths
-are written (``router.contract.is_anchor``), as workers do. Heartbeats for every replica point at
+are written (``router.shared.contract.is_anchor``), as workers do. Heartbeats for every replica point at
 one null replica (``loadtest.bench_router --serve-null``).
 
 For every (replicas, rate, stride): a fresh Redis and router (``prefix-router serve
@@ -52,7 +52,7 @@ from loadtest.bench_router import _start
 from loadtest.harness import cpu_seconds as _cpu_seconds
 from loadtest.harness import stop_process, wait_ready
 from loadtest.redis_server import RedisServer
-from router import contract as c
+from router.shared import contract as c
 from worker.redis_writer import _FLUSH
 
 MODEL = "emulated-llm"

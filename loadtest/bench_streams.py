@@ -7,7 +7,7 @@ and on a 3-master Redis Cluster. Does I/O (real ``redis-server`` processes).
 A writer process pours ``--rate`` flushes/s (each entry: ``--keys`` packed 8-byte keys stored
 and as many removed, from a replica chosen uniformly) into the layout's stream(s), through the
 layout's topology client. The reader (this process) follows them the way
-``router.fleet_sync.FleetReader`` does: ``XREAD BLOCK`` with ``COUNT 1000``, the packed keys
+``router.edges.fleet_sync.FleetReader`` does: ``XREAD BLOCK`` with ``COUNT 1000``, the packed keys
 unpacked, and a ``STREAM_READ_INTERVAL_S`` pause after a read that returned less than a full
 batch. Per-replica streams on one server: one ``XREAD BLOCK`` naming every stream. On a
 cluster a multi-key ``XREAD`` must stay in one hash slot (CROSSSLOT otherwise), so per-replica
@@ -31,9 +31,9 @@ from typing import Any
 
 from loadtest.redis_server import RedisServer
 from loadtest.redis_topology import RedisClusterServers
-from router import contract as c
-from router.fleet_sync import STREAM_READ_INTERVAL_S
-from router.redis_client import redis_client
+from router.edges.fleet_sync import STREAM_READ_INTERVAL_S
+from router.shared import contract as c
+from router.shared.redis_client import redis_client
 
 COUNT = 1000  # entries per XREAD, as FleetReader
 BLOCK_MS = 250  # FleetReader: HEARTBEAT_INTERVAL_S / 4

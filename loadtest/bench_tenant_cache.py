@@ -33,8 +33,8 @@ from typing import Any
 import numpy as np
 
 from loadtest.harness import PYTHON, start_process, stop_processes, wait_for, wait_ready
-from router.auth import hash_key, new_key
-from router.prompts import default_tokenizer_dir
+from router.edges.auth import hash_key, new_key
+from router.request.prompts import default_tokenizer_dir
 
 MODEL = "emulated-llm"
 PERMUTATIONS = 20_000  # permutation-test resamples (p resolution 5e-5)

@@ -44,8 +44,8 @@ from loadtest.harness import (
 )
 from loadtest.kv_publisher import KVEventPublisher
 from loadtest.redis_server import RedisServer
-from router import contract
-from worker.kv_events import BlockRemoved, BlockStored, KVEventBatch, encode_batch
+from router.shared import contract
+from router.shared.kv_events import BlockRemoved, BlockStored, KVEventBatch, encode_batch
 
 REPLICA = "bench-0"
 

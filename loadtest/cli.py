@@ -10,7 +10,7 @@ emulated fleet, and run the demo (the project's main benchmark). Does I/O (it is
 
 from __future__ import annotations
 
-from router.interrupt import exit_on_interrupt
+from router.shared.interrupt import exit_on_interrupt
 
 with exit_on_interrupt():  # Ctrl-C while these load: exit 130, no traceback
     import argparse
@@ -38,8 +38,8 @@ with exit_on_interrupt():  # Ctrl-C while these load: exit 130, no traceback
         write_records,
     )
     from loadtest.trace import read_trace
-    from router.settings import usage_error_line
-    from router.version import version_line
+    from router.shared.settings import usage_error_line
+    from router.shared.version import version_line
 logger = logging.getLogger(__name__)
 
 

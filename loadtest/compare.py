@@ -78,8 +78,9 @@ from loadtest.fleet import (
     peer_available,
 )
 from loadtest.replay import ReplayConfig, RequestRecord, replay, summarize, write_records
-from loadtest.trace import TraceRequest, read_trace
-from router.contract import DEFAULT_INDEX_STRIDE
+from loadtest.trace import read_trace
+from router.shared.contract import DEFAULT_INDEX_STRIDE
+from router.tools.trace_format import TraceRequest
 
 logger = logging.getLogger(__name__)
 

@@ -31,7 +31,7 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
-from router.circuit_probe import PROBE_HEADER
+from router.edges.circuit_probe import PROBE_HEADER
 
 GENERATE_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
 MODES = ("pass", "500", "hang")
@@ -44,7 +44,7 @@ class FaultProxy:
         self.mode = mode
         self.scope = "generate"  # or "all"
         self.generate_requests = 0  # generation requests received, any mode
-        self.probe_requests = 0  # of which the router's half-open probes (router.circuit_probe)
+        self.probe_requests = 0  # of which the router's half-open probes (router.edges.circuit_probe)
         self.session: aiohttp.ClientSession | None = None
 
     async def fault(self, request: web.Request) -> web.Response:

@@ -244,7 +244,7 @@ def scenario_hang_unstreamed(lab: Lab) -> dict[str, Any]:
 
 
 def scenario_template(lab: Lab) -> dict[str, Any]:
-    from router.prompts import default_tokenizer_dir
+    from router.request.prompts import default_tokenizer_dir
 
     tokenizer = default_tokenizer_dir() or ""
     url = lab.emulator("--time-scale", "20")[0]["url"]
@@ -405,7 +405,7 @@ def _text(seed: int, num_chars: int) -> str:
 
 
 def scenario_rss(lab: Lab) -> dict[str, Any]:
-    from router.prompts import default_tokenizer_dir
+    from router.request.prompts import default_tokenizer_dir
 
     url = lab.emulator("--time-scale", "20")[0]["url"]
     router, proc = lab.router("--replica", url, "--tokenizer", default_tokenizer_dir() or "",

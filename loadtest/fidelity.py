@@ -44,15 +44,15 @@ import aiohttp
 import zmq
 
 from loadtest import harness
-from loadtest.trace import TokenMapper, read_trace
+from loadtest.trace import read_trace
 from loadtest.vllm_engine import (
     KVEventTap,
     make_model_dir,
     start_vllm_engine,
     unavailable_reason,
 )
-from router.hashing import BlockHasher, block_keys
-from worker.kv_events import (
+from router.shared.hashing import BlockHasher, block_keys
+from router.shared.kv_events import (
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
@@ -61,6 +61,7 @@ from worker.kv_events import (
     encode_batch,
     event_hash_key,
 )
+from router.tools.trace_format import TokenMapper
 
 DEFAULT_NUM_REQUESTS: Final = 120
 DEFAULT_BLOCK_SIZE: Final = 32  # tokens; the least block size vLLM's CPU attention accepts

@@ -34,7 +34,7 @@ from typing import Any
 
 from loadtest import harness
 from loadtest.redis_server import RedisServer, free_port
-from router.contract import DEFAULT_INDEX_STRIDE
+from router.shared.contract import DEFAULT_INDEX_STRIDE
 
 logger = logging.getLogger(__name__)
 

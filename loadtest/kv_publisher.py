@@ -18,7 +18,13 @@ from collections import deque
 import zmq
 import zmq.asyncio
 
-from worker.kv_events import REPLAY_END_FRAME, KVEventBatch, encode_batch, parse_seq, seq_bytes
+from router.shared.kv_events import (
+    REPLAY_END_FRAME,
+    KVEventBatch,
+    encode_batch,
+    parse_seq,
+    seq_bytes,
+)
 
 logger = logging.getLogger(__name__)
 

@@ -9,7 +9,7 @@ wall clock:
   (``worker.emulator``) with its roofline step latency model, stepped on a virtual clock (an
   event heap); a decode burst is cut short when a request arrives, as in
   ``EmulatedEngine._engine_loop``;
-* the router: ``router.policy.decide`` with the router's own ``LoadTracker`` (dispatch, first
+* the router: ``router.decision.policy.decide`` with the router's own ``LoadTracker`` (dispatch, first
   token, finish; KV writes) and ``PrefillRateLearner`` (taught the predicted work and observed
   TTFT at every first token), on the virtual clock;
 * the hits it sees: each replica's exact GPU prefix-cache residency at decision time plus the
@@ -48,17 +48,8 @@ from pathlib import Path
 from typing import Any
 
 from loadtest.data import PACKAGED_ARRIVALS, packaged_arrivals_path, packaged_trace_path
-from loadtest.trace import (
-    TokenMapper,
-    TraceRequest,
-    arrival_offsets,
-    read_arrival_times,
-    read_trace,
-    schedule_offsets,
-)
-from router.config import POLICIES
-from router.hashing import BlockHasher, block_keys, max_hit_blocks
-from router.policy import (
+from loadtest.trace import arrival_offsets, read_arrival_times, read_trace, schedule_offsets
+from router.decision.policy import (
     Candidate,
     Decision,
     LoadTicket,
@@ -67,8 +58,11 @@ from router.policy import (
     RouteInput,
     decide,
 )
-from router.ring import HashRing
-from router.ttft import PrefillRateLearner
+from router.decision.ring import HashRing
+from router.decision.ttft import PrefillRateLearner
+from router.service.config import POLICIES
+from router.shared.hashing import BlockHasher, block_keys, max_hit_blocks
+from router.tools.trace_format import TokenMapper, TraceRequest
 from worker.emulator.kv_cache import BlockPool, KVCacheManager
 from worker.emulator.offload import CpuOffload
 from worker.emulator.profiles import LatencyModel

@@ -31,7 +31,7 @@ import redis
 
 from loadtest import harness
 from loadtest.redis_server import RedisServerError, _ping, free_port, redis_server_binary
-from router.contract import key_slot
+from router.shared.contract import key_slot
 
 NUM_SLOTS: Final = 16384  # Redis Cluster hash slots
 STARTUP_TIMEOUT_S: Final = 20.0

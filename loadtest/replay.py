@@ -2,7 +2,7 @@
 schedule and records per-request latency, cache and routing facts. Does network I/O (aiohttp).
 
 Each request is a streamed ``POST /v1/completions`` with a token-id prompt (see
-``loadtest.trace.TokenMapper``), ``max_tokens`` = the trace's output length, ``ignore_eos`` and
+``router.tools.trace_format.TokenMapper``), ``max_tokens`` = the trace's output length, ``ignore_eos`` and
 ``stream_options.include_usage`` (or, with ``prompt_format="text"``, text of exactly the same token
 count, for routers that accept only text; see ``loadtest.text``). Send times follow ``loadtest.trace.schedule_offsets``: the
 trace's ~3 s timestamp steps are spread evenly over their step (``spread=True``, the default) or
@@ -34,13 +34,8 @@ import msgspec
 import numpy as np
 
 from loadtest.data import PACKAGED_ARRIVALS, packaged_arrivals_path
-from loadtest.trace import (
-    TokenMapper,
-    TraceRequest,
-    arrival_offsets,
-    read_arrival_times,
-    schedule_offsets,
-)
+from loadtest.trace import arrival_offsets, read_arrival_times, schedule_offsets
+from router.tools.trace_format import TokenMapper, TraceRequest
 
 logger = logging.getLogger(__name__)
 

@@ -134,15 +134,15 @@ def request_bodies(model: str, salt: str) -> dict[str, tuple[str, dict[str, Any]
 async def walk(urls: list[str], model: str, tokenizer: str | None) -> dict[str, Any]:
     from aiohttp import web
 
-    from router.config import load_config
-    from router.prompts import PromptTokenizer
+    from router.request.prompts import PromptTokenizer
+    from router.service.config import load_config
 
     args = ["--model", model, "--policy", "prefix", "--port", "0", "--host", "127.0.0.1"]
     for url in urls:
         args += ["--replica", url]
     config = load_config(args, env={})
     prompt_tokenizer = PromptTokenizer(tokenizer) if tokenizer else None
-    from router import server
+    from router.service import server
 
     service = server.RouterService(config, prompt_tokenizer)
     runner = web.AppRunner(service.build_app())
@@ -184,7 +184,7 @@ def main(argv: list[str] | None = None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--walk", action="store_true", help="print every stop of the walk")
     args = parser.parse_args(argv)
-    from router.prompts import default_tokenizer_dir
+    from router.request.prompts import default_tokenizer_dir
 
     tokenizer = default_tokenizer_dir()
     model = "Qwen/Qwen3-0.6B"

@@ -33,8 +33,8 @@ And the two sticky placements the demo compares (``compare_placements``):
   with uniform noise of ``perturb_blocks`` on each replica's count (live timing perturbs the
   router's choice about that much);
 * ``ConsistentHashPlacement``: the ``consistent_hash`` baseline exactly: the router's ring
-  (``router.ring.HashRing``) over the given replica ids, keyed on the block key at token 1024 of
-  the replayed tokens (``loadtest.trace.TokenMapper``, ``router.hashing.BlockHasher`` defaults).
+  (``router.decision.ring.HashRing``) over the given replica ids, keyed on the block key at token 1024 of
+  the replayed tokens (``router.tools.trace_format.TokenMapper``, ``router.shared.hashing.BlockHasher`` defaults).
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from loadtest.trace import TRACE_BLOCK_TOKENS, TraceRequest
+from router.tools.trace_format import TRACE_BLOCK_TOKENS, TraceRequest
 from worker.emulator.profiles import LatencyModel
 
 
@@ -164,7 +164,7 @@ class WriteBalancedPlacement:
     """``prefix``'s placement (see the module docstring) over ``caches``; call as ``place``.
 
     ``place(i, req)`` returns the index into ``caches`` and counts the request's new trace blocks
-    (512 tokens each) as written there. The rule is ``router.policy``'s cold placement without
+    (512 tokens each) as written there. The rule is ``router.decision.policy``'s cold placement without
     timing (its queue-slack filter and load bounds need live load, which a placement-only
     simulation does not have); ``window`` is the router's ``cold_write_window``."""
 
@@ -194,17 +194,17 @@ class WriteBalancedPlacement:
 
 class ConsistentHashPlacement:
     """The ``consistent_hash`` baseline's placement over replicas ``replica_ids`` (the index into
-    ``replica_ids`` is the cache index): ``router.policy.decide`` itself, given the block keys of
+    ``replica_ids`` is the cache index): ``router.decision.policy.decide`` itself, given the block keys of
     the replayed tokens' first ``key_tokens`` (the router's ``consistent_hash_tokens``; the keys
     beyond them do not change its choice) and, for a prompt shorter than a block, the ring key the
     router computes from its head."""
 
     def __init__(self, replica_ids: Sequence[str], key_tokens: int = 1024,
                  block_size: int = 16) -> None:
-        from loadtest.trace import TokenMapper
-        from router.hashing import BlockHasher
-        from router.policy import Candidate, PolicyParams
-        from router.ring import HashRing
+        from router.decision.policy import Candidate, PolicyParams
+        from router.decision.ring import HashRing
+        from router.shared.hashing import BlockHasher
+        from router.tools.trace_format import TokenMapper
 
         self.ring = HashRing(replica_ids)
         self.views = [Candidate(rid) for rid in replica_ids]
@@ -218,8 +218,8 @@ class ConsistentHashPlacement:
     def __call__(self, i: int, req: TraceRequest) -> int:
         import json
 
-        from router.policy import RouteInput, decide
-        from router.ring import text_key
+        from router.decision.policy import RouteInput, decide
+        from router.decision.ring import text_key
 
         n = min(req.input_length, self.key_tokens)
         ids = req.hash_ids[:math.ceil(n / TRACE_BLOCK_TOKENS)]

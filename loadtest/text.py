@@ -21,7 +21,7 @@ from typing import Any
 
 from cachetools import LRUCache
 
-from loadtest.trace import TRACE_BLOCK_TOKENS, TokenMapper
+from router.tools.trace_format import TRACE_BLOCK_TOKENS, TokenMapper
 
 _WORD = re.compile(r"^ [a-z]{3,}$")
 

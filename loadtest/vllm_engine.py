@@ -62,7 +62,7 @@ from loadtest.harness import (
     start_process,
     wait_for,
 )
-from worker.kv_events import (
+from router.shared.kv_events import (
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
@@ -137,7 +137,7 @@ def unavailable_reason() -> str | None:
 
 
 def _tokenizer_dir() -> Path | None:
-    from router.prompts import default_tokenizer_dir
+    from router.request.prompts import default_tokenizer_dir
 
     path = default_tokenizer_dir()
     return Path(path) if path is not None else None

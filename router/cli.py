@@ -6,7 +6,7 @@ CLI edge: parses arguments, prints results, maps errors to exit codes.
 
 from __future__ import annotations
 
-from router.interrupt import exit_on_interrupt
+from router.shared.interrupt import exit_on_interrupt
 
 with exit_on_interrupt():  # Ctrl-C while these load: exit 130, no traceback
     import argparse
@@ -17,8 +17,8 @@ with exit_on_interrupt():  # Ctrl-C while these load: exit 130, no traceback
     from pathlib import Path
     from typing import Any, NoReturn
 
-    from router import capacity
-    from router.hashing import (
+    from router.decision import capacity
+    from router.shared.hashing import (
         DEFAULT_BLOCK_SIZE,
         DEFAULT_HASH_ALGO,
         HASH_ALGOS,
@@ -27,8 +27,8 @@ with exit_on_interrupt():  # Ctrl-C while these load: exit 130, no traceback
         MultiModalItem,
         block_key,
     )
-    from router.settings import unknown_command_line, usage_error_line
-    from router.version import version_line
+    from router.shared.settings import unknown_command_line, usage_error_line
+    from router.shared.version import version_line
 
 class UsageError(ValueError):
     """Bad command-line input; reported as one line on stderr with exit code 2."""
@@ -269,8 +269,13 @@ def read_request_file(path: Path, limit: int | None) -> list[tuple[str, Any]]:
 
 def run_audit(argv: Sequence[str]) -> int:
     """The ``audit`` subcommand. Returns the process exit code."""
-    from router.audit import PrefixAudit, format_report
-    from router.prompts import PromptError, PromptTokenizer, default_tokenizer_dir, parse_prompt
+    from router.observability.audit import PrefixAudit, format_report
+    from router.request.prompts import (
+        PromptError,
+        PromptTokenizer,
+        default_tokenizer_dir,
+        parse_prompt,
+    )
 
     args = _audit_parser().parse_args(argv)
     try:
@@ -286,7 +291,10 @@ def run_audit(argv: Sequence[str]) -> int:
             salt = None
             if kind == "trace":
                 if mapper is None:
-                    from loadtest.trace import TokenMapper, parse_trace_line  # the replay's mapping
+                    from router.tools.trace_format import (  # the replay's mapping
+                        TokenMapper,
+                        parse_trace_line,
+                    )
 
                     mapper = TokenMapper()
                 tokens = mapper.request_prompt(parse_trace_line(json.dumps(data), 0))
@@ -319,7 +327,7 @@ def run_auth(argv: Sequence[str]) -> int:
     """The ``auth`` subcommand: ``add-key TENANT`` prints a new random API key (to give the
     tenant) and its key-file line (to store); ``hash-key`` prints the stored form of a key read
     from stdin. Returns the process exit code."""
-    from router.auth import hash_key, new_key
+    from router.edges.auth import hash_key, new_key
 
     parser = _OneLineParser(prog="prefix-router auth",
                             description="API keys for the router's --api-keys file.")
@@ -377,7 +385,7 @@ def _main(argv: Sequence[str] | None) -> int:
         return run_auth(rest)
     if command == "audit":
         return run_audit(rest)
-    from router.server import main as serve_main  # heavy imports only when serving
+    from router.service.server import main as serve_main  # heavy imports only when serving
 
     return serve_main(rest)
 

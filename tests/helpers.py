@@ -32,7 +32,7 @@ class ReplicaFeed:
         self.replica_id = replica_id
 
     def heartbeat(self) -> None:
-        from router import contract as c
+        from router.shared import contract as c
 
         self.client.hset(c.replica_key("pr", self.replica_id), mapping={
             c.F_URL: "http://127.0.0.1:9", c.F_MODELS: '["m"]', c.F_BLOCK_SIZE: "16",
@@ -41,7 +41,7 @@ class ReplicaFeed:
 
     def stored(self, keys: list[int], pipe: Any = None) -> None:
         """One entry storing ``keys`` (on ``pipe`` when given, else at once)."""
-        from router import contract as c
+        from router.shared import contract as c
 
         (pipe or self.client).xadd(c.events_key("pr"), {
             c.E_REPLICA: self.replica_id, c.E_EPOCH: "1", c.E_OP: c.OP_STORED,

@@ -24,10 +24,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Final, Protocol
 
-from router.contract import KEY_MODE_RECOMPUTED as _RECOMPUTED
-from router.contract import TIER_GPU, BlockKey
-from router.hashing import BlockHasher, block_key
-from worker.kv_events import (
+from router.shared.contract import KEY_MODE_RECOMPUTED as _RECOMPUTED
+from router.shared.contract import TIER_GPU, BlockKey
+from router.shared.hashing import BlockHasher, block_key
+from router.shared.kv_events import (
     BlockRemoved,
     BlockStored,
     ExternalBlockHash,
@@ -47,7 +47,7 @@ class UnresolvableEvent(KVEventDecodeError):
 
 
 class KeyMapper(Protocol):
-    """Engine event of one ``tier`` (``router.contract.TIERS``) -> block keys.
+    """Engine event of one ``tier`` (``router.shared.contract.TIERS``) -> block keys.
 
     ``stored``/``removed`` raise ``KVEventDecodeError`` on bad input; ``placeable`` returns
     the hashes of an offload-tier store whose keys ``stored`` can compute (all of them when

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
 
-from router.contract import BlockKey
+from router.shared.contract import BlockKey
 
 
 class BlockSet:

@@ -4,14 +4,14 @@ one command never pays for the other's dependencies."""
 
 from __future__ import annotations
 
-from router.interrupt import exit_on_interrupt
+from router.shared.interrupt import exit_on_interrupt
 
 with exit_on_interrupt():  # Ctrl-C while these load: exit 130, no traceback
     import sys
     from collections.abc import Sequence
 
-    from router.settings import unknown_command_line
-    from router.version import version_line
+    from router.shared.settings import unknown_command_line
+    from router.shared.version import version_line
 COMMANDS = {
     "emulate": "run emulated vLLM replicas on a CPU",
     "report": "publish a replica's KV-cache blocks and load to Redis",

@@ -1,6 +1,6 @@
 """Which KV events the block index can use, before they reach the replica view. Pure: no I/O.
 
-The index holds block keys of one block size, chained from block 0 (``router.hashing``).
+The index holds block keys of one block size, chained from block 0 (``router.shared.hashing``).
 Real engines publish events it cannot place; they are skipped and counted by reason,
 never treated as errors (one bad event must not cost the batch or fill the log):
 
@@ -37,7 +37,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final
 
-from worker.kv_events import (
+from router.shared.kv_events import (
     BlockRemoved,
     BlockStored,
     KVEventBatch,
@@ -48,7 +48,7 @@ from worker.kv_events import (
 MEDIUM_GPU: Final = "GPU"
 DEFAULT_KV_TIERS: Final = ("GPU", "CPU")  # mediums indexed by default (vLLM native offloading)
 KNOWN_MEDIUMS: Final = ("GPU", "CPU", "STORAGE")
-INDEXED_MEDIUMS: Final = ("GPU", "CPU")  # router.contract.TIERS: the tiers routers value
+INDEXED_MEDIUMS: Final = ("GPU", "CPU")  # router.shared.contract.TIERS: the tiers routers value
 SKIP_REASONS: Final = ("tier", "group", "no_chain", "block_size", "unknown_type", "dp_rank")
 OTHER_MEDIUM: Final = "other"  # label of a skipped medium vLLM does not name (bounded labels)
 _STORED_EVENTS: Final = frozenset({BlockStored, LazyBlockStored})  # (as decoded: full or lazy)
@@ -138,7 +138,7 @@ class EventFilter:
                     block_size: int | None, rank: int | None) -> str | None:
         """Why a store (``stored``) or removal of this shape in a batch of DP rank ``rank``
         would be skipped by ``apply`` (None: usable); counts nothing. For a batch not yet
-        decoded (``worker.kv_events.count_blocks``)."""
+        decoded (``router.shared.kv_events.count_blocks``)."""
         if self.dp_rank is not None and rank is not None and rank != self.dp_rank:
             return "dp_rank"
         return self._shape_reason(BlockStored if stored else BlockRemoved, medium, group_idx,

@@ -28,7 +28,7 @@ from typing import Any, Final
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
-from router import contract
+from router.shared import contract
 from worker.redis_writer import REDIS_ERRORS, RedisOutOfMemory, RedisWriter
 
 logger = logging.getLogger(__name__)
@@ -158,7 +158,7 @@ def heartbeat_fields(*, replica_id: str, url: str, models: EngineModels, load: E
                      kv_tiers: str = contract.TIER_GPU) -> dict[str, str | int | float]:
     """The ``F_*`` fields of one heartbeat except epoch/seq (the writer adds the committed ones).
     ``dp_rank``: the engine's data-parallel rank this replica is (None: no data parallelism);
-    ``kv_tiers``: the tiers the worker indexes (``router.contract.TIERS``, comma-separated)."""
+    ``kv_tiers``: the tiers the worker indexes (``router.shared.contract.TIERS``, comma-separated)."""
     return {
         contract.F_REPLICA_ID: replica_id,
         contract.F_URL: url,

@@ -3,7 +3,7 @@
 The worker sends the engine a completion of random token ids (two full blocks
 plus one token, ``max_tokens`` 1), catches the ``BlockStored`` events of those
 blocks in the KV event stream, and compares their hashes with
-``router.hashing.BlockHasher`` under the engine's declared block size and hash
+``router.shared.hashing.BlockHasher`` under the engine's declared block size and hash
 algorithm and the routers' configured seed (vLLM 0.33 ``hash_block_tokens``;
 the engine seeds NONE_HASH from ``PYTHONHASHSEED``). On a mismatch it names the
 likely cause by re-hashing under the alternatives.
@@ -16,9 +16,14 @@ import random
 from dataclasses import dataclass
 from typing import Final
 
-from router.contract import TIER_GPU
-from router.hashing import HASH_ALGOS, BlockHasher, HashConfigError
-from worker.kv_events import BlockStored, KVEventDecodeError, event_hash_key, stored_token_ids
+from router.shared.contract import TIER_GPU
+from router.shared.hashing import HASH_ALGOS, BlockHasher, HashConfigError
+from router.shared.kv_events import (
+    BlockStored,
+    KVEventDecodeError,
+    event_hash_key,
+    stored_token_ids,
+)
 
 PROBE_FULL_BLOCKS: Final = 2
 PROBE_TOKEN_LOW: Final = 1_000  # token ids drawn from [LOW, HIGH): inside any real vocabulary

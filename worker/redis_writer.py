@@ -66,10 +66,10 @@ import redis.asyncio as aioredis
 from redis.asyncio.cluster import RedisCluster
 from redis.exceptions import NoScriptError, OutOfMemoryError, ResponseError
 
-from router import contract
-from router.contract import OP_CLEARED, OP_STORED, TIER_CPU, TIER_GPU, BlockKey
-from router.logs import IntervalLog
-from router.redis_client import reconnect_retry, redis_errors
+from router.shared import contract
+from router.shared.contract import OP_CLEARED, OP_STORED, TIER_CPU, TIER_GPU, BlockKey
+from router.shared.logs import IntervalLog
+from router.shared.redis_client import reconnect_retry, redis_errors
 from worker.replica_view import NO_SEQ, Change
 
 logger = logging.getLogger(__name__)
@@ -400,7 +400,7 @@ class RedisWriter:
 
     async def run(self) -> None:
         """Flush queued changes until cancelled; survive Redis outages (redis-py's ``Retry``
-        with exponential backoff, ``router.redis_client.reconnect_retry``: 0.1 s doubling to
+        with exponential backoff, ``router.shared.redis_client.reconnect_retry``: 0.1 s doubling to
         5 s, reset by a flush that went through)."""
         retry = reconnect_retry()
         oom_wait_s = OOM_BACKOFF_BASE_S

@@ -7,7 +7,7 @@ that stopped being resident (``removed``), or a reset (``cleared``: the set is
 replaced by ``keys``, usually empty, under a new ``epoch``). The Redis writer
 turns each flush of changes into set updates plus one ``{prefix}:events`` stream entry.
 
-With ``index_stride`` N > 1 (the coarse index, ``router.contract.is_anchor``)
+With ``index_stride`` N > 1 (the coarse index, ``router.shared.contract.is_anchor``)
 only the keys at anchor positions of their chain enter the set: the view keeps
 the chain depth of every resident block ({engine key: depth}), a
 stored block's depth being its parent's plus one (vLLM 0.33 ``BlockStored``:
@@ -15,7 +15,7 @@ stored block's depth being its parent's plus one (vLLM 0.33 ``BlockStored``:
 saw has no known depth and publishes no anchors (``num_unknown_depth_blocks``):
 the index under-reports, it never over-reports.
 
-Tiers (``router.contract.TIERS``): events with ``medium`` ``"CPU"`` (vLLM native offloading)
+Tiers (``router.shared.contract.TIERS``): events with ``medium`` ``"CPU"`` (vLLM native offloading)
 change a second set, ``cpu_blocks``; every ``Change`` names its ``tier``. vLLM's offloading
 connector publishes a host store without parent or token ids, so on the coarse index the view
 takes a CPU block's depth from the GPU store of the same hash, which comes first (offloading is
@@ -36,7 +36,7 @@ from typing import Any
 
 import msgspec
 
-from router.contract import (
+from router.shared.contract import (
     OP_CLEARED,
     OP_REMOVED,
     OP_STORED,
@@ -46,10 +46,7 @@ from router.contract import (
     anchor_positions_between,
     is_anchor,
 )
-from router.logs import IntervalLog
-from worker.block_keys import KEY_MODE_ENGINE, EngineKeys, KeyMapper
-from worker.block_set import BlockSet
-from worker.kv_events import (
+from router.shared.kv_events import (
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
@@ -57,6 +54,9 @@ from worker.kv_events import (
     KVEventDecodeError,
     event_hash_key,
 )
+from router.shared.logs import IntervalLog
+from worker.block_keys import KEY_MODE_ENGINE, EngineKeys, KeyMapper
+from worker.block_set import BlockSet
 
 logger = logging.getLogger(__name__)
 
@@ -78,7 +78,7 @@ class Change:
     keys: list[BlockKey]
     epoch: int
     seq: int
-    tier: str = TIER_GPU  # router.contract.TIERS; a ``cleared`` change covers every tier
+    tier: str = TIER_GPU  # router.shared.contract.TIERS; a ``cleared`` change covers every tier
     cpu_keys: list[BlockKey] = field(default_factory=list)  # ``cleared`` only: the new CPU set
 
 

@@ -6,7 +6,7 @@ plus the ``Heartbeat`` (engine HTTP -> Redis), the hash agreement probe and
 the metrics endpoint. A data-parallel engine (vLLM ``--data-parallel-size`` N) gets one
 ``Worker`` per rank in this process (``serve``): each subscribes to its rank's stream, keeps its
 own view and publishes the rank as replica ``{replica_id}#{rank}``
-(``router.kv_event_sources``). On start it reads back what a previous worker of the
+(``router.shared.kv_event_sources``). On start it reads back what a previous worker of the
 same replica left in Redis (block set, epoch, seq) and continues from the
 last sequence number through the engine's replay socket. When Redis loses the
 replica's state (outage, restart, failover, FLUSHALL, expired heartbeat) the
@@ -28,22 +28,16 @@ from typing import Any, Final, TypeVar
 import aiohttp
 import redis.asyncio as aioredis
 
-from router.contract import HEARTBEAT_TTL_S, OP_CLEARED, TIERS
-from router.hashing import BlockHasher, HashConfigError
-from router.kv_event_sources import (
+from router.shared.contract import HEARTBEAT_TTL_S, OP_CLEARED, TIERS
+from router.shared.hashing import BlockHasher, HashConfigError
+from router.shared.kv_event_sources import (
     AUTO_ENDPOINT,
     RANK_SEPARATOR,
     RankSource,
     offset_sources,
     parse_kv_event_sources,
 )
-from router.logs import IntervalLog, configure_logging
-from router.redis_client import reconnect_retry, redis_client
-from router.settings import StartupError
-from worker.block_keys import KEY_MODE_RECOMPUTED, EngineKeys, RecomputedKeys
-from worker.event_filter import EventFilter, parse_kv_tiers
-from worker.heartbeat import EngineClient, EngineLoad, EngineModels, EngineUnreachable, Heartbeat
-from worker.kv_events import (
+from router.shared.kv_events import (
     AllBlocksCleared,
     BlockRemoved,
     BlockShape,
@@ -51,6 +45,12 @@ from worker.kv_events import (
     KVEventBatch,
     count_blocks,
 )
+from router.shared.logs import IntervalLog, configure_logging
+from router.shared.redis_client import reconnect_retry, redis_client
+from router.shared.settings import StartupError
+from worker.block_keys import KEY_MODE_RECOMPUTED, EngineKeys, RecomputedKeys
+from worker.event_filter import EventFilter, parse_kv_tiers
+from worker.heartbeat import EngineClient, EngineLoad, EngineModels, EngineUnreachable, Heartbeat
 from worker.metrics import WorkerSnapshot, make_registry, start_metrics_server
 from worker.probe import PROBE_TIMEOUT_S, ProbeCatcher, judge, probe_tokens
 from worker.redis_writer import REDIS_ERRORS, RedisWriter, StoredState

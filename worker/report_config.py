@@ -2,7 +2,7 @@
 
 Pure apart from reading the YAML file named by ``--config`` / ``WORKER_CONFIG``.
 Each field ``name`` has the flag ``--name-with-dashes``, the environment variable
-``WORKER_NAME`` and the YAML key ``name``, derived by ``SETTINGS`` (``router.settings.Settings``,
+``WORKER_NAME`` and the YAML key ``name``, derived by ``SETTINGS`` (``router.shared.settings.Settings``,
 the mechanism the router and the emulator share); the fields without a default are required.
 """
 
@@ -14,18 +14,19 @@ from dataclasses import dataclass, field
 from typing import Any, Final
 from urllib.parse import urlsplit
 
-from router.config import LOG_FORMATS, with_redis_password
-from router.contract import (
+from router.shared.contract import (
     DEFAULT_INDEX_STRIDE,
     DEFAULT_REDIS_PREFIX,
     DEFAULT_STATE_TTL_S,
     check_configured_replica_id,
 )
-from router.hashing import HASH_ALGOS
-from router.kv_event_sources import AUTO_ENDPOINT, offset_sources
-from router.redis_client import RedisUrlError, parse_redis_url
-from router.settings import ConfigError, Settings
-from router.version import version_line
+from router.shared.hashing import HASH_ALGOS
+from router.shared.kv_event_sources import AUTO_ENDPOINT, offset_sources
+from router.shared.logs import LOG_FORMATS
+from router.shared.redis_client import RedisUrlError, parse_redis_url
+from router.shared.secrets import with_redis_password
+from router.shared.settings import ConfigError, Settings
+from router.shared.version import version_line
 from worker.event_filter import DEFAULT_KV_TIERS, parse_kv_tiers
 
 ENV_PREFIX: Final = "WORKER_"
@@ -113,7 +114,7 @@ SETTINGS: Final = Settings(
 
 def load_config(argv: Sequence[str], env: Mapping[str, str] | None = None) -> WorkerConfig:
     """Parse ``argv`` and merge with env (``env`` None: the process environment) and YAML
-    (``router.settings.Settings``). Raises ``ConfigError`` naming the flag, env var or file
+    (``router.shared.settings.Settings``). Raises ``ConfigError`` naming the flag, env var or file
     and key of a bad value."""
     env = os.environ if env is None else env
 

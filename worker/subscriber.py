@@ -25,7 +25,7 @@ Sequence rules applied here (the sink does the state changes):
   counted once and dropped, its sequence number used up: the next batch follows it without a
   gap, so no replay fetches (and refuses) the buffer again. ``precheck`` (the sink's) sees the
   payload before it is decoded, so a batch of impossibly many blocks is refused the same way
-  before its blocks take memory (``worker.kv_events.count_blocks``); a replay skips the seqs
+  before its blocks take memory (``router.shared.kv_events.count_blocks``); a replay skips the seqs
   already handled before that check.
 * Batches are decoded lazily (``decode_batch(lazy=True)``): a store's token ids stay msgpack
   until a key mapper or the hash probe reads them.
@@ -46,8 +46,7 @@ import zmq
 import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
-from router.logs import IntervalLog
-from worker.kv_events import (
+from router.shared.kv_events import (
     REPLAY_END_SEQ,
     KVEventBatch,
     KVEventDecodeError,
@@ -55,6 +54,7 @@ from worker.kv_events import (
     parse_seq,
     seq_bytes,
 )
+from router.shared.logs import IntervalLog
 from worker.replica_view import NO_SEQ
 
 logger = logging.getLogger(__name__)

@@ -19,7 +19,7 @@ import redis
 
 from loadtest.redis_server import RedisServer
 from loadtest.vllm_engine import VllmEngine, start_vllm_engine
-from router import contract
+from router.shared import contract
 from tests.helpers import PYTHON, start_process, stop_process, wait_for, wait_ready
 from tests.integration.test_router_fleet import http
 

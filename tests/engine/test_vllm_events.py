@@ -4,7 +4,7 @@ a worker per test, the session's Redis.
 
 Every test also taps the engine's event stream itself (``KVEventTap``, a ZMQ subscriber of its
 own), so the assertions are about what vLLM published, not only about what the worker made of
-it; block keys are checked against ``router.hashing.BlockHasher`` under the routers' settings.
+it; block keys are checked against ``router.shared.hashing.BlockHasher`` under the routers' settings.
 """
 
 from __future__ import annotations
@@ -23,7 +23,8 @@ from loadtest.vllm_engine import (
     post_json,
     start_vllm_engine,
 )
-from router.hashing import BlockHasher
+from router.shared.hashing import BlockHasher
+from router.shared.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, event_hash_key
 from tests.helpers import stop_process, wait_for
 from tests.integration.test_worker_emulator import (
     SEED,
@@ -32,7 +33,6 @@ from tests.integration.test_worker_emulator import (
     start_worker,
     verified,
 )
-from worker.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, event_hash_key
 
 pytestmark = pytest.mark.timeout(1800)  # the module's engine may take minutes to start
 

@@ -20,10 +20,10 @@ import pytest
 
 from loadtest.text import default_vocabulary
 from loadtest.vllm_engine import KVEventTap, post_json
+from router.shared.kv_events import AllBlocksCleared
 from tests.engine.conftest import EngineFleet
 from tests.helpers import wait_for
 from tests.integration.test_router_fleet import http
-from worker.kv_events import AllBlocksCleared
 
 pytestmark = pytest.mark.timeout(1800)
 

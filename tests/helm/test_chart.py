@@ -538,7 +538,7 @@ def test_rendered_config_is_accepted_by_the_router(
     rendered: Rendered, tmp_path: Path,
 ) -> None:
     """Feed the rendered router.yaml to the router's own config loader (unknown keys fail there)."""
-    config_mod = pytest.importorskip("router.config")
+    config_mod = pytest.importorskip("router.service.config")
     name, _, objects = rendered
     path = tmp_path / "router.yaml"
     secret = tmp_path / "redis-password"  # what the Secret volume holds in the pod
@@ -612,7 +612,7 @@ def test_config_change_rolls_the_routers(chart: helm.Chart) -> None:
 def test_every_router_policy_can_be_chosen_in_the_values(chart: helm.Chart, tmp_path: Path) -> None:
     """The schema's policy list is the router's (it lacked ``ttft``: the chart refused it), and
     the router's own config loader takes each rendered config."""
-    from router.config import POLICIES, load_config
+    from router.service.config import POLICIES, load_config
 
     for policy in POLICIES:
         objects = render(chart, {"router": {"policy": policy}})
@@ -746,8 +746,8 @@ def test_tenant_auth_values_reach_the_router(chart: helm.Chart, tmp_path: Path, 
     """router.auth mounts the key and salt Secrets read-only (whole directories, so Secret
     updates arrive), names their files in router.yaml, puts nothing on the command line, and the
     router's own loaders read keys and salt from the layout the kubelet would mount."""
-    config_mod = pytest.importorskip("router.config")
-    auth_mod = pytest.importorskip("router.auth")
+    config_mod = pytest.importorskip("router.service.config")
+    auth_mod = pytest.importorskip("router.edges.auth")
     values = VALUE_SETS[value_set]
     auth = values["router"]["auth"]
     objects = render(chart, values)
@@ -1013,7 +1013,7 @@ def test_priority_classes(chart: helm.Chart) -> None:
 def test_external_cluster_and_sentinel_urls(chart: helm.Chart, value_set: str) -> None:
     """The URL rendered from cluster seeds or a Sentinel set is what the values ask for, the
     one the router and worker parse, with no bundled Redis and the CA mounted for TLS."""
-    from router.redis_client import parse_redis_url
+    from router.shared.redis_client import parse_redis_url
 
     values = VALUE_SETS[value_set]
     objects = render(chart, values)

@@ -97,7 +97,7 @@ def test_one_rank_renders_as_before(chart: helm.Chart) -> None:
 @pytest.mark.parametrize("values", [DP_VLLM, DP_EMULATOR], ids=["vllm-dp2-tp2", "emulator-dp4"])
 def test_every_rank_is_followed_on_its_own_ports_and_scraped(
         chart: helm.Chart, values: dict[str, Any]) -> None:
-    from router.kv_event_sources import offset_sources
+    from router.shared.kv_event_sources import offset_sources
     from worker.emulator.config import from_args, replica_endpoint
     from worker.report import rank_configs
     from worker.report_config import load_config
@@ -202,7 +202,7 @@ def test_the_rendered_pod_runs_every_rank(chart: helm.Chart, redis_url: str, tmp
     serves each rank's metrics on the port the chart lists for it."""
     import redis as redis_lib
 
-    from router import contract
+    from router.shared import contract
     from worker.emulator.tokenizer import default_tokenizer_dir
 
     dp = 2

@@ -13,8 +13,8 @@ from typing import Any, cast
 
 import pytest
 
-from router import contract as c
-from router.hashing import BlockHasher
+from router.shared import contract as c
+from router.shared.hashing import BlockHasher
 from tests.helpers import wait_for
 from tests.integration.test_router_fleet import (
     Fleet,

@@ -17,7 +17,8 @@ import redis
 import requests
 import zmq
 
-from router import contract
+from router.shared import contract
+from router.shared.kv_events import BlockStored, decode_batch
 from tests.helpers import EMULATE, PYTHON, free_port_run, start_process, stop_process, wait_for
 from tests.integration.test_router_fleet import Router
 from tests.integration.test_worker_emulator import (
@@ -28,7 +29,6 @@ from tests.integration.test_worker_emulator import (
     router_keys,
     tmp,  # noqa: F401  (fixture)
 )
-from worker.kv_events import BlockStored, decode_batch
 
 pytestmark = pytest.mark.timeout(150)
 

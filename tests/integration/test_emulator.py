@@ -16,12 +16,12 @@ import aiohttp
 import pytest
 import zmq
 
+from router.shared.kv_events import BlockRemoved, BlockStored, decode_batch
 from tests import helpers
 from tests.helpers import stop_process
 from worker.emulator.config import QWEN3_TOKENIZER_VOCAB_SIZE
 from worker.emulator.openai_server import output_text
 from worker.emulator.tokenizer import default_tokenizer_dir
-from worker.kv_events import BlockRemoved, BlockStored, decode_batch
 
 pytestmark = pytest.mark.timeout(120)
 

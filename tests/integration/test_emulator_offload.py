@@ -6,6 +6,7 @@ from typing import Any
 
 import pytest
 
+from router.shared.kv_events import BlockRemoved, BlockStored
 from tests.helpers import wait_for
 from tests.integration.test_emulator import (
     EVENTS,
@@ -15,7 +16,6 @@ from tests.integration.test_emulator import (
     replay_events,
     start_emulator,  # noqa: F401  (fixture)
 )
-from worker.kv_events import BlockRemoved, BlockStored
 
 pytestmark = pytest.mark.timeout(120)
 

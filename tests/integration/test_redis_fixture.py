@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import redis.asyncio as aioredis
 
-from router.contract import blocks_key, events_key, pack_keys, unpack_key, unpack_keys
+from router.shared.contract import blocks_key, events_key, pack_keys, unpack_key, unpack_keys
 
 
 async def test_round_trip_through_real_redis(redis_url: str) -> None:

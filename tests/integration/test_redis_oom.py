@@ -22,8 +22,8 @@ import pytest
 import redis
 
 from loadtest.redis_server import RedisServer
-from router import contract
-from router.redis_client import redis_client
+from router.shared import contract
+from router.shared.redis_client import redis_client
 from tests.helpers import wait_for
 from tests.integration.test_router_fleet import Router, prometheus_value
 from tests.integration.test_router_tenants import MODEL, OneReplica

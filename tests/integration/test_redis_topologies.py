@@ -28,8 +28,8 @@ from typing import Any
 import pytest
 
 from loadtest.redis_topology import NUM_SLOTS, RedisClusterServers, RedisSentinelSet
-from router import contract as c
-from router.redis_client import redis_client
+from router.shared import contract as c
+from router.shared.redis_client import redis_client
 from tests.helpers import stop_process, wait_for, wait_routable
 from tests.integration.test_router_failover import _emulated_fleet
 from tests.integration.test_router_fleet import Router, prometheus_value
@@ -144,7 +144,7 @@ def test_a_replicas_keys_hash_to_one_slot_on_a_real_cluster() -> None:
                 await client.aclose()
 
         slots, ours, owners = asyncio.run(check())
-    assert slots == ours  # router.contract.key_slot is CLUSTER KEYSLOT
+    assert slots == ours  # router.shared.contract.key_slot is CLUSTER KEYSLOT
     assert len(owners) == 3  # 16 replicas' keys spread over every master
 
 

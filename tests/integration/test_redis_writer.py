@@ -8,8 +8,8 @@ from typing import Any
 
 import pytest
 
-from router import contract as c
-from router.redis_client import redis_client
+from router.shared import contract as c
+from router.shared.redis_client import redis_client
 from worker.redis_writer import RedisWriter
 from worker.replica_view import Change
 

@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from router.chat_render import UNTRUSTED_TEMPLATE_MESSAGE
+from router.request.chat_render import UNTRUSTED_TEMPLATE_MESSAGE
 from tests.helpers import EMULATE, start_process, stop_process, wait_for
 from tests.integration.test_router_fleet import TOKENIZER, Router, read_json_file
 

@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from router.contract import HEARTBEAT_TTL_S
+from router.shared.contract import HEARTBEAT_TTL_S
 from tests.helpers import (
     EMULATE,
     FAKE_REPLICA_TAIL,
@@ -341,7 +341,7 @@ def test_stream_trimmed_past_the_router_forces_a_resync(tmp_path: Path) -> None:
     import redis as redis_lib
 
     from loadtest.redis_server import RedisServer
-    from router import contract as c
+    from router.shared import contract as c
 
     with RedisServer() as server:
         client = redis_lib.Redis.from_url(server.url)

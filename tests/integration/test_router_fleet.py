@@ -23,7 +23,7 @@ from typing import Any
 import aiohttp
 import pytest
 
-from router.prompts import default_tokenizer_dir
+from router.request.prompts import default_tokenizer_dir
 from tests.helpers import EMULATE, FAKE_REPLICA_TAIL, PYTHON, start_process, stop_process, wait_for
 
 pytestmark = pytest.mark.timeout(180)

@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 
-from router import contract as c
+from router.shared import contract as c
 from tests.helpers import (
     FAKE_REPLICA_TAIL,
     PYTHON,

@@ -20,7 +20,7 @@ from typing import Any, cast
 
 import pytest
 
-from router.contract import DEFAULT_REDIS_PREFIX, blocks_key, unpack_key
+from router.shared.contract import DEFAULT_REDIS_PREFIX, blocks_key, unpack_key
 from tests.helpers import EMULATE, PYTHON, start_process, stop_process, wait_for
 from tests.integration.test_router_fleet import KV_EVENTS, Router, read_json_file
 

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from router.heap import IDLE_TRIM_S
+from router.service.heap import IDLE_TRIM_S
 from tests.helpers import EMULATE, start_process, stop_process, wait_for
 from tests.integration.test_router_fleet import TOKENIZER, Router, read_json_file
 

@@ -21,7 +21,7 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from router import contract as c
+from router.shared import contract as c
 from tests.helpers import (
     FAKE_REPLICA_TAIL,
     PYTHON,
@@ -40,7 +40,7 @@ pytestmark = pytest.mark.timeout(150)
 BUSY_BLOCK_S = 2.0
 BUSY_ROUTER = """
 import asyncio, os, sys, time
-from router import server
+from router.service import server
 
 FLAG, BLOCK_S = os.environ["BUSY_FLAG"], float(os.environ["BUSY_BLOCK_S"])
 turns = 0
@@ -325,7 +325,7 @@ def test_a_probe_of_a_non_http_answer_never_raises(replicas: list[FakeReplica]) 
     exception that ends the prober; a 503 from ``/health`` is a failed probe too."""
     import socket
 
-    from router.fleet_sync import probe_replica
+    from router.edges.fleet_sync import probe_replica
 
     with socket.socket() as server:
         server.bind(("127.0.0.1", 0))

@@ -25,7 +25,7 @@ from typing import Any
 import pytest
 import xxhash
 
-from router.auth import FAMILY_ID_CONTEXT, derived_key, hash_key, new_key, tenant_salt
+from router.edges.auth import FAMILY_ID_CONTEXT, derived_key, hash_key, new_key, tenant_salt
 from tests.helpers import EMULATE, PYTHON, start_process, stop_process, wait_for
 from tests.integration.test_router_fleet import (
     KV_EVENTS,

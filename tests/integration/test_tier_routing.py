@@ -16,8 +16,8 @@ from typing import Any, cast
 import pytest
 import redis
 
-from router import contract as c
-from router.hashing import BlockHasher
+from router.shared import contract as c
+from router.shared.hashing import BlockHasher
 from tests.helpers import EMULATE, PYTHON, start_process, stop_process, wait_for
 from tests.integration.test_router_fleet import (
     KV_EVENTS,

@@ -21,9 +21,9 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from router.config import load_config
-from router.server import RouterService
-from router.tracing import Tracing
+from router.observability.tracing import Tracing
+from router.service.config import load_config
+from router.service.server import RouterService
 from tests.helpers import EMULATE, start_process, stop_process, wait_for
 from tests.integration.test_router_fleet import Router, read_json_file
 
@@ -219,9 +219,9 @@ def test_router_runs_without_opentelemetry() -> None:
 import sys
 for name in ("opentelemetry", "opentelemetry.sdk", "opentelemetry.trace"):
     sys.modules[name] = None  # import fails as if not installed
-from router.config import load_config
-from router.server import RouterService
-from router.tracing import TracingUnavailable, otlp_tracing
+from router.service.config import load_config
+from router.service.server import RouterService
+from router.observability.tracing import TracingUnavailable, otlp_tracing
 service = RouterService(load_config(["--replica", "http://127.0.0.1:9"], env={}), None)
 service.build_app()
 assert not service.tracing.enabled

@@ -20,7 +20,7 @@ import pytest
 import redis
 import requests
 
-from router import contract
+from router.shared import contract
 from tests import helpers
 from tests.helpers import PYTHON, free_port, start_process, stop_process, wait_for
 

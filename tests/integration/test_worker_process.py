@@ -22,10 +22,8 @@ import requests
 
 from loadtest.kv_publisher import KVEventPublisher
 from loadtest.redis_server import RedisServer
-from router import contract
-from tests.helpers import PYTHON, free_port, start_process, stop_process, wait_for
-from tests.integration.test_worker_emulator import REPLICA, Emulator, start_emulator
-from worker.kv_events import (
+from router.shared import contract
+from router.shared.kv_events import (
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
@@ -33,6 +31,8 @@ from worker.kv_events import (
     encode_batch,
     seq_bytes,
 )
+from tests.helpers import PYTHON, free_port, start_process, stop_process, wait_for
+from tests.integration.test_worker_emulator import REPLICA, Emulator, start_emulator
 
 pytestmark = pytest.mark.timeout(120)
 

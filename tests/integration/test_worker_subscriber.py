@@ -16,8 +16,14 @@ from typing import Any
 import pytest
 
 from loadtest.kv_publisher import KVEventPublisher
+from router.shared.kv_events import (
+    BlockStored,
+    KVEventBatch,
+    event_hash_key,
+    seq_bytes,
+    stored_token_ids,
+)
 from tests.conftest import load_vectors
-from worker.kv_events import BlockStored, KVEventBatch, event_hash_key, seq_bytes, stored_token_ids
 from worker.replica_view import NO_SEQ
 from worker.subscriber import KVEventSubscriber
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import requests
 
-from router import contract
+from router.shared import contract
 from tests.helpers import free_port, wait_for
 from tests.integration.test_emulator import metric
 from tests.integration.test_router_fleet import Router

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import time
 
-from router import contract as c
-from router.config import load_config
-from router.prompts import PromptTokenizer
-from router.server import RouterService
+from router.request.prompts import PromptTokenizer
+from router.service.config import load_config
+from router.service.server import RouterService
+from router.shared import contract as c
 
 MODEL = "m"
 

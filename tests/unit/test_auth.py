@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from router.auth import (
+from router.edges.auth import (
     AuthConfigError,
     KeyStore,
     hash_key,
@@ -16,7 +16,7 @@ from router.auth import (
     parse_key_lines,
     tenant_salt,
 )
-from router.config import ConfigError, load_config
+from router.service.config import ConfigError, load_config
 
 
 def test_key_file_lines_and_errors() -> None:

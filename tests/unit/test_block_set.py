@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from router.contract import OP_CLEARED, OP_REMOVED, OP_STORED
-from router.hashing import BlockHasher, block_key
+from router.shared.contract import OP_CLEARED, OP_REMOVED, OP_STORED
+from router.shared.hashing import BlockHasher, block_key
+from router.shared.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
 from worker.block_keys import RecomputedKeys, UnresolvableEvent
 from worker.block_set import BlockSet
-from worker.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
 from worker.replica_view import NO_SEQ, Change, ReplicaView
 
 

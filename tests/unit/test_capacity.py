@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from router import capacity
 from router.cli import main as cli_main
+from router.decision import capacity
 
 SEED_FLAGS = ["--params", "14e9", "--layers", "48", "--q-heads", "40", "--kv-heads", "8",
               "--head-dim", "128", "--tflops", "400"]

@@ -6,8 +6,8 @@ import random
 
 import pytest
 
-from router.chain_cache import SPAN_BLOCKS, ChainCache
-from router.hashing import BlockHasher
+from router.request.chain_cache import SPAN_BLOCKS, ChainCache
+from router.shared.hashing import BlockHasher
 
 
 @pytest.mark.parametrize("algo", ["sha256", "sha256_cbor", "xxhash"])

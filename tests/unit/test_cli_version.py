@@ -10,7 +10,7 @@ from importlib import metadata
 
 import pytest
 
-from router.logs import REQUEST_ID, JsonFormatter
+from router.shared.logs import REQUEST_ID, JsonFormatter
 
 VERSION = metadata.version("prefix-router")
 
@@ -40,7 +40,7 @@ def test_version(module: str, args: list[str], prog: str) -> None:
 
 def test_json_log_line_carries_the_request_id() -> None:
     formatter = JsonFormatter()
-    record = logging.LogRecord("router.proxy", logging.WARNING, __file__, 1, "retrying %s", ("r1",),
+    record = logging.LogRecord("router.edges.proxy", logging.WARNING, __file__, 1, "retrying %s", ("r1",),
                                None)
     token = REQUEST_ID.set("req-9")
     try:
@@ -48,7 +48,7 @@ def test_json_log_line_carries_the_request_id() -> None:
     finally:
         REQUEST_ID.reset(token)
     assert line["request_id"] == "req-9" and line["message"] == "retrying r1"
-    assert (line["level"], line["logger"]) == ("warning", "router.proxy")
+    assert (line["level"], line["logger"]) == ("warning", "router.edges.proxy")
     assert line["ts"].endswith("+00:00")
     assert json.loads(formatter.format(record))["request_id"] is None
     try:

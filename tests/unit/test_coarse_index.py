@@ -7,11 +7,11 @@ import time
 
 import pytest
 
-from router import contract as c
-from router.config import load_config
-from router.fleet import Fleet
-from router.hashing import BlockHasher
-from router.index import BlockIndex, SpeculativePlacements
+from router.decision.fleet import Fleet
+from router.decision.index import BlockIndex, SpeculativePlacements
+from router.service.config import load_config
+from router.shared import contract as c
+from router.shared.hashing import BlockHasher
 from tests.unit.test_block_set import batch, removed, stored
 from worker.redis_writer import net_changes
 from worker.replica_view import Change, ReplicaView

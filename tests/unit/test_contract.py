@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from router import contract as c
+from router.shared import contract as c
 from tests.unit.test_coarse_index import _beat, _fleet
 
 

@@ -7,18 +7,18 @@ from __future__ import annotations
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from router.contract import DP_RANK_HEADER
-from router.kv_event_sources import (
+from router.request.routing import Target
+from router.shared.contract import DP_RANK_HEADER
+from router.shared.kv_event_sources import (
     RankSource,
     offset_sources,
     parse_kv_event_sources,
 )
-from router.routing import Target
+from router.shared.kv_events import BlockStored, KVEventBatch
 from worker.emulator.config import ConfigError, replica_endpoint
 from worker.emulator.metrics import EnginesExposition, ReplicaMetrics
 from worker.event_filter import EventFilter
 from worker.heartbeat import parse_metrics
-from worker.kv_events import BlockStored, KVEventBatch
 from worker.report import rank_configs
 from worker.report_config import load_config
 
@@ -128,7 +128,7 @@ def test_one_page_for_two_ranks_and_each_ranks_load_read_back() -> None:
 def test_a_targets_rank_is_the_header_vllm_reads() -> None:
     from multidict import CIMultiDict
 
-    from router.proxy import target_headers
+    from router.edges.proxy import target_headers
 
     shared: CIMultiDict[str] = CIMultiDict({"x-request-id": "r1"})
     ranked = target_headers(shared, Target("e#1", "http://e:8000", dp_rank=1))
@@ -138,7 +138,7 @@ def test_a_targets_rank_is_the_header_vllm_reads() -> None:
 
 
 def test_a_replicas_target_series_follows_its_url_and_rank() -> None:
-    from router.metrics import RouterMetrics
+    from router.observability.metrics import RouterMetrics
 
     metrics = RouterMetrics()
     metrics.set_replica_target("e#1", "http://a:1", 1)
@@ -153,7 +153,7 @@ def test_a_replicas_target_series_follows_its_url_and_rank() -> None:
 def test_a_ranks_heartbeat_makes_a_target_and_survives_the_fleet_cache() -> None:
     import time
 
-    from router import contract as c
+    from router.shared import contract as c
     from tests.unit.router_service import MODEL, service_with_replicas
 
     service = service_with_replicas(0)

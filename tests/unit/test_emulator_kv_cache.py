@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from router.hashing import BlockHasher
+from router.shared.hashing import BlockHasher
 from worker.emulator.kv_cache import (
     BlockEvicted,
     BlockPool,

@@ -5,13 +5,19 @@ from __future__ import annotations
 import msgspec
 import pytest
 
-from router.hashing import BlockHasher, block_key
+from router.shared.hashing import BlockHasher, block_key
+from router.shared.kv_events import (
+    BlockRemoved,
+    BlockStored,
+    KVEventBatch,
+    decode_batch,
+    encode_batch,
+)
 from worker.emulator.kv_cache import BlockEvicted, BlockPool, BlocksStored, KVCacheManager
 from worker.emulator.offload import CpuOffload, OffloadRemoved, OffloadStored, num_cpu_blocks
 from worker.emulator.profiles import LatencyModel, ModelProfile
 from worker.emulator.publisher import to_wire_events
 from worker.emulator.scheduler import Request, Scheduler, SchedulerConfig
-from worker.kv_events import BlockRemoved, BlockStored, KVEventBatch, decode_batch, encode_batch
 
 B = 16
 HASHER = BlockHasher(B)

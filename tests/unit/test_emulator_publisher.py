@@ -11,17 +11,17 @@ import pytest
 import zmq
 import zmq.asyncio
 
-from router.hashing import BlockHasher
-from tests.conftest import load_vectors
-from worker.emulator.kv_cache import BlockEvicted, BlocksStored, CacheCleared
-from worker.emulator.publisher import PublisherConfig, ZmqEventPublisher, to_wire_events
-from worker.kv_events import (
+from router.shared.hashing import BlockHasher
+from router.shared.kv_events import (
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
     KVEventBatch,
     encode_batch,
 )
+from tests.conftest import load_vectors
+from worker.emulator.kv_cache import BlockEvicted, BlocksStored, CacheCleared
+from worker.emulator.publisher import PublisherConfig, ZmqEventPublisher, to_wire_events
 
 
 def vector_events() -> list[Any]:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from router.hashing import BlockHasher
+from router.shared.hashing import BlockHasher
 from worker.emulator.kv_cache import BlockPool, KVCacheManager
 from worker.emulator.profiles import (
     GpuProfile,

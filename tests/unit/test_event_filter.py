@@ -9,16 +9,16 @@ import msgspec
 import pytest
 from prometheus_client import generate_latest
 
-from router.hashing import BlockHasher
-from worker.block_keys import RecomputedKeys
-from worker.event_filter import EventFilter, parse_kv_tiers
-from worker.kv_events import (
+from router.shared.hashing import BlockHasher
+from router.shared.kv_events import (
     BlockRemoved,
     BlockStored,
     KVEventBatch,
     decode_batch,
     encode_batch,
 )
+from worker.block_keys import RecomputedKeys
+from worker.event_filter import EventFilter, parse_kv_tiers
 from worker.metrics import WorkerSnapshot, make_registry
 from worker.replica_view import ReplicaView
 

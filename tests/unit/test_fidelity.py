@@ -18,7 +18,13 @@ from loadtest.fidelity import (
     save_run,
     synthetic_workload,
 )
-from worker.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent, KVEventBatch
+from router.shared.kv_events import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    KVEvent,
+    KVEventBatch,
+)
 
 
 def stored(*keys: int, medium: str = "GPU") -> BlockStored:

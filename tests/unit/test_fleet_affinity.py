@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import time
 
-from router import contract as c
-from router.config import RouterConfig
-from router.fleet import Fleet
-from router.hashing import BlockHasher
+from router.decision.fleet import Fleet
+from router.service.config import RouterConfig
+from router.shared import contract as c
+from router.shared.hashing import BlockHasher
 
 
 def test_recomputed_keys_are_trusted_even_when_the_engine_hashes_differ() -> None:

@@ -6,11 +6,11 @@ import time
 
 import pytest
 
-from router import contract as c
-from router.config import RouterConfig
-from router.errors import NoRoutableReplica
-from router.fleet import Fleet
-from router.hashing import BlockHasher
+from router.decision.fleet import Fleet
+from router.request.errors import NoRoutableReplica
+from router.service.config import RouterConfig
+from router.shared import contract as c
+from router.shared.hashing import BlockHasher
 
 
 def fleet_of(num: int, panic_threshold: float = 0.5) -> Fleet:

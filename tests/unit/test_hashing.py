@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from router.hashing import (
+from router.shared.hashing import (
     HASH_ALGOS,
     BlockHasher,
     HashConfigError,

@@ -1,10 +1,10 @@
-"""Circuit breaker and stall detector of ``router.health`` (pure, explicit clock)."""
+"""Circuit breaker and stall detector of ``router.decision.health`` (pure, explicit clock)."""
 
 from __future__ import annotations
 
 import pytest
 
-from router.health import (
+from router.decision.health import (
     CLOSED,
     HALF_OPEN,
     HUNG,
@@ -16,7 +16,7 @@ from router.health import (
     ReplicaHealth,
     first_byte_deadline_s,
 )
-from router.loop_lag import LoopLag
+from router.observability.loop_lag import LoopLag
 
 
 def make(**kw: float) -> ReplicaHealth:
@@ -111,7 +111,7 @@ def test_a_silent_replica_past_a_deadline_is_hung_while_others_progress() -> Non
 
 
 def test_a_deadline_missed_while_the_router_ran_late_is_not_judged() -> None:
-    """The router's own loop ran late over the deadline's span (``router.loop_lag``): the
+    """The router's own loop ran late over the deadline's span (``router.observability.loop_lag``): the
     replica's first byte may be unread, so the attempt is reported once as ``ROUTER_LATE`` and
     waits on; judged as usual once a span is clean."""
     h = make(deadline_floor_s=5.0)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from router.index import BlockIndex, SpeculativePlacements
+from router.decision.index import BlockIndex, SpeculativePlacements
 
 
 def make() -> BlockIndex:

@@ -1,4 +1,4 @@
-"""``router.logs.IntervalLog``: a repeated condition is one line per interval, with a count."""
+"""``router.shared.logs.IntervalLog``: a repeated condition is one line per interval, with a count."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import logging
 
 import pytest
 
-from router.logs import IntervalLog
+from router.shared.logs import IntervalLog
 
 
 def test_one_line_per_interval_with_the_count_since_the_last(

@@ -7,9 +7,8 @@ from typing import Any
 import msgspec
 import pytest
 
-from router.hashing import BlockHasher, MultiModalItem, block_extra_keys
-from tests.conftest import load_vectors
-from worker.kv_events import (
+from router.shared.hashing import BlockHasher, MultiModalItem, block_extra_keys
+from router.shared.kv_events import (
     REPLAY_END_SEQ,
     AllBlocksCleared,
     BlockRemoved,
@@ -29,6 +28,7 @@ from worker.kv_events import (
     stored_token_ids,
     to_event_extra_keys,
 )
+from tests.conftest import load_vectors
 
 FRAMES = load_vectors("vllm-kv-event-frames.json")
 RANGE40_KEYS = [3262291359910021016, 7142137847444424233]

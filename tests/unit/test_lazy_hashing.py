@@ -13,11 +13,11 @@ from typing import Any
 
 import pytest
 
-from router.dispatch import Placement
-from router.prompt_path import MAX_QUEUED_RESTS, PENDING_TAIL_WAIT_S
-from router.prompts import PromptSpec, PromptTokenizer, default_tokenizer_dir, parse_prompt
-from router.routing import Routed
-from router.server import RouterService
+from router.request.dispatch import Placement
+from router.request.prompt_path import MAX_QUEUED_RESTS, PENDING_TAIL_WAIT_S
+from router.request.prompts import PromptSpec, PromptTokenizer, default_tokenizer_dir, parse_prompt
+from router.request.routing import Routed
+from router.service.server import RouterService
 from tests.unit.router_service import MODEL, service_with_replicas
 
 TOKENIZER_DIR = default_tokenizer_dir()

@@ -7,10 +7,10 @@ import tracemalloc
 
 import pytest
 
-from router.chain_cache import ChainCache
-from router.hashing import BlockHasher
-from router.lru import SizedLRU
-from router.prompts import PromptSpec, PromptTokenizer, default_tokenizer_dir
+from router.request.chain_cache import ChainCache
+from router.request.lru import SizedLRU
+from router.request.prompts import PromptSpec, PromptTokenizer, default_tokenizer_dir
+from router.shared.hashing import BlockHasher
 
 
 def test_entries_and_bytes_are_both_bounds_and_the_least_recent_goes_first() -> None:

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from router.policy import (
+from router.decision.policy import (
     NO_HIT,
     Candidate,
     HitDepth,
@@ -16,7 +16,7 @@ from router.policy import (
     RouteInput,
     decide,
 )
-from router.ring import HashRing
+from router.decision.ring import HashRing
 
 IDS = ("replica-0", "replica-1", "replica-2", "replica-3")
 RING = HashRing(IDS, vnodes=64)

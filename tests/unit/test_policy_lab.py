@@ -6,8 +6,9 @@ import pytest
 
 from loadtest.data import packaged_trace_path
 from loadtest.policy_lab import Lab, LabConfig, main, run_policies
-from loadtest.trace import TokenMapper, read_trace, schedule_offsets
-from router.hashing import BlockHasher
+from loadtest.trace import read_trace, schedule_offsets
+from router.shared.hashing import BlockHasher
+from router.tools.trace_format import TokenMapper
 from worker.emulator.profiles import LatencyModel
 
 REQUESTS = read_trace(packaged_trace_path(), limit=300)

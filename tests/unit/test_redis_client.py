@@ -8,7 +8,7 @@ from redis.asyncio import Redis
 from redis.asyncio.cluster import RedisCluster
 from redis.asyncio.sentinel import SentinelConnectionPool
 
-from router.redis_client import RedisTarget, RedisUrlError, parse_redis_url, redis_client
+from router.shared.redis_client import RedisTarget, RedisUrlError, parse_redis_url, redis_client
 
 
 @pytest.mark.parametrize(("url", "want"), [
@@ -99,8 +99,8 @@ async def test_sentinel_client_follows_the_named_master() -> None:
 
 def test_router_config_refuses_an_empty_seed() -> None:
     """An empty entry in the seed list is a ConfigError at start, not silently dropped."""
-    from router.config import load_config
-    from router.settings import ConfigError
+    from router.service.config import load_config
+    from router.shared.settings import ConfigError
 
     with pytest.raises(ConfigError, match="redis_url: empty host entry"):
         load_config(["--redis-url", "redis+cluster://h:7000,,h:7001"], env={})

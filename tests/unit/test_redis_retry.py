@@ -1,5 +1,5 @@
 """The reconnect loops of the router's stream reader and the worker's writer run on redis-py's
-own ``Retry`` with ``ExponentialBackoff`` (``router.redis_client.reconnect_retry``): forever on
+own ``Retry`` with ``ExponentialBackoff`` (``router.shared.redis_client.reconnect_retry``): forever on
 Redis and socket errors, 0.1 s doubling to the cap, other errors and cancellation through."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from redis.asyncio.retry import Retry
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError
 
-from router.redis_client import reconnect_retry
+from router.shared.redis_client import reconnect_retry
 
 
 async def test_retries_redis_and_socket_errors_with_doubling_waits() -> None:

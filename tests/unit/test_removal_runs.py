@@ -15,11 +15,17 @@ from typing import Any
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from router.contract import OP_CLEARED
-from router.hashing import BlockHasher
+from router.shared.contract import OP_CLEARED
+from router.shared.hashing import BlockHasher
+from router.shared.kv_events import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    KVEventBatch,
+    UnknownEvent,
+)
 from worker.block_keys import EngineKeys, RecomputedKeys
 from worker.event_filter import EventFilter
-from worker.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch, UnknownEvent
 from worker.replica_view import Change, ReplicaView
 
 B = 4  # tokens per block: small, so recomputed keys hash quickly

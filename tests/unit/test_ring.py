@@ -7,7 +7,7 @@ from collections import Counter
 
 import pytest
 
-from router.ring import HashRing, mix64, text_key
+from router.decision.ring import HashRing, mix64, text_key
 
 _RNG = random.Random(7)
 KEYS = [_RNG.getrandbits(64) for _ in range(20000)]

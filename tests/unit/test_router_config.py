@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from router.config import ConfigError, RouterConfig, load_config
+from router.service.config import ConfigError, RouterConfig, load_config
 
 
 def test_defaults_and_cli(tmp_path: Path) -> None:
@@ -70,7 +70,7 @@ def test_frozen() -> None:
 def test_policy_params_come_from_the_settings_with_one_set_of_defaults() -> None:
     import dataclasses
 
-    from router.policy import PolicyParams
+    from router.decision.policy import PolicyParams
 
     fleet = {"replicas": ["http://127.0.0.1:9"]}
     assert RouterConfig(**fleet).policy_params() == PolicyParams()
@@ -87,8 +87,8 @@ def test_policy_params_come_from_the_settings_with_one_set_of_defaults() -> None
 
 
 def test_a_static_replica_url_may_name_a_data_parallel_rank() -> None:
-    from router.fleet import Fleet
-    from router.hashing import BlockHasher
+    from router.decision.fleet import Fleet
+    from router.shared.hashing import BlockHasher
 
     cfg = load_config(["--replica", "http://a:1#0", "--replica", "http://a:1/#1",
                        "--replica", "https://b/v"], env={})

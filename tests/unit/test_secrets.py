@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from router import config as router_config
-from router.secrets import MAX_SECRET_BYTES, SecretError, read_secret_file
+from router.service import config as router_config
+from router.shared.secrets import MAX_SECRET_BYTES, SecretError, read_secret_file
 from worker import report_config as worker_config
 
 WORKER_ARGS = ["--engine-url", "http://127.0.0.1:8000", "--kv-events-endpoint", "tcp://127.0.0.1:5557",
@@ -64,7 +64,7 @@ def test_bad_secret_settings_are_config_errors(load, args, error, prefix: str,  
 
 @pytest.mark.parametrize("password", [router_password, worker_password])
 def test_old_flag_works_and_warns(password, caplog: pytest.LogCaptureFixture) -> None:  # type: ignore[no-untyped-def]
-    name = "router.secrets"
+    name = "router.shared.secrets"
     with caplog.at_level(logging.WARNING, logger=name):
         assert password(["--redis-password", "on-the-command-line"], {}) == "on-the-command-line"
     assert "--redis-password puts the secret on the command line" in caplog.text

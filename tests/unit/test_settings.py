@@ -1,4 +1,4 @@
-"""One settings mechanism (``router.settings.Settings``) for the router, the worker and the
+"""One settings mechanism (``router.shared.settings.Settings``) for the router, the worker and the
 emulator: flags, ``<PREFIX>_*`` environment variables and YAML from one declaration each."""
 
 from __future__ import annotations
@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from router import config as router_config
-from router.settings import ConfigError, Settings
+from router.service import config as router_config
+from router.shared.settings import ConfigError, Settings
 from worker import report_config as worker_config
 from worker.emulator import config as emulator_config
 
@@ -96,7 +96,7 @@ def test_an_unknown_flag_is_one_line_naming_it_and_pointing_at_help(load) -> Non
 
 def test_the_commands_print_an_unknown_flag_as_one_line_exit_2(
         capsys: pytest.CaptureFixture[str]) -> None:
-    from router.server import main as router_main
+    from router.service.server import main as router_main
     from worker.emulator.app import main as emulator_main
     from worker.report import main as worker_main
 
@@ -123,7 +123,7 @@ def test_a_broken_yaml_file_is_one_line_with_line_and_column(tmp_path: Path) -> 
 
 def test_a_config_file_that_is_not_utf8_is_one_line_exit_2(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    from router.server import main as router_main
+    from router.service.server import main as router_main
 
     path = tmp_path / "bin.yaml"
     path.write_bytes(b"\xff\xfe")
@@ -227,7 +227,7 @@ def test_a_replica_id_holding_the_rank_separator_is_refused(replica_id: str) -> 
         worker_config.load_config(argv, {})
     with pytest.raises(ConfigError, match=r"^env WORKER_REPLICA_ID: replica id"):
         worker_config.load_config(WORKER_ARGS[:-2], {"WORKER_REPLICA_ID": replica_id})
-    # braces are fine: every key of the replica keeps one hash tag (router.contract)
+    # braces are fine: every key of the replica keeps one hash tag (router.shared.contract)
     assert worker_config.load_config([*WORKER_ARGS[:-2], "--replica-id", "a{b}"], {}).replica_id \
         == "a{b}"
 

@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 from loadtest.simulate import LRUBlockCache, simulate_bounds, simulate_two_tier
-from loadtest.trace import TraceRequest
+from router.tools.trace_format import TraceRequest
 
 
 def req(i: int, ids: list[int]) -> TraceRequest:

@@ -6,11 +6,15 @@ from __future__ import annotations
 
 import pytest
 
-from router.contract import TIER_CPU
-from router.index import BlockIndex
-from router.policy import Candidate, PolicyParams, RouteInput, decide
-from router.ring import HashRing
-from router.ttft import DEFAULT_CPU_LOAD_TOKENS_PER_S, DEFAULT_PRIOR_TOKENS_PER_S, cpu_hit_value
+from router.decision.index import BlockIndex
+from router.decision.policy import Candidate, PolicyParams, RouteInput, decide
+from router.decision.ring import HashRing
+from router.decision.ttft import (
+    DEFAULT_CPU_LOAD_TOKENS_PER_S,
+    DEFAULT_PRIOR_TOKENS_PER_S,
+    cpu_hit_value,
+)
+from router.shared.contract import TIER_CPU
 
 IDS = ("replica-0", "replica-1", "replica-2")
 RING = HashRing(IDS, vnodes=64)
@@ -101,10 +105,10 @@ def test_the_hit_cap_covers_both_tiers() -> None:
 
 
 def test_fleet_applies_entries_per_tier_and_a_cleared_entry_resets_every_tier() -> None:
-    from router import contract as c
-    from router.config import load_config
-    from router.fleet import Fleet
-    from router.hashing import BlockHasher
+    from router.decision.fleet import Fleet
+    from router.service.config import load_config
+    from router.shared import contract as c
+    from router.shared.hashing import BlockHasher
 
     fleet = Fleet(load_config(["--redis-url", "redis://127.0.0.1:1/0", "--index-stride", "1"],
                               env={}), BlockHasher(16, "sha256"))
@@ -130,8 +134,8 @@ def test_blocks_loaded_from_the_cpu_tier_are_not_counted_as_kv_writes(policy: st
     import asyncio
     import random
 
-    from router import contract as c
-    from router.prompts import parse_prompt
+    from router.request.prompts import parse_prompt
+    from router.shared import contract as c
     from tests.unit.router_service import MODEL, service_with_replicas
 
     service = service_with_replicas(2, policy=policy)

@@ -10,16 +10,18 @@ import pytest
 from loadtest.data import packaged_arrivals_path, packaged_trace_path
 from loadtest.replay import ReplayConfig, send_offsets
 from loadtest.trace import (
-    TRACE_BLOCK_TOKENS,
-    TokenMapper,
-    TraceFormatError,
-    TraceRequest,
     arrival_offsets,
-    parse_trace_line,
     read_arrival_times,
     read_trace,
     schedule_offsets,
     select_requests,
+)
+from router.tools.trace_format import (
+    TRACE_BLOCK_TOKENS,
+    TokenMapper,
+    TraceFormatError,
+    TraceRequest,
+    parse_trace_line,
 )
 
 
@@ -225,9 +227,9 @@ def test_write_balanced_placement_follows_prefixes_and_balances_new_conversation
 
 def test_consistent_hash_placement_is_the_router_ring_on_the_first_1024_tokens() -> None:
     from loadtest.simulate import ConsistentHashPlacement, compare_placements
-    from loadtest.trace import TokenMapper
-    from router.hashing import BlockHasher
-    from router.ring import HashRing
+    from router.decision.ring import HashRing
+    from router.shared.hashing import BlockHasher
+    from router.tools.trace_format import TokenMapper
 
     ids = [f"replica-{j}" for j in range(4)]
     place = ConsistentHashPlacement(ids)

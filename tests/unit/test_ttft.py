@@ -8,9 +8,9 @@ from typing import Any
 
 import pytest
 
-from router.policy import Candidate, PolicyParams, RouteInput, decide
-from router.ring import HashRing
-from router.ttft import (
+from router.decision.policy import Candidate, PolicyParams, RouteInput, decide
+from router.decision.ring import HashRing
+from router.decision.ttft import (
     MIN_SAMPLES,
     SAME_RATE_BAND,
     WINDOW,
@@ -208,7 +208,7 @@ def test_ttft_details_give_the_seconds_of_each_term() -> None:
 
 def test_ttft_spreads_a_cold_stream_by_writes() -> None:
     """New prompts of equal size on an idle fleet: the write share term alone spreads them."""
-    from router.policy import LoadTracker
+    from router.decision.policy import LoadTracker
 
     tracker = LoadTracker(clock=lambda: 0.0)
     window = 4 * 32_000 * 0.5
@@ -261,7 +261,7 @@ def test_decode_term_is_the_kv_the_decode_steps_read() -> None:
     """decode_s = decode_weight x s_per_token x DECODE_READ x mean output x (K + prompt x R): the
     KV of the requests running there (its own steps read it) plus its prompt's KV read once per
     step of each of them; 0 with decode_weight 0."""
-    from router.ttft import DECODE_READ_WORK_PER_KV_TOKEN, decode_work_tokens
+    from router.decision.ttft import DECODE_READ_WORK_PER_KV_TOKEN, decode_work_tokens
 
     busy = Candidate(HOME, inflight_requests=5, inflight_context_tokens=40_000,
                      engine_running=7, ours_at_heartbeat=5)  # 2 requests of other routers
@@ -280,8 +280,8 @@ def test_decode_term_is_the_kv_the_decode_steps_read() -> None:
 def test_load_tracker_counts_context_until_the_request_ends() -> None:
     """The KV a request holds (its prompt) counts from dispatch to finish, not only to its first
     token; the mean output starts at the default and follows what engines report."""
-    from router.policy import LoadTracker
-    from router.ttft import DEFAULT_OUTPUT_TOKENS
+    from router.decision.policy import LoadTracker
+    from router.decision.ttft import DEFAULT_OUTPUT_TOKENS
 
     tracker = LoadTracker(clock=lambda: 0.0)
     a = tracker.dispatch("r", 300, context_tokens=1000)

@@ -6,7 +6,7 @@ import pytest
 
 from loadtest.compare import format_bounds, slice_ttft_floor
 from loadtest.simulate import ttft_floor
-from loadtest.trace import TraceRequest
+from router.tools.trace_format import TraceRequest
 from worker.emulator.profiles import LatencyModel
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 
-from router.usage import (
+from router.request.usage import (
     TAIL_BYTES,
     cached_tokens_from_sse_tail,
     completion_tokens_from_tail,

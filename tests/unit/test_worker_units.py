@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from router.hashing import BlockHasher
+from router.shared.hashing import BlockHasher
+from router.shared.kv_events import BlockStored
 from worker.heartbeat import heartbeat_fields, parse_metrics, parse_models
-from worker.kv_events import BlockStored
 from worker.probe import ProbeCatcher, judge, probe_tokens
 from worker.report_config import ConfigError, load_config
 
@@ -54,7 +54,7 @@ def test_parse_models_separates_lora_cards() -> None:
 
 
 def test_heartbeat_fields_are_the_contract_fields() -> None:
-    from router import contract
+    from router.shared import contract
 
     fields = heartbeat_fields(replica_id="r", url="http://x", models=parse_models({"data": []}),
                               load=parse_metrics(METRICS), seed_fingerprint="ab", hash_verified="1",
@@ -104,7 +104,7 @@ def test_interval_log_writes_one_line_per_interval_with_a_count(
         caplog: pytest.LogCaptureFixture) -> None:
     import logging
 
-    from router.logs import IntervalLog
+    from router.shared.logs import IntervalLog
 
     log = IntervalLog(logging.getLogger("test.rate"), interval_s=3600.0)
     with caplog.at_level(logging.WARNING, logger="test.rate"):
@@ -180,7 +180,7 @@ def test_resident_after_counts_from_nothing_after_all_blocks_cleared() -> None:
     batch, before that step's stores: a full cache (63 of 63 blocks) then 3 stores is 3 blocks,
     not 66 (the capacity check refused such a batch, so the worker's set never followed a reset
     on a full engine)."""
-    from worker.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
+    from router.shared.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
     from worker.report import resident_after
 
     def store(n: int, medium: str | None = "GPU") -> BlockStored:

@@ -22,7 +22,7 @@ from typing import Any
 
 import zmq
 
-from router.hashing import BlockHasher, HashConfigError
+from router.shared.hashing import BlockHasher, HashConfigError
 from worker.emulator.config import ConfigError, EmulatorConfig, from_args
 from worker.emulator.engine import EmulatedEngine
 from worker.emulator.openai_server import ReplicaServer

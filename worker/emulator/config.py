@@ -1,7 +1,7 @@
 """Configuration of the engine emulator: CLI flags with vLLM's names, validated once. Pure apart
 from reading the YAML file named by ``--config`` / ``EMULATOR_CONFIG``.
 
-``EmulatorArgs`` declares every flag once; ``SETTINGS`` (``router.settings.Settings``, the
+``EmulatorArgs`` declares every flag once; ``SETTINGS`` (``router.shared.settings.Settings``, the
 mechanism the router and the worker share) derives the flag ``--name``, the environment variable
 ``EMULATOR_NAME`` and the YAML key ``name`` (or ``name-with-dashes``, as vLLM's ``--config``
 files spell it) from each field; ``from_args`` resolves them into an ``EmulatorConfig``.
@@ -28,9 +28,14 @@ from dataclasses import dataclass, field
 from typing import Any, Final
 from urllib.parse import urlsplit
 
-from router.hashing import DEFAULT_BLOCK_SIZE, DEFAULT_HASH_ALGO, DEFAULT_NONE_HASH_SEED, HASH_ALGOS
-from router.settings import ConfigError, Settings
-from router.version import version_line
+from router.shared.hashing import (
+    DEFAULT_BLOCK_SIZE,
+    DEFAULT_HASH_ALGO,
+    DEFAULT_NONE_HASH_SEED,
+    HASH_ALGOS,
+)
+from router.shared.settings import ConfigError, Settings
+from router.shared.version import version_line
 from worker.emulator.offload import num_cpu_blocks
 from worker.emulator.profiles import GpuProfile, ModelProfile, default_num_gpu_blocks
 from worker.emulator.scheduler import DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_NUM_SEQS

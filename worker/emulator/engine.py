@@ -21,7 +21,7 @@ from typing import Any, Final
 
 import zmq
 
-from router.hashing import BlockHasher
+from router.shared.hashing import BlockHasher
 from worker.emulator.config import (
     DEFAULT_STREAM_INTERVAL_S,
     EmulatorConfig,

@@ -34,10 +34,8 @@ import msgspec
 import zmq
 import zmq.asyncio
 
-from router.hashing import block_key
-from worker.emulator.kv_cache import BlockEvicted, BlocksStored, CacheCleared, KVEvent
-from worker.emulator.offload import OffloadEvent, OffloadRemoved, OffloadStored
-from worker.kv_events import (
+from router.shared.hashing import block_key
+from router.shared.kv_events import (
     REPLAY_END_FRAME,
     AllBlocksCleared,
     BlockRemoved,
@@ -47,6 +45,8 @@ from worker.kv_events import (
     encode_event,
     seq_bytes,
 )
+from worker.emulator.kv_cache import BlockEvicted, BlocksStored, CacheCleared, KVEvent
+from worker.emulator.offload import OffloadEvent, OffloadRemoved, OffloadStored
 
 logger = logging.getLogger(__name__)
 

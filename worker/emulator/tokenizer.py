@@ -14,7 +14,7 @@ import importlib.util
 import os
 from typing import Any
 
-from router.prompts import prepare_messages
+from router.shared.chat_messages import prepare_messages
 
 
 def default_tokenizer_dir() -> str:

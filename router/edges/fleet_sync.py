@@ -1,0 +1,488 @@
+"""Keeping ``router.decision.fleet.Fleet`` current: the Redis edge (``FleetReader``) and the HTTP edge
+for static replicas (``StaticProber``), plus the local fleet cache file. Does I/O.
+
+``FleetReader`` follows the worker-written contract in ``router.shared.contract``; ``StaticProber``
+probes ``/health`` and reads ``/v1/models`` of static ``--replica`` URLs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import http.client
+import json
+import logging
+import os
+import time
+import urllib.request
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, cast
+
+from router.decision.fleet import Fleet, Replica, int_field
+from router.observability.metrics import RouterMetrics
+from router.service.config import DEFAULT_STREAM_READ_INTERVAL_S, RouterConfig
+from router.shared import contract as c
+from router.shared.logs import IntervalLog
+
+logger = logging.getLogger(__name__)
+
+OOM_READ_HOLD_S = 10.0  # a read refused for lack of memory keeps ``FleetReader.oom`` this long
+LOAD_ATTEMPTS = 5  # unchecked (non-MULTI) reads of a replica's set before giving up for now
+
+# minimum gap between two stream reads that returned entries: at 1,000 flushes/s a read carries
+# ~10 of them, for at most 10 ms more index lag (``RouterConfig.stream_read_interval_s``)
+STREAM_READ_INTERVAL_S = DEFAULT_STREAM_READ_INTERVAL_S
+
+_ENTRY_FIELDS = (c.E_REPLICA, c.E_EPOCH, c.E_ENTRY_SEQ, c.E_CLEARED, c.E_STORED, c.E_REMOVED,
+                 c.E_CPU_STORED, c.E_CPU_REMOVED, c.E_OP, c.E_KEYS)
+_BYTES_FIELDS: dict[str, Any] = {name: name.encode() for name in _ENTRY_FIELDS}  # {field: reply key}
+_TEXT_FIELDS: dict[str, Any] = {name: name for name in _ENTRY_FIELDS}
+
+
+def write_fleet_cache(path: str, snapshot: list[dict[str, Any]]) -> None:
+    """Write ``Fleet.fleet_snapshot()`` to ``path`` atomically (JSON). Raises ``OSError``."""
+    target = Path(path)
+    tmp = target.with_name(target.name + ".tmp")
+    tmp.write_text(json.dumps({"replicas": snapshot}))
+    os.replace(tmp, target)
+
+
+def read_fleet_cache(path: str | None) -> list[dict[str, Any]]:
+    """The replicas in a fleet cache file; ``[]`` when there is none or it does not parse."""
+    if not path:
+        return []
+    try:
+        data = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as exc:
+        if not isinstance(exc, FileNotFoundError):
+            logger.warning("ignoring fleet cache %s: %s", path, exc)
+        return []
+    replicas = data.get("replicas") if isinstance(data, dict) else None
+    return [r for r in replicas if isinstance(r, dict)] if isinstance(replicas, list) else []
+
+
+class _StreamGap(Exception):
+    """Entries of the events stream were trimmed before this router read them."""
+
+
+def _stream_id(entry_id: str) -> tuple[int, int]:
+    ms, _, seq = entry_id.partition("-")
+    return int(ms), int(seq or 0)
+
+
+def _text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def _bytes(value: Any) -> bytes:
+    return value if isinstance(value, bytes) else str(value).encode("latin-1")
+
+
+class FleetReader:
+    """Follows the fleet's Redis keys and stream into a ``Fleet``. Redis edge.
+
+    ``run()`` loops until cancelled: connect, resync (remember the stream's last
+    id, load every heartbeat and block set), then ``XREAD BLOCK`` the stream and
+    refresh heartbeats every ``HEARTBEAT_INTERVAL_S``. On connection loss it waits 0.1 s,
+    reconnects, and backs off (redis-py's ``Retry`` with ``ExponentialBackoff``: 0.1 s doubling
+    to 5 s) until a resync goes through; routing goes on meanwhile.
+    """
+
+    def __init__(self, fleet: Fleet, config: RouterConfig, metrics: RouterMetrics) -> None:
+        self.fleet = fleet
+        self.config = config
+        self.metrics = metrics
+        self.prefix = config.redis_prefix
+        self.connected = False
+        self.last_id = "0-0"
+        self.synced = asyncio.Event()
+        self.attempted = asyncio.Event()  # the first connection attempt succeeded or failed
+        self._cached_fleet: list[dict[str, Any]] | None = None  # last written to fleet_cache_file
+        # after a reconnect, replicas whose heartbeat is missing stay until then (monotonic):
+        # a Redis that restarted empty gets one heartbeat TTL for the workers to re-register
+        self._keep_missing_until = 0.0
+        self.oom = False  # Redis refuses writes for lack of memory (a worker says so, or a read)
+        self._oom_read_until = 0.0  # monotonic: a read of this router was refused until then
+        self._oom_log = IntervalLog(logger, OOM_READ_HOLD_S)
+        self._bad_log = IntervalLog(logger, OOM_READ_HOLD_S)  # malformed stream entries
+        self._unreachable = IntervalLog(logger)  # connection lost / still unreachable
+
+    async def run(self) -> None:
+        from router.shared.redis_client import FIRST_RECONNECT_WAIT_S, reconnect_retry, redis_errors
+
+        unreachable = redis_errors()
+
+        retry = reconnect_retry()
+        while True:
+            try:
+                # connect and resync, retried by redis-py's Retry (0.1 s doubling to 5 s) ...
+                client = await retry.call_with_retry(self._connect, self._lost)
+            except _StreamGap as exc:
+                logger.warning("%s; full resync", exc)
+                self.metrics.stream_gaps.inc()
+                continue
+            try:
+                await self._follow(client)
+            except _StreamGap as exc:
+                logger.warning("%s; full resync", exc)
+                self.metrics.stream_gaps.inc()
+            except unreachable as exc:  # ... and a connection that worked was lost:
+                await self._lost(exc)  # the backoff starts afresh after the first step's wait,
+                await asyncio.sleep(FIRST_RECONNECT_WAIT_S)  # so a failing XREAD cannot spin
+            finally:
+                await client.aclose()
+
+    async def _connect(self) -> Any:
+        """A client whose resync went through (the reader is connected); raises ``RedisError``
+        or ``OSError`` (the client closed) when Redis does not answer."""
+        from router.shared.redis_client import redis_client
+
+        client = redis_client(self.config.redis_url or "", self.config.redis_password,
+                              socket_connect_timeout=2.0, socket_timeout=5.0)
+        try:
+            await self._resync(client)
+        except BaseException:
+            await client.aclose()
+            raise
+        self._set_connected(True)
+        self._unreachable.reset()
+        return client
+
+    async def _lost(self, exc: Exception) -> None:
+        self.attempted.set()
+        if self.connected:
+            self._unreachable.reset()
+            self._unreachable(logging.WARNING, "redis connection lost (%s); routing continues "
+                              "on ring and speculative state", exc)
+        else:  # one line per interval while it stays so (was silent: only /ready said it)
+            self._unreachable(logging.WARNING, "redis not reachable (%s); retrying, routing on "
+                              "ring and speculative state", exc)
+        self._set_connected(False)
+
+    def _set_connected(self, value: bool) -> None:
+        self.connected = value
+        self.metrics.redis_connected.set(1 if value else 0)
+
+    async def _resync(self, client: Any) -> None:
+        last = await client.xrevrange(c.events_key(self.prefix), count=1)
+        self.last_id = _text(last[0][0]) if last else "0-0"
+        if self.synced.is_set():
+            self._keep_missing_until = time.monotonic() + c.HEARTBEAT_TTL_S
+        await self._refresh_heartbeats(client, force_reload=True)
+        self.metrics.redis_resyncs.inc()
+        self.synced.set()
+        self.attempted.set()
+
+    async def _refresh_heartbeats(self, client: Any, force_reload: bool = False) -> None:
+        # {replica_id: (heartbeat key, tagged)}: one SCAN (every master of a cluster); a
+        # replica with both forms (its worker just upgraded) is read from the tagged key
+        found: dict[str, tuple[Any, bool]] = {}
+        async for key in client.scan_iter(match=c.replica_pattern(self.prefix), count=1000):
+            try:
+                rid, tagged = c.replica_id_from_key(self.prefix, _text(key))
+            except ValueError:
+                continue
+            if tagged or rid not in found:
+                found[rid] = (key, tagged)
+        # each hash with its key's PTTL (Redis's own clock says whether it is fresh), and the
+        # wall clock read before the round trip: a busy event loop that gets to the reply
+        # seconds late must not age every heartbeat at once (issue 29: all four replicas of a
+        # healthy fleet "stale" under 1,000 streams)
+        pipe = client.pipeline(transaction=False)
+        for key, _ in found.values():
+            pipe.hgetall(key)
+            pipe.pttl(key)
+        wall_now = time.time()
+        results = await pipe.execute() if found else []
+        seen: set[str] = set()
+        for (rid, (_, tagged)), raw, ttl_ms in zip(found.items(), results[::2], results[1::2],
+                                                    strict=True):
+            if not raw:
+                continue
+            fields = {_text(k): _text(v) for k, v in raw.items()}
+            seen.add(rid)
+            reload = self.fleet.apply_heartbeat(rid, fields, wall_now,
+                                                c.CONTRACT_VERSION if tagged else 1, int(ttl_ms))
+            if (reload or force_reload) and tagged:
+                await self._load_blocks(client, rid)
+        keep_missing = time.monotonic() < self._keep_missing_until
+        for rid, replica in list(self.fleet.replicas.items()):
+            if not replica.static and rid not in seen and not keep_missing:
+                logger.info("replica %s %s; out of rotation", rid, "not in Redis" if
+                            replica.fallback else "heartbeat gone (expired, or its worker "
+                            "deregistered)")
+                self.fleet.drop_replica(rid)
+                self.metrics.forget_replica(rid)
+        self._update_gauges()
+        self._write_fleet_cache()
+        self._update_oom()
+
+    def _update_oom(self) -> None:
+        """``oom`` and its gauge: a worker reports Redis refusing its writes, or a read of this
+        router was refused in the last ``OOM_READ_HOLD_S``."""
+        oom = (time.monotonic() < self._oom_read_until
+               or any(r.redis_oom for r in self.fleet.replicas.values()))
+        if oom != self.oom:
+            logger.warning("Redis %s", "is out of memory (maxmemory reached): the workers hold "
+                           "their changes, the index lags until it ends" if oom else
+                           "accepts writes again: the index follows the stream")
+        self.oom = oom
+        self.metrics.redis_oom.set(1 if oom else 0)
+
+    def _write_fleet_cache(self) -> None:
+        """Keep the fleet seen in Redis in ``fleet_cache_file`` (rewritten when it changes), so
+        a router started while Redis is down still has replicas to route to."""
+        path = self.config.fleet_cache_file
+        snapshot = self.fleet.fleet_snapshot()
+        if not path or not snapshot or snapshot == self._cached_fleet:
+            return
+        try:
+            write_fleet_cache(path, snapshot)
+            self._cached_fleet = snapshot
+        except OSError as exc:
+            logger.warning("cannot write fleet cache %s: %s", path, exc)
+
+    async def _load_blocks(self, client: Any, replica_id: str) -> None:
+        """Load a replica's sets (GPU and CPU tier) with the ``epoch``/``entry_seq`` they are at
+        (one transaction in the replica's hash slot): entries up to that ``entry_seq`` are in
+        them."""
+        from redis.exceptions import OutOfMemoryError
+
+        try:
+            read = await self._read_blocks(client, replica_id, transaction=True)
+        except OutOfMemoryError:
+            # Redis refuses every command queued in a MULTI once out of memory (even reads,
+            # ``processCommand``), but not the reads themselves: read without MULTI, the sets
+            # between two reads of epoch/entry_seq that agree (the worker changes sets and
+            # hash in one script, so equal values before and after mean the sets match them)
+            self._oom_read_until = time.monotonic() + OOM_READ_HOLD_S
+            self._update_oom()
+            self._oom_log.warning("Redis is out of memory (maxmemory reached): reading "
+                                  "replica %s's block set without MULTI", replica_id)
+            for _ in range(LOAD_ATTEMPTS):
+                read = await self._read_blocks(client, replica_id, transaction=False)
+                if read is not None:
+                    break
+            else:
+                logger.warning("replica %s: its block set kept changing while read; index "
+                               "kept as it is until the next reload", replica_id)
+                return
+        assert read is not None
+        (epoch_raw, entry_seq_raw), members, cpu_members = read
+        keys = cast(list[c.BlockKey], [int.from_bytes(m, "big") for m in members if len(m) == 8])
+        cpu_keys = cast(list[c.BlockKey],
+                        [int.from_bytes(m, "big") for m in cpu_members if len(m) == 8])
+        replica = self.fleet.replicas.get(replica_id)
+        if replica is None:
+            return
+        epoch = int_field(_text(epoch_raw), None) if epoch_raw else None
+        entry_seq = int_field(_text(entry_seq_raw), None) if entry_seq_raw else None
+        replica.epoch = max(replica.epoch, epoch or 0)
+        replica.entry_seq = -1 if entry_seq is None else entry_seq
+        self.fleet.index.replace(replica_id, keys, epoch=replica.epoch, cpu_keys=cpu_keys)
+        logger.info("replica %s: loaded %d block keys, %d on the CPU tier (epoch %d, entry %d)",
+                    replica_id, len(keys), len(cpu_keys), replica.epoch, replica.entry_seq)
+
+    async def _read_blocks(self, client: Any, replica_id: str, *, transaction: bool,
+                           ) -> tuple[Any, Any, Any] | None:
+        """``((epoch, entry_seq), GPU members, CPU members)`` of a replica, in one MULTI
+        (``transaction``), or in a plain pipeline that reads epoch/entry_seq before and after
+        the sets: None when they differ (the sets changed meanwhile). Raises ``RedisError``."""
+        hmget = ("HMGET", c.replica_key(self.prefix, replica_id), c.F_EPOCH, c.F_ENTRY_SEQ)
+        async with client.pipeline(transaction=transaction) as pipe:
+            # raw commands: redis-py 8.1's cluster MULTI passes the ``keys`` keyword of
+            # ``hmget``/``smembers`` to their reply callbacks, which raise TypeError
+            pipe.execute_command(*hmget)
+            pipe.execute_command("SMEMBERS", c.blocks_key(self.prefix, replica_id))
+            pipe.execute_command("SMEMBERS", c.blocks_key(self.prefix, replica_id, c.TIER_CPU))
+            if not transaction:
+                pipe.execute_command(*hmget)
+            replies = await pipe.execute()
+        if not transaction and replies[0] != replies[3]:
+            return None
+        return replies[0], replies[1], replies[2]
+
+    async def _follow(self, client: Any) -> None:
+        stream = c.events_key(self.prefix)
+        next_refresh = time.monotonic() + c.HEARTBEAT_INTERVAL_S
+        block_ms = int(c.HEARTBEAT_INTERVAL_S * 250)
+        count = 1000
+        while True:
+            read_from = self.last_id
+            reply = await client.xread({stream: self.last_id}, count=count, block=block_ms)
+            for _, entries in reply or ():
+                # Trimming (MAXLEN ~ EVENTS_STREAM_MAXLEN, far above ``count``) can only have
+                # dropped unread entries when more than ``count`` of them were waiting, so only a
+                # full batch needs the (costly: XINFO returns whole entries) gap check.
+                if len(entries) >= count and read_from != "0-0":
+                    await self._check_gap(client, stream, read_from, _text(entries[0][0]))
+                gaps: set[str] = set()  # {replica_id} whose entry_seq skipped in this batch
+                for entry_id, fields in entries:
+                    self.last_id = _text(entry_id)
+                    self._apply(fields, gaps)
+                for rid in sorted(gaps):
+                    # what the missing entries held is in the replica's set (the worker writes
+                    # the set before the entry), and so is every later entry of this batch
+                    logger.warning("replica %s: stream entry missing (entry_seq gap); reloading "
+                                   "its block set", rid)
+                    self.metrics.stream_gaps.inc()
+                    await self._load_blocks(client, rid)
+                if entries:
+                    ms = int(self.last_id.split("-", 1)[0])
+                    self.metrics.event_lag.set(max(0.0, time.time() - ms / 1000.0))
+                if 0 < len(entries) < count:
+                    # a trickle of entries would cost one XREAD round trip (~0.1 ms of Python)
+                    # each: let them gather for a moment instead
+                    await asyncio.sleep(self.config.stream_read_interval_s)
+            if time.monotonic() >= next_refresh:
+                await self._refresh_heartbeats(client)
+                next_refresh = time.monotonic() + c.HEARTBEAT_INTERVAL_S
+
+    async def _check_gap(self, client: Any, stream: str, read_from: str, first_read: str) -> None:
+        """Raise ``_StreamGap`` if entries after ``read_from`` were trimmed before we read them.
+
+        Trimming (``MAXLEN``) moves the stream's first entry: if it now starts after
+        ``read_from``, everything up to its first entry was trimmed, which (unless that is
+        exactly our next entry, the rare false positive that costs one resync) loses
+        entries. Redis 7 and Valkey also report ``max-deleted-entry-id``, which only
+        ``XDEL`` moves (not trimming: Valkey 9 reports ``0-0`` after an ``XTRIM``): a
+        deleted id above ``read_from`` and below the first entry returned is a lost entry.
+        """
+        info = await client.xinfo_stream(stream)
+        info = {_text(k): v for k, v in info.items()}
+        after, before = _stream_id(read_from), _stream_id(first_read)
+        deleted = info.get("max-deleted-entry-id")
+        if deleted is not None and after < _stream_id(_text(deleted)) < before:
+            raise _StreamGap(f"events stream entry {_text(deleted)} deleted before this router "
+                             f"read it (last read {read_from})")
+        first = info.get("first-entry")
+        if first and _stream_id(_text(first[0])) > after and _stream_id(_text(first[0])) >= before:
+            raise _StreamGap(f"events stream trimmed past this router (it starts at "
+                             f"{_text(first[0])}, last read {read_from})")
+
+    def _apply(self, fields: Mapping[Any, Any], gaps: set[str]) -> None:
+        """Apply one stream entry; a replica whose ``entry_seq`` skipped is added to ``gaps``."""
+        try:
+            names: Mapping[str, Any] = _TEXT_FIELDS
+            if b"replica" in fields:  # the client's usual bytes form: no re-keyed copy per entry
+                data: Mapping[Any, Any] = fields
+                names = _BYTES_FIELDS
+            else:
+                data = {_text(k): v for k, v in fields.items()}
+            get = names.__getitem__
+            rid = _text(data[get(c.E_REPLICA)])
+            epoch = int(data[get(c.E_EPOCH)])
+            if get(c.E_OP) in data:  # contract version 1: one op per entry
+                op = _text(data[get(c.E_OP)])
+                keys = c.unpack_keys(_bytes(data.get(get(c.E_KEYS), b"")))
+                dropped = self.fleet.apply_event(rid, epoch, op, keys)
+                ops = [op]
+            else:
+                cleared = _text(data.get(get(c.E_CLEARED), b"0")) == "1"
+                stored = c.unpack_keys(_bytes(data.get(get(c.E_STORED), b"")))
+                removed = c.unpack_keys(_bytes(data.get(get(c.E_REMOVED), b"")))
+                cpu_stored = c.unpack_keys(_bytes(data.get(get(c.E_CPU_STORED), b"")))
+                cpu_removed = c.unpack_keys(_bytes(data.get(get(c.E_CPU_REMOVED), b"")))
+                raw_seq = data.get(get(c.E_ENTRY_SEQ))
+                entry_seq = int(raw_seq) if raw_seq is not None else None  # None: version 1/2
+                dropped = self.fleet.apply_changes(rid, epoch, cleared, stored, removed, entry_seq,
+                                                   cpu_stored, cpu_removed)
+                stored = stored or cpu_stored
+                removed = removed or cpu_removed
+                ops = [op for op, present in ((c.OP_CLEARED, cleared), (c.OP_STORED, stored),
+                                              (c.OP_REMOVED, removed)) if present]
+        except (KeyError, ValueError, UnicodeDecodeError) as exc:
+            self._bad_log.warning("dropping malformed stream entry: %s", exc)
+            self.metrics.event_errors.labels("malformed").inc()
+            return
+        if dropped == "gap":
+            gaps.add(rid)
+        elif dropped == "duplicate":
+            pass  # already in the set loaded after this entry was written
+        elif dropped is not None:
+            self.metrics.child(self.metrics.event_errors, dropped).inc()
+        else:
+            for op in ops:
+                self.metrics.child(self.metrics.events, op).inc()
+
+    def _update_gauges(self) -> None:
+        index = self.fleet.index
+        self.metrics.index_blocks.set(len(index))
+        for rid in index.replicas():
+            self.metrics.replica_blocks.labels(rid).set(index.num_blocks(rid))
+            self.metrics.replica_cpu_blocks.labels(rid).set(index.num_blocks(rid, c.TIER_CPU))
+
+
+class StaticProber:
+    """Probes static ``--replica`` URLs: ``GET /health`` for health, ``GET /v1/models`` for models.
+
+    A replica is down after ``failures`` failed probes in a row (the first one if it was never
+    up) and up again after one good probe. Each probe is a blocking HTTP call in a worker
+    thread, timed by the kernel's socket timeout there, not by this process's event loop: a
+    loop busy with a thousand streams answers late, and a probe timed on it would fail every
+    replica at once (issue 29) though none was slow."""
+
+    def __init__(self, fleet: Fleet, interval_s: float, failures: int = 3) -> None:
+        self.fleet = fleet
+        self.interval_s = interval_s
+        self.failures = failures  # consecutive failed probes before a replica is down
+        self.probed = asyncio.Event()
+
+    async def probe_once(self) -> None:
+        replicas = [r for r in self.fleet.replicas.values() if r.static or r.fallback]
+        await asyncio.gather(*(self._probe(r) for r in replicas))
+        self.probed.set()
+
+    async def _probe(self, replica: Replica) -> None:
+        healthy, cards = await asyncio.to_thread(probe_replica, replica.url,
+                                                 not replica.model_cards, PROBE_TIMEOUT_S)
+        if cards is not None:
+            replica.model_cards = cards
+            bases = {str(k["id"]) for k in cards if not k.get("parent")}
+            loras = {str(k["id"]): str(k.get("root", "")) for k in cards if k.get("parent")}
+            if self.fleet.config.model:
+                bases.add(self.fleet.config.model)
+            replica.models = frozenset(bases) if bases else replica.models
+            replica.lora_adapters = loras
+        # one slow or failed probe of a busy replica is not an outage: down after
+        # ``health_failures`` in a row (or the first, for a replica never seen up)
+        replica.probe_failures = 0 if healthy else replica.probe_failures + 1
+        replica.probed_ok = replica.probed_ok or healthy
+        if not healthy and replica.probed_ok and replica.probe_failures < self.failures:
+            healthy = True
+        if healthy != replica.healthy:
+            logger.info("static replica %s is %s", replica.replica_id,
+                        "healthy" if healthy else "unhealthy")
+        replica.healthy = healthy
+
+    async def run(self) -> None:
+        while True:
+            await self.probe_once()
+            await asyncio.sleep(self.interval_s)
+
+
+PROBE_TIMEOUT_S = 2.0  # seconds a probe waits to connect and for each read of the answer
+# no proxy from the environment: a replica URL is a pod address, as with the aiohttp session
+_PROBE_OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+
+
+def probe_replica(url: str, want_models: bool,
+                  timeout_s: float) -> tuple[bool, list[dict[str, Any]] | None]:
+    """Blocking: ``GET {url}/health`` and, when healthy and ``want_models``, ``GET
+    {url}/v1/models``. Returns ``(healthy, model cards or None)``; never raises."""
+    # urllib's HTTPError (a non-2xx answer) and URLError are OSErrors, an answer that is not
+    # HTTP an HTTPException; a body that is not a JSON object: ValueError / AttributeError
+    try:
+        with _PROBE_OPENER.open(f"{url}/health", timeout=timeout_s) as resp:
+            healthy = resp.status == 200
+            resp.read()
+    except (OSError, http.client.HTTPException):
+        return False, None
+    if not healthy or not want_models:
+        return healthy, None
+    try:  # health is /health's answer alone: no model list yet is no outage
+        with _PROBE_OPENER.open(f"{url}/v1/models", timeout=timeout_s) as resp:
+            data = json.loads(resp.read())
+        return True, [card for card in data.get("data", []) if isinstance(card, dict)]
+    except (OSError, http.client.HTTPException, ValueError, AttributeError):
+        return True, None

@@ -1,0 +1,144 @@
+"""Step 2 of the request path: a prompt's block-key chain, with one owner. Pure (asyncio only).
+
+``PromptChainer`` is the one place that turns a parsed request (``PromptSpec``) into its
+``PromptChain``: token ids through ``ChainCache.id_chain``, text and chat through
+``PromptTokenizer.prompt_chain``; on the event loop when cheap, else in the tokenizer threads;
+lazily for long new prompts, with the rest hashed on a thread of its own after the request was
+sent, and the *pending tails* that make a burst of one new long prefix see the whole prefix.
+
+Lazy hashing: a long prompt is tokenized and hashed before routing only up to the first piece
+holding a block no replica holds (no replica can hit beyond it); the rest in its own thread after
+the request was sent, then recorded as placed (for text, the prompt length used for routing is
+estimated from the tokens per character so far until then). Until then the request's last hashed
+key is a *pending tail*: a request whose chain reaches it waits for the rest to be recorded (at
+most ``PENDING_TAIL_WAIT_S``) and hashes again, so a burst of one new long prefix sees the whole
+prefix. With ``MAX_QUEUED_RESTS`` rests waiting for their thread, prompts are hashed whole before
+routing again: the backlog (and the delay of the placements it records) stays bounded under
+overload.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Final
+
+from router.request.chain_cache import ChainCache, PromptChain
+from router.request.prompts import PromptSpec, PromptTokenizer
+from router.shared.contract import BlockKey
+
+LAZY_HASHING: Final = True
+PENDING_TAIL_WAIT_S: Final = 1.0
+MAX_QUEUED_RESTS: Final = 4
+INLINE_HASH_BLOCKS: Final = 64  # uncached blocks hashed on the event loop (~1.3 us each) before a thread hop
+INLINE_TOKENIZE_CHARS: Final = 2048  # uncached characters tokenized on the loop (~0.5 ms) before a thread hop
+
+Lora = tuple[str, str] | None
+
+
+class PromptChainer:
+    """The chain of every request's prompt, and the rests of lazily hashed ones.
+
+    ``chain(spec, lora, lazy=...)`` is the chain used for routing; ``hash_rest`` finishes a lazy
+    one after dispatch. ``executor`` (``threads`` tokenizer threads) runs chains too costly for
+    the event loop; ``rest_executor`` (one thread) the rests, so that under load they never take
+    the cores that routing needs. Not thread-safe: call on the event loop.
+    """
+
+    def __init__(self, chains: ChainCache, tokenizer: PromptTokenizer | None,
+                 holds_key: Callable[[int], bool], threads: int) -> None:
+        self.chains = chains
+        self.tokenizer = tokenizer
+        self._holds_key = holds_key  # does any replica hold (or was recently sent) this key
+        self.executor = ThreadPoolExecutor(threads, thread_name_prefix="tokenize")
+        self.rest_executor = ThreadPoolExecutor(1, thread_name_prefix="tokenize-rest")
+        # {last key of a lazily hashed chain: done when the rest of that chain is recorded}
+        self.pending_tails: dict[int, asyncio.Future[None]] = {}
+        self.queued_rests = 0  # rests of lazy chains submitted and not yet recorded
+
+    def tokenizes(self, spec: PromptSpec) -> bool:
+        """True if ``spec`` gets a block chain (token ids, or text with a tokenizer)."""
+        return spec.token_ids is not None or self.tokenizer is not None
+
+    async def chain(self, spec: PromptSpec, lora: Lora, *, lazy: bool) -> tuple[PromptChain, str]:
+        """The chain for routing ``spec`` and the path taken (``"inline"`` or ``"thread"``).
+
+        ``lazy`` (a request that will be sent, under an index policy): hash only up to the first
+        un-held piece while fewer than ``MAX_QUEUED_RESTS`` rests wait, and follow pending
+        tails: a chain (lazy or whole) that reaches another request's pending tail is computed
+        again once that tail is recorded, within ``PENDING_TAIL_WAIT_S`` in all. Raises
+        ``PromptError`` (a ``BadRequest``).
+        """
+        follow = LAZY_HASHING and lazy
+        lazy = follow and self.queued_rests < MAX_QUEUED_RESTS
+        loop = asyncio.get_running_loop()
+        give_up = loop.time() + PENDING_TAIL_WAIT_S
+        while True:
+            path = "inline"
+            prompt = self._compute(spec, lora, inline=True, lazy=lazy)
+            if prompt is None:
+                path = "thread"
+                prompt = await loop.run_in_executor(self.executor, self._whole_or_lazy,
+                                                    spec, lora, lazy)
+            pending = self.pending_tails
+            if not follow or not pending or pending.keys().isdisjoint(prompt.keys):
+                return prompt, path
+            wait_s = give_up - loop.time()
+            if wait_s <= 0:
+                return prompt, path
+            keys = set(prompt.keys)
+            await asyncio.wait([fut for key, fut in pending.items() if key in keys],
+                               timeout=wait_s)
+
+    def hash_rest(self, spec: PromptSpec, lora: Lora, boundary: BlockKey,
+                  record: Callable[[PromptChain], None]) -> asyncio.Future[PromptChain]:
+        """Hash the whole chain of a lazily routed ``spec`` on the rest thread; when done, call
+        ``record(whole_chain)`` (not when cancelled or failed), then release the pending tail
+        ``boundary`` (the lazy chain's last key). Returns the future (cancel it to drop the
+        rest: nothing is recorded, the tail is released)."""
+        loop = asyncio.get_running_loop()
+        recorded: asyncio.Future[None] = loop.create_future()
+        self.pending_tails[boundary] = recorded
+
+        def done(fut: asyncio.Future[PromptChain]) -> None:
+            self.queued_rests -= 1
+            try:
+                if not fut.cancelled() and fut.exception() is None:
+                    record(fut.result())
+            finally:
+                if self.pending_tails.get(boundary) is recorded:
+                    del self.pending_tails[boundary]
+                recorded.set_result(None)
+
+        self.queued_rests += 1
+        try:
+            future = loop.run_in_executor(self.rest_executor, self._whole_or_lazy, spec, lora, False)
+        except RuntimeError:  # the executor is shut down: the router is stopping
+            future = loop.create_future()
+            future.cancel()
+        future.add_done_callback(done)
+        return future
+
+    def shutdown(self, wait: bool = False) -> None:
+        """Stop both thread pools (queued work is cancelled)."""
+        self.executor.shutdown(wait=wait, cancel_futures=not wait)
+        self.rest_executor.shutdown(wait=wait, cancel_futures=not wait)
+
+    def _compute(self, spec: PromptSpec, lora: Lora, inline: bool, lazy: bool) -> PromptChain | None:
+        """The chain through the chain cache; ``inline`` (on the event loop): ``None`` instead
+        of hashing more than ``INLINE_HASH_BLOCKS`` or tokenizing more than
+        ``INLINE_TOKENIZE_CHARS``; ``lazy``: only up to the first un-held piece."""
+        held = self._holds_key if lazy else None
+        if spec.token_ids is not None:
+            return self.chains.id_chain(spec.token_ids, lora, spec.cache_salt,
+                                        INLINE_HASH_BLOCKS if inline else None, held,
+                                        lazy_min_blocks=INLINE_HASH_BLOCKS)
+        assert self.tokenizer is not None
+        return self.tokenizer.prompt_chain(spec, self.chains, lora,
+                                           INLINE_TOKENIZE_CHARS if inline else None, held)
+
+    def _whole_or_lazy(self, spec: PromptSpec, lora: Lora, lazy: bool) -> PromptChain:
+        chain = self._compute(spec, lora, inline=False, lazy=lazy)
+        assert chain is not None  # only the inline limit gives up
+        return chain

@@ -1,0 +1,1 @@
+"""The router process: its configuration, wiring, lifecycle, background loops and handlers."""

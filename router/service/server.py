@@ -1,0 +1,887 @@
+"""The router service: aiohttp app on uvloop, routes and start-up/shutdown. HTTP edge.
+
+``main(argv)`` parses ``RouterConfig`` (CLI > ``ROUTER_*`` env > YAML), loads
+the tokenizer once, starts the fleet reader (Redis) and/or the static replica
+prober, listens, logs ``router listening on http://HOST:PORT`` and writes
+``--ready-file``. ``RouterService`` holds the per-process state and the handlers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import functools
+import gc
+import json
+import logging
+import os
+import re
+import signal
+import sys
+import time
+import uuid
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Final
+
+import aiohttp
+from aiohttp import web
+from aiohttp.web_protocol import RequestPayloadError
+
+from router.decision.fleet import Fleet
+from router.decision.health import HUNG, MISSED, ROUTER_LATE
+from router.decision.policy import Decision, LoadTracker, TtftPrediction
+from router.decision.ttft import PrefillRateLearner
+from router.edges.auth import (
+    ADMIN_KEY,
+    TENANT_KEY,
+    AuthConfigError,
+    TenantAuth,
+    auth_middleware,
+    load_tenant_auth,
+)
+from router.edges.circuit_probe import CircuitProber
+from router.edges.fleet_sync import FleetReader, StaticProber, read_fleet_cache
+from router.edges.http_errors import (
+    REQUEST_ID_KEY,
+    body_limit_middleware,
+    error_middleware,
+    openai_parser_errors,
+)
+from router.edges.proxy import REASON_HEADER, REPLICA_HEADER, Proxy, ProxyOutcome
+from router.observability.audit import PrefixAudit, prompt_head
+from router.observability.loop_lag import LoopLag
+from router.observability.metrics import CONTENT_TYPE, RouterMetrics
+from router.observability.tracing import Tracing, TracingUnavailable, otlp_tracing
+from router.request.chain_cache import ChainCache
+from router.request.chat_render import (
+    CHILD_START_TIMEOUT_S,
+    RENDER_PROCESSES,
+    UNTRUSTED_TEMPLATE_MESSAGE,
+    TemplateRenderer,
+    has_request_template,
+)
+from router.request.dispatch import Dispatch, Dispatcher, GaugedTicket
+from router.request.errors import (
+    REQUEST_ID_HEADER,
+    STATUS_CLIENT_CLOSED,
+    BadRequest,
+    NoRoutableReplica,
+    RequestTimeout,
+    RouterError,
+)
+from router.request.prompt_path import PromptChainer
+from router.request.prompts import (
+    PromptError,
+    PromptSpec,
+    PromptTokenizer,
+    decode_json_body,
+    parse_prompt,
+    parse_request,
+)
+from router.request.routing import RequestRouter, Routed
+from router.request.usage import (
+    cached_tokens_from_sse_tail,
+    cached_tokens_from_tail,
+    completion_tokens_from_tail,
+)
+from router.service.config import ConfigError, RouterConfig, load_config
+from router.service.heap import HeapTrimmer
+from router.shared.contract import TIER_CPU
+from router.shared.hashing import BlockHasher, HashConfigError
+from router.shared.logs import REQUEST_ID, configure_logging
+from router.shared.settings import StartupError
+from router.tools.rank_check import StaticRankCheck
+
+logger = logging.getLogger(__name__)
+
+GC_GEN0_THRESHOLD = 20_000  # allocations between young-generation collections (CPython: 700)
+
+SWEEP_KEYS_PER_STEP = 5_000  # index keys swept per event-loop turn (~1 ms)
+AUDIT_QUEUE = 64  # template-audit observations waiting at most (more are dropped and counted)
+# a client's X-Request-Id is kept only if short and plain (letters, digits, ._:/+=-), else replaced
+_REQUEST_ID_OK = re.compile(r"[A-Za-z0-9._:/+=-]{1,128}")
+CLIENT_LINGER_S = 1.0  # unread request body drained after the answer, at most (aiohttp: 10 s)
+# an idle pooled upstream connection is closed after this: below uvicorn's 5 s keep-alive (vLLM's
+# server closes idle connections then, and a reuse racing that close fails), and a burst of
+# 1,000 streams leaves no 1,000 idle sockets open for long (issue 29: 1,048 fds 10 s after)
+UPSTREAM_IDLE_S = 4.0
+
+
+class RouterService:
+    """Per-process router state and HTTP handlers."""
+
+    def __init__(self, config: RouterConfig, tokenizer: PromptTokenizer | None,
+                 tracing: Tracing | None = None) -> None:
+        self.config = config
+        self.tracing = tracing or Tracing(None)
+        self.hasher = BlockHasher(config.block_size, config.hash_algo, config.hash_seed)
+        self.tokenizer = tokenizer
+        self.metrics = RouterMetrics()
+        self.heap = HeapTrimmer()
+        self.fleet = Fleet(config, self.hasher)
+        self.tracker = LoadTracker()
+        # the ttft policy's prefill rate per replica, fitted from streamed first-token times
+        self.learner = PrefillRateLearner(config.ttft_prior_tokens_per_s)
+        # the request path's steps: prompt chain -> routing -> dispatch (-> proxy, at start-up)
+        chains = ChainCache(self.hasher, config.token_cache_chunks, config.index_stride,
+                            max_bytes=config.prompt_cache_mib * 3 << 18)  # 3/4 of the MiB
+        self.chainer = PromptChainer(chains, tokenizer, self.fleet.holds_key,
+                                     config.tokenizer_threads)
+        self.router = RequestRouter(config, self.fleet, self.tracker, self.learner, self.chainer,
+                                    self.metrics, self.tracing)
+        self.metrics.watch_prompt_caches(self._prompt_caches)
+        self.dispatcher = Dispatcher(self.fleet, self.tracker, self.chainer, config.block_size,
+                                     config.index_stride, self.router.uses_index,
+                                     self._update_inflight, self.learner)
+        # request-supplied chat templates (trusted only): rendered in a child process that is
+        # killed on overrun; one thread waits on it so that no tokenizer thread ever does
+        self.renderer: TemplateRenderer | None = None
+        if config.trust_request_chat_template and tokenizer is not None:
+            self.renderer = TemplateRenderer(tokenizer.source, config.chat_template_timeout_s,
+                                             config.chat_template_max_bytes)
+        self.render_executor = ThreadPoolExecutor(1, thread_name_prefix="chat-template")
+        self.reader: FleetReader | None = None
+        self.prober: StaticProber | None = None
+        self.session: aiohttp.ClientSession | None = None
+        self.proxy: Proxy | None = None
+        self.loop_lag = LoopLag()  # how late the loop ran: timeouts it made are not the replicas'
+        self._tasks: list[asyncio.Task[None]] = []
+        self.auth: TenantAuth | None = None
+        if config.api_keys:
+            self.auth = load_tenant_auth(
+                config.api_keys, config.cache_salt_secret_file, config.client_cache_salt,
+                config.admin_tenants, config.debug_access, config.metrics_access)
+        self.audit: PrefixAudit | None = None
+        if config.audit_families:
+            decode = tokenizer.backend.decode if tokenizer is not None else None
+            self.audit = PrefixAudit(config.block_size, decode, config.audit_families,
+                                     config.audit_head_tokens,
+                                     id_key=self.auth.family_id_key if self.auth else b"")
+            # families are tenants' prompts: with API keys on, their series only where a key is
+            # needed to read them (metrics_access admin)
+            self.metrics.watch_audit(self.audit, config.audit_top_k, per_family=(
+                self.auth is None or self.auth.restrict_metrics))
+        # the audit's own thread: it never competes with routing for the tokenizer pool
+        self.audit_executor = ThreadPoolExecutor(1, thread_name_prefix="audit")
+        self._audit_queued = 0  # observations submitted and not yet done
+        self.web_server: web.Server | None = None  # the listening server (client connections)
+        self.draining = False  # stopping: /ready answers 503 while in-flight requests finish
+        # the start-up step warming up (``_warm_up``): /ready answers 503 until it is ""
+        self.warming = "start-up" if tokenizer is not None else ""
+
+    # -- lifecycle ---------------------------------------------------------------
+
+    def build_app(self) -> web.Application:
+        middlewares = [_request_id_middleware, error_middleware,
+                       body_limit_middleware(self.config.max_body_bytes, self._refused_unread)]
+        if self.auth is not None:
+            middlewares.append(auth_middleware(self.auth))
+        if self.tracing.enabled:  # outside the error middleware: it sees the status sent
+            middlewares.insert(1, self._tracing_middleware)
+        app = web.Application(middlewares=middlewares, client_max_size=self.config.max_body_bytes)
+        app.router.add_post("/v1/completions", functools.partial(self.handle_generate, "completion"))
+        app.router.add_post("/v1/chat/completions", functools.partial(self.handle_generate, "chat"))
+        app.router.add_get("/v1/models", self.handle_models)
+        for path in ("/tokenize", "/detokenize", "/v1/embeddings"):
+            app.router.add_post(path, self.handle_passthrough)
+        app.router.add_get("/health", self.handle_health)
+        app.router.add_get("/ready", self.handle_ready)
+        app.router.add_get("/metrics", self.handle_metrics)
+        app.router.add_post("/debug/route", self.handle_debug_route)
+        app.router.add_get("/debug/prefixes", self.handle_debug_prefixes)
+        app.on_startup.append(self._on_startup)
+        app.on_cleanup.append(self._on_cleanup)
+        return app
+
+    @web.middleware
+    async def _tracing_middleware(self, request: web.Request, handler: Any) -> web.StreamResponse:
+        """The request's server span (only installed with tracing on)."""
+        attributes = {"http.request.method": request.method, "url.path": request.path,
+                      "prefix_router.request_id": request[REQUEST_ID_KEY]}
+        with self.tracing.server_span(f"{request.method} {request.path}", request.headers,
+                                      attributes) as span:
+            response = await handler(request)
+            span.set_attribute("http.response.status_code", response.status)
+            return response
+
+    async def _on_startup(self, app: web.Application) -> None:
+        connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=UPSTREAM_IDLE_S,
+                                         enable_cleanup_closed=True)
+        # no cookie jar: the session is every client's, and a cookie one answer set (a sticky
+        # load balancer in front of a replica) would ride along on every later request there
+        self.session = aiohttp.ClientSession(connector=connector, auto_decompress=False,
+                                             cookie_jar=aiohttp.DummyCookieJar())
+        self.proxy = Proxy(self.session, self.config, self.metrics, self.fleet.health,
+                           self.tracing, self.loop_lag)
+        self._tasks.append(asyncio.create_task(self.loop_lag.run()))
+        self._tasks.append(asyncio.create_task(CircuitProber(
+            self.fleet, self.session, self.config, self.metrics, self.loop_lag).run()))
+        if self.config.redis_url:
+            # until Redis answers: the last fleet seen there and the configured fallbacks
+            added = self.fleet.add_fallbacks(read_fleet_cache(self.config.fleet_cache_file),
+                                             self.config.fallback_replicas)
+            if added:
+                logger.info("%d fallback replicas until Redis gives the fleet", added)
+        if self.config.replicas or any(r.fallback for r in self.fleet.replicas.values()):
+            self.prober = StaticProber(self.fleet, self.config.static_probe_interval_s,
+                                       self.config.health_failures)
+            await self.prober.probe_once()
+            self._tasks.append(asyncio.create_task(self.prober.run()))
+        rank_check = StaticRankCheck(self.fleet, self.session, self.config.static_probe_interval_s)
+        if rank_check.targets():  # static URL#RANK targets: does the engine have that rank?
+            await rank_check.check_once()
+            self._tasks.append(asyncio.create_task(rank_check.run()))
+        if self.config.redis_url:
+            self.reader = FleetReader(self.fleet, self.config, self.metrics)
+            self._tasks.append(asyncio.create_task(self.reader.run()))
+            # listen once the first connection attempt is over: synced, or failed (then the
+            # fallback replicas route while the reader retries)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.reader.attempted.wait(), timeout=5.0)
+        if self.renderer is not None:
+            asyncio.get_running_loop().run_in_executor(self.render_executor, self.renderer.start)
+        self._tasks.append(asyncio.create_task(self._warm_up()))
+        self._tasks.append(asyncio.create_task(self._housekeeping()))
+        self._tasks.append(asyncio.create_task(self._sweeper()))
+        self._tasks.append(asyncio.create_task(self._stall_watch()))
+
+    async def _warm_up(self) -> None:
+        """Warm the tokenizer (the model's chat template compiled, a first encode) and then the
+        render children (``TemplateRenderer.wait_warm``) while ``warming`` names the step, which
+        keeps /ready false: no request pays for start-up (the first chats after start waited
+        3.1-3.4 s on a quiet machine, 16.6-16.9 s on a busy one). Each step is bounded; one
+        that fails or overruns is logged and the router gets ready without it."""
+        loop = asyncio.get_running_loop()
+        try:
+            if self.tokenizer is not None:
+                self.warming = "the tokenizer (chat template, first encode)"
+                try:
+                    await loop.run_in_executor(self.chainer.executor, self.tokenizer.warm)
+                except PromptError as exc:
+                    logger.warning("tokenizer warm-up: %s", exc)
+            if self.renderer is not None:
+                self.warming = "the chat render processes"
+                if not await loop.run_in_executor(self.render_executor, self.renderer.wait_warm,
+                                                  CHILD_START_TIMEOUT_S):
+                    logger.warning("chat render processes not warm after %g s (%d of %d): "
+                                   "ready without them", CHILD_START_TIMEOUT_S,
+                                   self.renderer.num_warmed, RENDER_PROCESSES)
+        finally:
+            self.warming = ""
+        logger.info("warm: tokenizer and chat render processes ready")
+
+    def _warm_up_state(self) -> dict[str, Any]:
+        """/ready's ``warm_up``: the step under way (``warming``, null once warm), the model
+        template's compiles so far and the render children's warm-ups and cold renders."""
+        renderer = self.renderer
+        return {
+            "warming": self.warming or None,
+            "template_loads": self.tokenizer.num_template_loads if self.tokenizer else None,
+            "render_processes": RENDER_PROCESSES if renderer else 0,
+            "render_processes_warmed": renderer.num_warmed if renderer else None,
+            "cold_renders": renderer.num_cold_renders if renderer else None,
+        }
+
+    async def _on_cleanup(self, app: web.Application) -> None:
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        if self.session is not None:
+            await self.session.close()
+        self.chainer.shutdown()
+        self.audit_executor.shutdown(wait=False, cancel_futures=True)
+        self.render_executor.shutdown(wait=False, cancel_futures=True)
+        if self.renderer is not None:
+            self.renderer.close()
+
+    def _close_idle_connections(self) -> int:
+        """Close the oldest idle client connections beyond ``max_idle_client_connections``.
+        Returns how many were closed. (aiohttp keeps no such bound; ``_waiter`` is set while a
+        connection waits for its next request head.)"""
+        if self.web_server is None:
+            return 0
+        idle = [h for h in self.web_server.connections if getattr(h, "_waiter", None) is not None]
+        surplus = len(idle) - self.config.max_idle_client_connections
+        for handler in idle[:max(surplus, 0)]:  # oldest first
+            handler.force_close()
+        return max(surplus, 0)
+
+    def _prompt_caches(self) -> list[tuple[str, Any]]:
+        caches: list[tuple[str, Any]] = [("chain", self.chainer.chains)]
+        if self.tokenizer is not None:
+            caches += [("chunk_tokens", self.tokenizer.cache),
+                       ("rendered_chat", self.tokenizer.rendered)]
+        return caches
+
+    def _prompt_cache_gauges(self) -> None:
+        for name, cache in self._prompt_caches():
+            self.metrics.prompt_cache_bytes.labels(name).set(cache.num_bytes)
+            self.metrics.prompt_cache_entries.labels(name).set(len(cache))
+
+    async def _housekeeping(self) -> None:
+        """Prune expired speculative placements, bound idle client connections and refresh
+        gauges once a second."""
+        while True:
+            self._close_idle_connections()
+            now = time.monotonic()
+            self.fleet.speculative.prune(now)
+            self.metrics.speculative_blocks.set(len(self.fleet.speculative))
+            self.metrics.index_blocks.set(len(self.fleet.index))
+            self._prompt_cache_gauges()
+            self.metrics.fleet_panic.set(1 if self.fleet.panic(now)[0] else 0)
+            if self.heap.due():  # a large prompt's freed memory back to the OS (router.service.heap)
+                await asyncio.to_thread(self.heap.trim)
+            for rid, replica in self.fleet.replicas.items():
+                routable = self.fleet.routable_problem(replica, now) is None
+                self.metrics.replica_routable.labels(rid).set(1 if routable else 0)
+                self.metrics.set_replica_target(rid, replica.url, replica.dp_rank)
+                affinity = self.fleet.affinity_problem(replica) is None
+                self.metrics.replica_affinity.labels(rid).set(1 if affinity else 0)
+                mismatch = self.fleet.config_mismatch(replica) is not None
+                self.metrics.replica_config_mismatch.labels(rid).set(1 if mismatch else 0)
+            await asyncio.sleep(1.0)
+
+    async def _stall_watch(self) -> None:
+        """Bench replicas that stopped sending bytes while others did, or hung past a first-byte
+        deadline, count missed deadlines (``router.decision.health``), and move requests that still wait
+        for a first byte to the next replica. A replica's KV events count as its progress."""
+        health = self.fleet.health
+        cfg = self.config
+        interval = min(1.0, cfg.stall_timeout_s / 4, cfg.first_byte_deadline_floor_s / 4)
+        entries: dict[str, tuple[int, int]] = {}  # {replica_id: (epoch, entry_seq) last seen}
+        while True:
+            await asyncio.sleep(interval)
+            now = time.monotonic()
+            for rid, replica in self.fleet.replicas.items():
+                seen = entries.get(rid)
+                entries[rid] = (replica.epoch, replica.entry_seq)
+                # new stream entries: the engine stored or evicted blocks
+                events = (seen is not None and seen[0] == replica.epoch
+                          and seen[1] < replica.entry_seq)
+                health.engine_report(rid, now, replica.num_running + replica.num_waiting > 0,
+                                     events)
+            for gone in entries.keys() - self.fleet.replicas.keys():
+                del entries[gone]
+            self._judge_overdue(now)
+            for rid in health.stalled(now):
+                if self.loop_lag.late(now - cfg.stall_timeout_s, now):
+                    # its bytes may sit unread: the router was late, not the replica
+                    self.metrics.child(self.metrics.loop_late, "stalled").inc()
+                    continue
+                health.trip(rid, now, "stalled")
+                self.metrics.child(self.metrics.upstream_errors, rid, "stalled").inc()
+                moved = self.proxy.abort_waiting(rid) if self.proxy is not None else 0
+                logger.warning("replica %s sent nothing for %.0f s while others did: benched; "
+                               "%d waiting requests moved", rid, self.config.stall_timeout_s, moved)
+
+    def _judge_overdue(self, now: float) -> None:
+        """Act on the attempts past their first-byte deadline (``ReplicaHealth.overdue``)."""
+        health = self.fleet.health
+        for overdue in health.overdue(now, self.loop_lag.late):
+            rid = overdue.replica_id
+            if overdue.verdict == ROUTER_LATE:
+                self.metrics.child(self.metrics.loop_late, MISSED).inc()
+                continue
+            self.metrics.child(self.metrics.upstream_errors, rid, overdue.verdict).inc()
+            if overdue.verdict == HUNG:
+                health.trip(rid, now, HUNG)
+                moved = self.proxy.abort_waiting(rid, HUNG) if self.proxy is not None else 0
+                logger.warning("replica %s sent nothing past a first-byte deadline while others "
+                               "progressed: benched; %d waiting requests moved", rid, moved)
+                continue
+            if health.record_failure(rid, now, MISSED):
+                logger.warning("replica %s: circuit opened after %s", rid, MISSED)
+            if overdue.fallback and self.proxy is not None:
+                self.proxy.abort_attempt(overdue.token, MISSED)
+
+    async def _sweeper(self) -> None:
+        """Sweep retired index slots (replica cleared or dropped) in steps that yield to the loop."""
+        while True:
+            if self.fleet.index.sweep_pending:
+                self.fleet.sweep_index(SWEEP_KEYS_PER_STEP)
+                await asyncio.sleep(0)
+            else:
+                await asyncio.sleep(0.05)
+
+    # -- routing -----------------------------------------------------------------
+
+    async def _request_template(self, spec: PromptSpec) -> PromptSpec:
+        """A chat request's own ``chat_template``: refused as vLLM does unless
+        ``trust_request_chat_template``; when trusted, rendered in the bounded child process
+        (``router.request.chat_render``) and the spec carries the text. Raises ``BadRequest``."""
+        if not has_request_template(spec):
+            return spec
+        if not self.config.trust_request_chat_template:
+            raise BadRequest(UNTRUSTED_TEMPLATE_MESSAGE)
+        if self.renderer is None:
+            return spec  # no tokenizer: routed by hashing the text, never rendered here
+        loop = asyncio.get_running_loop()
+        # a PromptError is a BadRequest: the error middleware answers it
+        text = await loop.run_in_executor(self.render_executor, self.renderer.render, spec)
+        return dataclasses.replace(spec, text=text)
+
+    # -- handlers ----------------------------------------------------------------
+
+    async def _read_json(self, request: web.Request) -> tuple[bytes, Any]:
+        body = await _read_body(request, self.config.client_body_timeout_s)
+        return body, decode_json_body(body)
+
+    async def handle_generate(self, kind: str, request: web.Request) -> web.StreamResponse:
+        """Completions and chat: every outcome, the router's own errors included, is counted in
+        ``router_requests_total``; errors after a decision carry the routing headers."""
+        counted = _Counted(request.path)
+        try:
+            return await self._generate(kind, request, counted)
+        except RouterError as exc:
+            counted.status = exc.status
+            if counted.replica_id:
+                exc.headers.setdefault(REPLICA_HEADER, counted.replica_id)
+                exc.headers.setdefault(REASON_HEADER, counted.reason)
+            raise
+        except web.HTTPException as exc:  # 413 from aiohttp's body limit
+            counted.status = exc.status
+            raise
+        except asyncio.CancelledError:
+            counted.status = STATUS_CLIENT_CLOSED
+            raise
+        finally:
+            self.metrics.child(self.metrics.requests, counted.replica_id, counted.reason,
+                               counted.endpoint, str(counted.status)).inc()
+
+    def _refused_unread(self, request: web.Request, status: int) -> None:
+        """A completions or chat request refused before its handler ran (a declared body over
+        ``max_body_bytes``) is counted in ``router_requests_total`` as the handler counts it."""
+        if request.path in GENERATE_PATHS:
+            self.metrics.child(self.metrics.requests, "", "none", request.path, str(status)).inc()
+
+    async def _generate(self, kind: str, request: web.Request,
+                        counted: _Counted) -> web.StreamResponse:
+        """The request path: parse -> prompt chain and routing -> dispatch record -> proxy."""
+        arrival = time.perf_counter()
+        spec, body = await self._parse(kind, request)  # 1. parse (and a request's own template)
+        routed = await self.router.route(spec)  # 2-3. the prompt's chain, the decision
+        decision = routed.decision
+        counted.replica_id, counted.reason = decision.replica_id, decision.reason
+        dispatch = self.dispatcher.begin(routed, spec)  # 4. owns tickets, placements, writes
+        endpoint = request.path
+        status, replica_id = 500, decision.replica_id
+
+        def sent(rid: str) -> None:
+            self.metrics.child(self.metrics.overhead, endpoint).observe(time.perf_counter() - arrival)
+            dispatch.sent(rid)
+
+        assert self.proxy is not None
+        try:
+            response, outcome = await self.proxy.forward(  # 5. proxy
+                request, endpoint, body, routed.targets, decision.reason,
+                request[REQUEST_ID_KEY], dispatch.start_ticket,
+                lambda rid: self.fleet.mark_failed(rid, time.monotonic()), arrival, sent,
+                streamed=spec.stream, expected_s=dispatch.expected_first_byte_s)
+            status, replica_id = outcome.status, outcome.replica_id
+            counted.status, counted.replica_id = status, replica_id
+            self._observe(spec, routed, dispatch, outcome, arrival, request.get(TENANT_KEY))
+            return response
+        except RouterError as exc:
+            status = exc.status
+            raise
+        except asyncio.CancelledError:
+            status = STATUS_CLIENT_CLOSED
+            raise
+        finally:
+            dispatch.settle(status, replica_id)
+
+    async def _parse(self, kind: str, request: web.Request) -> tuple[PromptSpec, bytes]:
+        """The request parsed to a ``PromptSpec`` (a request's own chat template rendered when
+        trusted), and its body as sent on (under the tenant's cache_salt). Raises
+        ``BadRequest``."""
+        body = await _read_body(request, self.config.client_body_timeout_s)
+        if self.auth is not None:
+            body = self.auth.salted_body(request, body)  # the tenant's cache_salt
+        return await self._request_template(parse_request(kind, body)), body
+
+    def _observe(self, spec: PromptSpec, routed: Routed, dispatch: Dispatch,
+                 outcome: ProxyOutcome, arrival: float, tenant: str | None) -> None:
+        """What an answered request teaches: first-byte rates, TTFT metrics, hit counters and
+        the template audit."""
+        decision, replica_id, status = routed.decision, outcome.replica_id, outcome.status
+        if outcome.first_byte_s is not None and status == 200:
+            since_send_s = arrival + outcome.first_byte_s - dispatch.sent_at(replica_id)
+            if not spec.stream:  # its first byte is the whole answer: not a TTFT
+                dispatch.observe_answer(replica_id, since_send_s)
+            else:
+                self.dispatcher.observe_first_byte(replica_id, outcome.first_byte_s,
+                                                   dispatch.prefill_tokens)
+                self._observe_ttft(spec, decision, outcome)
+                self._observe_first_token(dispatch.prediction(replica_id), replica_id,
+                                          since_send_s)
+        hit_tokens = decision.hit_blocks * self.config.block_size
+        predicted_hit = hit_tokens if replica_id == decision.replica_id else 0
+        self.metrics.child(self.metrics.prompt_tokens, replica_id).inc(routed.num_tokens)
+        self.metrics.child(self.metrics.predicted_hit_tokens, replica_id).inc(predicted_hit)
+        if replica_id == decision.replica_id and decision.predicted_hit:  # per tier
+            hit = decision.hit(replica_id)
+            self.metrics.child(self.metrics.predicted_tier_hit_blocks, replica_id,
+                               "GPU").inc(hit.blocks)
+            self.metrics.child(self.metrics.predicted_tier_hit_blocks, replica_id,
+                               "CPU").inc(hit.cpu_blocks)
+        if status == 200:
+            generated = completion_tokens_from_tail(outcome.tail)
+            if generated is not None:  # the decode term's typical output length (ttft policy)
+                self.tracker.observe_output(generated)
+            self._audit_request(spec, routed.num_tokens, predicted_hit, outcome, tenant)
+
+    def _observe_ttft(self, spec: PromptSpec, decision: Decision, outcome: ProxyOutcome) -> None:
+        """``router_ttft_seconds`` of a streamed answer, split by the engine's own cached_tokens
+        when its last event reported usage, else by the router's prediction."""
+        cached = cached_tokens_from_sse_tail(outcome.tail)
+        if cached is not None:
+            cache, source = ("hit" if cached > 0 else "miss"), "engine"
+        else:
+            cache, source = ("hit" if decision.predicted_hit else "miss"), "predicted"
+        assert outcome.first_byte_s is not None
+        self.metrics.child(self.metrics.ttft, spec.model or "", cache, source).observe(
+            outcome.first_byte_s)
+
+    def _observe_first_token(self, predicted: TtftPrediction | None, replica_id: str,
+                             ttft_s: float) -> None:
+        """A streamed request's first byte came ``ttft_s`` after its dispatch to ``replica_id``:
+        teach the prefill-rate learner (every policy: the first-byte deadlines use its
+        estimate), and record how far off the prediction made at the send was."""
+        if predicted is None:
+            return
+        self.learner.observe(replica_id, predicted.work_tokens, ttft_s)
+        self.metrics.child(self.metrics.ttft_prediction_error, replica_id).observe(
+            ttft_s - predicted.ttft_s)
+
+    def _audit_request(self, spec: PromptSpec, num_tokens: int, predicted_hit_tokens: int,
+                       outcome: ProxyOutcome, tenant: str | None) -> None:
+        """Hand a served request to the template audit on its own thread (dropped, and counted,
+        when ``AUDIT_QUEUE`` observations are already waiting)."""
+        audit = self.audit
+        if audit is None:
+            return
+        if self._audit_queued >= AUDIT_QUEUE:
+            audit.drop(tenant)
+            return
+        cached = cached_tokens_from_tail(outcome.tail)
+        head = self.config.audit_head_tokens
+
+        def observe() -> None:
+            tokens = prompt_head(spec, self.tokenizer, head)
+            if tokens is not None:
+                audit.observe(tokens, num_tokens, predicted_hit_tokens, cached, tenant)
+
+        def done(fut: asyncio.Future[None]) -> None:
+            self._audit_queued -= 1
+            if not fut.cancelled() and fut.exception() is not None:
+                logger.warning("template audit failed on a request: %r", fut.exception())
+
+        self._audit_queued += 1
+        try:
+            future = asyncio.get_running_loop().run_in_executor(self.audit_executor, observe)
+        except RuntimeError:  # the executor is shut down: the router is stopping
+            self._audit_queued -= 1
+            return
+        future.add_done_callback(done)
+
+    def _update_inflight(self, replica_id: str) -> None:
+        self.metrics.child(self.metrics.inflight, replica_id).set(self.tracker.requests(replica_id))
+        self.metrics.child(self.metrics.inflight_prefill, replica_id).set(self.tracker.prefill_tokens(replica_id))
+
+    async def handle_passthrough(self, request: web.Request) -> web.StreamResponse:
+        """``/tokenize``, ``/detokenize``, ``/v1/embeddings``: least-loaded replica serving the model."""
+        arrival = time.perf_counter()
+        body, data = await self._read_json(request)
+        model = data.get("model") if isinstance(data, dict) else None
+        if model is not None and not isinstance(model, str):
+            raise BadRequest("'model' must be a string")
+        decision, targets = self.router.least_loaded(model)
+        assert self.proxy is not None
+        status = 500
+        try:
+            response, outcome = await self.proxy.forward(
+                request, request.path, body, targets, decision.reason, request[REQUEST_ID_KEY],
+                lambda rid: GaugedTicket(self.tracker.dispatch(rid, 0), self._update_inflight),
+                lambda rid: self.fleet.mark_failed(rid, time.monotonic()), arrival)
+            status = outcome.status
+            return response
+        except RouterError as exc:
+            status = exc.status
+            raise
+        finally:
+            self.metrics.requests.labels(decision.replica_id, decision.reason, request.path,
+                                         str(status)).inc()
+
+    async def handle_models(self, request: web.Request) -> web.Response:
+        """Union of the models of the replicas routed to (the routable ones, or in panic mode
+        all it routes to); 503 when there is none (an empty list would tell a client the router
+        serves no model at all)."""
+        now = time.monotonic()
+        if not self.fleet.routed(now):
+            raise NoRoutableReplica("no routable replica: the served models are unknown" if not
+                                    self.fleet.replicas else "no routable replica")
+        return web.json_response({"object": "list", "data": self.fleet.model_cards(now)})
+
+    async def handle_health(self, request: web.Request) -> web.Response:
+        return web.json_response({"status": "ok"})
+
+    async def handle_ready(self, request: web.Request) -> web.Response:
+        now = time.monotonic()
+        replicas = []
+        routed = {r.replica_id for r in self.fleet.routed(now)}
+        for rid in sorted(self.fleet.replicas):
+            r = self.fleet.replicas[rid]
+            problem = self.fleet.routable_problem(r, now)
+            affinity_problem = self.fleet.affinity_problem(r)
+            replicas.append({
+                "replica_id": rid, "url": r.url, "dp_rank": r.dp_rank, "static": r.static,
+                "routable": problem is None,
+                "not_routable_reason": problem, "affinity": affinity_problem is None,
+                "no_affinity_reason": affinity_problem, "hash_verified": r.hash_verified,
+                "config_mismatch": self.fleet.config_mismatch(r), "index_stride": r.index_stride,
+                "epoch": r.epoch, "models": sorted(r.models) if r.models is not None else None,
+                "lora_adapters": sorted(r.lora_adapters), "num_running": r.num_running,
+                "num_waiting": r.num_waiting, "kv_usage": r.kv_usage,
+                "index_blocks": self.fleet.index.num_blocks(rid),
+                "index_cpu_blocks": self.fleet.index.num_blocks(rid, TIER_CPU),
+                "kv_tiers": list(r.kv_tiers),
+                "circuit": self.fleet.health.state(rid),
+                "routed": rid in routed,  # requests go there now (in panic mode: unroutable too)
+                "refused_connections": self.fleet.health.refused(rid, now),
+                "inflight_requests": self.tracker.requests(rid),
+                "inflight_prefill_tokens": self.tracker.prefill_tokens(rid),
+            })
+        panic, num_routable, num_replicas = self.fleet.panic(now)
+        # in panic mode the router routes to replicas /ready lists as not routable ("routed")
+        not_ready = self.fleet.not_ready(now)
+        ready = not_ready is None and not self.draining and not self.warming
+        body = {"ready": ready, "not_ready_reason": not_ready,
+                "draining": self.draining, "warm_up": self._warm_up_state(),
+                "policy": self.config.policy,
+                "panic": {"active": panic, "routable_replicas": num_routable,
+                          "replicas": num_replicas, "threshold": self.config.panic_threshold},
+                "redis": None if self.reader is None else {
+                    "connected": self.reader.connected, "last_stream_id": self.reader.last_id,
+                    # writes refused for lack of memory: routing goes on, the index lags
+                    "oom": self.reader.oom,
+                    "oom_replicas": sorted(rid for rid, r in self.fleet.replicas.items()
+                                           if r.redis_oom)},
+                "tokenizer": self.tokenizer.source if self.tokenizer else None,
+                "index_blocks": len(self.fleet.index), "index_stride": self.config.index_stride,
+                "config_mismatches": sorted(str(r["replica_id"]) for r in replicas
+                                            if r["config_mismatch"]),
+                "replicas": replicas}
+        return web.json_response(body, status=200 if ready else 503)
+
+    async def handle_metrics(self, request: web.Request) -> web.Response:
+        for rid in self.fleet.replicas:
+            self._update_inflight(rid)
+        return web.Response(body=self.metrics.render(), headers={"Content-Type": CONTENT_TYPE})
+
+    async def handle_debug_route(self, request: web.Request) -> web.Response:
+        """The decision for a completions or chat body, without sending it (with API keys on,
+        under the caller's tenant salt: a tenant sees only its own prefixes)."""
+        body = await _read_body(request, self.config.client_body_timeout_s)
+        if self.auth is not None:
+            body = self.auth.salted_body(request, body)
+        data = decode_json_body(body)
+        kind = "chat" if isinstance(data, dict) and "messages" in data else "completion"
+        spec = await self._request_template(parse_prompt(kind, data))
+        routed = await self.router.route(spec, dry_run=True)
+        d = routed.decision
+        extra: dict[str, Any] = {}
+        if request.query.get("token_ids") in ("1", "true") and self.tokenizer is not None:
+            # the prompt's token ids as the router computes them (to hold against the engine's
+            # own /tokenize); only on request: a long prompt's ids are a large answer
+            extra["token_ids"] = await asyncio.get_running_loop().run_in_executor(
+                self.chainer.executor, self.tokenizer.prompt_tokens, spec)
+        return web.json_response({**extra,
+            "kind": kind, "policy": self.config.policy, "tokenized": routed.tokenized,
+            "num_tokens": routed.num_tokens, "chain_blocks": len(routed.chain),
+            "block_size": self.config.block_size, "replica": d.replica_id, "reason": d.reason,
+            "hit_blocks": d.hit_blocks, "hit_tokens": d.hit_blocks * self.config.block_size,
+            "cpu_hit_blocks": d.hit(d.replica_id).cpu_blocks,
+            "fallbacks": list(d.fallbacks), "replicas": d.details,
+            # where each candidate's attempt would go: engine URL and DP rank (vLLM header)
+            "targets": {t.replica_id: {"url": t.url, "dp_rank": t.dp_rank}
+                        for t in routed.targets},
+            "load": self.tracker.snapshot(),
+            # the typical lengths standing in for load this router cannot count (ttft policy)
+            "avg_prompt_tokens": round(self.tracker.avg_prompt_tokens, 1),
+            "avg_output_tokens": round(self.tracker.avg_output_tokens, 1),
+            "prefill_rates": {
+                rid: {"tokens_per_s": round(est.tokens_per_s, 1),
+                      "overhead_s": round(est.overhead_s, 6), "samples": est.num_samples}
+                for rid in d.details for est in (self.learner.estimate(rid),)},
+        })
+
+
+    async def handle_debug_prefixes(self, request: web.Request) -> web.Response:
+        """The template audit: top prefix families (``?top=K``), near misses, block-boundary
+        waste, hit rate per family. With API keys on, a tenant that is not an admin sees only its
+        own families."""
+        if self.audit is None:
+            return web.json_response({"enabled": False, "families": []})
+        try:
+            top = int(request.query.get("top", self.config.audit_top_k))
+        except ValueError as exc:
+            raise BadRequest("'top' must be an integer") from exc
+        everyone = self.auth is None or bool(request.get(ADMIN_KEY))
+        body = self.audit.report(top, tenant=request.get(TENANT_KEY), all_tenants=everyone)
+        return web.json_response({"enabled": True, **body})
+
+
+@web.middleware
+async def _request_id_middleware(request: web.Request, handler: Any) -> web.StreamResponse:
+    request_id = request.headers.get(REQUEST_ID_HEADER, "")
+    if not _REQUEST_ID_OK.fullmatch(request_id):  # reflected and logged: bounded and plain
+        request_id = uuid.uuid4().hex
+    request[REQUEST_ID_KEY] = request_id
+    REQUEST_ID.set(request_id)  # for every log line while serving it (the handler's own task)
+    response = await handler(request)
+    if REQUEST_ID_HEADER not in response.headers and not response.prepared:
+        response.headers[REQUEST_ID_HEADER] = request_id
+    return response
+
+
+GENERATE_PATHS: Final = frozenset({"/v1/completions", "/v1/chat/completions"})
+
+
+@dataclass(slots=True)
+class _Counted:
+    """What ``router_requests_total`` records of one request (filled in as it goes)."""
+
+    endpoint: str
+    replica_id: str = ""  # "" when no replica was chosen (the router answered itself)
+    reason: str = "none"
+    status: int = 500
+
+
+async def _read_body(request: web.Request, timeout_s: float) -> bytes:
+    """The request body, decoded per its Content-Encoding (aiohttp does that); a body that does
+    not decode is a 400 (413 beyond ``max_body_bytes`` is raised by aiohttp), one that takes
+    longer than ``timeout_s`` to arrive a 408 (and the connection is closed)."""
+    try:
+        async with asyncio.timeout(timeout_s):
+            return await request.read()
+    except RequestPayloadError as exc:
+        raise BadRequest(f"request body could not be read: {exc}") from exc
+    except TimeoutError as exc:
+        raise RequestTimeout(f"request body not received within {timeout_s:g} s "
+                             "(client_body_timeout_s)") from exc
+
+
+
+def _write_ready_file(path: str, url: str) -> None:
+    target = Path(path)
+    tmp = target.with_name(target.name + ".tmp")
+    tmp.write_text(json.dumps({"url": url}))
+    os.replace(tmp, target)
+
+
+async def serve(config: RouterConfig, tokenizer: PromptTokenizer | None,
+                tracing: Tracing | None = None) -> None:
+    """Run the router until SIGINT/SIGTERM."""
+    service = RouterService(config, tokenizer, tracing)
+    app = service.build_app()
+    # keepalive_timeout closes a client connection idle that long, counted from its start or its
+    # last response, so also one that dribbles its request head (slowloris; aiohttp 3.14);
+    # after an answer to an unread body (408, 413) aiohttp reads on for lingering_time
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None,
+                           keepalive_timeout=config.client_idle_timeout_s,
+                           lingering_time=CLIENT_LINGER_S)
+    await runner.setup()
+    assert runner.server is not None
+    openai_parser_errors(runner.server)
+    service.web_server = runner.server
+    # after the stop signal: in-flight requests get shutdown_timeout_s to finish
+    site = web.TCPSite(runner, config.host, config.port, backlog=1024,
+                       shutdown_timeout=config.shutdown_timeout_s)
+    try:
+        await site.start()
+    except OSError as exc:  # port in use, unknown host, no permission
+        await runner.cleanup()
+        raise StartupError(f"cannot listen on {config.host}:{config.port}: {exc}") from exc
+    server = getattr(site, "_server", None)
+    sockets = getattr(server, "sockets", None) or []
+    port = sockets[0].getsockname()[1] if sockets else config.port
+    url = f"http://{config.host}:{port}"
+    logger.info("router listening on %s", url)
+    if config.ready_file:
+        _write_ready_file(config.ready_file, url)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        await stop.wait()
+        # graceful: /ready says 503 first (load balancers polling it stop sending), requests keep
+        # being served for drain_delay_s, then the listener closes and in-flight ones finish
+        service.draining = True
+        logger.info("stopping: /ready is 503; closing the listener in %g s",
+                    config.drain_delay_s)
+        if config.drain_delay_s > 0:
+            await asyncio.sleep(config.drain_delay_s)
+    finally:
+        await runner.cleanup()
+
+
+def main(argv: Sequence[str]) -> int:
+    """``prefix-router serve``: returns the process exit code."""
+    try:
+        config = load_config(argv)
+        BlockHasher(config.block_size, config.hash_algo, config.hash_seed)
+        if config.api_keys:
+            load_tenant_auth(config.api_keys, config.cache_salt_secret_file)
+    except (ConfigError, HashConfigError, AuthConfigError) as exc:
+        print(f"prefix-router serve: error: {exc}", file=sys.stderr, flush=True)
+        return 2
+    configure_logging(config.log_level, config.log_format)
+    try:
+        tracing = otlp_tracing(config.otlp_traces_endpoint)
+    except TracingUnavailable as exc:
+        print(f"prefix-router serve: error: {exc}", file=sys.stderr, flush=True)
+        return 2
+    tokenizer = None
+    if config.tokenizer:
+        try:
+            # the chain cache serves repeated prefixes; the chunk-token cache only helps a chunk
+            # seen after a different prefix, so it is kept smaller
+            tokenizer = PromptTokenizer(config.tokenizer, config.token_cache_chunks // 8,
+                                        cache_bytes=config.prompt_cache_mib << 17,  # 1/8 each
+                                        render_cache_bytes=config.prompt_cache_mib << 17)
+        except (OSError, ValueError) as exc:
+            print(f"prefix-router serve: error: cannot load tokenizer {config.tokenizer!r}: {exc}",
+                  file=sys.stderr, flush=True)
+            return 2
+    else:
+        logger.warning("no --tokenizer: text prompts are routed by hashing the text "
+                       "(router_untokenized_requests_total)")
+    loop_factory = None
+    try:
+        import uvloop
+
+        loop_factory = uvloop.new_event_loop
+    except ImportError:
+        logger.info("uvloop not available; using asyncio's default loop")
+    # Start-up objects (transformers, the tokenizer) never die: keep them out of the cyclic
+    # collector's scans, and collect the young generation less often, since a request
+    # allocates thousands of short-lived containers (chain pieces, headers, JSON).
+    gc.collect()
+    gc.freeze()
+    gc.set_threshold(GC_GEN0_THRESHOLD, 20, 20)
+    with asyncio.Runner(loop_factory=loop_factory) as runner:
+        try:
+            runner.run(serve(config, tokenizer, tracing))
+        except StartupError as exc:
+            print(f"prefix-router serve: error: {exc}", file=sys.stderr, flush=True)
+            return 1
+        finally:
+            tracing.shutdown()  # flush the last spans
+    return 0
