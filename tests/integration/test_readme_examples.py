@@ -1,5 +1,5 @@
-"""The README's examples run as printed: every ```bash block right after a ``<!-- ci: run -->``
-line (``<!-- ci: run, output -->``: the plain ``` block after it is its exact stdout) runs in
+"""The docs' examples run as printed: every ```bash block of README.md or docs/*.md right after a
+``<!-- ci: run -->`` line (``<!-- ci: run, output -->``: the plain ``` block after it is its exact stdout) runs in
 bash with ``-euo pipefail``, in a fresh directory, from this checkout's environment; it must exit
 0, print no traceback, and print every whole-line ``# `` comment of the block (the expected
 output some blocks show inline). A block that uses fixed ports is skipped while one of them is
@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-README = ROOT / "README.md"
+DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 RUN = "<!-- ci: run -->"
 RUN_WITH_OUTPUT = "<!-- ci: run, output -->"
 BLOCK_TIMEOUT_S = 600  # the A/B and the hand-started fleet take minutes on a busy machine
@@ -28,28 +28,33 @@ BLOCK_TIMEOUT_S = 600  # the A/B and the hand-started fleet take minutes on a bu
 pytestmark = pytest.mark.timeout(BLOCK_TIMEOUT_S + 60)
 
 
-def runnable_blocks(text: str) -> list[tuple[int, str, str | None]]:
-    """``(line number, bash source, expected stdout or None)`` per marked block of ``text``;
-    raises ``ValueError`` for a mark not followed by a ```bash block."""
+def runnable_blocks(text: str, name: str = "README.md") -> list[tuple[int, str, str | None]]:
+    """``(line number, bash source, expected stdout or None)`` per marked block of ``text`` (the
+    file ``name``); raises ``ValueError`` for a mark not followed by a ```bash block."""
     lines = text.splitlines()
     out = []
     for i, line in enumerate(lines):
         if line.strip() not in (RUN, RUN_WITH_OUTPUT):
             continue
         if i + 1 >= len(lines) or lines[i + 1].strip() != "```bash":
-            raise ValueError(f"README.md:{i + 1}: {line.strip()} is not followed by ```bash")
+            raise ValueError(f"{name}:{i + 1}: {line.strip()} is not followed by ```bash")
         end = next(j for j in range(i + 2, len(lines)) if lines[j].startswith("```"))
         expected = None
         if line.strip() == RUN_WITH_OUTPUT:
             if lines[end + 1].strip() != "```":
-                raise ValueError(f"README.md:{end + 2}: the expected output block is missing")
+                raise ValueError(f"{name}:{end + 2}: the expected output block is missing")
             close = next(j for j in range(end + 2, len(lines)) if lines[j].startswith("```"))
-            expected = "\n".join(lines[end + 2:close])
-        out.append((i + 2, "\n".join(lines[i + 2:end]), expected))
+            expected = "\n".join(lines[end + 2 : close])
+        out.append((i + 2, "\n".join(lines[i + 2 : end]), expected))
     return out
 
 
-BLOCKS = runnable_blocks(README.read_text())
+# (file:line, bash source, expected stdout or None) per marked block, README first
+BLOCKS = [
+    (f"{path.relative_to(ROOT)}:{line}", source, expected)
+    for path in DOCS
+    for line, source, expected in runnable_blocks(path.read_text(), str(path.relative_to(ROOT)))
+]
 
 
 def fixed_ports(source: str) -> set[int]:
@@ -69,23 +74,31 @@ def port_taken(port: int) -> bool:
     return False
 
 
-def test_the_readme_marks_its_examples() -> None:
+def test_the_docs_mark_their_examples() -> None:
     assert len(BLOCKS) >= 4  # hashes, the fleet by hand, the audit, the A/B
 
 
-@pytest.mark.parametrize(("line", "source", "expected"), BLOCKS,
-                         ids=[f"README.md:{line}" for line, _, _ in BLOCKS])
-def test_readme_block_runs_as_printed(line: int, source: str, expected: str | None,
-                                      tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    ("where", "source", "expected"), BLOCKS, ids=[where for where, _, _ in BLOCKS]
+)
+def test_readme_block_runs_as_printed(
+    where: str, source: str, expected: str | None, tmp_path: Path
+) -> None:
     taken = sorted(p for p in fixed_ports(source) if port_taken(p))
     if taken:
         pytest.skip(f"ports {taken} in use on this machine")
     env = dict(os.environ)
     env["PATH"] = str(Path(sys.executable).parent) + os.pathsep + env.get("PATH", "")
     env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
-    proc = subprocess.Popen(["bash", "-euo", "pipefail", "-c", source], cwd=tmp_path, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
+    proc = subprocess.Popen(
+        ["bash", "-euo", "pipefail", "-c", source],
+        cwd=tmp_path,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
     try:
         out, err = proc.communicate(timeout=BLOCK_TIMEOUT_S)
     except subprocess.TimeoutExpired:
@@ -94,10 +107,10 @@ def test_readme_block_runs_as_printed(line: int, source: str, expected: str | No
         with contextlib.suppress(ProcessLookupError):  # whatever the block left running
             os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
-    where = f"README.md:{line}\n--- stdout:\n{out[-3000:]}\n--- stderr:\n{err[-3000:]}"
-    assert proc.returncode == 0, where
-    assert "Traceback" not in out + err, where
+    report = f"{where}\n--- stdout:\n{out[-3000:]}\n--- stderr:\n{err[-3000:]}"
+    assert proc.returncode == 0, report
+    assert "Traceback" not in out + err, report
     for comment in (ln[2:] for ln in source.splitlines() if ln.startswith("# ")):
-        assert comment in out, f"{comment!r} not printed; {where}"
+        assert comment in out, f"{comment!r} not printed; {report}"
     if expected is not None:
-        assert out.strip() == expected.strip(), where
+        assert out.strip() == expected.strip(), report
