@@ -49,6 +49,12 @@ from router.chat_render import (
     has_request_template,
 )
 from router.circuit_probe import CircuitProber
+from router.client_connections import (
+    advertise_keepalive,
+    install_client_connections,
+    is_idle,
+    server_idle_timeout_s,
+)
 from router.config import ConfigError, RouterConfig, load_config
 from router.contract import TIER_CPU
 from router.dispatch import Dispatch, Dispatcher, GaugedTicket
@@ -69,7 +75,6 @@ from router.http_errors import (
     REQUEST_ID_KEY,
     body_limit_middleware,
     error_middleware,
-    openai_parser_errors,
 )
 from router.logs import REQUEST_ID, configure_logging
 from router.loop_lag import LoopLag
@@ -302,11 +307,11 @@ class RouterService:
 
     def _close_idle_connections(self) -> int:
         """Close the oldest idle client connections beyond ``max_idle_client_connections``.
-        Returns how many were closed. (aiohttp keeps no such bound; ``_waiter`` is set while a
-        connection waits for its next request head.)"""
+        Returns how many were closed (aiohttp keeps no such bound); one on which a request head
+        is arriving is not idle."""
         if self.web_server is None:
             return 0
-        idle = [h for h in self.web_server.connections if getattr(h, "_waiter", None) is not None]
+        idle = [h for h in self.web_server.connections if is_idle(h)]
         surplus = len(idle) - self.config.max_idle_client_connections
         for handler in idle[:max(surplus, 0)]:  # oldest first
             handler.force_close()
@@ -790,15 +795,17 @@ async def serve(config: RouterConfig, tokenizer: PromptTokenizer | None,
     """Run the router until SIGINT/SIGTERM."""
     service = RouterService(config, tokenizer, tracing)
     app = service.build_app()
-    # keepalive_timeout closes a client connection idle that long, counted from its start or its
-    # last response, so also one that dribbles its request head (slowloris; aiohttp 3.14);
-    # after an answer to an unread body (408, 413) aiohttp reads on for lingering_time
+    # keepalive_timeout closes a client connection idle that long (the advertised timeout and a
+    # grace: router.client_connections), counted from its start or its last response, so also one
+    # that dribbles its request head (slowloris; aiohttp 3.14), counted from the head's first
+    # byte; after an answer to an unread body (408, 413) aiohttp reads on for lingering_time
+    advertise_keepalive(app, config.client_idle_timeout_s)
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None,
-                           keepalive_timeout=config.client_idle_timeout_s,
+                           keepalive_timeout=server_idle_timeout_s(config.client_idle_timeout_s),
                            lingering_time=CLIENT_LINGER_S)
     await runner.setup()
     assert runner.server is not None
-    openai_parser_errors(runner.server)
+    install_client_connections(runner.server)
     service.web_server = runner.server
     # after the stop signal: in-flight requests get shutdown_timeout_s to finish
     site = web.TCPSite(runner, config.host, config.port, backlog=1024,
