@@ -48,15 +48,19 @@ def load_average() -> list[float]:
 
 
 def router_counts(metrics: str) -> dict[str, Any]:
-    """``router_requests_total`` 503s by reason, the panic counter, the upstream errors by kind
+    """``router_requests_total`` by status and its 503s by reason, the panic counter, the upstream errors by kind
     and the timeouts not counted because the router's loop ran late
     (``router_loop_late_verdicts_total``) by kind, from ``/metrics`` text."""
     by_reason: Counter[str] = Counter()
+    statuses: Counter[str] = Counter()
     errors: Counter[str] = Counter()
     late: Counter[str] = Counter()
     panic = 0.0
     for line in metrics.splitlines():
         kind = re.search(r'kind="([^"]*)"', line)
+        if line.startswith("router_requests_total{"):
+            status = re.search(r'status="([^"]*)"', line)
+            statuses[status.group(1) if status else "?"] += int(float(line.rsplit(" ", 1)[1]))
         if line.startswith("router_requests_total{") and 'status="503"' in line:
             reason = re.search(r'reason="([^"]*)"', line)
             by_reason[reason.group(1) if reason else "?"] += int(float(line.rsplit(" ", 1)[1]))
@@ -65,7 +69,7 @@ def router_counts(metrics: str) -> dict[str, Any]:
         elif line.startswith(("router_upstream_errors_total{", "router_loop_late_verdicts_total{")):
             out = errors if line.startswith("router_upstream") else late
             out[kind.group(1) if kind else "?"] += int(float(line.rsplit(" ", 1)[1]))
-    return {"503_by_reason": dict(by_reason), "panic_routed_requests": int(panic),
+    return {"statuses": dict(statuses), "503_by_reason": dict(by_reason), "panic_routed_requests": int(panic),
             "upstream_errors_by_kind": dict(errors), "loop_late_by_kind": dict(late)}
 
 
@@ -78,6 +82,7 @@ class Load:
         self.statuses: Counter[int] = Counter()
         self.messages_503: Counter[str] = Counter()
         self.errors: Counter[str] = Counter()
+        self.error_messages: Counter[str] = Counter()  # {type and message: count}
         self.requests = 0
         self.last_stream_end = 0.0
         rng = random.Random(29)
@@ -114,6 +119,7 @@ class Load:
                     self.errors["stream_without_done"] += 1
         except (aiohttp.ClientError, TimeoutError) as exc:
             self.errors[type(exc).__name__] += 1
+            self.error_messages[f"{type(exc).__name__}: {exc}"[:160]] += 1
         finally:
             self.last_stream_end = time.monotonic()
 
@@ -130,6 +136,13 @@ class Load:
         async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
             await asyncio.gather(*(self.loop(session, i, deadline)
                                    for i in range(self.args.streams)))
+
+
+async def watch_fds(pid: int, stop: asyncio.Event, out: Counter[str]) -> None:
+    """The router's open fds, most seen, sampled 4 times a second until ``stop``."""
+    while not stop.is_set():
+        out["max"] = max(out["max"], router_fds(pid))
+        await asyncio.sleep(0.25)
 
 
 async def watch_ready(url: str, stop: asyncio.Event, out: Counter[str]) -> None:
@@ -166,11 +179,14 @@ async def measure(url: str, pid: int, args: argparse.Namespace) -> dict[str, Any
     stop = asyncio.Event()
     ready: Counter[str] = Counter()
     watcher = asyncio.create_task(watch_ready(url, stop, ready))
+    fds: Counter[str] = Counter()
+    fds_watcher = asyncio.create_task(watch_fds(pid, stop, fds))
     started = time.monotonic()
     await load.run()  # returns once every stream ended and the client session closed
     elapsed = time.monotonic() - started
     stop.set()
     await watcher
+    await fds_watcher
     fds_end = router_fds(pid)
     await asyncio.sleep(max(0.0, load.last_stream_end + args.settle_s - time.monotonic()))
     fds_settled = router_fds(pid)
@@ -181,8 +197,9 @@ async def measure(url: str, pid: int, args: argparse.Namespace) -> dict[str, Any
         "time_scale": args.time_scale, "elapsed_s": round(elapsed, 1),
         "requests": load.requests, "statuses": dict(load.statuses),
         "503_messages": dict(load.messages_503), "errors": dict(load.errors),
+        "error_messages": dict(load.error_messages.most_common(8)),
         "router": counts, "ready_samples": dict(ready),
-        "router_fds": {"idle": fds_idle, "at_end": fds_end,
+        "router_fds": {"idle": fds_idle, "most_during": fds["max"], "at_end": fds_end,
                        f"{args.settle_s:g}_s_after": fds_settled,
                        "within_10_percent": fds_settled <= fds_idle * 1.1},
         "load_average": {"before": load_before, "after": load_average()},

@@ -9,7 +9,9 @@ failures seen in production. Faults (``POST /_fault {"mode": ...}``, read back w
 
 * ``pass``: relay (the default);
 * ``500``: answer ``500`` with an OpenAI-shaped error at once;
-* ``hang``: accept the request and never answer (until the client gives up).
+* ``hang``: accept the request and never answer (until the client gives up);
+* ``401`` / ``404``: answer as vLLM's API server does without the engine, for a request without
+  the replica's API key (``{"error": "Unauthorized"}``) or for a model it does not serve.
 
 With ``"scope": "all"`` the fault applies to every request (a stalled engine), not only to
 generation requests.
@@ -34,7 +36,7 @@ from aiohttp import web
 from router.edges.circuit_probe import PROBE_HEADER
 
 GENERATE_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
-MODES = ("pass", "500", "hang")
+MODES = ("pass", "500", "hang", "401", "404")
 _HOP = frozenset({"connection", "keep-alive", "transfer-encoding", "content-length", "host"})
 
 
@@ -69,6 +71,12 @@ class FaultProxy:
                 return web.json_response({"error": {"message": "injected engine failure",
                                                     "type": "InternalServerError", "code": 500}},
                                          status=500)
+            if self.mode == "401":  # vLLM's api_server.py authentication middleware
+                return web.json_response({"error": "Unauthorized"}, status=401)
+            if self.mode == "404":
+                return web.json_response({"error": {"message": "The model does not exist.",
+                                                    "type": "NotFoundError", "code": 404}},
+                                         status=404)
             if self.mode == "hang":
                 await asyncio.Event().wait()  # until the client disconnects (handler cancelled)
         assert self.session is not None

@@ -69,6 +69,7 @@ class _Breaker:
     state: str = CLOSED
     failures: deque[float] = field(default_factory=deque)  # monotonic times of consecutive failures
     open_until: float = 0.0
+    opened_at: float = 0.0  # monotonic time it last opened
     ejections: int = 0  # times opened since it last closed after a successful probe
     trial_inflight: bool = False  # half-open: the one probe request is out
     cause: str = ""  # of the last opening
@@ -173,16 +174,29 @@ class ReplicaHealth:
         else:
             self._open(b, now, "probe_failed")
 
-    def record_success(self, replica_id: str) -> None:
-        """An attempt the replica answered (any status below 500): closes a half-open circuit
-        and resets the consecutive-failure count."""
+    def record_success(self, replica_id: str, sent_at: float | None = None,
+                       served: bool = False) -> None:
+        """An attempt the replica answered (any status below 500): resets the consecutive-failure
+        count and the refused connection. ``served``: the answer proves the engine serves (a
+        2xx; a 4xx may come from the API server alone): it closes the circuit, half-open or
+        open, if the attempt was sent at ``sent_at`` (monotonic) after the circuit opened (panic
+        mode routes to a replica whose circuit is open; an older attempt says nothing of the
+        replica since), as a successful probe does."""
         b = self._breakers.get(replica_id)
         if b is None:
             return
         b.failures.clear()
         b.refused_at = None
-        if b.state == HALF_OPEN:
+        if b.state == HALF_OPEN or (served and b.state == OPEN and sent_at is not None
+                                    and sent_at >= b.opened_at):
             b.state, b.trial_inflight, b.ejections = CLOSED, False, 0
+
+    def listening(self, replica_id: str) -> None:
+        """``replica_id`` answered on its port (a static ``/health`` probe): it no longer
+        refuses connections (``refused``), whatever its circuit says."""
+        b = self._breakers.get(replica_id)
+        if b is not None:
+            b.refused_at = None
 
     def record_refused(self, replica_id: str, now: float) -> None:
         """A connection to ``replica_id`` was refused (ECONNREFUSED: nothing listens on its
@@ -225,6 +239,7 @@ class ReplicaHealth:
 
     def _open(self, b: _Breaker, now: float, cause: str) -> None:
         p = self.params
+        b.opened_at = now
         b.open_until = now + min(p.ejection_s * 2 ** b.ejections, p.max_ejection_s)
         b.state, b.trial_inflight, b.cause = OPEN, False, cause
         b.ejections += 1

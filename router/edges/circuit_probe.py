@@ -5,17 +5,21 @@ The probe is a 1-token ``/v1/completions`` (``PROBE_PROMPT``, ``max_tokens`` 1, 
 first served model). vLLM's ``/health`` is no proof: it is answered by the API server, which
 stays up while the engine core is hung (``/health`` only turns 503 once the engine process
 died); a completion goes through the engine's scheduler, so only an engine that runs answers
-it. An answer below 500 is a success (as for the breaker, a 4xx is the replica answering;
-a replica requiring its own API key answers 401 from the API server without the engine, which
-this cannot tell from a running engine). A 5xx, a failed connection or no answer within
-``first_byte_deadline_floor_s`` (a 1-token prompt on a replica this router sends nothing else
-to: its queue drains while it is benched) is a failure; a timeout while the router's own loop
-ran late (``router.observability.loop_lag``) is neither, and the replica is probed again next time.
+it. So only a completion proves the replica serves (``probe_verdict``): a 2xx answer whose body
+is a JSON object with a ``choices`` list. Any other answer is a failure: a 5xx; a 4xx, which
+vLLM's API server gives without the engine (401 for a replica with API keys of its own, which
+the probe does not carry; 404 for a model it no longer serves; 400), so it says nothing of
+the engine; a 2xx that is no completion (another server on the port). So is a failed
+connection or no answer within ``first_byte_deadline_floor_s`` (a 1-token prompt on a replica
+this router sends nothing else to: its queue drains while it is benched); a timeout while the
+router's own loop ran late (``router.observability.loop_lag``) is neither, and the replica is probed again
+next time. (A client request's 2xx answer closes the circuit too: ``ReplicaHealth.record_success``.)
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
 from typing import Any, Final
@@ -34,6 +38,22 @@ logger = logging.getLogger(__name__)
 PROBE_TICK_S: Final = 0.25  # how often replicas past their ejection are looked for
 PROBE_PROMPT: Final = "ping"  # any text the engine tokenizes: one token out is the whole answer
 PROBE_HEADER: Final = "x-prefix-router-probe"  # marks the probe (engine logs, fault proxies)
+
+
+def probe_verdict(status: int, body: bytes) -> str | None:
+    """Why the probe's answer (``status``, ``body``) does not prove the replica serves, or
+    ``None`` when it does: a 2xx whose body is a JSON object with a ``choices`` list (module
+    docstring)."""
+    if not 200 <= status < 300:
+        return f"HTTP {status}" + (" (the API server answered without the engine: does the "
+                                   "replica require an API key?)" if status in (401, 403) else "")
+    try:
+        answer = json.loads(body)
+    except ValueError:
+        return f"HTTP {status} with a body that is not JSON"
+    if not isinstance(answer, dict) or not isinstance(answer.get("choices"), list):
+        return f"HTTP {status} with no completion in its body"
+    return None
 
 
 class CircuitProber:
@@ -84,9 +104,8 @@ class CircuitProber:
         try:
             async with self.session.post(url, json=body, headers=headers,
                                          timeout=timeout) as resp:
-                await resp.read()
-                ok = resp.status < 500
-                failure = f"HTTP {resp.status}"
+                problem = probe_verdict(resp.status, await resp.read())
+                ok, failure = problem is None, problem or ""
         except (TimeoutError, aiohttp.ServerTimeoutError) as exc:
             late = self.loop_lag is not None and self.loop_lag.late(started, time.monotonic())
             ok, failure = (None if late else False), f"no answer ({exc.__class__.__name__})"

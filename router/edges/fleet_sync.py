@@ -448,6 +448,8 @@ class StaticProber:
         # ``health_failures`` in a row (or the first, for a replica never seen up)
         replica.probe_failures = 0 if healthy else replica.probe_failures + 1
         replica.probed_ok = replica.probed_ok or healthy
+        if healthy:  # it answers on its port: /ready no longer says it refuses connections
+            self.fleet.health.listening(replica.replica_id)
         if not healthy and replica.probed_ok and replica.probe_failures < self.failures:
             healthy = True
         if healthy != replica.healthy:

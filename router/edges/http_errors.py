@@ -86,7 +86,7 @@ def body_limit_middleware(max_body_bytes: int,
     return body_limit
 
 
-class _OpenAIErrorHandler(RequestHandler):
+class OpenAIErrorHandler(RequestHandler):
     """aiohttp's connection handler, answering its own errors (the HTTP parser's) in JSON."""
 
     __slots__ = ()
@@ -112,15 +112,17 @@ class _OpenAIErrorHandler(RequestHandler):
         return response
 
 
-def openai_parser_errors(server: web.Server) -> None:
+def openai_parser_errors(server: web.Server,
+                         handler_class: type[OpenAIErrorHandler] = OpenAIErrorHandler) -> None:
     """Make the errors aiohttp answers before any handler runs (oversized or malformed request
     heads, CR/LF/NUL in a header value, Content-Length with Transfer-Encoding) OpenAI-shaped
-    JSON like every other error. Call once on the runner's ``Server`` before listening."""
+    JSON like every other error. Call once on the runner's ``Server`` before listening.
+    ``handler_class``: ``OpenAIErrorHandler`` or a subclass of it without slots of its own."""
 
     class _Server(type(server)):  # type: ignore[misc]
         def __call__(self) -> RequestHandler:
             handler = super().__call__()
-            handler.__class__ = _OpenAIErrorHandler  # same slots: a safe class swap
+            handler.__class__ = handler_class  # same slots: a safe class swap
             return handler
 
     server.__class__ = _Server

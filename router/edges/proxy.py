@@ -269,7 +269,7 @@ class Proxy:
             elif status >= 500:  # a relayed 5xx, or the stream failed after its first byte
                 health.record_failure(rid, time.monotonic(), f"http_{status}")
             else:
-                health.record_success(rid)
+                health.record_success(rid, now, served=200 <= status < 300)
             return result
         raise UpstreamError(f"upstream failed before the first byte: {last_error}")
 

@@ -44,6 +44,12 @@ from router.edges.auth import (
     load_tenant_auth,
 )
 from router.edges.circuit_probe import CircuitProber
+from router.edges.client_connections import (
+    advertise_keepalive,
+    install_client_connections,
+    is_idle,
+    server_idle_timeout_s,
+)
 from router.edges.fleet_sync import FleetReader, StaticProber, read_fleet_cache
 from router.edges.http_errors import (
     REQUEST_ID_KEY,
@@ -302,11 +308,11 @@ class RouterService:
 
     def _close_idle_connections(self) -> int:
         """Close the oldest idle client connections beyond ``max_idle_client_connections``.
-        Returns how many were closed. (aiohttp keeps no such bound; ``_waiter`` is set while a
-        connection waits for its next request head.)"""
+        Returns how many were closed (aiohttp keeps no such bound); one on which a request head
+        is arriving is not idle."""
         if self.web_server is None:
             return 0
-        idle = [h for h in self.web_server.connections if getattr(h, "_waiter", None) is not None]
+        idle = [h for h in self.web_server.connections if is_idle(h)]
         surplus = len(idle) - self.config.max_idle_client_connections
         for handler in idle[:max(surplus, 0)]:  # oldest first
             handler.force_close()
@@ -790,15 +796,17 @@ async def serve(config: RouterConfig, tokenizer: PromptTokenizer | None,
     """Run the router until SIGINT/SIGTERM."""
     service = RouterService(config, tokenizer, tracing)
     app = service.build_app()
-    # keepalive_timeout closes a client connection idle that long, counted from its start or its
-    # last response, so also one that dribbles its request head (slowloris; aiohttp 3.14);
-    # after an answer to an unread body (408, 413) aiohttp reads on for lingering_time
+    # keepalive_timeout closes a client connection idle that long (the advertised timeout and a
+    # grace: router.edges.client_connections), counted from its start or its last response, so also one
+    # that dribbles its request head (slowloris; aiohttp 3.14), counted from the head's first
+    # byte; after an answer to an unread body (408, 413) aiohttp reads on for lingering_time
+    advertise_keepalive(app, config.client_idle_timeout_s)
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None,
-                           keepalive_timeout=config.client_idle_timeout_s,
+                           keepalive_timeout=server_idle_timeout_s(config.client_idle_timeout_s),
                            lingering_time=CLIENT_LINGER_S)
     await runner.setup()
     assert runner.server is not None
-    openai_parser_errors(runner.server)
+    install_client_connections(runner.server)
     service.web_server = runner.server
     # after the stop signal: in-flight requests get shutdown_timeout_s to finish
     site = web.TCPSite(runner, config.host, config.port, backlog=1024,

@@ -26,6 +26,7 @@ model tag, ``nargs="+"`` lists) the emulator must accept.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import difflib
 import math
@@ -33,10 +34,11 @@ from collections.abc import Callable, Collection, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Final, NoReturn, TypeVar
 
+import msgspec
 import yaml
 
 __all__ = ["ConfigError", "Settings", "StartupError", "did_you_mean", "read_config_file",
-           "unknown_command_line", "usage_error_line"]
+           "read_config_lines", "unknown_command_line", "usage_error_line"]
 
 KINDS: Final = ("tuple", "int", "float", "bool")  # else str
 TRUE_WORDS: Final = ("1", "true", "yes", "on")
@@ -63,8 +65,27 @@ class StartupError(RuntimeError):
 def read_config_file(path: str, error: type[Exception] = ConfigError) -> dict[str, Any]:
     """The mapping in YAML file ``path`` (an empty file is ``{}``). Raises ``error`` when the
     file cannot be read or parsed or does not hold a mapping."""
+    return read_config_lines(path, error)[0]
+
+
+def read_config_lines(path: str, error: type[Exception] = ConfigError,
+                      ) -> tuple[dict[str, Any], dict[Any, int]]:
+    """``read_config_file(path)`` and ``{key: its 1-based line}`` for the mapping's keys (PyYAML's
+    node marks: the file is composed into nodes once, then constructed)."""
+    lines: dict[Any, int] = {}
     try:
-        loaded = yaml.load(Path(path).read_text(encoding="utf-8"), _UniqueKeyLoader) or {}
+        loader = _UniqueKeyLoader(Path(path).read_text(encoding="utf-8"))
+        try:
+            node = loader.get_single_node()
+            loaded = loader.construct_document(node) if node is not None else None
+            if isinstance(node, yaml.MappingNode) and isinstance(loaded, dict):
+                for key_node, _ in node.value:
+                    key = loader.construct_object(key_node, deep=True)
+                    with contextlib.suppress(TypeError):  # an unhashable key: refused below
+                        lines.setdefault(key, key_node.start_mark.line + 1)
+        finally:
+            loader.dispose()
+        loaded = loaded or {}
     except OSError as exc:
         raise error(f"cannot read config file {path}: {exc}") from exc
     except UnicodeDecodeError as exc:
@@ -74,7 +95,7 @@ def read_config_file(path: str, error: type[Exception] = ConfigError) -> dict[st
         raise error(f"config file {path}: {_yaml_problem(exc)}") from exc
     if not isinstance(loaded, dict):
         raise error(f"config file {path} must hold a mapping")
-    return loaded
+    return loaded, lines
 
 
 class _UniqueKeyLoader(yaml.SafeLoader):
@@ -282,15 +303,17 @@ class Settings:
         config_path = args.pop("config") or env.get(self.env_prefix + "CONFIG")
         if config_path:
             yaml_names = self.yaml_names()
-            for key, value in read_config_file(config_path).items():
+            loaded, lines = read_config_lines(config_path)
+            for key, value in loaded.items():
                 name = yaml_names.get(str(key).replace("-", "_"))
+                where = f"config file {config_path}, line {lines.get(key, '?')}"
                 if name is None:
                     hint = did_you_mean(str(key), sorted({*yaml_names, *self.fields}))
-                    raise ConfigError(f"config file {config_path}: unknown key {key!r}{hint}")
-                source = f"config file {config_path}, key {key}"
+                    raise ConfigError(f"{where}: unknown key {key!r}{hint}")
+                source = f"{where}, key {key}"
                 if name in sources:
                     raise ConfigError(f"{source}: {name} is given twice ({sources[name]})")
-                values[name] = self.convert(name, value, source)
+                values[name] = self.convert(name, value, source, typed=True)
                 sources[name] = source
             if "config" in {f.name for f in dataclasses.fields(self.schema)}:
                 values["config"] = str(config_path)
@@ -320,14 +343,22 @@ class Settings:
             raise ConfigError(f"missing required settings: {', '.join(missing)}")
         return values, sources
 
-    def convert(self, name: str, value: Any, source: str) -> Any:
-        """``value`` (a flag's or env var's string, or a YAML value) as setting ``name``'s type.
-        Raises ``ConfigError`` naming ``source``, the value and the setting."""
+    def convert(self, name: str, value: Any, source: str, typed: bool = False) -> Any:
+        """``value`` (a flag's or env var's string, or a YAML value: ``typed``) as setting
+        ``name``'s type. A YAML value must have the setting's YAML type (``YAML_TYPES``): a
+        quoted ``"16"`` is a string, not an integer. Raises ``ConfigError`` naming ``source``,
+        the value and the setting."""
         kind = self.kind(name)
         optional = "None" in str(self.fields[name].type)
         try:
             if value is None and not optional:
                 raise ValueError(f"expected {_KIND_NAMES[kind]}, got nothing")
+            if typed and not _nested(kind, value):  # (nested: _convert names the shape)
+                try:
+                    msgspec.convert(value, YAML_TYPES[kind] | None, strict=True)
+                except msgspec.ValidationError as exc:  # "Expected `int`, got `str`"
+                    message = str(exc).replace(" | null", "")
+                    raise TypeError(message[:1].lower() + message[1:]) from exc
             converted = _convert(kind, value)
             if kind == "str" and converted == "" and optional:
                 return None
@@ -342,6 +373,10 @@ class Settings:
             raise ConfigError(f"{source}: bad value {shown} for {name}: {exc}") from exc
 
 
+# a YAML value's type per kind of setting (msgspec, strict: no string is read as a number or a
+# bool); a string setting takes a whole number as its digits (``hash_seed: 0``, PYTHONHASHSEED)
+YAML_TYPES: Final[dict[str, Any]] = {"int": int, "float": float, "bool": bool, "str": str | int,
+                                     "tuple": str | list[str]}
 _KIND_NAMES: Final = {"tuple": "a list", "int": "an integer", "float": "a number",
                       "bool": "true or false", "str": "a string"}
 
@@ -384,6 +419,13 @@ def _scalar(value: Any, expected: str) -> None:
     ``str({'a': 1})`` would pass for a string setting."""
     if isinstance(value, (Mapping, list, tuple, set)):
         raise TypeError(f"expected {expected}, got {_shape(value)}")
+
+
+def _nested(kind: str, value: Any) -> bool:
+    """Whether YAML ``value`` is a collection where a ``kind`` setting takes a scalar (for a list
+    setting: a collection among its items)."""
+    items = value if kind == "tuple" and isinstance(value, list) else [value]
+    return any(isinstance(v, (Mapping, list, tuple, set)) for v in items)
 
 
 def _shape(value: Any) -> str:

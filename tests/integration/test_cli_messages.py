@@ -108,7 +108,7 @@ WORKER = ["worker.cli", "report", "--engine-url", "http://127.0.0.1:9", "--kv-ev
     (["router.cli", "serve", "--replica", "http://127.0.0.1:9"], {"ROUTER_BLOCK_SIZE": "0"}, None,
      "prefix-router serve: error: env ROUTER_BLOCK_SIZE: block_size must be >= 1, got 0"),
     (["router.cli", "serve", "--replica", "http://127.0.0.1:9"], {}, "hash_seed: {a: 1}\n",
-     "prefix-router serve: error: config file {yaml}, key hash_seed: bad value {{'a': 1}} for "
+     "prefix-router serve: error: config file {yaml}, line 1, key hash_seed: bad value {{'a': 1}} for "
      "hash_seed: expected a string, got a mapping"),
     (["router.cli", "serve"], {}, "replicas: [http://127.0.0.1:9\nport: 1\n",
      "prefix-router serve: error: config file {yaml}: line 2, column 5: expected ',' or ']', "

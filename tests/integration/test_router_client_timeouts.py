@@ -112,3 +112,48 @@ def test_idle_client_connections_are_bounded(tmp_path: Path) -> None:
         for sock in socks:
             sock.close()
         router.stop()
+
+
+def read_answer(sock: socket.socket) -> bytes:
+    """One whole answer with a Content-Length (the router's JSON answers), b"" if closed."""
+    data = b""
+    while b"\r\n\r\n" not in data:
+        chunk = sock.recv(65536)
+        if not chunk:
+            return data
+        data += chunk
+    head, _, body = data.partition(b"\r\n\r\n")
+    length = int(next(line.split(b":", 1)[1] for line in head.split(b"\r\n")
+                      if line.lower().startswith(b"content-length:")))
+    while len(body) < length:
+        chunk = sock.recv(65536)
+        if not chunk:
+            break
+        body += chunk
+    return head + b"\r\n\r\n" + body
+
+
+def test_keepalive_is_advertised_and_a_head_arriving_at_the_idle_limit_is_answered(
+        tmp_path: Path) -> None:
+    """A client told the idle limit (Keep-Alive: timeout=4) and one whose next request head
+    began arriving before it are not cut off: the head gets the limit from its first byte (stock
+    aiohttp closed the connection at the limit counted from the last answer, the request unanswered:
+    the client's ServerDisconnectedError)."""
+    router = Router(tmp_path, ["--replica", "http://127.0.0.1:9", "--client-idle-timeout-s", "4"])
+    try:
+        host, port = router.url.removeprefix("http://").split(":")
+        sock = socket.create_connection((host, int(port)), timeout=20)
+        sock.send(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+        answer = read_answer(sock)
+        answered = time.monotonic()
+        assert answer.startswith(b"HTTP/1.1 200"), answer
+        assert b"\r\nKeep-Alive: timeout=4\r\n" in answer, answer
+        time.sleep(max(0.0, answered + 3.5 - time.monotonic()))
+        sock.send(b"GET /health HTTP/1.1\r\n")  # the head starts before the idle limit ...
+        time.sleep(max(0.0, answered + 6.5 - time.monotonic()))
+        sock.send(b"Host: x\r\n\r\n")  # ... and ends after it (and after its 1 s grace)
+        answer = read_answer(sock)
+        assert answer.startswith(b"HTTP/1.1 200"), answer
+        sock.close()
+    finally:
+        router.stop()

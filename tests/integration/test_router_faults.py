@@ -371,3 +371,29 @@ def test_a_hung_replica_gets_only_router_probes_and_traffic_back_once_one_succee
         return status == 200 and headers["x-prefix-router-replica"] == BAD
 
     wait_for(served_by_bad, 30, interval_s=0.0, message="client prompts back on the replica")
+
+
+@pytest.mark.parametrize("mode", ["401", "404"])
+def test_a_probe_answered_by_the_api_server_alone_does_not_close_the_circuit(
+        fleet: FaultFleet, routers: list[Router], tmp_path: Path, mode: str) -> None:
+    """A half-open probe proves the replica serves only with a completion: a 401 (a replica
+    with API keys of its own) or a 404 (a model it does not serve) comes from vLLM's API
+    server without the engine. (Any answer below 500 closed the circuit.)"""
+    router = fleet.router(tmp_path, "--circuit-ejection-s", "0.5", "--circuit-max-ejection-s",
+                          "0.5")
+    routers.append(router)
+    rng = random.Random(int(mode))
+    fleet.fault("500")
+    for _ in range(6):
+        router.post("/v1/completions", {"prompt": new_prompt(rng), "max_tokens": 1})
+    wait_for(lambda: replica_state(router, BAD)["circuit"] != "closed", 30,
+             message="circuit opened by 500s")
+    fleet.fault(mode)
+    failed = probes(router, "failed")
+    wait_for(lambda: probes(router, "failed") >= failed + 3, 60,
+             message=f"three probes answered {mode}")
+    assert replica_state(router, BAD)["circuit"] != "closed"
+    assert probes(router, "ok") == 0
+    fleet.fault("pass")  # a completion: the next probe closes it
+    wait_for(lambda: replica_state(router, BAD)["circuit"] == "closed", 30,
+             message="circuit closed after a completion")

@@ -243,3 +243,42 @@ def test_a_refused_connection_counts_until_an_answer_or_the_window_ends() -> Non
     h.record_refused("b", 0.0)
     h.first_byte("b", 0, 1.0)  # it answered
     assert not h.refused("b", 1.0)
+
+
+def test_a_client_request_served_after_the_circuit_opened_closes_it() -> None:
+    """Panic mode routes to a replica whose circuit is open: a 2xx answer to a request sent
+    since it opened shows it serves, and /ready says so at once (it waited for the next probe,
+    up to max_ejection_s); a 4xx (the API server alone) or an answer to an older request does
+    not."""
+    h = make()
+    for t in (0.0, 1.0, 2.0):
+        h.record_failure("a", t, "connect_refused")
+    h.record_refused("a", 2.0)
+    assert h.state("a") == OPEN and h.refused("a", 3.0)
+    h.record_success("a", 1.5, served=True)  # sent before it opened (at 2.0)
+    assert h.state("a") == OPEN and not h.refused("a", 3.0)  # it answered: it listens
+    h.record_success("a", 3.0, served=False)  # a 4xx
+    assert h.state("a") == OPEN
+    h.record_success("a", 3.0, served=True)
+    assert h.state("a") == CLOSED and h.problem("a", 3.1) is None
+
+
+def test_a_static_health_probe_answered_ends_refused() -> None:
+    h = make()
+    for t in (0.0, 1.0, 2.0):
+        h.record_failure("a", t, "connect_refused")
+    h.record_refused("a", 2.0)
+    assert h.refused("a", 50.0)  # the circuit open, no probe yet
+    h.listening("a")  # its /health answered
+    assert not h.refused("a", 50.0) and h.state("a") == OPEN
+
+
+def test_only_a_completion_proves_a_probed_replica_serves() -> None:
+    from router.edges.circuit_probe import probe_verdict
+
+    completion = b'{"id": "c", "object": "text_completion", "choices": [{"text": "!"}]}'
+    assert probe_verdict(200, completion) is None
+    assert "API key" in (probe_verdict(401, b'{"error": "Unauthorized"}') or "")
+    for status, body in ((404, b'{"error": {}}'), (400, b"{}"), (200, b"ok"),
+                         (200, b'{"status": "ok"}'), (503, b"")):
+        assert probe_verdict(status, body) is not None, (status, body)

@@ -67,7 +67,7 @@ def test_unknown_yaml_keys_and_bad_env_values_fail_alike(load, argv: list[str], 
                                                          tmp_path: Path) -> None:
     path = tmp_path / "bad.yaml"
     path.write_text("nope: 1\n")
-    with pytest.raises(ConfigError, match=f"config file {path}: unknown key 'nope'"):
+    with pytest.raises(ConfigError, match=f"config file {path}, line 1: unknown key 'nope'"):
         load([*argv, "--config", str(path)], {})
     with pytest.raises(ConfigError, match=f"env {prefix}BLOCK_SIZE: bad value 'big' for block_size"):
         load(argv, {f"{prefix}BLOCK_SIZE": "big"})
@@ -171,7 +171,8 @@ def test_range_errors_name_the_flag_env_var_or_file_and_key(  # type: ignore[no-
         load([*argv, flag, "0"], {env_name: "5"})  # the flag wins, so the flag is named
     path = tmp_path / "c.yaml"
     path.write_text(f"{setting.replace('_', '-')}: 0\n")
-    with pytest.raises(ConfigError, match=f"^config file {path}, key {setting.replace('_', '-')}: "
+    with pytest.raises(ConfigError, match=f"^config file {path}, line 1, key "
+                                          f"{setting.replace('_', '-')}: "
                                           f"{setting} must be >= 1, got 0$"):
         load([*argv, "--config", str(path)], {})
 
@@ -214,9 +215,47 @@ def test_a_yaml_mapping_or_list_for_a_scalar_setting_is_refused(text: str, shape
     path = tmp_path / "c.yaml"
     path.write_text(f"replica: [http://a:1]\n{text}\n" if "replicas" not in text else text)
     key = text.split(":", 1)[0]
-    with pytest.raises(ConfigError, match=f"^config file {path}, key {key}: bad value .* for "
-                                          f"{key}: expected .*, got {shape}$"):
+    line = 1 if "replicas" in text else 2
+    with pytest.raises(ConfigError, match=f"^config file {path}, line {line}, key {key}: bad "
+                                          f"value .* for {key}: expected .*, got {shape}$"):
         router_config.load_config(["--config", str(path)], {})
+
+
+@pytest.mark.parametrize(("text", "expected"), [
+    ('block_size: "16"', "expected `int`, got `str`"),  # quoted: a string
+    ("block_size: 16.0", "expected `int`, got `float`"),
+    ("block_size: true", "expected `int`, got `bool`"),
+    ("stall_timeout_s: '30'", "expected `float`, got `str`"),
+    ("trust_request_chat_template: 'yes'", "expected `bool`, got `str`"),
+    ("trust_request_chat_template: 1", "expected `bool`, got `int`"),
+    ("model: true", "expected `int | str`, got `bool`"),
+    ("replicas: [http://a:1, 7]", "expected `str`, got `int` - at `$[1]`"),
+])
+def test_a_yaml_value_of_the_wrong_type_is_one_line_with_file_line_and_key(
+        text: str, expected: str, tmp_path: Path) -> None:
+    path = tmp_path / "c.yaml"
+    path.write_text(f"# the fleet\nreplica: [http://a:1]\n{text}\n" if "replicas" not in text
+                    else f"# the fleet\n\n{text}\n")
+    key = text.split(":", 1)[0]
+    with pytest.raises(ConfigError) as exc:
+        router_config.load_config(["--config", str(path)], {})
+    message = str(exc.value)
+    assert message.startswith(f"config file {path}, line 3, key {key}: bad value "), message
+    assert message.endswith(f" for {key}: {expected}"), message
+    assert "\n" not in message
+
+
+def test_yaml_values_of_the_right_type_pass(tmp_path: Path) -> None:
+    path = tmp_path / "c.yaml"
+    path.write_text("replica: http://a:1\nblock_size: 32\nstall_timeout_s: 30\nhash_seed: 0\n"
+                    "trust_request_chat_template: true\nmodel: m\notlp_traces_endpoint:\n")
+    cfg = router_config.load_config(["--config", str(path)], {})
+    assert (cfg.replicas, cfg.block_size, cfg.stall_timeout_s, cfg.hash_seed) == (
+        ("http://a:1",), 32, 30.0, "0")
+    assert cfg.trust_request_chat_template is True and cfg.otlp_traces_endpoint is None
+    # flags and env vars are strings by nature: "16" is an integer there
+    assert router_config.load_config(["--replica", "http://a:1", "--block-size", "16"],
+                                     {"ROUTER_STALL_TIMEOUT_S": "30"}).block_size == 16
 
 
 @pytest.mark.parametrize("replica_id", ["a#1", "#", "engine#0"])
