@@ -25,7 +25,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Final
 
-from router.settings import ConfigError
+from router.shared.settings import ConfigError
 
 MAX_TARGETS: Final = 8  # targets of one alias (a canary uses two)
 OWNED_BY: Final = "prefix-router"  # ``owned_by`` of an alias's /v1/models card

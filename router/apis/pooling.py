@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from typing import Any, Final
 
-from router.errors import BadRequest
+from router.request.errors import BadRequest
 
 # {path: what it is} for the paths the router forwards to the least-loaded replica
 POOLING_PATHS: Final = {

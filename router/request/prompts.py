@@ -543,7 +543,7 @@ class PromptTokenizer:
         if options.get("chat_template") is None and not self.num_template_loads:
             self.num_template_loads = 1  # this first render compiles it (cached after)
         tools = options.get("tools")
-        messages = prepare_messages(spec.messages or [], template)
+        messages = prepare_messages(spec.messages or [], template, images=True)
         try:
             rendered = self.hf.apply_chat_template(
                 messages,

@@ -8,7 +8,7 @@ from collections import Counter
 import pytest
 
 from router.apis.aliases import Alias, AliasTable, AliasTarget, parse_alias, rewrite_model
-from router.settings import ConfigError
+from router.shared.settings import ConfigError
 
 
 def test_a_plain_alias_keeps_colons_in_the_model_name() -> None:

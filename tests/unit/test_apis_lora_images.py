@@ -20,7 +20,7 @@ from router.apis.lora_load import (
     split_names,
 )
 from router.apis.pooling import FORWARDED_PATHS, POOLING_PATHS, request_model
-from router.errors import BadRequest
+from router.request.errors import BadRequest
 
 
 def test_split_names_reads_vllms_comma_joined_label() -> None:
