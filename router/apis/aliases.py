@@ -122,17 +122,18 @@ class AliasTable:
     def __contains__(self, name: object) -> bool:
         return name in self.aliases
 
-    def resolve(self, name: str) -> str | None:
-        """The served model a request naming ``name`` goes to (advancing the alias's split), or
-        ``None`` when ``name`` is no alias. Smooth weighted round-robin: every target's current
-        weight grows by its weight, the largest (first on ties) is chosen and loses the total."""
+    def resolve(self, name: str, *, advance: bool = True) -> str | None:
+        """The served model a request naming ``name`` goes to (advancing the alias's split
+        unless ``advance`` is false: ``/debug/route`` only looks), or ``None`` when ``name`` is
+        no alias. Smooth weighted round-robin: every target's current weight grows by its
+        weight, the largest (first on ties) is chosen and loses the total."""
         alias = self.aliases.get(name)
         if alias is None:
             return None
         targets = alias.targets
         if len(targets) == 1:
             return targets[0].model
-        current = self._current[name]
+        current = self._current[name] if advance else list(self._current[name])
         total = 0
         best = 0
         for i, target in enumerate(targets):

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import json
 from collections import Counter
+from pathlib import Path
 
 import pytest
 
 from router.apis.aliases import Alias, AliasTable, AliasTarget, parse_alias, rewrite_model
+from router.service.config import load_config
 from router.shared.settings import ConfigError
 
 
@@ -86,3 +88,18 @@ def test_rewrite_model_keeps_every_other_field_and_the_original() -> None:
     assert json.loads(body) == {"model": "base", "prompt": "héllo", "max_tokens": 3}
     assert list(json.loads(body)) == ["model", "prompt", "max_tokens"]
     assert data["model"] == "chat"
+
+
+def test_aliases_come_from_flags_env_and_yaml_and_bad_ones_name_their_source(
+    tmp_path: Path,
+) -> None:
+    base = ["--replica", "http://127.0.0.1:9"]
+    cfg = load_config([*base, "--model-alias", "chat=m", "--model-alias", "c=a:9;b:1"], env={})
+    assert cfg.model_aliases == ("chat=m", "c=a:9;b:1")
+    env = {"ROUTER_MODEL_ALIASES": "chat=m,c=a:9;b:1"}
+    assert load_config(base, env=env).model_aliases == ("chat=m", "c=a:9;b:1")
+    path = tmp_path / "router.yaml"
+    path.write_text("model_aliases: ['chat=m']\n")
+    assert load_config([*base, "--config", str(path)], env={}).model_aliases == ("chat=m",)
+    with pytest.raises(ConfigError, match="--model-alias"):
+        load_config([*base, "--model-alias", "chat=a:90;b"], env={})
