@@ -29,8 +29,8 @@ from typing import Any, Final
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
-from router.apis.lora_load import LORA_INFO_METRIC, LoraLoad, current_lora_load
 from router.shared import contract
+from router.shared.lora_state import LORA_INFO_METRIC, LoraLoad, current_lora_load
 from worker.redis_writer import REDIS_ERRORS, RedisOutOfMemory, RedisWriter
 
 logger = logging.getLogger(__name__)

@@ -76,12 +76,3 @@ def image_marker(part: Any) -> str | None:
     ``None`` for a part that is no image part."""
     key = image_key(part)
     return None if key is None else f"<image {key}>"
-
-
-def with_image_markers(markers: list[str], text: str) -> str:
-    """A message's content with its image markers in front of its text, one per line, as vLLM
-    puts the placeholders it did not find in the text (``_get_full_multimodal_text_prompt``:
-    ``"\\n".join(placeholders + [text])``, the placeholders alone when the text is empty)."""
-    if not markers:
-        return text
-    return "\n".join([*markers, text] if text else markers)

@@ -4,10 +4,9 @@ vLLM exports ``vllm:lora_requests_info`` when LoRA is on (vLLM 0.32
 ``v1/metrics/loggers.py``): a gauge with the labels ``running_lora_adapters`` and
 ``waiting_lora_adapters`` (adapter names of the requests running and waiting now,
 comma-separated) and ``max_lora`` (``--max-loras``: adapters one batch can use, default 1),
-set to the current time at every stats update, so the series of earlier label sets remain on
-the page and the current one is the sample with the largest value. The worker reads it with the
-rest of the engine's load (``worker.heartbeat``) and reports it in the heartbeat; the router
-ranks the replicas serving an adapter:
+set to the current time at every stats update. The worker reads its current series with the rest
+of the engine's load (``router.shared.lora_state``, ``worker.heartbeat``) and reports it in the
+heartbeat; the router ranks the replicas serving an adapter:
 
 1. ``running`` / ``waiting``: the adapter is in use there now (its weights are loaded, or being
    loaded for a waiting request): no adapter load, no slot taken from another adapter;
@@ -23,11 +22,12 @@ load within it, bounded load included); the ranks are in ``/debug/route``.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Final
 
-LORA_INFO_METRIC: Final = "vllm:lora_requests_info"
+from router.shared.lora_state import LoraLoad
+
 RUNNING: Final = "running"
 WAITING: Final = "waiting"
 FREE_SLOT: Final = "free_slot"
@@ -35,51 +35,6 @@ UNKNOWN: Final = "unknown"
 FULL: Final = "full"
 # {tier: preference rank, lower is better}
 TIER_RANK: Final = {RUNNING: 0, WAITING: 0, FREE_SLOT: 1, UNKNOWN: 1, FULL: 2}
-
-
-@dataclass(frozen=True, slots=True)
-class LoraLoad:
-    """One replica's LoRA state from ``vllm:lora_requests_info``: adapter names of the running
-    and the waiting requests and ``max_lora`` (adapters per batch; ``None`` when not
-    reported)."""
-
-    running: frozenset[str] = frozenset()
-    waiting: frozenset[str] = frozenset()
-    max_lora: int | None = None
-
-    @property
-    def num_in_use(self) -> int:
-        """Distinct adapters in use (running or waiting)."""
-        return len(self.running | self.waiting)
-
-
-def split_names(text: str) -> frozenset[str]:
-    """A label's comma-separated adapter names (vLLM joins them with ","; "" is none)."""
-    return frozenset(name for name in text.split(",") if name)
-
-
-def current_lora_load(samples: Iterable[tuple[Mapping[str, str], float]]) -> LoraLoad | None:
-    """The current ``LoraLoad`` from the ``vllm:lora_requests_info`` samples of one scrape
-    (``(labels, value)`` pairs): the sample with the largest value (vLLM sets the current label
-    set's series to the time of the update and leaves the earlier ones), or ``None`` when there
-    is none (LoRA off, or an engine that does not export it). A ``max_lora`` that is not an
-    integer is ``None``."""
-    best: tuple[Mapping[str, str], float] | None = None
-    for labels, value in samples:
-        if best is None or value > best[1]:
-            best = (labels, value)
-    if best is None:
-        return None
-    labels = best[0]
-    try:
-        max_lora: int | None = int(labels.get("max_lora", ""))
-    except ValueError:
-        max_lora = None
-    return LoraLoad(
-        split_names(labels.get("running_lora_adapters", "")),
-        split_names(labels.get("waiting_lora_adapters", "")),
-        max_lora,
-    )
 
 
 def lora_tier(load: LoraLoad | None, adapter: str) -> str:

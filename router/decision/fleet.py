@@ -19,7 +19,6 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from router.apis.lora_load import LoraLoad, split_names
 from router.decision.health import HealthParams, ReplicaHealth
 from router.decision.index import BlockIndex, SpeculativePlacements
 from router.decision.ring import HashRing
@@ -27,6 +26,7 @@ from router.request.errors import ModelNotFound, NoRoutableReplica
 from router.service.config import RouterConfig, split_replica_url, static_replica_id
 from router.shared import contract as c
 from router.shared.hashing import BlockHasher
+from router.shared.lora_state import LoraLoad, split_names
 
 logger = logging.getLogger(__name__)
 

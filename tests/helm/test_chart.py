@@ -1073,7 +1073,7 @@ def test_production_example_is_a_16_replica_gpu_fleet(chart: helm.Chart) -> None
 def test_model_aliases_reach_the_router(chart: helm.Chart, tmp_path: Path) -> None:
     """``router.modelAliases`` renders into the router's ``model_aliases``, which its own
     config loader takes; a string without ``=`` is refused by the schema."""
-    from router.config import load_config
+    from router.service.config import load_config
 
     aliases = ["chat=Qwen/Qwen3-8B", "canary=Qwen/Qwen3-8B:90;sql-lora:10"]
     objects = render(chart, {"router": {"modelAliases": aliases}})

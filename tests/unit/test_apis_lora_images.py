@@ -7,20 +7,19 @@ import base64
 
 import pytest
 
-from router.apis.images import image_key, image_marker, with_image_markers
+from router.apis.images import image_key, image_marker
 from router.apis.lora_load import (
     FREE_SLOT,
     FULL,
     RUNNING,
     UNKNOWN,
     WAITING,
-    LoraLoad,
     lora_tier,
     prefer_loaded,
-    split_names,
 )
 from router.apis.pooling import FORWARDED_PATHS, POOLING_PATHS, request_model
 from router.request.errors import BadRequest
+from router.shared.lora_state import LoraLoad, current_lora_load, split_names
 
 
 def test_split_names_reads_vllms_comma_joined_label() -> None:
@@ -79,12 +78,6 @@ def test_image_keys_digest_the_bytes_the_url_or_take_the_uuid() -> None:
     assert image_marker(remote) == f"<image {image_key(remote)}>"
 
 
-def test_markers_go_in_front_of_the_text_one_per_line_as_vllm_puts_placeholders() -> None:
-    assert with_image_markers([], "hi") == "hi"
-    assert with_image_markers(["<a>", "<b>"], "hi") == "<a>\n<b>\nhi"
-    assert with_image_markers(["<a>"], "") == "<a>"
-
-
 def test_forwarded_paths_are_vllm_0_32s() -> None:
     assert set(POOLING_PATHS) == {
         "/v1/embeddings",
@@ -110,8 +103,6 @@ def test_request_model() -> None:
 
 
 def test_the_current_lora_state_is_the_newest_series() -> None:
-    from router.apis.lora_load import current_lora_load
-
     assert current_lora_load([]) is None
     old = {"running_lora_adapters": "a", "waiting_lora_adapters": "", "max_lora": "2"}
     new = {"running_lora_adapters": "b,c", "waiting_lora_adapters": "a", "max_lora": "2"}

@@ -8,6 +8,7 @@ from typing import Any
 
 import pytest
 
+from router.apis.images import image_marker
 from router.request.chain_cache import ChainCache
 from router.request.prompts import PromptTokenizer, default_tokenizer_dir, parse_prompt
 from router.shared.chat_messages import prepare_messages
@@ -52,13 +53,13 @@ def common_prefix(a: list[int], b: list[int]) -> int:
 
 
 def test_image_parts_are_markers_in_front_of_the_text_as_vllm_places_placeholders() -> None:
-    content = prepare_messages(chat(image(b"cat")), None, images=True)[1]["content"]
+    content = prepare_messages(chat(image(b"cat")), None, image_marker=image_marker)[1]["content"]
     marker, text = content.split("\n")
     assert marker.startswith("<image bytes:") and text == "What is in it?"
     # an image alone: the marker alone
-    assert prepare_messages([{"role": "user", "content": [image(b"cat")]}], None, images=True)[0][
-        "content"
-    ].startswith("<image bytes:")
+    assert prepare_messages(
+        [{"role": "user", "content": [image(b"cat")]}], None, image_marker=image_marker
+    )[0]["content"].startswith("<image bytes:")
 
 
 def test_the_chain_is_engine_exact_up_to_the_first_image(tok: PromptTokenizer) -> None:

@@ -363,7 +363,8 @@ def test_refusal_and_thinking_parts_are_text() -> None:
                {"type": "image_url", "image_url": {"url": "x"}}, {"type": "text", "text": None},
                {"type": "input_audio", "input_audio": {"data": "", "format": "wav"}}]
     marker = image_marker(content[2])
-    assert prepare_messages([{"role": "assistant", "content": content}], None, images=True) == [
+    assert prepare_messages([{"role": "assistant", "content": content}], None,
+                            image_marker=image_marker) == [
         {"role": "assistant", "content": f"{marker}\nNo.\nI can't."}]
     # the emulator's rendering drops them (it has no image tokens)
     assert prepare_messages([{"role": "assistant", "content": content}], None) == [
