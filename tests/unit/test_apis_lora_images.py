@@ -110,3 +110,40 @@ def test_the_current_lora_state_is_the_newest_series() -> None:
         frozenset({"b", "c"}), frozenset({"a"}), 2
     )
     assert current_lora_load([({"max_lora": "x"}, 1.0)]) == LoraLoad()
+
+
+def test_the_worker_reads_the_newest_lora_series_whatever_the_dp_rank() -> None:
+    from router.shared import contract
+    from worker.heartbeat import lora_fields, parse_metrics
+
+    text = (
+        'vllm:num_requests_running{engine="1",model_name="m"} 2.0\n'
+        'vllm:lora_requests_info{max_lora="2",running_lora_adapters="a",'
+        'waiting_lora_adapters=""} 1.7e9\n'
+        'vllm:lora_requests_info{max_lora="2",running_lora_adapters="b,a",'
+        'waiting_lora_adapters="c"} 1.8e9\n'
+    )
+    load = parse_metrics(text, engine="1")  # vLLM's LoRA gauge has no engine label
+    assert load.num_running == 2 and load.lora == LoraLoad(
+        frozenset({"a", "b"}), frozenset({"c"}), 2
+    )
+    assert lora_fields(load.lora) == {
+        contract.F_LORA_RUNNING: "a,b",
+        contract.F_LORA_WAITING: "c",
+        contract.F_MAX_LORA: 2,
+    }
+    assert parse_metrics("vllm:num_requests_running 0\n").lora is None
+    assert set(lora_fields(None).values()) == {""}
+
+
+def test_the_router_keeps_the_heartbeats_lora_state() -> None:
+    from router.decision.fleet import lora_from_fields
+    from router.shared import contract
+
+    assert lora_from_fields({}) is None
+    empty = {contract.F_LORA_RUNNING: "", contract.F_LORA_WAITING: "", contract.F_MAX_LORA: ""}
+    assert lora_from_fields(empty) is None
+    assert lora_from_fields({**empty, contract.F_MAX_LORA: "1"}) == LoraLoad(max_lora=1)
+    assert lora_from_fields(
+        {contract.F_LORA_RUNNING: "a,b", contract.F_LORA_WAITING: "c", contract.F_MAX_LORA: "x"}
+    ) == LoraLoad(frozenset({"a", "b"}), frozenset({"c"}), None)
