@@ -6,7 +6,8 @@ adapter path, ``parent`` the base model) and ``GET /metrics`` (vLLM 0.33 names:
 ``vllm:kv_cache_usage_perc``, ``vllm:prefix_cache_queries_total``,
 ``vllm:prefix_cache_hits_total``, and the ``block_size``,
 ``prefix_caching_hash_algo`` and ``num_gpu_blocks`` labels of
-``vllm:cache_config_info``), parsed with prometheus-client's text parser, then
+``vllm:cache_config_info``, and the current series of ``vllm:lora_requests_info``:
+``router.apis.lora_load``), parsed with prometheus-client's text parser, then
 writes the ``F_*`` fields of ``router/contract.py`` to ``{prefix}:{r}:replica``
 with a TTL of ``HEARTBEAT_TTL_S``. An engine that fails ``ENGINE_FAILURES``
 polls in a row stops the heartbeat, so the key expires and routers take the
@@ -29,6 +30,7 @@ import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
 from router.shared import contract
+from router.shared.lora_state import LORA_INFO_METRIC, LoraLoad, current_lora_load
 from worker.redis_writer import REDIS_ERRORS, RedisOutOfMemory, RedisWriter
 
 logger = logging.getLogger(__name__)
@@ -67,6 +69,7 @@ class EngineLoad:
     # sample): a new value means a new engine process, even when its counters have already
     # grown past the old ones; None if not exposed
     counters_created: float | None = None
+    lora: LoraLoad | None = None  # vllm:lora_requests_info's current series; None: not exposed
 
 
 def parse_models(body: Any) -> EngineModels:
@@ -100,7 +103,8 @@ _SAMPLES: Final = {
 
 
 _CREATED_SAMPLE: Final = "vllm:prefix_cache_queries_created"
-_WANTED_PREFIXES: Final = (*_SAMPLES, "vllm:cache_config_info", _CREATED_SAMPLE)
+_WANTED_PREFIXES: Final = (*_SAMPLES, "vllm:cache_config_info", _CREATED_SAMPLE,
+                           LORA_INFO_METRIC)
 
 
 def parse_metrics(text: str, engine: str | None = None) -> EngineLoad:
@@ -108,17 +112,22 @@ def parse_metrics(text: str, engine: str | None = None) -> EngineLoad:
 
     Sums over engines/models, except ``kv_usage`` (the maximum). ``engine``: only the series
     of that engine (a data-parallel rank; vLLM labels each rank's series ``engine="<rank>"``,
-    ``vllm/v1/metrics/loggers.py``). Raises ``ValueError`` when a line of those metrics is
+    ``vllm/v1/metrics/loggers.py``); ``vllm:lora_requests_info`` has no ``engine`` label (one
+    series for the API server) and is read whatever ``engine``. Raises ``ValueError`` when a line of those metrics is
     malformed.
     """
     values: dict[str, float] = {}
     cache_labels: dict[str, str] = {}
     created: float | None = None
+    lora_samples: list[tuple[dict[str, str], float]] = []
     # only the samples used here go through the (slow, pure-Python) parser: an engine exposes
     # hundreds of histogram lines per heartbeat
     wanted = "\n".join(line for line in text.splitlines() if line.startswith(_WANTED_PREFIXES))
     for family in text_string_to_metric_families(wanted + "\n"):
         for sample in family.samples:
+            if sample.name == LORA_INFO_METRIC:
+                lora_samples.append((sample.labels, sample.value))
+                continue
             if engine is not None and sample.labels.get("engine") != engine:
                 continue
             name = _SAMPLES.get(sample.name)
@@ -142,6 +151,7 @@ def parse_metrics(text: str, engine: str | None = None) -> EngineLoad:
         hash_algo=cache_labels.get("prefix_caching_hash_algo") or None,
         num_gpu_blocks=label_int("num_gpu_blocks"),
         counters_created=created,
+        lora=current_lora_load(lora_samples),
         **values,
     )
 
@@ -181,7 +191,17 @@ def heartbeat_fields(*, replica_id: str, url: str, models: EngineModels, load: E
         contract.F_NUM_BLOCKS: num_blocks,
         contract.F_NUM_GPU_BLOCKS: "" if load.num_gpu_blocks is None else load.num_gpu_blocks,
         contract.F_HEARTBEAT_TS: now_s,
+        **lora_fields(load.lora),
     }
+
+
+def lora_fields(lora: LoraLoad | None) -> dict[str, str | int]:
+    """The heartbeat's LoRA fields (``F_LORA_*``, ``F_MAX_LORA``): "" each when not reported."""
+    if lora is None:
+        return {contract.F_LORA_RUNNING: "", contract.F_LORA_WAITING: "", contract.F_MAX_LORA: ""}
+    return {contract.F_LORA_RUNNING: ",".join(sorted(lora.running)),
+            contract.F_LORA_WAITING: ",".join(sorted(lora.waiting)),
+            contract.F_MAX_LORA: "" if lora.max_lora is None else lora.max_lora}
 
 
 class EngineClient:

@@ -26,6 +26,7 @@ from router.request.errors import ModelNotFound, NoRoutableReplica
 from router.service.config import RouterConfig, split_replica_url, static_replica_id
 from router.shared import contract as c
 from router.shared.hashing import BlockHasher
+from router.shared.lora_state import LoraLoad, split_names
 
 logger = logging.getLogger(__name__)
 
@@ -71,6 +72,7 @@ class Replica:
     # takes no traffic (every request would be the engine's 400), or None
     rank_problem: str | None = None
     model_cards: list[dict[str, Any]] = field(default_factory=list)  # from /v1/models (static)
+    lora: LoraLoad | None = None  # the engine's LoRA state (heartbeat F_LORA_*); None: unknown
 
     def serves(self, model: str | None) -> bool:
         if model is None or self.models is None:
@@ -365,6 +367,7 @@ class Fleet:
         replica.kv_usage = float_field(fields.get(c.F_KV_USAGE), 0.0)
         replica.num_gpu_blocks = max(int_field(fields.get(c.F_NUM_GPU_BLOCKS), 0) or 0, 0)
         replica.redis_oom = fields.get(c.F_REDIS_OOM) == "1"
+        replica.lora = lora_from_fields(fields)
         replica.heartbeat_ts = float_field(fields.get(c.F_HEARTBEAT_TS), wall_now)
         age_s = wall_now - replica.heartbeat_ts
         healthy = ttl_ms >= 0 or age_s <= c.HEARTBEAT_TTL_S + 0.5
@@ -457,6 +460,17 @@ class Fleet:
         if op == c.OP_CLEARED:
             return self.apply_changes(replica_id, epoch, True, (), ())
         return "bad_op"
+
+
+def lora_from_fields(fields: Mapping[str, str]) -> LoraLoad | None:
+    """A heartbeat's LoRA state (``F_LORA_RUNNING``, ``F_LORA_WAITING``, ``F_MAX_LORA``), or
+    ``None`` when it reports none (all absent or empty)."""
+    running = fields.get(c.F_LORA_RUNNING) or ""
+    waiting = fields.get(c.F_LORA_WAITING) or ""
+    max_lora = int_field(fields.get(c.F_MAX_LORA), None)
+    if not running and not waiting and max_lora is None:
+        return None
+    return LoraLoad(split_names(running), split_names(waiting), max_lora)
 
 
 def int_field(value: str | None, default: int | None) -> int | None:

@@ -51,6 +51,7 @@ from typing import Annotated, Any, Final
 import msgspec
 import xxhash
 
+from router.apis.images import image_marker
 from router.request.chain_cache import ChainCache, PromptChain
 from router.request.errors import BadRequest
 from router.request.lru import SizedLRU
@@ -543,7 +544,7 @@ class PromptTokenizer:
         if options.get("chat_template") is None and not self.num_template_loads:
             self.num_template_loads = 1  # this first render compiles it (cached after)
         tools = options.get("tools")
-        messages = prepare_messages(spec.messages or [], template)
+        messages = prepare_messages(spec.messages or [], template, image_marker=image_marker)
         try:
             rendered = self.hf.apply_chat_template(
                 messages,

@@ -4,7 +4,9 @@
 ``Decision`` (with every candidate's hit depth) and the ``Target`` list the proxy tries in order.
 The steps, each one call (the shape of llm-d's indexer read path):
 
-1. eligible replicas for the request's model (and its LoRA adapter), ``Fleet.eligible``;
+1. eligible replicas for the request's model (and its LoRA adapter), ``Fleet.eligible``; for
+   a LoRA adapter, those where it is loaded (else those with a free LoRA slot),
+   ``router.apis.lora_load.prefer_loaded``;
 2. the prompt's block-key chain, ``PromptChainer.chain`` (lazy for long new prompts);
 3. the candidates' loads (the router's own in-flight counts, the engines' heartbeats, recent KV
    writes, learned prefill rates), ``candidates``;
@@ -24,6 +26,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from router.apis.lora_load import TIER_RANK, LoraPreference, prefer_loaded
 from router.decision.fleet import Fleet, Replica
 from router.decision.policy import (
     INDEX_POLICIES,
@@ -74,6 +77,7 @@ class Routed:
     complete: bool = True
     lora: Lora = None
     write_window_blocks: float = 1.0
+    lora_affinity: LoraPreference | None = None  # a LoRA request's replica tiers (step 1)
 
 
 class RequestRouter:
@@ -101,6 +105,13 @@ class RequestRouter:
         eligible, lora, panic = self.fleet.eligible(spec.model, now)  # 1
         if panic and not dry_run:
             self.metrics.panic_requests.inc()
+        preference, others = None, []
+        if lora is not None:  # where the adapter is loaded, else a free slot
+            preference = prefer_loaded(lora[0], {r.replica_id: r.lora for r in eligible})
+            preferred = set(preference.preferred)
+            others = sorted((r for r in eligible if r.replica_id not in preferred),
+                            key=lambda r: TIER_RANK[preference.tiers[r.replica_id]])
+            eligible = [r for r in eligible if r.replica_id in preferred]
         prompt = await self.prompt_chain(spec, lora, dry_run)  # 2
         window = self.write_window(eligible)
         candidates = self.candidates(eligible, window)  # 3
@@ -116,9 +127,11 @@ class RequestRouter:
                                  text_key(spec.fallback_text()), tokenized=False)
         decision = self.decide(request, candidates, now, confirmed, combined,
                                len(eligible), count=not dry_run, tiered=tiered)  # 5
-        return Routed(decision, request.num_tokens, chain, self.targets(decision, eligible),  # 6
-                      request.tokenized, prompt.complete if prompt is not None else True, lora,
-                      window)
+        # 6; a LoRA request's other replicas follow, by tier: a retry still has somewhere to go
+        targets = [*self.targets(decision, eligible),
+                   *(Target(r.replica_id, r.url, dp_rank=r.dp_rank) for r in others)]
+        return Routed(decision, request.num_tokens, chain, targets, request.tokenized,
+                      prompt.complete if prompt is not None else True, lora, window, preference)
 
     async def prompt_chain(self, spec: PromptSpec, lora: Lora,
                            dry_run: bool) -> PromptChain | None:

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Final
 from urllib.parse import urlsplit
 
+from router.apis.aliases import AliasTable
 from router.decision.policy import PolicyParams
 from router.shared.contract import DEFAULT_INDEX_STRIDE, DEFAULT_REDIS_PREFIX
 from router.shared.hashing import DEFAULT_BLOCK_SIZE, DEFAULT_HASH_ALGO, HASH_ALGOS
@@ -204,6 +205,8 @@ class RouterConfig:
     chat_template_max_bytes: int = DEFAULT_CHAT_TEMPLATE_MAX_BYTES
     # replicas used while no worker-reported fleet is known (Redis down at start-up)
     fallback_replicas: tuple[str, ...] = ()
+    # client-facing model names: NAME=MODEL, or a weighted split NAME=A:WA;B:WB (router.apis.aliases)
+    model_aliases: tuple[str, ...] = ()
     fleet_cache_file: str | None = None  # the last fleet seen in Redis, kept for a cold start
     drain_delay_s: float = 0.0  # after a stop signal: /ready 503 while still accepting, this long
     shutdown_timeout_s: float = DEFAULT_SHUTDOWN_TIMEOUT_S
@@ -258,6 +261,7 @@ class RouterConfig:
                 check_replica_urls(getattr(self, name))
             except ValueError as exc:
                 raise ConfigError(str(exc), name) from exc
+        AliasTable.from_specs(self.model_aliases)  # raises ConfigError
         if self.api_keys and not self.cache_salt_secret_file:
             raise ConfigError("api_keys needs cache_salt_secret_file (every router process "
                               "must derive the same per-tenant cache salts)", "api_keys")
@@ -384,6 +388,8 @@ _HELP: Final = {
                                    "--trust-request-chat-template); default refuse it",
     "chat_template_timeout_s": "a request chat template's render is killed after this",
     "chat_template_max_bytes": "a request chat template's rendered text is refused beyond this",
+    "model_aliases": "client-facing model name: NAME=MODEL, or a weighted split (a canary) "
+                     "NAME=MODEL_A:WEIGHT_A;MODEL_B:WEIGHT_B (repeatable; env comma-separated)",
     "fallback_replicas": "replica URL used while Redis gives no fleet (repeatable, comma-separated; "
                          "URL#RANK as for --replica)",
     "drain_delay_s": "after SIGTERM: /ready answers 503 and requests are still accepted this long",
@@ -411,7 +417,8 @@ SETTINGS: Final = Settings(
     RouterConfig, prog="prefix-router serve", env_prefix=ENV_PREFIX,
     description="Prefix-aware, load-aware router for vLLM replicas.",
     version=version_line("prefix-router"), help=_HELP,
-    flags={"replicas": "--replica", "fallback_replicas": "--fallback-replica"})
+    flags={"replicas": "--replica", "fallback_replicas": "--fallback-replica",
+           "model_aliases": "--model-alias"})
 
 
 def build_parser() -> argparse.ArgumentParser:

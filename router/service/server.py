@@ -31,6 +31,8 @@ import aiohttp
 from aiohttp import web
 from aiohttp.web_protocol import RequestPayloadError
 
+from router.apis.aliases import AliasTable, rewrite_model
+from router.apis.pooling import FORWARDED_PATHS, request_model
 from router.decision.fleet import Fleet
 from router.decision.health import HUNG, MISSED, ROUTER_LATE
 from router.decision.policy import Decision, LoadTracker, TtftPrediction
@@ -130,6 +132,7 @@ class RouterService:
         self.heap = HeapTrimmer()
         self.fleet = Fleet(config, self.hasher)
         self.tracker = LoadTracker()
+        self.aliases = AliasTable.from_specs(config.model_aliases)  # client-facing model names
         # the ttft policy's prefill rate per replica, fitted from streamed first-token times
         self.learner = PrefillRateLearner(config.ttft_prior_tokens_per_s)
         # the request path's steps: prompt chain -> routing -> dispatch (-> proxy, at start-up)
@@ -192,7 +195,7 @@ class RouterService:
         app.router.add_post("/v1/completions", functools.partial(self.handle_generate, "completion"))
         app.router.add_post("/v1/chat/completions", functools.partial(self.handle_generate, "chat"))
         app.router.add_get("/v1/models", self.handle_models)
-        for path in ("/tokenize", "/detokenize", "/v1/embeddings"):
+        for path in FORWARDED_PATHS:  # pooling, scoring, tokenizer: least loaded
             app.router.add_post(path, self.handle_passthrough)
         app.router.add_get("/health", self.handle_health)
         app.router.add_get("/ready", self.handle_ready)
@@ -509,7 +512,17 @@ class RouterService:
         body = await _read_body(request, self.config.client_body_timeout_s)
         if self.auth is not None:
             body = self.auth.salted_body(request, body)  # the tenant's cache_salt
-        return await self._request_template(parse_request(kind, body)), body
+        body, spec = self._aliased(body, parse_request(kind, body))
+        return await self._request_template(spec), body
+
+    def _aliased(self, body: bytes, spec: PromptSpec) -> tuple[bytes, PromptSpec]:
+        """``body`` and ``spec`` with an alias ``model`` rewritten to the served model it maps
+        to (``router.apis.aliases``: the split advances); unchanged for any other model."""
+        target = self.aliases.resolve(spec.model) if spec.model is not None else None
+        if target is None:
+            return body, spec
+        return (rewrite_model(decode_json_body(body), target),
+                dataclasses.replace(spec, model=target))
 
     def _observe(self, spec: PromptSpec, routed: Routed, dispatch: Dispatch,
                  outcome: ProxyOutcome, arrival: float, tenant: str | None) -> None:
@@ -601,12 +614,14 @@ class RouterService:
         self.metrics.child(self.metrics.inflight_prefill, replica_id).set(self.tracker.prefill_tokens(replica_id))
 
     async def handle_passthrough(self, request: web.Request) -> web.StreamResponse:
-        """``/tokenize``, ``/detokenize``, ``/v1/embeddings``: least-loaded replica serving the model."""
+        """The pooling, scoring and tokenizer paths (``router.apis.pooling``): the least-loaded
+        replica serving the model (an alias rewritten to its served model first)."""
         arrival = time.perf_counter()
         body, data = await self._read_json(request)
-        model = data.get("model") if isinstance(data, dict) else None
-        if model is not None and not isinstance(model, str):
-            raise BadRequest("'model' must be a string")
+        model = request_model(data)
+        target = self.aliases.resolve(model) if model is not None else None
+        if target is not None:
+            body, model = rewrite_model(data, target), target
         decision, targets = self.router.least_loaded(model)
         assert self.proxy is not None
         status = 500
@@ -632,7 +647,9 @@ class RouterService:
         if not self.fleet.routed(now):
             raise NoRoutableReplica("no routable replica: the served models are unknown" if not
                                     self.fleet.replicas else "no routable replica")
-        return web.json_response({"object": "list", "data": self.fleet.model_cards(now)})
+        cards = self.fleet.model_cards(now)
+        aliases = self.aliases.cards({str(c.get("id")): c for c in cards})
+        return web.json_response({"object": "list", "data": cards + aliases})
 
     async def handle_health(self, request: web.Request) -> web.Response:
         return web.json_response({"status": "ok"})
@@ -652,7 +669,9 @@ class RouterService:
                 "no_affinity_reason": affinity_problem, "hash_verified": r.hash_verified,
                 "config_mismatch": self.fleet.config_mismatch(r), "index_stride": r.index_stride,
                 "epoch": r.epoch, "models": sorted(r.models) if r.models is not None else None,
-                "lora_adapters": sorted(r.lora_adapters), "num_running": r.num_running,
+                "lora_adapters": sorted(r.lora_adapters), "lora": None if r.lora is None else {
+                    "running": sorted(r.lora.running), "waiting": sorted(r.lora.waiting),
+                    "max_lora": r.lora.max_lora}, "num_running": r.num_running,
                 "num_waiting": r.num_waiting, "kv_usage": r.kv_usage,
                 "index_blocks": self.fleet.index.num_blocks(rid),
                 "index_cpu_blocks": self.fleet.index.num_blocks(rid, TIER_CPU),
@@ -698,7 +717,11 @@ class RouterService:
             body = self.auth.salted_body(request, body)
         data = decode_json_body(body)
         kind = "chat" if isinstance(data, dict) and "messages" in data else "completion"
-        spec = await self._request_template(parse_prompt(kind, data))
+        spec = parse_prompt(kind, data)
+        target = self.aliases.resolve(spec.model, advance=False) if spec.model else None
+        if target is not None:  # where the next request naming the alias would go
+            spec = dataclasses.replace(spec, model=target)
+        spec = await self._request_template(spec)
         routed = await self.router.route(spec, dry_run=True)
         d = routed.decision
         extra: dict[str, Any] = {}
@@ -708,7 +731,11 @@ class RouterService:
             extra["token_ids"] = await asyncio.get_running_loop().run_in_executor(
                 self.chainer.executor, self.tokenizer.prompt_tokens, spec)
         return web.json_response({**extra,
-            "kind": kind, "policy": self.config.policy, "tokenized": routed.tokenized,
+            "kind": kind, "model": spec.model, "policy": self.config.policy,
+            "tokenized": routed.tokenized,
+            "lora_affinity": None if routed.lora_affinity is None else {
+                "adapter": routed.lora_affinity.adapter, "tier": routed.lora_affinity.tier,
+                "replicas": dict(routed.lora_affinity.tiers)},
             "num_tokens": routed.num_tokens, "chain_blocks": len(routed.chain),
             "block_size": self.config.block_size, "replica": d.replica_id, "reason": d.reason,
             "hit_blocks": d.hit_blocks, "hit_tokens": d.hit_blocks * self.config.block_size,

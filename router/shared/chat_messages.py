@@ -10,8 +10,10 @@ know it, tool-call arguments decoded, Claude Code's billing header dropped.
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Final
+
+ImageMarker = Callable[[Any], str | None]  # a content part -> its marker text, None: no image
 
 # the text of a text-like content part, by type (vLLM 0.32 chat_utils ``MM_PARSER_MAP`` and
 # ``TEXT_PART_TYPES``): a refusal's text is under "refusal", a thinking part's under "thinking"
@@ -32,8 +34,12 @@ def _part_text(part: Any) -> str | None:
     return None
 
 
-def _normalise_content(content: Any, system: bool = False) -> Any:
-    """vLLM "string" content format: text parts joined with newlines, other parts dropped, and
+def _normalise_content(content: Any, system: bool = False,
+                       image_marker: ImageMarker | None = None) -> Any:
+    """vLLM "string" content format: text parts joined with newlines, image parts (with an
+    ``image_marker``) as markers in front of them, one per line, as vLLM puts the placeholders
+    it did not find in the text (vLLM 0.32 ``_get_full_multimodal_text_prompt``), other parts
+    dropped, and
     no content (``None``) as "". For a ``system`` message a part (or the whole string) that
     starts with Claude Code's billing header loses its first line, and is dropped when nothing
     follows it."""
@@ -47,7 +53,9 @@ def _normalise_content(content: Any, system: bool = False) -> Any:
             texts = [t.partition("\n")[2] if t.startswith(CLAUDE_CODE_BILLING_HEADER) else t
                      for t in texts if not (t.startswith(CLAUDE_CODE_BILLING_HEADER)
                                             and not t.partition("\n")[2])]
-        return "\n".join(texts)
+        markers = [m for m in map(image_marker, content) if m is not None] if image_marker else []
+        text = "\n".join(texts)
+        return "\n".join([*markers, text] if text else markers) if markers else text
     return content
 
 
@@ -67,7 +75,8 @@ def knows_developer_role(template: str | None) -> bool:
     return template is not None and ('"developer"' in template or "'developer'" in template)
 
 
-def prepare_messages(messages: Sequence[dict[str, Any]], template: str | None) -> list[dict[str, Any]]:
+def prepare_messages(messages: Sequence[dict[str, Any]], template: str | None, *,
+                     image_marker: ImageMarker | None = None) -> list[dict[str, Any]]:
     """Messages as vLLM hands them to the chat template (vLLM 0.32 chat_utils
     ``_parse_chat_message_content`` and ``_postprocess_messages``, renderers/hf
     ``safe_apply_chat_template``): each becomes ``role`` and string ``content`` (``None`` -> "";
@@ -76,11 +85,14 @@ def prepare_messages(messages: Sequence[dict[str, Any]], template: str | None) -
     ``reasoning`` (also as ``reasoning_content``), for a tool its ``tool_call_id``, a string
     ``name`` and ``task``; other keys are not passed. When the template does not know the
     ``developer`` role, developer messages become system messages and all system messages are
-    then merged into one at the front (``_consolidate_system_messages``)."""
+    then merged into one at the front (``_consolidate_system_messages``). ``image_marker``:
+    image parts become its markers (the router's routed prompt, ``router.apis.images``), else
+    they are dropped (the emulator has no image tokens to give them)."""
     out = []
     for message in messages:
         role = message.get("role")
-        content = _normalise_content(message.get("content"), system=role == "system")
+        content = _normalise_content(message.get("content"), system=role == "system",
+                                     image_marker=image_marker)
         msg: dict[str, Any] = {"role": role, "content": content}
         if role == "assistant":
             calls = message.get("tool_calls")

@@ -152,6 +152,12 @@ F_HEARTBEAT_TS: Final = "heartbeat_ts"  # unix seconds, float
 # "1" while Redis refuses the worker's writes for lack of memory (maxmemory reached under
 # noeviction): its changes are held, so routers' view of this replica lags; "" or absent: no
 F_REDIS_OOM: Final = "redis_oom"
+# the engine's vllm:lora_requests_info (router.apis.lora_load): adapter names of its running and
+# waiting requests (comma-separated, as vLLM's labels) and max_lora; all "" or absent: no LoRA
+# state reported (LoRA off, or an older worker)
+F_LORA_RUNNING: Final = "lora_running"
+F_LORA_WAITING: Final = "lora_waiting"
+F_MAX_LORA: Final = "max_lora"
 
 # Stream entry fields ({prefix}:events).
 E_REPLICA: Final = "replica"

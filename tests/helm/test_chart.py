@@ -1068,3 +1068,20 @@ def test_production_example_is_a_16_replica_gpu_fleet(chart: helm.Chart) -> None
     assert kinds >= {"Ingress", "NetworkPolicy", "HorizontalPodAutoscaler", "ServiceMonitor"}
     assert router_config(objects)["redis_url"].startswith("redis+sentinel://")
     assert router_config(objects)["log_format"] == "json"
+
+
+def test_model_aliases_reach_the_router(chart: helm.Chart, tmp_path: Path) -> None:
+    """``router.modelAliases`` renders into the router's ``model_aliases``, which its own
+    config loader takes; a string without ``=`` is refused by the schema."""
+    from router.service.config import load_config
+
+    aliases = ["chat=Qwen/Qwen3-8B", "canary=Qwen/Qwen3-8B:90;sql-lora:10"]
+    objects = render(chart, {"router": {"modelAliases": aliases}})
+    assert router_config(objects)["model_aliases"] == aliases
+    assert "model_aliases" not in router_config(render(chart, {}))
+    path = tmp_path / "router.yaml"
+    path.write_text(one(objects, "ConfigMap", "-router")["data"]["router.yaml"])
+    assert load_config(["--config", str(path)], env={}).model_aliases == tuple(aliases)
+    with pytest.raises(helm.HelmError) as info:
+        chart.render({"router": {"modelAliases": ["chat"]}}, name=RELEASE, namespace=NAMESPACE)
+    assert "/router/modelAliases/0" in str(info.value)

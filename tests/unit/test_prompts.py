@@ -8,6 +8,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from router.apis.images import image_marker
 from router.request.chain_cache import ChainCache
 from router.request.prompts import (
     MAX_CHUNK_CHARS,
@@ -356,9 +357,16 @@ def test_claude_code_billing_header_is_dropped_from_system_messages() -> None:
 
 def test_refusal_and_thinking_parts_are_text() -> None:
     """vLLM 0.32 ``MM_PARSER_MAP``: a refusal part's text is its ``refusal``, a thinking part's
-    its ``thinking``; parts of other types (images) are dropped from the text."""
+    its ``thinking``; an image part is a marker in front of the text (``router.apis.images``),
+    parts of other types are dropped from the text."""
     content = [{"type": "thinking", "thinking": "No."}, {"type": "refusal", "refusal": "I can't."},
-               {"type": "image_url", "image_url": {"url": "x"}}, {"type": "text", "text": None}]
+               {"type": "image_url", "image_url": {"url": "x"}}, {"type": "text", "text": None},
+               {"type": "input_audio", "input_audio": {"data": "", "format": "wav"}}]
+    marker = image_marker(content[2])
+    assert prepare_messages([{"role": "assistant", "content": content}], None,
+                            image_marker=image_marker) == [
+        {"role": "assistant", "content": f"{marker}\nNo.\nI can't."}]
+    # the emulator's rendering drops them (it has no image tokens)
     assert prepare_messages([{"role": "assistant", "content": content}], None) == [
         {"role": "assistant", "content": "No.\nI can't."}]
 

@@ -41,6 +41,7 @@ from worker.emulator.profiles import GpuProfile, ModelProfile, default_num_gpu_b
 from worker.emulator.scheduler import DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_NUM_SEQS
 
 DEFAULT_MODEL: Final = "emulated-llm"  # served model name when none is given
+DEFAULT_MAX_LORAS: Final = 1  # vLLM LoRAConfig.max_loras default
 DEFAULT_PORT: Final = 8000  # vLLM default
 DEFAULT_MAX_MODEL_LEN: Final = 131072  # tokens; Llama-3.1-8B's context (capped by the KV pool)
 DEFAULT_EOS_AFTER_TOKENS: Final = 256  # generated tokens before the emulated EOS (no max_tokens)
@@ -165,6 +166,7 @@ class EmulatorConfig:
     enable_prompt_tokens_details: bool = False
     enable_prefix_caching: bool = True  # vLLM default; off: no hits, no block hashes cached
     lora_modules: tuple[tuple[str, str], ...] = ()  # (name, path), ids 1.. in this order
+    max_loras: int = DEFAULT_MAX_LORAS  # vllm:lora_requests_info's max_lora (not enforced)
     time_scale: float = 1.0
     model_profile: ModelProfile = field(default_factory=ModelProfile)
     gpu_profile: GpuProfile = field(default_factory=GpuProfile)
@@ -228,6 +230,7 @@ class EmulatorArgs:
     enable_prompt_tokens_details: bool = False
     enable_prefix_caching: bool = True  # vLLM default
     lora_modules: tuple[str, ...] = ()  # NAME=PATH or {"name": ..., "path": ...}
+    max_loras: int = DEFAULT_MAX_LORAS  # vLLM --max-loras: LoRA adapters one batch can use
     time_scale: float = 1.0
     model_params: float = _DM.params
     model_layers: int = _DM.num_layers
@@ -267,6 +270,8 @@ _HELP: Final = {
     "enable_prefix_caching": "vLLM's switch (on by default); --no-enable-prefix-caching: no "
                              "prefix hits, no blocks cached, so no BlockStored/BlockRemoved events",
     "lora_modules": "NAME=PATH or JSON {\"name\", \"path\"} (several per flag)",
+    "max_loras": "LoRA adapters one batch can use (vllm:lora_requests_info's max_lora; "
+                 "the emulator reports it and does not enforce it)",
     "time_scale": "run N times faster than real time",
     "gpu_host_link_gbps": "host<->GPU copy bandwidth per direction, GB/s (CPU-tier transfers)",
     "eos_after_tokens": "tokens generated before the emulated EOS when a request sets no "
@@ -314,7 +319,7 @@ def _num_cpu_blocks(a: EmulatorArgs, model: ModelProfile) -> int:
 
 # settings that must be >= 1 / > 0 (the model and GPU profiles' figures among them)
 _AT_LEAST_ONE: Final = ("max_num_seqs", "max_num_batched_tokens", "replicas", "data_parallel_size",
-                        "block_size", "model_layers", "model_q_heads", "model_kv_heads",
+                        "max_loras", "block_size", "model_layers", "model_q_heads", "model_kv_heads",
                         "model_head_dim", "model_kv_dtype_bytes", "model_weight_dtype_bytes")
 _POSITIVE: Final = ("time_scale", "model_params", "gpu_tflops", "gpu_hbm_gbps", "gpu_memory_gb",
                     "gpu_host_link_gbps")
@@ -399,6 +404,7 @@ def _resolve(a: EmulatorArgs, env: Mapping[str, str]) -> EmulatorConfig:
         max_num_batched_tokens=a.max_num_batched_tokens, max_num_seqs=a.max_num_seqs,
         max_model_len=max_model_len, tokenizer=a.tokenizer, vocab_size=vocab_size,
         enable_prompt_tokens_details=a.enable_prompt_tokens_details, lora_modules=loras,
+        max_loras=a.max_loras,
         enable_prefix_caching=a.enable_prefix_caching,
         time_scale=a.time_scale, model_profile=model_profile, gpu_profile=gpu,
         step_overhead_s=a.step_overhead_ms / 1000.0, eos_after_tokens=max(1, a.eos_after_tokens),

@@ -123,6 +123,8 @@ class EmulatedEngine:
             self.num_waiting,
             lambda: self.pool.usage,
         )
+        if config.lora_modules:  # vLLM exports it with LoRA on
+            self.metrics.enable_lora_info(config.max_loras, self.lora_adapters)
         offload = self.offload
         self.offload_metrics = (self.metrics.enable_offload(lambda: offload.usage)
                                 if offload is not None else None)
@@ -154,6 +156,14 @@ class EmulatedEngine:
     def num_running(self) -> int:
         """Requests in the running batch (``vllm:num_requests_running``)."""
         return len(self.scheduler.running)
+
+    def lora_adapters(self) -> tuple[list[str], list[str]]:
+        """LoRA adapter names of the running and of the waiting requests, each name once in
+        first-seen order (vLLM 0.32 ``SchedulerStats.running_lora_adapters`` /
+        ``waiting_lora_adapters``, ``v1/metrics/stats.py``)."""
+        waiting = [*self.scheduler.waiting, *(request for _, request in self._arrivals)]
+        return ([*dict.fromkeys(r.lora_name for r in self.scheduler.running if r.lora_name)],
+                [*dict.fromkeys(r.lora_name for r in waiting if r.lora_name)])
 
     def num_waiting(self) -> int:
         """Requests queued, arrived or not yet admitted (``vllm:num_requests_waiting``)."""

@@ -10,11 +10,12 @@ scraped (no per-step cost). Times are engine seconds (wall time multiplied by
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterator
 from typing import Final
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-from prometheus_client.metrics_core import Metric
+from prometheus_client.metrics_core import GaugeMetricFamily, Metric
 from prometheus_client.openmetrics import exposition as openmetrics
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
@@ -115,6 +116,12 @@ class ReplicaMetrics:
         Gauge("vllm:cache_config_info", "Information of the LLMEngine CacheConfig",
               info_labels, registry=reg).labels(**cache_config).set(1)
 
+    def enable_lora_info(self, max_lora: int,
+                         adapters: Callable[[], tuple[list[str], list[str]]]) -> None:
+        """Export ``vllm:lora_requests_info`` (vLLM exports it when LoRA is on):
+        ``adapters()`` gives the adapter names of the running and the waiting requests."""
+        self.registry.register(LoraInfo(max_lora, adapters))
+
     def observe_lag(self, lag_s: float) -> None:
         """Record one engine step's start lag in wall seconds (negative: on time, counts 0)."""
         lag_s = max(lag_s, 0.0)
@@ -135,6 +142,36 @@ class ReplicaMetrics:
         ``prometheus_client.generate_latest`` gives (``TextExposition``)."""
         return self._text.render(self.registry)
 
+
+
+class LoraInfo(Collector):
+    """``vllm:lora_requests_info`` read at scrape time: one series labelled ``max_lora``,
+    ``waiting_lora_adapters`` and ``running_lora_adapters`` (names joined by ","), valued the
+    current unix time. vLLM 0.32 (``v1/metrics/loggers.py``) sets a new label set's series to
+    the time at each stats update and leaves the earlier series on the page; the emulator shows
+    only the current one (readers take the newest, ``router.apis.lora_load``). No ``engine``
+    or ``model_name`` label, as in vLLM."""
+
+    def __init__(self, max_lora: int, adapters: Callable[[], tuple[list[str], list[str]]]) -> None:
+        self.max_lora = max_lora
+        self.adapters = adapters
+
+    @staticmethod
+    def _family() -> GaugeMetricFamily:
+        return GaugeMetricFamily("vllm:lora_requests_info", "Running stats on lora requests.",
+                                 labels=["max_lora", "waiting_lora_adapters",
+                                         "running_lora_adapters"])
+
+    def describe(self) -> Iterator[Metric]:
+        """The family without samples (the registry asks at registration, before the engine
+        has its queues)."""
+        yield self._family()
+
+    def collect(self) -> Iterator[Metric]:
+        running, waiting = self.adapters()
+        family = self._family()
+        family.add_metric([str(self.max_lora), ",".join(waiting), ",".join(running)], time.time())
+        yield family
 
 
 _OM_SUFFIXES: Final = ("_created", "_gsum", "_gcount")

@@ -16,6 +16,7 @@ from typing import Annotated, Any, Final
 import msgspec
 from aiohttp import web
 
+from worker.emulator import pooling
 from worker.emulator.config import VLLM_VERSION, EmulatorConfig
 from worker.emulator.engine import EmulatedEngine, OutputCollector, SubmittedPrompt
 from worker.emulator.metrics import EnginesExposition
@@ -255,6 +256,12 @@ class ReplicaServer:
         r.add_get("/version", self.handle_version)
         r.add_get("/load", self.handle_load)
         r.add_get("/metrics", self.handle_metrics)
+        for path in ("/v1/embeddings", "/pooling"):
+            r.add_post(path, self.handle_vectors)
+        for path in ("/score", "/v1/score"):  # vLLM 0.32 serves both
+            r.add_post(path, self.handle_score)
+        for path in ("/rerank", "/v1/rerank", "/v2/rerank"):
+            r.add_post(path, self.handle_rerank)
         r.add_post("/tokenize", self.handle_tokenize)
         r.add_post("/detokenize", self.handle_detokenize)
         r.add_get("/kv_event_sources", self.handle_kv_event_sources)
@@ -622,6 +629,49 @@ class ReplicaServer:
             token_strs = await self.tokenizer.convert_ids_to_tokens(tokens)
         return web.json_response({"count": len(tokens), "max_model_len": self.config.max_model_len,
                                   "tokens": tokens, "token_strs": token_strs})
+
+    async def _texts_tokens(self, texts: list[str]) -> list[list[int]]:
+        return [await self._encode(text, True) for text in texts]
+
+    async def handle_vectors(self, request: web.Request) -> web.Response:
+        """``/v1/embeddings`` and ``/pooling``: ``input`` as a completions ``prompt``
+        (``worker.emulator.pooling``: made-up unit vectors in vLLM 0.32's shapes)."""
+        data = await self._body(request)
+        model, _ = self._resolve_model(data)
+        dim = data.get("dimensions") or pooling.EMBED_DIM
+        if type(dim) is not int or not 0 < dim <= pooling.MAX_EMBED_DIM:
+            raise bad_request(f"dimensions must be 1..{pooling.MAX_EMBED_DIM}", "dimensions")
+        prompts = await self._completion_prompts({**data, "prompt": data.get("input")})
+        kind = "embeddings" if request.path == "/v1/embeddings" else "pooling"
+        return web.json_response(pooling.vectors_body(kind, model, prompts, dim))
+
+    async def handle_score(self, request: web.Request) -> web.Response:
+        data = await self._body(request)
+        model, _ = self._resolve_model(data)
+        try:
+            first, second = pooling.score_sides(data)
+            body = pooling.score_body(model, await self._texts_tokens(first),
+                                      await self._texts_tokens(second))
+        except pooling.PoolingInputError as exc:
+            raise bad_request(str(exc), exc.param) from exc
+        return web.json_response(body)
+
+    async def handle_rerank(self, request: web.Request) -> web.Response:
+        data = await self._body(request)
+        model, _ = self._resolve_model(data)
+        top_n = data.get("top_n", 0)
+        if type(top_n) is not int or top_n < 0:
+            raise bad_request("top_n must be a non-negative integer", "top_n")
+        try:
+            query = pooling.texts_of(data.get("query"), "query")
+            documents = pooling.texts_of(data.get("documents"), "documents")
+        except pooling.PoolingInputError as exc:
+            raise bad_request(str(exc), exc.param) from exc
+        if len(query) != 1:
+            raise bad_request("query must be one string", "query")
+        query_tokens = (await self._texts_tokens(query))[0]
+        return web.json_response(pooling.rerank_body(
+            model, query_tokens, await self._texts_tokens(documents), documents, top_n))
 
     async def handle_detokenize(self, request: web.Request) -> web.Response:
         data = await self._body(request)

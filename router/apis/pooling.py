@@ -1,0 +1,50 @@
+"""The pooling, scoring and tokenizer paths a vLLM replica serves, and how the router routes
+them. Pure.
+
+None of these requests generates, and the router does not render their bodies to token ids
+(each API has its own input forms: texts, token ids, query/document pairs, chat messages), so
+they have no block chain for the index: the router sends each to the least-loaded routable
+replica serving its ``model``, with the same model filter, health, circuit breaker, panic mode
+and retries as completions. (vLLM 0.32 does read the prefix cache for the ``embed``,
+``classify`` and ``score`` tasks, ``PoolingParams._merge_default_parameters`` skips it only for
+``token_embed`` and ``token_classify``: routing them by prefix is possible, not done here.)
+Paths from vLLM 0.32.0's API routers
+(``vllm/entrypoints/pooling/{embed,pooling,classify,scoring}/api_router.py``,
+``vllm/entrypoints/serve/tokenize/api_router.py``).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Final
+
+from router.request.errors import BadRequest
+
+# {path: what it is} for the paths the router forwards to the least-loaded replica
+POOLING_PATHS: Final = {
+    "/v1/embeddings": "embeddings",  # OpenAI embeddings
+    "/v2/embed": "embeddings",  # Cohere embed v2
+    "/pooling": "pooling",  # raw pooler output
+    "/classify": "classify",
+    "/score": "score",  # (text_1, text_2), (queries, documents | items), (data_1, data_2)
+    "/v1/score": "score",  # vLLM's deprecated spelling of /score
+    "/rerank": "rerank",  # Jina / Cohere rerank
+    "/v1/rerank": "rerank",
+    "/v2/rerank": "rerank",
+}
+TOKENIZER_PATHS: Final = {
+    "/tokenize": "tokenize",  # any replica of the model answers: its tokenizer is the model's
+    "/detokenize": "detokenize",
+}
+FORWARDED_PATHS: Final = {**POOLING_PATHS, **TOKENIZER_PATHS}  # {path: kind}
+
+
+def request_model(data: Any) -> str | None:
+    """The ``model`` a pooling, scoring or tokenizer body names, or ``None`` (vLLM then uses its
+    first served model: any replica will do). Raises ``BadRequest`` for a body that is not a
+    JSON object or a ``model`` that is not a string."""
+    if not isinstance(data, dict):
+        raise BadRequest("request body must be a JSON object")
+    model = data.get("model")
+    if model is not None and not isinstance(model, str):
+        raise BadRequest("'model' must be a string")
+    return model
