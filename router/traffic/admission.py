@@ -29,7 +29,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Final
 
-from router.errors import RouterError
+from router.request.errors import RouterError
 from router.traffic.scheduling import FairOrder
 
 DEFAULT_MAX_QUEUE_LENGTH: Final = 1024  # requests waiting at most (SMG's default queue size is 100

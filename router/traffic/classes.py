@@ -24,7 +24,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final
 
-from router.errors import BadRequest
+from router.request.errors import BadRequest
 
 PRIORITY_HEADER: Final = "x-priority-class"
 DEFAULT_CLASSES: Final = ("interactive", "standard", "batch")

@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 import yaml
 
-from router.errors import BadRequest
+from router.request.errors import BadRequest
 from router.traffic.classes import (
     PriorityClasses,
     TenantFileError,
