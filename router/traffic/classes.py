@@ -22,13 +22,18 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Final
+
+import yaml
 
 from router.request.errors import BadRequest
 
 PRIORITY_HEADER: Final = "x-priority-class"
 DEFAULT_CLASSES: Final = ("interactive", "standard", "batch")
 DEFAULT_CLASS: Final = "standard"
+DEFAULT_AGING_S: Final = 10.0  # seconds of waiting that raise a class one rank: the lowest of the
+# three default classes reaches the top after 20 s, within the default 30 s wait bound
 
 
 class TenantFileError(ValueError):
@@ -120,6 +125,15 @@ def parse_tenants(data: Any, source: str) -> dict[str, TenantTraffic]:
             raise TenantFileError(f"{source}: tenant {tenant!r}: priority_class must be a name")
         out[str(tenant)] = TenantTraffic(cls.strip().lower() if cls else None, float(weight))
     return out
+
+
+def load_tenant_file(path: str) -> dict[str, TenantTraffic]:
+    """The tenant file at ``path`` (module docstring). Raises ``TenantFileError``."""
+    try:
+        data = yaml.safe_load(Path(path).read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, yaml.YAMLError) as exc:
+        raise TenantFileError(f"cannot read tenant file {path}: {exc}") from exc
+    return parse_tenants(data or {}, path)
 
 
 def priority_classes(names: Sequence[str], default: str,

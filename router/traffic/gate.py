@@ -43,25 +43,29 @@ LoadsOf = Callable[[str | None], Sequence[ReplicaLoad] | None]
 class AdmissionEvent:
     """What happened to one request at the gate, for metrics and logs: ``outcome`` is
     ``admitted`` (at once or from the queue: ``queued``), ``shed`` (``reason``) or
-    ``cancelled`` (its client left while it waited); ``waited_s`` seconds in the queue."""
+    ``cancelled`` (its client left while it waited); ``waited_s`` seconds in the queue;
+    ``priority`` its class rank, ``tenant`` whose it is."""
 
     outcome: str
     queued: bool
     waited_s: float
     reason: str = ""
+    priority: int = 0
+    tenant: str = ""
 
 
 class AdmissionSlot:
     """One admitted request's place in the fleet-wide count. ``dispatched()`` once it is counted
     in its replica's load; ``release()`` when it ends (both idempotent)."""
 
-    __slots__ = ("_dispatched", "_gate", "_released", "waited_s")
+    __slots__ = ("_dispatched", "_gate", "_released", "priority", "waited_s")
 
-    def __init__(self, gate: AdmissionGate, waited_s: float) -> None:
+    def __init__(self, gate: AdmissionGate, waited_s: float, priority: int = 0) -> None:
         self._gate = gate
         self._dispatched = False
         self._released = False
         self.waited_s = waited_s
+        self.priority = priority  # the request's class rank
 
     def dispatched(self) -> None:
         if not self._dispatched:
@@ -114,11 +118,11 @@ class AdmissionGate:
         now = self._clock()
         queue = self.queue
         if not self.enabled or (not len(queue) and self._fits(model)):
-            return self._grant(now, 0.0, queued=False)
+            return self._grant(now, 0.0, False, priority, tenant)
         entry = queue.new_entry(request_id, model, now, cost_s, priority, tenant)
         if not queue.offer(entry):
             retry = queue.retry_after_s(now)
-            self._on_event(AdmissionEvent("shed", False, 0.0, SHED_QUEUE_FULL))
+            self._on_event(AdmissionEvent("shed", False, 0.0, SHED_QUEUE_FULL, priority, tenant))
             raise Overloaded(f"the router is overloaded: {len(queue)} requests wait for room "
                              f"(admission_max_queue_length); retry after {retry} s",
                              retry, SHED_QUEUE_FULL)
@@ -130,7 +134,8 @@ class AdmissionGate:
         except asyncio.CancelledError:
             self._futures.pop(entry.seq, None)
             if queue.remove(entry):
-                self._on_event(AdmissionEvent("cancelled", True, self._clock() - now))
+                self._on_event(AdmissionEvent("cancelled", True, self._clock() - now, "",
+                                              priority, tenant))
                 self.kick()  # its place may let a later request through (not room itself)
             elif future.done() and not future.cancelled() and future.exception() is None:
                 future.result().release()  # admitted as the client left: give the slot back
@@ -146,12 +151,13 @@ class AdmissionGate:
         loads = self._loads_of(model)
         return loads is None or self.limits.has_room(loads, self.num_admitted, self.num_pending)
 
-    def _grant(self, now: float, waited_s: float, queued: bool) -> AdmissionSlot:
+    def _grant(self, now: float, waited_s: float, queued: bool, priority: int,
+               tenant: str) -> AdmissionSlot:
         self.num_admitted += 1
         self.num_pending += 1
         self.queue.record_admission(now)
-        self._on_event(AdmissionEvent("admitted", queued, waited_s))
-        return AdmissionSlot(self, waited_s)
+        self._on_event(AdmissionEvent("admitted", queued, waited_s, "", priority, tenant))
+        return AdmissionSlot(self, waited_s, priority)
 
     def _pump(self) -> None:
         """Shed the requests past their bound, then admit, in order, every one that fits."""
@@ -161,7 +167,8 @@ class AdmissionGate:
         for entry in queue.expire(now):
             future = self._futures.pop(entry.seq, None)
             waited = now - entry.enqueued_at
-            self._on_event(AdmissionEvent("shed", True, waited, SHED_QUEUE_TIMEOUT))
+            self._on_event(AdmissionEvent("shed", True, waited, SHED_QUEUE_TIMEOUT,
+                                          entry.priority, entry.tenant))
             if future is not None and not future.done():
                 retry = queue.retry_after_s(now)
                 future.set_exception(Overloaded(
@@ -184,7 +191,8 @@ class AdmissionGate:
             future = self._futures.pop(admitted.seq, None)
             if future is None or future.done():
                 continue
-            future.set_result(self._grant(now, now - admitted.enqueued_at, queued=True))
+            future.set_result(self._grant(now, now - admitted.enqueued_at, True,
+                                          admitted.priority, admitted.tenant))
         self._arm_timer()
 
     def _arm_timer(self) -> None:

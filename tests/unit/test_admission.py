@@ -5,6 +5,7 @@ test sets."""
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
 
 import pytest
 
@@ -280,3 +281,24 @@ async def test_gate_polls_for_room_it_is_not_told_of() -> None:
     assert not waiter.done()
     fleet.inflight = 0  # freed without a kick
     await asyncio.wait_for(waiter, 5)
+
+
+# -- settings -----------------------------------------------------------------------------------
+
+
+def test_admission_settings_through_the_one_mechanism(tmp_path: Path) -> None:
+    from router.service.config import ConfigError, load_config
+
+    base = ["--replica", "http://127.0.0.1:9"]
+    assert not load_config(base, env={}).admission_limits().enabled  # off by default
+    path = tmp_path / "router.yaml"
+    path.write_text("admission_max_inflight: 10\nadmission_max_queue_wait_s: 2.5\n")
+    cfg = load_config([*base, "--config", str(path), "--admission-max-inflight-per-replica", "3"],
+                      env={"ROUTER_ADMISSION_MAX_QUEUE_LENGTH": "7",
+                           "ROUTER_ADMISSION_MAX_INFLIGHT": "12"})
+    assert cfg.admission_limits() == AdmissionLimits(12, 3, 0.0, 7, 2.5)
+    for flag, value in (("--admission-max-inflight", "-1"), ("--admission-max-queue-length", "0"),
+                        ("--admission-max-queue-wait-s", "0"),
+                        ("--admission-max-queued-prefill-s", "-0.5")):
+        with pytest.raises(ConfigError, match=flag.removeprefix("--").replace("-", "_")):
+            load_config([*base, flag, value], env={})
