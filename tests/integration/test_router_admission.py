@@ -282,3 +282,45 @@ def test_the_class_reaches_the_engine_as_vllm_priority(
         assert replica.priorities() == [2, 1, 0]  # vLLM serves lower values first
     finally:
         router.stop()
+
+
+def test_tenants_of_one_class_take_turns_by_weight(
+        tmp_path: Path, replicas: list[HoldingReplica]) -> None:
+    """Deficit round robin between API-key tenants: a tenant that queued one request behind
+    another's three goes second, not fourth; a tenant file's class is its requests' default."""
+    from router.edges.auth import hash_key
+
+    keys = {"tenant-a": "sk-a-key", "tenant-b": "sk-b-key", "nightly": "sk-n-key"}
+    (tmp_path / "keys").write_text("".join(f"{t} {hash_key(k)}\n" for t, k in keys.items()))
+    (tmp_path / "secret").write_text("0123456789abcdef-test-secret\n")
+    (tmp_path / "tenants.yaml").write_text("tenants:\n  nightly: {priority_class: batch}\n")
+    router = start_router(tmp_path, replicas[:1], "--admission-max-inflight", "1",
+                          "--admission-priority-aging-s", "0",
+                          "--api-keys", str(tmp_path / "keys"),
+                          "--cache-salt-secret-file", str(tmp_path / "secret"),
+                          "--admission-tenants-file", str(tmp_path / "tenants.yaml"))
+    replica = replicas[0]
+
+    def call(tenant: str, name: str, **headers: str) -> Call:
+        # 100 tokens (at 4 characters a token): a prefill cost well above the fairness quantum
+        return Call(router, {**BODY, "prompt": name + " pad" * 100},
+                    {"Authorization": f"Bearer {keys[tenant]}", **headers})
+
+    try:
+        calls = [call("tenant-b", "first")]
+        wait_for(lambda: replica.arrived() == 1, 30, message="first request at the replica")
+        calls.append(call("nightly", "nightly"))  # the batch class: after both tenants
+        for i in range(3):
+            calls.append(call("tenant-b", f"b{i}"))
+            wait_for(lambda i=i: admission(router)["queued"] == i + 2, 30, message="queued")
+        # a tenant may lower its class, never raise it above its tenant file's
+        calls.append(call("nightly", "nightly-claims-interactive",
+                          **{"x-priority-class": "interactive"}))
+        calls.append(call("tenant-a", "a0"))
+        wait_for(lambda: admission(router)["queued"] == 6, 30, message="six requests queued")
+        replica.release()
+        assert [c.wait()[0] for c in calls] == [200] * len(calls)
+        assert [p.split()[0] for p in replica.prompts()] == [
+            "first", "b0", "a0", "b1", "b2", "nightly", "nightly-claims-interactive"]
+    finally:
+        router.stop()
