@@ -788,6 +788,8 @@ class RouterService:
             "targets": {t.replica_id: {"url": t.url, "dp_rank": t.dp_rank}
                         for t in routed.targets},
             "load": self.tracker.snapshot(),
+            # whether the request would wait for room now, and why (router/traffic)
+            "admission": {**self.admission.state(), **self.admission.explain(spec.model)},
             # the typical lengths standing in for load this router cannot count (ttft policy)
             "avg_prompt_tokens": round(self.tracker.avg_prompt_tokens, 1),
             "avg_output_tokens": round(self.tracker.avg_output_tokens, 1),

@@ -105,6 +105,28 @@ class AdmissionLimits:
             return self.max_inflight_per_replica - load.inflight_requests
         return 1
 
+    def why_no_room(self, loads: Sequence[ReplicaLoad], num_admitted: int,
+                    num_pending: int) -> str | None:
+        """Why one more request would wait (``has_room``'s arguments), for people (``/debug/route``
+        and logs); None when it has room."""
+        if self.has_room(loads, num_admitted, num_pending):
+            return None
+        if self.max_inflight and num_admitted >= self.max_inflight:
+            return (f"{num_admitted} requests in flight (admission_max_inflight "
+                    f"{self.max_inflight})")
+        if not loads:
+            return "no replica serves the model"
+        full = [load for load in loads if not self.replica_has_room(load)]
+        if len(full) < len(loads):
+            return (f"the replicas with room have {num_pending} admitted requests on their way "
+                    "(counted there once dispatched)")
+        parts = []
+        if self.max_inflight_per_replica:
+            parts.append(f"admission_max_inflight_per_replica {self.max_inflight_per_replica}")
+        if self.max_queued_prefill_s:
+            parts.append(f"admission_max_queued_prefill_s {self.max_queued_prefill_s:g}")
+        return f"every replica that serves the model is at its limit ({', '.join(parts)})"
+
     def has_room(self, loads: Sequence[ReplicaLoad], num_admitted: int, num_pending: int) -> bool:
         """Whether the fleet can take one more request: ``loads`` are the replicas that could
         serve it, ``num_admitted`` this router's requests admitted and not finished,

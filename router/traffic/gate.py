@@ -16,7 +16,7 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Final
+from typing import Any, Final
 
 from router.traffic.admission import (
     SHED_QUEUE_FULL,
@@ -205,6 +205,23 @@ class AdmissionGate:
             return
         delay = min(max(deadline - self._clock(), 0.0), POLL_S)
         self._timer = asyncio.get_running_loop().call_later(delay, self._pump)
+
+    def explain(self, model: str | None) -> dict[str, Any]:
+        """What admission would do with a request for ``model`` now, for ``/debug/route``:
+        ``admit`` (bool), ``wait_reason`` (why it would wait; None when admitted), and each
+        replica's ``inflight_requests``, ``queued_prefill_s`` and ``room``."""
+        loads = self._loads_of(model)
+        if not self.enabled or loads is None:
+            return {"admit": True, "wait_reason": None, "replicas": {}}
+        reasons = [f"{len(self.queue)} requests wait in the admission queue"] if len(
+            self.queue) else []
+        why = self.limits.why_no_room(loads, self.num_admitted, self.num_pending)
+        if why is not None:
+            reasons.append(why)
+        return {"admit": not reasons, "wait_reason": "; ".join(reasons) or None, "replicas": {
+            load.replica_id: {"inflight_requests": load.inflight_requests,
+                              "queued_prefill_s": round(load.queued_prefill_s, 4),
+                              "room": self.limits.replica_has_room(load)} for load in loads}}
 
     def state(self) -> dict[str, float | int | bool]:
         """The gate's counts for ``/ready`` and ``/debug/route``."""

@@ -192,6 +192,9 @@ def test_full_queue_and_wait_bound_answer_503_with_retry_after(
         wait_for(lambda: replica.arrived() == 1, 30, message="first request at the replica")
         waiting = Call(router)
         wait_for(lambda: admission(router)["queued"] == 1, 30, message="second request queued")
+        explained = json.loads(router.post("/debug/route", BODY)[2])["admission"]
+        assert not explained["admit"] and explained["queued"] == 1
+        assert "admission_max_inflight 1" in explained["wait_reason"]
         assert_overloaded(router.post("/v1/completions", BODY), "admission_max_queue_length")
         # the queued one gets its 503 at its bound, while the first still holds the slot
         assert_overloaded(waiting.wait(), "admission_max_queue_wait_s")

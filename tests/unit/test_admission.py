@@ -77,6 +77,19 @@ def test_both_replica_limits_apply() -> None:
     assert limits.replica_free_slots(ReplicaLoad("a", 4, 0.0)) == 0
 
 
+def test_why_no_room_names_the_limit() -> None:
+    fleet_limit = AdmissionLimits(max_inflight=2)
+    assert fleet_limit.why_no_room([ReplicaLoad("a")], 1, 0) is None
+    assert "admission_max_inflight 2" in str(fleet_limit.why_no_room([ReplicaLoad("a")], 2, 0))
+    both = AdmissionLimits(max_inflight_per_replica=1, max_queued_prefill_s=0.5)
+    full = [ReplicaLoad("a", 1, 0.0), ReplicaLoad("b", 0, 0.7)]
+    assert str(both.why_no_room(full, 1, 0)) == (
+        "every replica that serves the model is at its limit "
+        "(admission_max_inflight_per_replica 1, admission_max_queued_prefill_s 0.5)")
+    assert "on their way" in str(both.why_no_room([ReplicaLoad("a")], 1, 1))
+    assert both.why_no_room([], 0, 0) == "no replica serves the model"
+
+
 # -- the queue ----------------------------------------------------------------------------------
 
 
@@ -270,6 +283,21 @@ async def test_gate_admits_an_unroutable_model_at_once() -> None:
     await gate.admit("r0", None)
     fleet.routable = False
     await asyncio.wait_for(gate.admit("r1", None), 5)
+
+
+async def test_gate_explains_why_a_request_would_wait() -> None:
+    fleet, events = Fleet(), list[AdmissionEvent]()
+    gate = _gate(fleet, events, max_inflight_per_replica=1)
+    assert gate.explain(None) == {"admit": True, "wait_reason": None, "replicas": {"a": {
+        "inflight_requests": 0, "queued_prefill_s": 0.0, "room": True}}}
+    fleet.inflight = 1
+    waiter = asyncio.create_task(gate.admit("r0", None))
+    await asyncio.sleep(0)
+    explained = gate.explain(None)
+    assert not explained["admit"] and explained["replicas"]["a"]["room"] is False
+    assert explained["wait_reason"].startswith("1 requests wait in the admission queue; every "
+                                               "replica that serves the model is at its limit")
+    waiter.cancel()
 
 
 async def test_gate_polls_for_room_it_is_not_told_of() -> None:
