@@ -24,7 +24,7 @@ from __future__ import annotations
 import heapq
 import itertools
 import math
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Final
@@ -181,12 +181,13 @@ class AdmissionQueue:
     ``record_admission``/``retry_after_s`` measure the drain rate for ``Retry-After``.
     """
 
-    __slots__ = ("_admitted_at", "_deadlines", "_seq", "_waiting", "limits", "order")
+    __slots__ = ("_admitted_at", "_deadlines", "_models", "_seq", "_waiting", "limits", "order")
 
     def __init__(self, limits: AdmissionLimits, order: FairOrder | None = None) -> None:
         self.limits = limits
         self.order = order or FairOrder()
         self._waiting: dict[int, Waiting] = {}  # {seq: entry}, arrival order
+        self._models: Counter[str | None] = Counter()  # {model: entries waiting for it}
         self._deadlines: list[tuple[float, int]] = []  # heap of (deadline, seq); stale ones skipped
         self._seq = itertools.count()
         self._admitted_at: deque[float] = deque()  # admission times in the last RATE_WINDOW_S
@@ -210,6 +211,7 @@ class AdmissionQueue:
         entry.seq = next(self._seq)
         entry.queued = True
         self._waiting[entry.seq] = entry
+        self._models[entry.model] += 1
         self.order.add(entry)
         heapq.heappush(self._deadlines, (entry.deadline, entry.seq))
         return True
@@ -221,6 +223,7 @@ class AdmissionQueue:
             return None
         assert isinstance(entry, Waiting)
         del self._waiting[entry.seq]
+        self._uncount(entry)
         entry.queued = False
         self._drop_stale()
         return entry
@@ -256,8 +259,18 @@ class AdmissionQueue:
         first = next(iter(self._waiting.values()), None)
         return 0.0 if first is None else max(now - first.enqueued_at, 0.0)
 
+    def models(self) -> list[str | None]:
+        """The models the waiting entries are for (each once)."""
+        return list(self._models)
+
+    def _uncount(self, entry: Waiting) -> None:
+        self._models[entry.model] -= 1
+        if not self._models[entry.model]:
+            del self._models[entry.model]
+
     def _take(self, entry: Waiting) -> None:
         del self._waiting[entry.seq]
+        self._uncount(entry)
         self.order.remove(entry)
         entry.queued = False
         self._drop_stale()

@@ -177,13 +177,17 @@ class AdmissionGate:
                     retry, SHED_QUEUE_TIMEOUT))
         fits: dict[str | None, bool] = {}  # {model: room} within this pump: loads are unchanged
 
-        def has_room(entry: Waiting) -> bool:
-            room = fits.get(entry.model)
+        def model_has_room(model: str | None) -> bool:
+            room = fits.get(model)
             if room is None:
-                room = fits[entry.model] = self._fits(entry.model)
+                room = fits[model] = self._fits(model)
             return room
 
-        while len(queue):
+        def has_room(entry: Waiting) -> bool:
+            return model_has_room(entry.model)
+
+        # (the models first: a pop that finds no room scans every waiting request)
+        while len(queue) and any(model_has_room(m) for m in queue.models()):
             admitted = queue.pop_next(has_room, now)
             if admitted is None:
                 break

@@ -117,8 +117,9 @@ def test_pop_next_in_arrival_order_skipping_what_does_not_fit() -> None:
     assert q.pop_next(fits, 0.0) is b
     assert q.pop_next(fits, 0.0) is c
     assert q.pop_next(fits, 0.0) is None
-    assert [e.request_id for e in q] == ["r0"]
+    assert [e.request_id for e in q] == ["r0"] and q.models() == ["full-model"]
     assert q.pop_next(lambda e: True, 0.0) is a and not a.queued and len(q) == 0
+    assert q.models() == []
 
 
 def test_remove_takes_out_once() -> None:
