@@ -4,6 +4,7 @@ what the router would (rendered offline, as in ``test_chart``)."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import helm_python as helm
@@ -40,3 +41,14 @@ def test_admission_values_the_router_would_refuse_fail_to_render(
     with pytest.raises(helm.HelmError) as info:
         chart.render({"router": {"admission": admission}}, name=RELEASE, namespace=NAMESPACE)
     assert where in str(info.value)
+
+
+def test_grafana_dashboard_shows_admission(chart: helm.Chart) -> None:
+    cm = one(render(chart, {"grafana": {"dashboard": {"enabled": True}}}), "ConfigMap",
+             "-dashboard")
+    panels = json.loads(cm["data"]["prefix-router.json"])["panels"]
+    exprs = " ".join(t["expr"] for p in panels for t in p.get("targets", []))
+    for series in ("router_admission_queue_length", "router_admission_inflight_requests",
+                   "router_admission_requests_total", "router_admission_wait_seconds_bucket"):
+        assert series in exprs
+    assert len({p["id"] for p in panels}) == len(panels)
