@@ -22,7 +22,7 @@ from __future__ import annotations
 import json
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -98,11 +98,18 @@ class RequestRouter:
         self.rr_counter = 0  # rotates round_robin and least_loaded's ties
         self._tokenize_children: dict[tuple[str, str], Any] = {}
 
-    async def route(self, spec: PromptSpec, *, dry_run: bool = False) -> Routed:
-        """Route ``spec``; ``dry_run`` (``/debug/route``): hash whole, count nothing. Raises
-        ``ModelNotFound`` / ``NoRoutableReplica`` (step 1) and ``PromptError`` (step 2)."""
+    async def route(self, spec: PromptSpec, *, dry_run: bool = False,
+                    has_room: Callable[[str], bool] | None = None) -> Routed:
+        """Route ``spec``; ``dry_run`` (``/debug/route``): hash whole, count nothing;
+        ``has_room(replica_id)``: admission's per-replica limits (only replicas with room are
+        candidates, unless none has). Raises ``ModelNotFound`` / ``NoRoutableReplica`` (step 1)
+        and ``PromptError`` (step 2)."""
         now = time.monotonic()
         eligible, lora, panic = self.fleet.eligible(spec.model, now)  # 1
+        if has_room is not None:
+            # admitted on some replica's room: never onto a replica at its limit; none with room
+            # (it filled between admission and now) leaves every one as today
+            eligible = [r for r in eligible if has_room(r.replica_id)] or eligible
         if panic and not dry_run:
             self.metrics.panic_requests.inc()
         preference, others = None, []

@@ -28,6 +28,19 @@ from router.shared.redis_client import RedisUrlError, parse_redis_url
 from router.shared.secrets import with_redis_password
 from router.shared.settings import ConfigError, Settings
 from router.shared.version import version_line
+from router.traffic.admission import (
+    DEFAULT_MAX_QUEUE_LENGTH,
+    DEFAULT_MAX_QUEUE_WAIT_S,
+    AdmissionLimits,
+)
+from router.traffic.classes import (
+    DEFAULT_AGING_S,
+    DEFAULT_CLASS,
+    DEFAULT_CLASSES,
+    PriorityClasses,
+    TenantTraffic,
+    priority_classes,
+)
 
 POLICIES: Final = ("prefix", "ttft", "round_robin", "least_loaded", "consistent_hash")
 LOG_LEVELS: Final = ("debug", "info", "warning", "error", "critical")
@@ -119,13 +132,17 @@ _AT_LEAST: Final = {
                      "consistent_hash_tokens", "token_cache_chunks", "prompt_cache_mib",
                      "load_headroom", "recompute_penalty", "min_affinity_blocks", "cold_candidates",
                      "cold_queue_slack_tokens", "audit_families", "audit_top_k",
-                     "max_idle_client_connections"), 0)}
+                     "max_idle_client_connections", "admission_max_inflight",
+                     "admission_max_inflight_per_replica", "admission_max_queued_prefill_s",
+                     "admission_priority_aging_s"), 0),
+    "admission_max_queue_length": 1}
 _POSITIVE: Final = ("ttft_prior_tokens_per_s", "cpu_load_tokens_per_s", "cold_write_window",
                     "speculative_ttl_s", "connect_timeout_s", "first_byte_timeout_s", "stream_idle_timeout_s",
                     "static_probe_interval_s", "circuit_window_s", "circuit_ejection_s",
                     "circuit_max_ejection_s", "stall_timeout_s", "first_byte_deadline_factor",
                     "first_byte_deadline_floor_s", "client_idle_timeout_s",
-                    "client_body_timeout_s", "chat_template_timeout_s")
+                    "client_body_timeout_s", "chat_template_timeout_s",
+                    "admission_max_queue_wait_s")
 
 
 @dataclass(frozen=True, slots=True)
@@ -210,6 +227,17 @@ class RouterConfig:
     fleet_cache_file: str | None = None  # the last fleet seen in Redis, kept for a cold start
     drain_delay_s: float = 0.0  # after a stop signal: /ready 503 while still accepting, this long
     shutdown_timeout_s: float = DEFAULT_SHUTDOWN_TIMEOUT_S
+    # admission (router/traffic): a limit of 0 is off; all off (the default): nothing waits
+    admission_max_inflight: int = 0  # this router's requests admitted and not finished
+    admission_max_inflight_per_replica: int = 0  # this router's requests in flight on a replica
+    admission_max_queued_prefill_s: float = 0.0  # predicted prefill seconds queued on a replica
+    admission_max_queue_length: int = DEFAULT_MAX_QUEUE_LENGTH  # requests waiting for room
+    admission_max_queue_wait_s: float = DEFAULT_MAX_QUEUE_WAIT_S  # a request's wait, at most
+    admission_priority_classes: tuple[str, ...] = DEFAULT_CLASSES  # highest first
+    admission_default_priority_class: str = DEFAULT_CLASS
+    admission_priority_aging_s: float = DEFAULT_AGING_S  # waiting that raises a class a rank
+    admission_tenants_file: str | None = None  # YAML: each tenant's default class and weight
+    admission_forward_priority: bool = False  # the class rank as the body's priority (vLLM)
     config: str | None = field(default=None, compare=False)  # the YAML file this came from
 
     def policy_params(self) -> PolicyParams:
@@ -221,6 +249,20 @@ class RouterConfig:
         return PolicyParams(
             **same, consistent_hash_blocks=max(1, self.consistent_hash_tokens // self.block_size),
             evicted_reuse=self.ttft_evicted_reuse, decode_weight=self.ttft_decode_weight)
+
+    def admission_limits(self) -> AdmissionLimits:
+        """The admission limits from the ``admission_*`` settings."""
+        return AdmissionLimits(
+            self.admission_max_inflight, self.admission_max_inflight_per_replica,
+            self.admission_max_queued_prefill_s, self.admission_max_queue_length,
+            self.admission_max_queue_wait_s)
+
+    def priority_classes(self, tenants: Mapping[str, TenantTraffic] | None = None,
+                         ) -> PriorityClasses:
+        """The priority classes from the ``admission_*`` settings, with ``tenants``' settings
+        (the tenant file). Raises ``ValueError`` for a tenant naming an unknown class."""
+        return priority_classes(self.admission_priority_classes,
+                                self.admission_default_priority_class, tenants)
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
@@ -265,6 +307,11 @@ class RouterConfig:
         if self.api_keys and not self.cache_salt_secret_file:
             raise ConfigError("api_keys needs cache_salt_secret_file (every router process "
                               "must derive the same per-tenant cache salts)", "api_keys")
+        try:
+            self.priority_classes()
+        except ValueError as exc:
+            raise ConfigError(f"admission_priority_classes: {exc}",
+                              "admission_priority_classes") from exc
         if not self.redis_url and not self.replicas:
             raise ConfigError("need --redis-url (worker-reported fleet) or at least one --replica URL")
 
@@ -409,6 +456,27 @@ _HELP: Final = {
     "audit_families": "prefix families the template audit keeps (GET /debug/prefixes); 0: off",
     "audit_head_tokens": "tokens of each prompt's head the template audit compares",
     "audit_top_k": "families listed by /debug/prefixes and exported as metrics",
+    "admission_max_inflight": "admission: this router's requests in flight fleet-wide, at most; "
+                              "more wait in the admission queue (0 = no limit)",
+    "admission_max_inflight_per_replica": "admission: this router's requests in flight on one "
+                                          "replica, at most (0 = no limit)",
+    "admission_max_queued_prefill_s": "admission: predicted prefill seconds queued on one "
+                                      "replica, at most (0 = no limit)",
+    "admission_max_queue_length": "admission: requests waiting for room, at most (503 with "
+                                  "Retry-After beyond)",
+    "admission_max_queue_wait_s": "admission: seconds a request waits for room, at most (then "
+                                  "503 with Retry-After)",
+    "admission_priority_classes": "admission: priority class names, highest first (repeatable "
+                                  "/ comma-separated); a request names one in x-priority-class",
+    "admission_default_priority_class": "admission: the class of a request that names none "
+                                        "(and whose tenant has no default)",
+    "admission_priority_aging_s": "admission: seconds of waiting that raise a class one rank, "
+                                  "so no class starves (0: strict order)",
+    "admission_forward_priority": "admission: send each request's class rank (0 = highest) to "
+                                  "the engine as the body's priority, for vLLM started with "
+                                  "--scheduling-policy priority (lower first); admission on only",
+    "admission_tenants_file": "admission: YAML file of each tenant's default priority_class "
+                              "and fair-share weight (tenants: {NAME: {priority_class, weight}})",
 }
 
 

@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any, Final
 
 import aiohttp
+import msgspec
 from aiohttp import web
 from aiohttp.web_protocol import RequestPayloadError
 
@@ -36,7 +37,7 @@ from router.apis.pooling import FORWARDED_PATHS, request_model
 from router.decision.fleet import Fleet
 from router.decision.health import HUNG, MISSED, ROUTER_LATE
 from router.decision.policy import Decision, LoadTracker, TtftPrediction
-from router.decision.ttft import PrefillRateLearner
+from router.decision.ttft import PrefillRateLearner, prefill_work_tokens
 from router.edges.auth import (
     ADMIN_KEY,
     TENANT_KEY,
@@ -103,6 +104,16 @@ from router.shared.hashing import BlockHasher, HashConfigError
 from router.shared.logs import REQUEST_ID, configure_logging
 from router.shared.settings import StartupError
 from router.tools.rank_check import StaticRankCheck
+from router.traffic.admission import ReplicaLoad
+from router.traffic.classes import (
+    PRIORITY_HEADER,
+    PriorityClasses,
+    TenantFileError,
+    load_tenant_file,
+)
+from router.traffic.gate import AdmissionEvent, AdmissionGate, AdmissionSlot
+from router.traffic.metrics import AdmissionMetrics
+from router.traffic.scheduling import FairOrder
 
 logger = logging.getLogger(__name__)
 
@@ -146,6 +157,14 @@ class RouterService:
         self.dispatcher = Dispatcher(self.fleet, self.tracker, self.chainer, config.block_size,
                                      config.index_stride, self.router.uses_index,
                                      self._update_inflight, self.learner)
+        # admission (router/traffic): the bounded queue in front of the fleet; off by default
+        self.classes = traffic_classes(config)
+        self.admission = AdmissionGate(
+            config.admission_limits(), self._admission_loads, self._admission_event,
+            order=FairOrder(config.admission_priority_aging_s, weight_of=self.classes.weight_of))
+        self.admission_metrics = AdmissionMetrics(
+            self.metrics.registry, self.admission, self.classes.names,
+            per_tenant=bool(config.api_keys) and config.metrics_access == "admin")
         # request-supplied chat templates (trusted only): rendered in a child process that is
         # killed on overrun; one thread waits on it so that no tokenizer thread ever does
         self.renderer: TemplateRenderer | None = None
@@ -474,7 +493,15 @@ class RouterService:
         """The request path: parse -> prompt chain and routing -> dispatch record -> proxy."""
         arrival = time.perf_counter()
         spec, body = await self._parse(kind, request)  # 1. parse (and a request's own template)
-        routed = await self.router.route(spec)  # 2-3. the prompt's chain, the decision
+        slot = await self._admit(spec, body, request)  # admission: waits for room, or 503
+        if self.config.admission_forward_priority and self.admission.enabled:
+            body = _with_priority(body, slot.priority)
+        try:  # 2-3. the prompt's chain, the decision (among the replicas with room)
+            routed = await self.router.route(spec, has_room=self._replica_has_room
+                                             if self.admission.enabled else None)
+        except BaseException:
+            slot.release()
+            raise
         decision = routed.decision
         counted.replica_id, counted.reason = decision.replica_id, decision.reason
         dispatch = self.dispatcher.begin(routed, spec)  # 4. owns tickets, placements, writes
@@ -487,6 +514,7 @@ class RouterService:
 
         assert self.proxy is not None
         try:
+            slot.dispatched()  # counted in the replica's load from the proxy's first step on
             response, outcome = await self.proxy.forward(  # 5. proxy
                 request, endpoint, body, routed.targets, decision.reason,
                 request[REQUEST_ID_KEY], dispatch.start_ticket,
@@ -504,6 +532,52 @@ class RouterService:
             raise
         finally:
             dispatch.settle(status, replica_id)
+            slot.release()
+
+    async def _admit(self, spec: PromptSpec, body: bytes,
+                     request: web.Request) -> AdmissionSlot:
+        """Wait for room in the fleet (``router.traffic.gate``) in the request's priority class
+        and its tenant's share (``router.traffic.classes``); raises ``Overloaded`` (503 with
+        Retry-After), ``BadRequest`` for an unknown class. The request's cost for fairness is
+        its prefill without a hit at the fleet's typical rate, its length the token ids' or
+        estimated from the text (4 characters a token: it is tokenized when routed, after the
+        wait)."""
+        if not self.admission.enabled:
+            return await self.admission.admit(request[REQUEST_ID_KEY], spec.model)
+        tenant = request.get(TENANT_KEY)
+        try:
+            body_priority = _PRIORITY.decode(body).priority
+        except msgspec.ValidationError as exc:  # (parsed already: only a non-object body)
+            raise BadRequest(f"request body: {exc}") from exc
+        rank = self.classes.request_rank(request.headers.get(PRIORITY_HEADER), body_priority,
+                                         tenant, self.auth is not None)
+        num_tokens = (len(spec.token_ids) if spec.token_ids is not None
+                      else max(1, len(spec.fallback_text()) // 4))
+        cost_s = prefill_work_tokens(num_tokens, 0) * self.learner.estimate("").s_per_token
+        return await self.admission.admit(request[REQUEST_ID_KEY], spec.model, cost_s, rank,
+                                          tenant or "")
+
+    def _replica_load(self, replica_id: str) -> ReplicaLoad:
+        """A replica's load for admission: this router's requests in flight there, and the
+        prefill tokens of those not yet at their first token at its learned rate (seconds)."""
+        s_per_token = self.learner.estimate(replica_id).s_per_token
+        return ReplicaLoad(replica_id, self.tracker.requests(replica_id),
+                           self.tracker.prefill_tokens(replica_id) * s_per_token)
+
+    def _replica_has_room(self, replica_id: str) -> bool:
+        return self.admission.limits.replica_has_room(self._replica_load(replica_id))
+
+    def _admission_loads(self, model: str | None) -> list[ReplicaLoad] | None:
+        """The loads of the replicas that could serve ``model`` now; None when routing would
+        refuse it (unknown model, no routable replica: answered at once, not queued)."""
+        try:
+            eligible, _, _ = self.fleet.eligible(model, time.monotonic())
+        except RouterError:
+            return None
+        return [self._replica_load(r.replica_id) for r in eligible]
+
+    def _admission_event(self, event: AdmissionEvent) -> None:
+        self.admission_metrics.observe(event)
 
     async def _parse(self, kind: str, request: web.Request) -> tuple[PromptSpec, bytes]:
         """The request parsed to a ``PromptSpec`` (a request's own chat template rendered when
@@ -610,6 +684,7 @@ class RouterService:
         future.add_done_callback(done)
 
     def _update_inflight(self, replica_id: str) -> None:
+        self.admission.kick()  # a load changed: room for a waiting request, maybe
         self.metrics.child(self.metrics.inflight, replica_id).set(self.tracker.requests(replica_id))
         self.metrics.child(self.metrics.inflight_prefill, replica_id).set(self.tracker.prefill_tokens(replica_id))
 
@@ -688,6 +763,7 @@ class RouterService:
         ready = not_ready is None and not self.draining and not self.warming
         body = {"ready": ready, "not_ready_reason": not_ready,
                 "draining": self.draining, "warm_up": self._warm_up_state(),
+                "admission": self.admission.state(),
                 "policy": self.config.policy,
                 "panic": {"active": panic, "routable_replicas": num_routable,
                           "replicas": num_replicas, "threshold": self.config.panic_threshold},
@@ -745,6 +821,8 @@ class RouterService:
             "targets": {t.replica_id: {"url": t.url, "dp_rank": t.dp_rank}
                         for t in routed.targets},
             "load": self.tracker.snapshot(),
+            # whether the request would wait for room now, and why (router/traffic)
+            "admission": {**self.admission.state(), **self.admission.explain(spec.model)},
             # the typical lengths standing in for load this router cannot count (ttft policy)
             "avg_prompt_tokens": round(self.tracker.avg_prompt_tokens, 1),
             "avg_output_tokens": round(self.tracker.avg_output_tokens, 1),
@@ -784,6 +862,33 @@ async def _request_id_middleware(request: web.Request, handler: Any) -> web.Stre
 
 
 GENERATE_PATHS: Final = frozenset({"/v1/completions", "/v1/chat/completions"})
+
+
+class _Priority(msgspec.Struct):
+    """The body's ``priority`` (vLLM's field), checked by ``PriorityClasses.request_rank``."""
+
+    priority: Any = None
+
+
+_PRIORITY: Final = msgspec.json.Decoder(_Priority)  # the body parsed already: valid JSON
+
+
+def _with_priority(body: bytes, rank: int) -> bytes:
+    """``body`` (a JSON object) with vLLM's ``priority`` set to ``rank``: vLLM's priority
+    scheduler serves lower values first (``--scheduling-policy priority``), as ranks go."""
+    data = msgspec.json.decode(body)
+    data["priority"] = rank
+    return msgspec.json.encode(data)
+
+
+def traffic_classes(config: RouterConfig) -> PriorityClasses:
+    """The priority classes with the tenant file's settings. Raises ``TenantFileError``."""
+    tenants = (load_tenant_file(config.admission_tenants_file)
+               if config.admission_tenants_file else {})
+    try:
+        return config.priority_classes(tenants)
+    except ValueError as exc:
+        raise TenantFileError(f"{config.admission_tenants_file}: {exc}") from exc
 
 
 @dataclass(slots=True)
@@ -874,7 +979,8 @@ def main(argv: Sequence[str]) -> int:
         BlockHasher(config.block_size, config.hash_algo, config.hash_seed)
         if config.api_keys:
             load_tenant_auth(config.api_keys, config.cache_salt_secret_file)
-    except (ConfigError, HashConfigError, AuthConfigError) as exc:
+        traffic_classes(config)
+    except (ConfigError, HashConfigError, AuthConfigError, TenantFileError) as exc:
         print(f"prefix-router serve: error: {exc}", file=sys.stderr, flush=True)
         return 2
     configure_logging(config.log_level, config.log_format)

@@ -21,7 +21,9 @@ PURE = ("router.decision.fleet", "router.request.errors", "router.decision.polic
         "router.request.routing", "router.request.dispatch", "router.shared.kv_event_sources",
         "worker.replica_view", "worker.block_set", "worker.block_keys", "router.shared.kv_events",
         "router.shared.chat_messages", "router.apis.aliases", "router.apis.images",
-        "router.apis.lora_load", "router.apis.pooling", "router.shared.lora_state")
+        "router.apis.lora_load", "router.apis.pooling", "router.shared.lora_state",
+        "router.traffic.admission", "router.traffic.scheduling", "router.traffic.classes",
+        "router.traffic.gate")
 IO_LIBRARIES = ("aiohttp", "redis", "zmq")
 
 

@@ -1,0 +1,143 @@
+"""Priority classes and tenant traffic settings: which class a request is in, and each tenant's
+default class and fair-share weight. Pure apart from reading the tenant file.
+
+A request's class comes from, first to last: the ``x-priority-class`` header (a class name),
+the body's ``priority`` (vLLM's integer field, lower first: clamped to the class ranks, so 0 is
+the highest class and anything past the last is the last), the tenant's default class, the
+router's default class. With API keys on, a request may lower its class below its tenant's
+default but never raise it above (a header is the client's claim; the tenant file is the
+operator's).
+
+Tenant file (YAML), one entry per tenant (the API-key file's tenant names)::
+
+    tenants:
+      chat-app: {priority_class: interactive, weight: 3}
+      nightly-batch: {priority_class: batch}
+
+``weight`` (> 0, default 1) is the tenant's share of the fleet against the other tenants of its
+class while requests wait (``router.traffic.scheduling``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Final
+
+import yaml
+
+from router.request.errors import BadRequest
+
+PRIORITY_HEADER: Final = "x-priority-class"
+DEFAULT_CLASSES: Final = ("interactive", "standard", "batch")
+DEFAULT_CLASS: Final = "standard"
+DEFAULT_AGING_S: Final = 10.0  # seconds of waiting that raise a class one rank: the lowest of the
+# three default classes reaches the top after 20 s, within the default 30 s wait bound
+
+
+class TenantFileError(ValueError):
+    """The tenant file cannot be used (the message names the file and the entry)."""
+
+
+@dataclass(frozen=True, slots=True)
+class TenantTraffic:
+    """One tenant's traffic settings."""
+
+    priority_class: str | None = None  # None: the router's default class
+    weight: float = 1.0
+
+
+@dataclass(frozen=True, slots=True)
+class PriorityClasses:
+    """The class names, highest first (rank = position), and the default class.
+
+    Raises ``ValueError`` for no class, a repeated name or a default not among them.
+    """
+
+    names: tuple[str, ...] = DEFAULT_CLASSES
+    default: str = DEFAULT_CLASS
+    tenants: Mapping[str, TenantTraffic] = field(default_factory=dict)  # {tenant: settings}
+
+    def __post_init__(self) -> None:
+        if not self.names or len(set(self.names)) != len(self.names):
+            raise ValueError("priority classes must be distinct names, at least one")
+        if self.default not in self.names:
+            raise ValueError(f"default priority class {self.default!r} is not one of "
+                             f"{', '.join(self.names)}")
+        for tenant, traffic in self.tenants.items():
+            if traffic.priority_class is not None and traffic.priority_class not in self.names:
+                raise ValueError(f"tenant {tenant!r}: priority class {traffic.priority_class!r} "
+                                 f"is not one of {', '.join(self.names)}")
+
+    def rank(self, name: str) -> int:
+        """The rank of class ``name`` (0 the highest). Raises ``BadRequest`` if unknown."""
+        try:
+            return self.names.index(name.strip().lower())
+        except ValueError:
+            raise BadRequest(f"unknown priority class {name!r} ({PRIORITY_HEADER}): one of "
+                             f"{', '.join(self.names)}") from None
+
+    def tenant_rank(self, tenant: str | None) -> int:
+        """The default rank of ``tenant``'s requests (the router's default class if unlisted)."""
+        traffic = self.tenants.get(tenant) if tenant is not None else None
+        name = traffic.priority_class if traffic is not None else None
+        return self.names.index(name or self.default)
+
+    def weight_of(self, tenant: str) -> float:
+        """``tenant``'s fair-share weight (1 if unlisted)."""
+        traffic = self.tenants.get(tenant)
+        return traffic.weight if traffic is not None else 1.0
+
+    def request_rank(self, header: str | None, body_priority: Any, tenant: str | None,
+                     authenticated: bool) -> int:
+        """The rank of one request (see the module docstring). Raises ``BadRequest`` for an
+        unknown class name or a ``priority`` that is not an integer."""
+        default = self.tenant_rank(tenant)
+        if header is not None:
+            rank = self.rank(header)
+        elif body_priority is not None:
+            if isinstance(body_priority, bool) or not isinstance(body_priority, int):
+                raise BadRequest("'priority' must be an integer")
+            rank = min(max(body_priority, 0), len(self.names) - 1)
+        else:
+            return default
+        return max(rank, default) if authenticated else rank
+
+
+def parse_tenants(data: Any, source: str) -> dict[str, TenantTraffic]:
+    """``{tenant: TenantTraffic}`` from a tenant file's parsed YAML (``{"tenants": {...}}``).
+    Raises ``TenantFileError`` naming ``source`` and the bad entry."""
+    if not isinstance(data, Mapping) or not isinstance(data.get("tenants", {}), Mapping):
+        raise TenantFileError(f"{source}: expected a mapping with a 'tenants' mapping")
+    out: dict[str, TenantTraffic] = {}
+    for tenant, entry in data.get("tenants", {}).items():
+        entry = entry or {}
+        if not isinstance(entry, Mapping) or set(entry) - {"priority_class", "weight"}:
+            raise TenantFileError(f"{source}: tenant {tenant!r}: expected priority_class and/or "
+                                  f"weight, got {entry!r}")
+        weight = entry.get("weight", 1.0)
+        if isinstance(weight, bool) or not isinstance(weight, int | float) or not weight > 0:
+            raise TenantFileError(f"{source}: tenant {tenant!r}: weight must be a number > 0, "
+                                  f"got {weight!r}")
+        cls = entry.get("priority_class")
+        if cls is not None and not isinstance(cls, str):
+            raise TenantFileError(f"{source}: tenant {tenant!r}: priority_class must be a name")
+        out[str(tenant)] = TenantTraffic(cls.strip().lower() if cls else None, float(weight))
+    return out
+
+
+def load_tenant_file(path: str) -> dict[str, TenantTraffic]:
+    """The tenant file at ``path`` (module docstring). Raises ``TenantFileError``."""
+    try:
+        data = yaml.safe_load(Path(path).read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, yaml.YAMLError) as exc:
+        raise TenantFileError(f"cannot read tenant file {path}: {exc}") from exc
+    return parse_tenants(data or {}, path)
+
+
+def priority_classes(names: Sequence[str], default: str,
+                     tenants: Mapping[str, TenantTraffic] | None = None) -> PriorityClasses:
+    """``PriorityClasses`` with names lower-cased. Raises ``ValueError`` as it does."""
+    return PriorityClasses(tuple(n.strip().lower() for n in names), default.strip().lower(),
+                           dict(tenants or {}))
