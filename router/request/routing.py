@@ -25,14 +25,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from router.decision.fleet import Fleet, Replica
-from router.decision.policy import (
-    INDEX_POLICIES,
-    Candidate,
-    Decision,
-    LoadTracker,
-    RouteInput,
-    decide,
-)
+from router.decision.load import LoadTracker
+from router.decision.policy import INDEX_POLICIES, Candidate, Decision, RouteInput, decide
 from router.decision.ring import text_key
 from router.decision.ttft import PrefillRateLearner
 from router.observability.metrics import RouterMetrics

@@ -33,7 +33,8 @@ from aiohttp.web_protocol import RequestPayloadError
 
 from router.decision.fleet import Fleet
 from router.decision.health import HUNG, MISSED, ROUTER_LATE
-from router.decision.policy import Decision, LoadTracker, TtftPrediction
+from router.decision.load import LoadTracker
+from router.decision.policy import Decision, TtftPrediction
 from router.decision.ttft import PrefillRateLearner
 from router.edges.auth import (
     ADMIN_KEY,

@@ -20,7 +20,7 @@ PURE = ("router.decision.fleet", "router.request.errors", "router.decision.polic
         "router.observability.audit", "router.decision.capacity", "router.request.prompt_path",
         "router.request.routing", "router.request.dispatch", "router.shared.kv_event_sources",
         "worker.replica_view", "worker.block_set", "worker.block_keys", "router.shared.kv_events",
-        "router.shared.chat_messages")
+        "router.shared.chat_messages", "router.decision.load")
 IO_LIBRARIES = ("aiohttp", "redis", "zmq")
 
 
