@@ -23,7 +23,7 @@ import signal
 import sys
 import time
 from collections.abc import Awaitable, Sequence
-from typing import Any, Final, TypeVar
+from typing import Final, TypeVar
 
 import aiohttp
 import redis.asyncio as aioredis
@@ -46,6 +46,7 @@ from router.shared.kv_events import (
     count_blocks,
 )
 from router.shared.logs import IntervalLog, configure_logging
+from router.shared.process import loop_factory
 from router.shared.redis_client import reconnect_retry, redis_client
 from router.shared.settings import StartupError
 from worker.block_keys import KEY_MODE_RECOMPUTED, EngineKeys, RecomputedKeys
@@ -666,13 +667,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"prefix-worker report: error: {exc}", file=sys.stderr)
         return 2
     configure_logging(config.log_level, config.log_format)
-    try:
-        import uvloop
-
-        loop_factory: Any = uvloop.new_event_loop
-    except ImportError:
-        loop_factory = None
-    with asyncio.Runner(loop_factory=loop_factory) as runner:
+    with asyncio.Runner(loop_factory=loop_factory()) as runner:
         try:
             runner.run(serve(config))
         except StartupError as exc:
