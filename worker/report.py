@@ -28,7 +28,7 @@ from typing import Final, TypeVar
 import aiohttp
 import redis.asyncio as aioredis
 
-from router.shared.contract import HEARTBEAT_TTL_S, OP_CLEARED, TIERS
+from router.shared.contract import HEARTBEAT_TTL_S, OP_CLEARED, TIERS, HashVerified
 from router.shared.hashing import BlockHasher, HashConfigError
 from router.shared.kv_event_sources import (
     AUTO_ENDPOINT,
@@ -132,7 +132,7 @@ class Worker:
                                    url=config.url, fields=self._heartbeat_fields,
                                    on_engine=self._on_engine)
         self.subscriber: KVEventSubscriber | None = None
-        self.hash_verified = ""  # "1" verified, "0" mismatch, "" not yet probed
+        self.hash_verified = HashVerified.UNKNOWN
         self.num_probes = 0
         self.engine_block_size: int | None = None
         self.engine_hash_algo: str | None = None
@@ -316,7 +316,7 @@ class Worker:
             hasher = self.hasher()
         except HashConfigError as exc:
             logger.error("cannot reproduce the engine's block hashes: %s", exc)
-            self.hash_verified = "0"
+            self.hash_verified = HashVerified.MISMATCH
             return
         models = self.heartbeat.models
         if models is None or not models.models:
@@ -335,7 +335,7 @@ class Worker:
             return
         verdict = judge(catcher, hasher)
         self.num_probes += 1
-        self.hash_verified = "1" if verdict.verified else "0"
+        self.hash_verified = HashVerified.VERIFIED if verdict.verified else HashVerified.MISMATCH
         if verdict.verified:
             # what was checked: the engine's hashes against this worker's hasher, whose
             # settings are the routers' only where they are configured here
@@ -476,7 +476,7 @@ class Worker:
             pending_changes=self.writer.num_pending,
             epoch=self.view.epoch,
             seq=self.view.seq,
-            hash_verified={"1": 1, "0": 0}.get(self.hash_verified, -1),
+            hash_verified={HashVerified.VERIFIED: 1, HashVerified.MISMATCH: 0}.get(self.hash_verified, -1),
             key_mode_recomputed=int(self.view.key_mode == KEY_MODE_RECOMPUTED),
             engine_up=int(self.heartbeat.engine_up),
             redis_up=int(self.writer.connected),

@@ -17,7 +17,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, cast
 
-from router.decision.fleet import Fleet, Replica, int_field
+from router.decision.fleet import Dropped, Fleet, Replica, int_field
 from router.observability.metrics import RouterMetrics
 from router.service.config import DEFAULT_STREAM_READ_INTERVAL_S, RouterConfig
 from router.shared import contract as c
@@ -387,9 +387,9 @@ class FleetReader:
             self._bad_log.warning("dropping malformed stream entry: %s", exc)
             self.metrics.event_errors.labels("malformed").inc()
             return
-        if dropped == "gap":
+        if dropped == Dropped.GAP:
             gaps.add(rid)
-        elif dropped == "duplicate":
+        elif dropped == Dropped.DUPLICATE:
             pass  # already in the set loaded after this entry was written
         elif dropped is not None:
             self.metrics.child(self.metrics.event_errors, dropped).inc()
