@@ -87,8 +87,9 @@ waiting at heartbeat time minus this router's count at that same time).
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from types import MappingProxyType
 from typing import Any, Final
 
 from router.decision.ring import HashRing
@@ -120,7 +121,6 @@ REASONS: Final = (REASON_PREFIX_HIT, REASON_SPECULATIVE_HIT, REASON_COLD_RING, R
                   REASON_LOAD_BALANCE, REASON_NO_TOKENIZER_RING, REASON_ROUND_ROBIN,
                   REASON_LEAST_LOADED, REASON_CONSISTENT_HASH, REASON_TTFT_WAIT,
                   REASON_TTFT_PREFILL, REASON_TTFT_EVICT, REASON_TTFT_DECODE)
-INDEX_POLICIES: Final = frozenset({"prefix", "ttft"})  # policies that use hit depths and placements
 TTFT_LOAD_HEADROOM: Final = 4  # requests above ceil(load_factor * mean) for the ttft policy's cap:
 # a safety cap, not a knob (the prefix policy's default headroom)
 DEFAULT_EVICTED_REUSE: Final = 0.5  # chance that a block evicted from a replica writing its fair
@@ -137,7 +137,7 @@ class Candidate:
     """One eligible replica's state at decision time.
 
     ``affinity`` is False when its reported hashes cannot be trusted
-    (``hash_verified == "0"`` or another block size): it then gets no hit credit.
+    (``hash_verified`` is ``HashVerified.MISMATCH`` or another block size): it then gets no hit credit.
     ``inflight_*`` are this router's own counts (dispatch to completion /
     dispatch to first token); ``engine_*`` come from the worker heartbeat.
     ``recent_write_blocks`` is ``LoadTracker.recent_writes``: the prefill
@@ -314,21 +314,11 @@ def decide(
     confirmed = confirmed or {}
     combined = combined or {}
     tiered = tiered or {}
-    if policy == "round_robin":
-        return _round_robin(request, replicas, rr_counter)
-    if policy == "least_loaded":
-        return _least_loaded(request, replicas, rr_counter)
-    if policy == "consistent_hash":
-        return _consistent_hash(request, replicas, ring, params)
-    if policy == "prefix":
-        return _prefix(request, replicas, ring, _hit_depths(request, replicas, ring, confirmed,
-                                                            combined, tiered, params.block_size),
-                       params, avg_prompt_tokens)
-    if policy == "ttft":
-        return _ttft(request, replicas, ring, _hit_depths(request, replicas, ring, confirmed,
-                                                          combined, tiered, params.block_size),
-                     params, avg_prompt_tokens, avg_output_tokens)
-    raise ValueError(f"unknown policy {policy!r}")
+    chosen = POLICIES.get(policy)
+    if chosen is None:
+        raise ValueError(f"unknown policy {policy!r}")
+    return chosen.run(request, replicas, ring, PolicyContext(
+        params, confirmed, combined, tiered, rr_counter, avg_prompt_tokens, avg_output_tokens))
 
 
 def _ring_order(ring: HashRing, key: int, replicas: Sequence[Candidate]) -> list[str]:
@@ -628,3 +618,51 @@ def _ttft(
                    for rid in order}
     return Decision(chosen, reason, tuple(rest), depth[chosen], len(request.chain), details,
                     hits.hit_depths(), predictions)
+
+
+@dataclass(frozen=True, slots=True)
+class PolicyContext:
+    """What ``decide`` hands every policy beside the request, the candidates and the ring (its
+    arguments of the same names)."""
+
+    params: PolicyParams
+    confirmed: Mapping[str, int]
+    combined: Mapping[str, int]
+    tiered: Mapping[str, int]
+    rr_counter: int
+    avg_prompt_tokens: float
+    avg_output_tokens: float
+
+    def hits(self, request: RouteInput, replicas: Sequence[Candidate], ring: HashRing) -> _Hits:
+        return _hit_depths(request, replicas, ring, self.confirmed, self.combined, self.tiered,
+                           self.params.block_size)
+
+
+@dataclass(frozen=True, slots=True)
+class Policy:
+    """One routing policy: its name (the ``policy`` setting's value), its decision function and
+    whether it reads the block index (hit depths, speculative placements: the router keeps them
+    only for such a policy)."""
+
+    name: str
+    run: Callable[[RouteInput, Sequence[Candidate], HashRing, PolicyContext], Decision]
+    uses_index: bool
+
+
+# The one registry of policies (name -> implementation): the settings' allowed values and help,
+# the router's dispatch in ``decide`` and the chart's schema test all read it.
+POLICIES: Final[Mapping[str, Policy]] = MappingProxyType({p.name: p for p in (
+    Policy("prefix", lambda request, replicas, ring, ctx: _prefix(
+        request, replicas, ring, ctx.hits(request, replicas, ring), ctx.params,
+        ctx.avg_prompt_tokens), uses_index=True),
+    Policy("ttft", lambda request, replicas, ring, ctx: _ttft(
+        request, replicas, ring, ctx.hits(request, replicas, ring), ctx.params,
+        ctx.avg_prompt_tokens, ctx.avg_output_tokens), uses_index=True),
+    Policy("round_robin", lambda request, replicas, ring, ctx: _round_robin(
+        request, replicas, ctx.rr_counter), uses_index=False),
+    Policy("least_loaded", lambda request, replicas, ring, ctx: _least_loaded(
+        request, replicas, ctx.rr_counter), uses_index=False),
+    Policy("consistent_hash", lambda request, replicas, ring, ctx: _consistent_hash(
+        request, replicas, ring, ctx.params), uses_index=False),
+)})
+INDEX_POLICIES: Final = frozenset(name for name, p in POLICIES.items() if p.uses_index)

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Final
 from urllib.parse import urlsplit
 
-from router.decision.policy import PolicyParams
+from router.decision.policy import POLICIES, PolicyParams
 from router.shared.contract import DEFAULT_INDEX_STRIDE, DEFAULT_REDIS_PREFIX
 from router.shared.hashing import DEFAULT_BLOCK_SIZE, DEFAULT_HASH_ALGO, HASH_ALGOS
 from router.shared.logs import LOG_FORMATS
@@ -28,7 +28,6 @@ from router.shared.secrets import with_redis_password
 from router.shared.settings import ConfigError, Settings
 from router.shared.version import version_line
 
-POLICIES: Final = ("prefix", "ttft", "round_robin", "least_loaded", "consistent_hash")
 LOG_LEVELS: Final = ("debug", "info", "warning", "error", "critical")
 ENV_PREFIX: Final = "ROUTER_"
 MAX_DP_RANK: Final = 2**31 - 1  # a rank is a C int in vLLM's process groups (torch.distributed)
