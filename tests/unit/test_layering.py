@@ -11,6 +11,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from tests.conftest import ROOT
 
 PURE = ("router.decision.fleet", "router.request.errors", "router.decision.policy",
@@ -24,6 +26,7 @@ PURE = ("router.decision.fleet", "router.request.errors", "router.decision.polic
 IO_LIBRARIES = ("aiohttp", "redis", "zmq")
 
 
+@pytest.mark.slow  # starts a Python process
 def test_pure_modules_import_no_io_library() -> None:
     code = (f"import importlib, json, sys\nfor m in {PURE!r}: importlib.import_module(m)\n"
             f"print(json.dumps([m for m in {IO_LIBRARIES!r} if m in sys.modules]))")
@@ -32,6 +35,7 @@ def test_pure_modules_import_no_io_library() -> None:
     assert json.loads(out.splitlines()[-1]) == []
 
 
+@pytest.mark.slow  # starts a Python process
 def test_the_io_edges_do_import_them() -> None:
     # the check above can fail: the HTTP and Redis edges do load aiohttp and redis
     code = ("import sys, router.edges.proxy, worker.redis_writer\n"
@@ -86,6 +90,7 @@ def test_the_checks_above_can_fail() -> None:
     assert any(names for names in project_imports("loadtest").values())
 
 
+@pytest.mark.slow  # starts a Python process
 def test_the_worker_process_loads_only_the_shared_core() -> None:
     # at run time too: the worker's and the emulator's entry modules load no router module
     # outside router.shared (an import the syntax walk cannot see, e.g. through importlib)
