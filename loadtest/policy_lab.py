@@ -49,18 +49,10 @@ from typing import Any
 
 from loadtest.data import PACKAGED_ARRIVALS, packaged_arrivals_path, packaged_trace_path
 from loadtest.trace import arrival_offsets, read_arrival_times, read_trace, schedule_offsets
-from router.decision.policy import (
-    Candidate,
-    Decision,
-    LoadTicket,
-    LoadTracker,
-    PolicyParams,
-    RouteInput,
-    decide,
-)
+from router.decision.load import LoadTicket, LoadTracker
+from router.decision.policy import POLICIES, Candidate, Decision, PolicyParams, RouteInput, decide
 from router.decision.ring import HashRing
 from router.decision.ttft import PrefillRateLearner
-from router.service.config import POLICIES
 from router.shared.hashing import BlockHasher, block_keys, max_hit_blocks
 from router.tools.trace_format import TokenMapper, TraceRequest
 from worker.emulator.kv_cache import BlockPool, KVCacheManager

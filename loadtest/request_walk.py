@@ -39,7 +39,7 @@ from loadtest.harness import start_emulator, stop_process
 ROUTER_DIR = str(Path(router.__file__).parent)
 SKIPPED = {"<genexpr>", "<listcomp>", "<dictcomp>", "<setcomp>"}
 HANDLERS = {"handle_generate"}  # where the walk starts (the completions and chat handler)
-PROXY_ENTRY = "forward"  # where it ends: the proxy's forward (its file: router/proxy.py)
+PROXY_ENTRY = "forward"  # where it ends: the proxy's forward (its file: router/edges/proxy.py)
 STEP_DEPTH = 2  # the "steps" view: the handler's file and what it calls in other files
 CO_RESUMABLE = inspect.CO_COROUTINE | inspect.CO_GENERATOR | inspect.CO_ASYNC_GENERATOR
 
@@ -78,7 +78,7 @@ class WalkRecorder:
             return
         name = filename[len(ROUTER_DIR) + 1:]
         self.calls.append((name, code.co_qualname, _depth(frame)))
-        if name == "proxy.py" and code.co_name == PROXY_ENTRY:
+        if name == "edges/proxy.py" and code.co_name == PROXY_ENTRY:
             self.done = True
 
 

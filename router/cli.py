@@ -27,7 +27,8 @@ with exit_on_interrupt():  # Ctrl-C while these load: exit 130, no traceback
         MultiModalItem,
         block_key,
     )
-    from router.shared.settings import unknown_command_line, usage_error_line
+    from router.shared.process import command_preamble
+    from router.shared.settings import usage_error_line
     from router.shared.version import version_line
 
 class UsageError(ValueError):
@@ -359,23 +360,14 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _main(argv: Sequence[str] | None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv[:1] in (["--version"], ["-V"]):
-        print(version_line("prefix-router"))
-        return 0
     commands = {"hash": "print vLLM block hashes of a token prompt",
                 "capacity": "KV capacity and prefix-hit arithmetic of a model on a GPU",
                 "audit": "prompt-template audit of a file of requests",
                 "auth": "make or hash API keys for --api-keys",
                 "serve": "run the router"}
-    if argv and argv[0] not in commands and argv[0] not in ("-h", "--help"):
-        print(unknown_command_line("prefix-router", argv[0], commands), file=sys.stderr)
-        return 2
-    if not argv or argv[0] in ("-h", "--help"):
-        lines = "\n".join(f"  {name:8s} {text}" for name, text in commands.items())
-        stream = sys.stdout if argv else sys.stderr
-        print(f"usage: prefix-router [--version] {{{','.join(commands)}}} ...\n\ncommands:\n{lines}",
-              file=stream)
-        return 0 if stream is sys.stdout else 2
+    status = command_preamble("prefix-router", argv, commands)
+    if status is not None:
+        return status
     command, rest = argv[0], argv[1:]
     if command == "hash":
         return run_hash(rest)

@@ -45,3 +45,13 @@ def load_vectors(name: str) -> Any:
     if not path.exists():
         path = VENDORED_VECTORS / name
     return json.loads(path.read_text())
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Every test outside ``tests/unit`` starts processes (Redis, the emulator, workers, routers,
+    helm, a real engine): mark it ``slow``, as the unit tests that start one are marked by hand.
+    ``pytest -m "not slow" tests/unit`` is the fast loop; CI runs everything."""
+    unit = ROOT / "tests" / "unit"
+    for item in items:
+        if not item.path.is_relative_to(unit):
+            item.add_marker(pytest.mark.slow)

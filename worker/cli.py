@@ -10,8 +10,7 @@ with exit_on_interrupt():  # Ctrl-C while these load: exit 130, no traceback
     import sys
     from collections.abc import Sequence
 
-    from router.shared.settings import unknown_command_line
-    from router.shared.version import version_line
+    from router.shared.process import command_preamble
 COMMANDS = {
     "emulate": "run emulated vLLM replicas on a CPU",
     "report": "publish a replica's KV-cache blocks and load to Redis",
@@ -27,18 +26,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _main(argv: Sequence[str] | None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
-    if args[:1] in (["--version"], ["-V"]):
-        print(version_line("prefix-worker"))
-        return 0
-    if args and args[0] not in COMMANDS and args[0] not in ("-h", "--help"):
-        print(unknown_command_line("prefix-worker", args[0], COMMANDS), file=sys.stderr)
-        return 2
-    if not args or args[0] in ("-h", "--help"):
-        lines = "\n".join(f"  {name:8s} {text}" for name, text in COMMANDS.items())
-        stream = sys.stdout if args else sys.stderr
-        print(f"usage: prefix-worker [--version] {{{','.join(COMMANDS)}}} ...\n\ncommands:\n{lines}",
-              file=stream)
-        return 0 if stream is sys.stdout else 2
+    status = command_preamble("prefix-worker", args, COMMANDS)
+    if status is not None:
+        return status
     command, rest = args[0], args[1:]
     if command == "emulate":
         from worker.emulator.app import main as emulate_main

@@ -23,12 +23,12 @@ import signal
 import sys
 import time
 from collections.abc import Awaitable, Sequence
-from typing import Any, Final, TypeVar
+from typing import Final, TypeVar
 
 import aiohttp
 import redis.asyncio as aioredis
 
-from router.shared.contract import HEARTBEAT_TTL_S, OP_CLEARED, TIERS
+from router.shared.contract import HEARTBEAT_TTL_S, OP_CLEARED, TIERS, HashVerified
 from router.shared.hashing import BlockHasher, HashConfigError
 from router.shared.kv_event_sources import (
     AUTO_ENDPOINT,
@@ -46,6 +46,7 @@ from router.shared.kv_events import (
     count_blocks,
 )
 from router.shared.logs import IntervalLog, configure_logging
+from router.shared.process import loop_factory
 from router.shared.redis_client import reconnect_retry, redis_client
 from router.shared.settings import StartupError
 from worker.block_keys import KEY_MODE_RECOMPUTED, EngineKeys, RecomputedKeys
@@ -131,7 +132,7 @@ class Worker:
                                    url=config.url, fields=self._heartbeat_fields,
                                    on_engine=self._on_engine)
         self.subscriber: KVEventSubscriber | None = None
-        self.hash_verified = ""  # "1" verified, "0" mismatch, "" not yet probed
+        self.hash_verified = HashVerified.UNKNOWN
         self.num_probes = 0
         self.engine_block_size: int | None = None
         self.engine_hash_algo: str | None = None
@@ -315,7 +316,7 @@ class Worker:
             hasher = self.hasher()
         except HashConfigError as exc:
             logger.error("cannot reproduce the engine's block hashes: %s", exc)
-            self.hash_verified = "0"
+            self.hash_verified = HashVerified.MISMATCH
             return
         models = self.heartbeat.models
         if models is None or not models.models:
@@ -334,7 +335,7 @@ class Worker:
             return
         verdict = judge(catcher, hasher)
         self.num_probes += 1
-        self.hash_verified = "1" if verdict.verified else "0"
+        self.hash_verified = HashVerified.VERIFIED if verdict.verified else HashVerified.MISMATCH
         if verdict.verified:
             # what was checked: the engine's hashes against this worker's hasher, whose
             # settings are the routers' only where they are configured here
@@ -475,7 +476,7 @@ class Worker:
             pending_changes=self.writer.num_pending,
             epoch=self.view.epoch,
             seq=self.view.seq,
-            hash_verified={"1": 1, "0": 0}.get(self.hash_verified, -1),
+            hash_verified={HashVerified.VERIFIED: 1, HashVerified.MISMATCH: 0}.get(self.hash_verified, -1),
             key_mode_recomputed=int(self.view.key_mode == KEY_MODE_RECOMPUTED),
             engine_up=int(self.heartbeat.engine_up),
             redis_up=int(self.writer.connected),
@@ -666,13 +667,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"prefix-worker report: error: {exc}", file=sys.stderr)
         return 2
     configure_logging(config.log_level, config.log_format)
-    try:
-        import uvloop
-
-        loop_factory: Any = uvloop.new_event_loop
-    except ImportError:
-        loop_factory = None
-    with asyncio.Runner(loop_factory=loop_factory) as runner:
+    with asyncio.Runner(loop_factory=loop_factory()) as runner:
         try:
             runner.run(serve(config))
         except StartupError as exc:

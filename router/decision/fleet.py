@@ -17,6 +17,7 @@ import json
 import logging
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from enum import StrEnum
 from typing import Any
 
 from router.decision.health import HealthParams, ReplicaHealth
@@ -31,6 +32,18 @@ from router.shared.lora_state import LoraLoad, split_names
 logger = logging.getLogger(__name__)
 
 SUSPECT_S = 5.0  # seconds a replica is skipped after a connection failure
+
+
+class Dropped(StrEnum):
+    """Why ``Fleet.apply_changes`` dropped a change-stream entry (the value is the
+    ``router_event_errors_total`` label of the errors among them)."""
+
+    UNKNOWN_REPLICA = "unknown_replica"  # no such replica, or a static one
+    CONFIG_MISMATCH = "config_mismatch"  # the worker writes another contract version
+    STALE_EPOCH = "stale_epoch"  # from an epoch older than the replica's
+    DUPLICATE = "duplicate"  # already in the loaded set: not an error
+    GAP = "gap"  # an entry is missing: the replica's set must be reloaded
+    BAD_OP = "bad_op"  # a contract-version-1 entry of an unknown op
 
 
 @dataclass(slots=True)
@@ -48,7 +61,7 @@ class Replica:
     block_size: int | None = None
     hash_algo: str | None = None
     seed_fingerprint: str | None = None
-    hash_verified: str = ""  # "1" verified, "0" mismatch, "" not probed yet
+    hash_verified: c.HashVerified = c.HashVerified.UNKNOWN
     key_mode: str = ""  # "engine" (event hashes) or "recomputed" (the router's own hashes)
     contract: int = c.CONTRACT_VERSION  # the worker's Redis contract version (absent: 3, untagged key: 1)
     entry_seq: int = -1  # E_ENTRY_SEQ of the last stream entry applied (loaded set: its F_ENTRY_SEQ)
@@ -145,7 +158,7 @@ class Fleet:
         mismatch = self.config_mismatch(replica)
         if mismatch is not None:
             return mismatch
-        if replica.hash_verified == "0" and replica.key_mode != c.KEY_MODE_RECOMPUTED:
+        if replica.hash_verified == c.HashVerified.MISMATCH and replica.key_mode != c.KEY_MODE_RECOMPUTED:
             # recomputed keys are this router's own hashes of the events' token ids: trusted
             return "hash_verified=0: the worker's probe hashes differ from the engine's"
         return None
@@ -355,7 +368,7 @@ class Fleet:
         replica.block_size = int_field(fields.get(c.F_BLOCK_SIZE), None)
         replica.hash_algo = fields.get(c.F_HASH_ALGO) or None
         replica.seed_fingerprint = fields.get(c.F_SEED_FINGERPRINT) or None
-        replica.hash_verified = fields.get(c.F_HASH_VERIFIED, "")
+        replica.hash_verified = c.HashVerified.parse(fields.get(c.F_HASH_VERIFIED, ""))
         replica.key_mode = fields.get(c.F_KEY_MODE, "")
         replica.contract = int_field(fields.get(c.F_CONTRACT), contract) or contract
         replica.index_stride = int_field(fields.get(c.F_INDEX_STRIDE), 1) or 1
@@ -406,7 +419,7 @@ class Fleet:
 
     def apply_changes(self, replica_id: str, epoch: int, cleared: bool, stored: Any,
                       removed: Any, entry_seq: int | None = None, cpu_stored: Any = (),
-                      cpu_removed: Any = ()) -> str | None:
+                      cpu_removed: Any = ()) -> Dropped | None:
         """Apply one change-stream entry: reset the replica's keys (every tier) if ``cleared``,
         then add ``stored`` and forget ``removed`` (disjoint; the GPU tier), and the same with
         ``cpu_stored`` and ``cpu_removed`` on the CPU tier. Returns ``None`` or why it was
@@ -414,26 +427,26 @@ class Fleet:
 
         ``entry_seq`` (contract version 3; ``None``: unchecked) must follow the replica's last
         one in the same epoch, or open a newer epoch with ``cleared``. At or below the last one:
-        ``"duplicate"`` (already in the loaded set; not an error). Otherwise ``"gap"``: an
+        ``Dropped.DUPLICATE`` (already in the loaded set; not an error). Otherwise ``Dropped.GAP``: an
         entry is missing, nothing is applied, and the caller must reload the replica's set
         (``FleetReader`` does).
         """
         replica = self.replicas.get(replica_id)
         if replica is None or replica.static:
-            return "unknown_replica"
+            return Dropped.UNKNOWN_REPLICA
         if replica.contract != c.CONTRACT_VERSION:
-            return "config_mismatch"
+            return Dropped.CONFIG_MISMATCH
         known = self.index.epochs.get(replica_id, replica.epoch)
         if epoch < known:
-            return "stale_epoch"
+            return Dropped.STALE_EPOCH
         if entry_seq is not None:
             if epoch == known and entry_seq <= replica.entry_seq:
-                return "duplicate"
+                return Dropped.DUPLICATE
             # a baseline of -1: the loaded set came without an entry_seq (nothing to check)
             in_order = (cleared if epoch > known else
                         replica.entry_seq < 0 or entry_seq == replica.entry_seq + 1)
             if not in_order:
-                return "gap"
+                return Dropped.GAP
             replica.entry_seq = entry_seq
         if epoch > known:
             self.index.clear(replica_id)
@@ -451,7 +464,7 @@ class Fleet:
             self.index.add(replica_id, cpu_stored, c.TIER_CPU)
         return None
 
-    def apply_event(self, replica_id: str, epoch: int, op: str, keys: Any) -> str | None:
+    def apply_event(self, replica_id: str, epoch: int, op: str, keys: Any) -> Dropped | None:
         """Apply one contract-version-1 entry (``op`` with its ``keys``); see ``apply_changes``."""
         if op == c.OP_STORED:
             return self.apply_changes(replica_id, epoch, False, keys, ())
@@ -459,7 +472,7 @@ class Fleet:
             return self.apply_changes(replica_id, epoch, False, (), keys)
         if op == c.OP_CLEARED:
             return self.apply_changes(replica_id, epoch, True, (), ())
-        return "bad_op"
+        return Dropped.BAD_OP
 
 
 def lora_from_fields(fields: Mapping[str, str]) -> LoraLoad | None:

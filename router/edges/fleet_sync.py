@@ -11,18 +11,18 @@ import asyncio
 import http.client
 import json
 import logging
-import os
 import time
 import urllib.request
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, cast
 
-from router.decision.fleet import Fleet, Replica, int_field
+from router.decision.fleet import Dropped, Fleet, Replica, int_field
 from router.observability.metrics import RouterMetrics
 from router.service.config import DEFAULT_STREAM_READ_INTERVAL_S, RouterConfig
 from router.shared import contract as c
 from router.shared.logs import IntervalLog
+from router.shared.process import write_json_atomic
 
 logger = logging.getLogger(__name__)
 
@@ -37,14 +37,6 @@ _ENTRY_FIELDS = (c.E_REPLICA, c.E_EPOCH, c.E_ENTRY_SEQ, c.E_CLEARED, c.E_STORED,
                  c.E_CPU_STORED, c.E_CPU_REMOVED, c.E_OP, c.E_KEYS)
 _BYTES_FIELDS: dict[str, Any] = {name: name.encode() for name in _ENTRY_FIELDS}  # {field: reply key}
 _TEXT_FIELDS: dict[str, Any] = {name: name for name in _ENTRY_FIELDS}
-
-
-def write_fleet_cache(path: str, snapshot: list[dict[str, Any]]) -> None:
-    """Write ``Fleet.fleet_snapshot()`` to ``path`` atomically (JSON). Raises ``OSError``."""
-    target = Path(path)
-    tmp = target.with_name(target.name + ".tmp")
-    tmp.write_text(json.dumps({"replicas": snapshot}))
-    os.replace(tmp, target)
 
 
 def read_fleet_cache(path: str | None) -> list[dict[str, Any]]:
@@ -237,7 +229,7 @@ class FleetReader:
         if not path or not snapshot or snapshot == self._cached_fleet:
             return
         try:
-            write_fleet_cache(path, snapshot)
+            write_json_atomic(path, {"replicas": snapshot})
             self._cached_fleet = snapshot
         except OSError as exc:
             logger.warning("cannot write fleet cache %s: %s", path, exc)
@@ -395,9 +387,9 @@ class FleetReader:
             self._bad_log.warning("dropping malformed stream entry: %s", exc)
             self.metrics.event_errors.labels("malformed").inc()
             return
-        if dropped == "gap":
+        if dropped == Dropped.GAP:
             gaps.add(rid)
-        elif dropped == "duplicate":
+        elif dropped == Dropped.DUPLICATE:
             pass  # already in the set loaded after this entry was written
         elif dropped is not None:
             self.metrics.child(self.metrics.event_errors, dropped).inc()

@@ -84,7 +84,7 @@ TIMED_CAUSES: Final = frozenset({"connect_timeout", "first_byte_timeout"})
 
 
 class ProxyTicket(Protocol):
-    """What the proxy needs of a load hold (``router.decision.policy.LoadTicket``)."""
+    """What the proxy needs of a load hold (``router.decision.load.LoadTicket``)."""
 
     def first_token(self) -> None: ...
 

@@ -35,7 +35,8 @@ from dataclasses import dataclass, field
 from typing import Final
 
 from router.decision.fleet import Fleet
-from router.decision.policy import LoadTicket, LoadTracker, TtftPrediction
+from router.decision.load import LoadTicket, LoadTracker
+from router.decision.policy import TtftPrediction
 from router.decision.ttft import PrefillRateLearner, prefill_work_tokens
 from router.request.chain_cache import PromptChain
 from router.request.errors import STATUS_CLIENT_CLOSED

@@ -28,14 +28,8 @@ from typing import Any
 
 from router.apis.lora_load import TIER_RANK, LoraPreference, prefer_loaded
 from router.decision.fleet import Fleet, Replica
-from router.decision.policy import (
-    INDEX_POLICIES,
-    Candidate,
-    Decision,
-    LoadTracker,
-    RouteInput,
-    decide,
-)
+from router.decision.load import LoadTracker
+from router.decision.policy import INDEX_POLICIES, Candidate, Decision, RouteInput, decide
 from router.decision.ring import text_key
 from router.decision.ttft import PrefillRateLearner
 from router.observability.metrics import RouterMetrics

@@ -20,7 +20,7 @@ from typing import Final
 from urllib.parse import urlsplit
 
 from router.apis.aliases import AliasTable
-from router.decision.policy import PolicyParams
+from router.decision.policy import POLICIES, PolicyParams
 from router.shared.contract import DEFAULT_INDEX_STRIDE, DEFAULT_REDIS_PREFIX
 from router.shared.hashing import DEFAULT_BLOCK_SIZE, DEFAULT_HASH_ALGO, HASH_ALGOS
 from router.shared.logs import LOG_FORMATS
@@ -42,7 +42,6 @@ from router.traffic.classes import (
     priority_classes,
 )
 
-POLICIES: Final = ("prefix", "ttft", "round_robin", "least_loaded", "consistent_hash")
 LOG_LEVELS: Final = ("debug", "info", "warning", "error", "critical")
 ENV_PREFIX: Final = "ROUTER_"
 MAX_DP_RANK: Final = 2**31 - 1  # a rank is a C int in vLLM's process groups (torch.distributed)

@@ -13,9 +13,7 @@ import contextlib
 import dataclasses
 import functools
 import gc
-import json
 import logging
-import os
 import re
 import signal
 import sys
@@ -24,7 +22,6 @@ import uuid
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Final
 
 import aiohttp
@@ -36,7 +33,8 @@ from router.apis.aliases import AliasTable, rewrite_model
 from router.apis.pooling import FORWARDED_PATHS, request_model
 from router.decision.fleet import Fleet
 from router.decision.health import HUNG, MISSED, ROUTER_LATE
-from router.decision.policy import Decision, LoadTracker, TtftPrediction
+from router.decision.load import LoadTracker
+from router.decision.policy import Decision, TtftPrediction
 from router.decision.ttft import PrefillRateLearner, prefill_work_tokens
 from router.edges.auth import (
     ADMIN_KEY,
@@ -102,6 +100,7 @@ from router.service.heap import HeapTrimmer
 from router.shared.contract import TIER_CPU
 from router.shared.hashing import BlockHasher, HashConfigError
 from router.shared.logs import REQUEST_ID, configure_logging
+from router.shared.process import loop_factory, write_json_atomic
 from router.shared.settings import StartupError
 from router.tools.rank_check import StaticRankCheck
 from router.traffic.admission import ReplicaLoad
@@ -916,13 +915,6 @@ async def _read_body(request: web.Request, timeout_s: float) -> bytes:
 
 
 
-def _write_ready_file(path: str, url: str) -> None:
-    target = Path(path)
-    tmp = target.with_name(target.name + ".tmp")
-    tmp.write_text(json.dumps({"url": url}))
-    os.replace(tmp, target)
-
-
 async def serve(config: RouterConfig, tokenizer: PromptTokenizer | None,
                 tracing: Tracing | None = None) -> None:
     """Run the router until SIGINT/SIGTERM."""
@@ -954,7 +946,7 @@ async def serve(config: RouterConfig, tokenizer: PromptTokenizer | None,
     url = f"http://{config.host}:{port}"
     logger.info("router listening on %s", url)
     if config.ready_file:
-        _write_ready_file(config.ready_file, url)
+        write_json_atomic(config.ready_file, {"url": url})
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -1004,12 +996,8 @@ def main(argv: Sequence[str]) -> int:
     else:
         logger.warning("no --tokenizer: text prompts are routed by hashing the text "
                        "(router_untokenized_requests_total)")
-    loop_factory = None
-    try:
-        import uvloop
-
-        loop_factory = uvloop.new_event_loop
-    except ImportError:
+    factory = loop_factory()
+    if factory is None:
         logger.info("uvloop not available; using asyncio's default loop")
     # Start-up objects (transformers, the tokenizer) never die: keep them out of the cyclic
     # collector's scans, and collect the young generation less often, since a request
@@ -1017,7 +1005,7 @@ def main(argv: Sequence[str]) -> int:
     gc.collect()
     gc.freeze()
     gc.set_threshold(GC_GEN0_THRESHOLD, 20, 20)
-    with asyncio.Runner(loop_factory=loop_factory) as runner:
+    with asyncio.Runner(loop_factory=factory) as runner:
         try:
             runner.run(serve(config, tokenizer, tracing))
         except StartupError as exc:

@@ -92,6 +92,7 @@ from __future__ import annotations
 
 import struct
 from collections.abc import Iterable, Sequence
+from enum import StrEnum
 from typing import Final, NewType
 
 BlockKey = NewType("BlockKey", int)
@@ -132,7 +133,7 @@ F_LORA_ADAPTERS: Final = "lora_adapters"  # JSON {lora_name: lora_path}
 F_BLOCK_SIZE: Final = "block_size"  # tokens
 F_HASH_ALGO: Final = "hash_algo"
 F_SEED_FINGERPRINT: Final = "seed_fingerprint"  # BlockHasher.seed_fingerprint of the worker's config
-F_HASH_VERIFIED: Final = "hash_verified"  # "1" verified, "0" mismatch, "" not yet probed
+F_HASH_VERIFIED: Final = "hash_verified"  # a HashVerified value
 F_KEY_MODE: Final = "key_mode"  # "engine" (event hashes) or "recomputed" (from token_ids)
 KEY_MODE_RECOMPUTED: Final = "recomputed"  # keys are the routers' hashes of BlockStored.token_ids
 F_CONTRACT: Final = "contract"  # CONTRACT_VERSION of the worker ("" or absent: 1)
@@ -158,6 +159,26 @@ F_REDIS_OOM: Final = "redis_oom"
 F_LORA_RUNNING: Final = "lora_running"
 F_LORA_WAITING: Final = "lora_waiting"
 F_MAX_LORA: Final = "max_lora"
+
+
+class HashVerified(StrEnum):
+    """The ``F_HASH_VERIFIED`` field: whether the worker's probe found the engine's block hashes
+    equal to its own (``"1"``), different (``"0"``: the replica gets no prefix-hit credit unless
+    its keys are recomputed), or has not probed yet (``""``). A ``str``, so it is written and
+    compared as the field's text."""
+
+    VERIFIED = "1"
+    MISMATCH = "0"
+    UNKNOWN = ""
+
+    @classmethod
+    def parse(cls, text: str) -> HashVerified:
+        """The value of the field's ``text``; anything else (a newer worker's value) is
+        ``UNKNOWN``."""
+        try:
+            return cls(text)
+        except ValueError:
+            return cls.UNKNOWN
 
 # Stream entry fields ({prefix}:events).
 E_REPLICA: Final = "replica"

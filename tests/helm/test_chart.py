@@ -612,7 +612,8 @@ def test_config_change_rolls_the_routers(chart: helm.Chart) -> None:
 def test_every_router_policy_can_be_chosen_in_the_values(chart: helm.Chart, tmp_path: Path) -> None:
     """The schema's policy list is the router's (it lacked ``ttft``: the chart refused it), and
     the router's own config loader takes each rendered config."""
-    from router.service.config import POLICIES, load_config
+    from router.decision.policy import POLICIES
+    from router.service.config import load_config
 
     for policy in POLICIES:
         objects = render(chart, {"router": {"policy": policy}})

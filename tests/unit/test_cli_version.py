@@ -32,6 +32,7 @@ VERSION = metadata.version("prefix-router")
     ("loadtest.cli", ["demo", "--version"], "prefix-loadtest"),
     ("loadtest.cli", ["ab", "--version"], "prefix-loadtest"),
 ])
+@pytest.mark.slow  # starts a Python process
 def test_version(module: str, args: list[str], prog: str) -> None:
     result = subprocess.run([sys.executable, "-m", module, *args], capture_output=True, text=True,
                             timeout=60)

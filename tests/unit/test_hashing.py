@@ -145,6 +145,7 @@ def test_bulk_block_keys_equal_one_by_one(digests: list[bytes], odd: list[bytes]
         assert block_keys(batch) == [block_key(d) for d in batch]
 
 
+@pytest.mark.slow  # starts a Python process
 def test_cli_prints_range40_vectors() -> None:
     case = next(c for c in VECTORS["cases"]
                 if c["tokens"] == "range40" and c["variant"] == "plain" and c["algo"] == "sha256"
@@ -155,6 +156,7 @@ def test_cli_prints_range40_vectors() -> None:
     assert result.stdout.splitlines() == expected
 
 
+@pytest.mark.slow  # starts a Python process
 def test_cli_reads_stdin_and_extras() -> None:
     case = next(c for c in VECTORS["cases"]
                 if c["tokens"] == "range40" and c["variant"] == "mm" and c["algo"] == "xxhash_cbor"
@@ -191,6 +193,7 @@ def test_cli_reads_stdin_and_extras() -> None:
     (["--no-such-flag"], None, "unknown argument --no-such-flag"),
     (["--tokens", "[1" + "0" * 5000 + "]"], None, "not a usable JSON array"),
 ])
+@pytest.mark.slow  # starts a Python process
 def test_cli_bad_input(args: list[str], stdin: str | None, message: str) -> None:
     result = _cli(*args, stdin=stdin)
     assert result.returncode != 0

@@ -11,6 +11,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from tests.conftest import ROOT
 
 PURE = ("router.decision.fleet", "router.request.errors", "router.decision.policy",
@@ -23,10 +25,11 @@ PURE = ("router.decision.fleet", "router.request.errors", "router.decision.polic
         "router.shared.chat_messages", "router.apis.aliases", "router.apis.images",
         "router.apis.lora_load", "router.apis.pooling", "router.shared.lora_state",
         "router.traffic.admission", "router.traffic.scheduling", "router.traffic.classes",
-        "router.traffic.gate")
+        "router.traffic.gate", "router.decision.load")
 IO_LIBRARIES = ("aiohttp", "redis", "zmq")
 
 
+@pytest.mark.slow  # starts a Python process
 def test_pure_modules_import_no_io_library() -> None:
     code = (f"import importlib, json, sys\nfor m in {PURE!r}: importlib.import_module(m)\n"
             f"print(json.dumps([m for m in {IO_LIBRARIES!r} if m in sys.modules]))")
@@ -35,6 +38,7 @@ def test_pure_modules_import_no_io_library() -> None:
     assert json.loads(out.splitlines()[-1]) == []
 
 
+@pytest.mark.slow  # starts a Python process
 def test_the_io_edges_do_import_them() -> None:
     # the check above can fail: the HTTP and Redis edges do load aiohttp and redis
     code = ("import sys, router.edges.proxy, worker.redis_writer\n"
@@ -89,6 +93,7 @@ def test_the_checks_above_can_fail() -> None:
     assert any(names for names in project_imports("loadtest").values())
 
 
+@pytest.mark.slow  # starts a Python process
 def test_the_worker_process_loads_only_the_shared_core() -> None:
     # at run time too: the worker's and the emulator's entry modules load no router module
     # outside router.shared (an import the syntax walk cannot see, e.g. through importlib)

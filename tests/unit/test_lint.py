@@ -10,6 +10,8 @@ import pytest
 
 from tests.conftest import ROOT
 
+pytestmark = pytest.mark.slow  # ruff and mypy over the tree: minutes
+
 
 @pytest.mark.parametrize("tool", [
     [sys.executable, "-m", "ruff", "check", "router", "worker", "loadtest", "tests"],

@@ -7,15 +7,8 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from router.decision.policy import (
-    NO_HIT,
-    Candidate,
-    HitDepth,
-    LoadTracker,
-    PolicyParams,
-    RouteInput,
-    decide,
-)
+from router.decision.load import LoadTracker
+from router.decision.policy import NO_HIT, Candidate, HitDepth, PolicyParams, RouteInput, decide
 from router.decision.ring import HashRing
 
 IDS = ("replica-0", "replica-1", "replica-2", "replica-3")

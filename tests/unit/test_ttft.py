@@ -208,7 +208,7 @@ def test_ttft_details_give_the_seconds_of_each_term() -> None:
 
 def test_ttft_spreads_a_cold_stream_by_writes() -> None:
     """New prompts of equal size on an idle fleet: the write share term alone spreads them."""
-    from router.decision.policy import LoadTracker
+    from router.decision.load import LoadTracker
 
     tracker = LoadTracker(clock=lambda: 0.0)
     window = 4 * 32_000 * 0.5
@@ -280,7 +280,7 @@ def test_decode_term_is_the_kv_the_decode_steps_read() -> None:
 def test_load_tracker_counts_context_until_the_request_ends() -> None:
     """The KV a request holds (its prompt) counts from dispatch to finish, not only to its first
     token; the mean output starts at the default and follows what engines report."""
-    from router.decision.policy import LoadTracker
+    from router.decision.load import LoadTracker
     from router.decision.ttft import DEFAULT_OUTPUT_TOKENS
 
     tracker = LoadTracker(clock=lambda: 0.0)

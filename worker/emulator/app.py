@@ -23,6 +23,7 @@ from typing import Any
 import zmq
 
 from router.shared.hashing import BlockHasher, HashConfigError
+from router.shared.process import loop_factory, write_json_atomic
 from worker.emulator.config import ConfigError, EmulatorConfig, from_args
 from worker.emulator.engine import EmulatedEngine
 from worker.emulator.openai_server import ReplicaServer
@@ -60,21 +61,13 @@ class Emulator:
             port = self.config.port + replica.index if self.config.port else 0
             await replica.start(port)
         if self.config.ready_file:
-            write_ready_file(self.config.ready_file, [r.describe() for r in self.replicas])
+            write_json_atomic(self.config.ready_file, {"replicas": [r.describe() for r in self.replicas]})
         logger.info("emulator ready: %s", json.dumps([r.describe() for r in self.replicas]))
 
     async def stop(self) -> None:
         for replica in self.replicas:
             await replica.stop()
         self.zmq_ctx.term()
-
-
-def write_ready_file(path: str, replicas: list[dict[str, Any]]) -> None:
-    """Write ``{"replicas": [...]}`` atomically (temporary file + rename)."""
-    tmp = f"{path}.tmp.{os.getpid()}"
-    with open(tmp, "w", encoding="utf-8") as fh:
-        json.dump({"replicas": replicas}, fh)
-    os.replace(tmp, path)
 
 
 async def _serve(config: EmulatorConfig) -> int:
@@ -129,10 +122,6 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _run(config: EmulatorConfig) -> int:
-    try:
-        import uvloop
-
-        return uvloop.run(_serve(config))
-    except ImportError:
-        return asyncio.run(_serve(config))
+    with asyncio.Runner(loop_factory=loop_factory()) as runner:
+        return runner.run(_serve(config))
 
