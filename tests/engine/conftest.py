@@ -3,14 +3,19 @@ random weights, beside real workers, Redis and routers on loopback.
 
 They skip, with the reason, where the build cannot run (``loadtest.vllm_engine.
 unavailable_reason``: not x86-64 Linux, no AVX2, vLLM not installed). An engine takes about
-3.7 GB and minutes to start on a busy machine, so engines are shared: one per module, or the
-package's pair (``engine_pair``), which is stopped after the package's last test.
+3.7 GB and minutes to start on a busy machine, so engines are shared and started together:
+``EnginePool`` starts every engine the collected tests will use (``ENGINE_SPECS``) at once,
+in parallel where the machine's free memory holds them all, when the first of them is needed;
+a module's own engine is stopped after the module, the package's pair (``engine_pair``) after
+the package's last test.
 """
 
 from __future__ import annotations
 
+import math
 import subprocess
 from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +25,7 @@ import redis
 from loadtest.redis_server import RedisServer
 from loadtest.vllm_engine import (
     BLOCK_SIZE,
+    START_TIMEOUT_S,
     VllmEngine,
     get_json,
     make_model_dir,
@@ -47,33 +53,121 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_model_dir(tmp_path_factory.mktemp("tiny-qwen3"))
 
 
-def start_engines(model_dir: Path, count: int, **kwargs: object) -> list[VllmEngine]:
-    """``count`` engines started one after the other (in parallel they only compete for the
-    two cores); all stopped when one fails to start."""
-    engines: list[VllmEngine] = []
+TOOL_CALLING = ("--enable-auto-tool-choice", "--tool-call-parser", "hermes")  # Qwen3's parser
+# The package's engines by name: start_vllm_engine's keywords. "pair-0"/"pair-1": the default
+# capacity (1 GiB of KV cache each), tool calling on (chat completions with ``tools`` need it);
+# "small-pool": 64 blocks, so that blocks are evicted (test_vllm_events); "data-parallel": one
+# server with two ranks (test_vllm_data_parallel).
+ENGINE_SPECS: dict[str, dict[str, Any]] = {
+    "pair-0": {"extra_args": TOOL_CALLING},
+    "pair-1": {"extra_args": TOOL_CALLING},
+    "small-pool": {"num_gpu_blocks": 64},
+    "data-parallel": {"num_gpu_blocks": 256, "data_parallel_size": 2},
+}
+# which engines a fixture needs, so the pool starts only those the collected tests will use
+FIXTURE_ENGINES = {"engine_pair": ("pair-0", "pair-1"), "small_pool_engine": ("small-pool",),
+                   "dp_engine": ("data-parallel",)}
+# RSS of one engine over its processes: about 3.7 GB measured (1.1 GB API server, 0.8 GB engine
+# core, the 1 GiB KV cache once touched), a data-parallel server one engine core more
+ENGINE_BYTES = {"data-parallel": 5.5e9}
+DEFAULT_ENGINE_BYTES = 4.0e9
+HEADROOM_BYTES = 3.0e9  # left for the workers, routers, Redis and the test process
+
+
+def available_bytes() -> float:
+    """Memory available to new processes (``MemAvailable``); infinite where unknown."""
+    import psutil
+
     try:
-        for _ in range(count):
-            engines.append(start_vllm_engine(model_dir, **kwargs))  # type: ignore[arg-type]
-    except BaseException:
-        for engine in engines:
-            engine.stop()
-        raise
-    return engines
+        return float(psutil.virtual_memory().available)
+    except (OSError, RuntimeError):
+        return math.inf
 
 
-TOOL_CALLING = ["--enable-auto-tool-choice", "--tool-call-parser", "hermes"]  # Qwen3's parser
+class EnginePool:
+    """The engines of ``ENGINE_SPECS`` that the collected tests use, started together when the
+    first is asked for: all in parallel when the free memory holds them all (engine start-up is
+    mostly single-threaded Python, so two starts share the two cores well), else one at a time
+    as each fixture asks (a fixture's own engines in parallel when they fit). ``get`` waits for
+    engines (re-raising a start failure), ``release`` stops one, ``close`` stops the rest
+    (waiting for starts still running)."""
+
+    def __init__(self, model_dir: Path, wanted: list[str]) -> None:
+        self.model_dir = model_dir
+        self.wanted = wanted
+        self.futures: dict[str, Future[VllmEngine]] = {}
+        self.executor = ThreadPoolExecutor(max_workers=max(1, len(wanted)),
+                                           thread_name_prefix="engine-start")
+        self.parallel = len(wanted) > 1 and self._fits(wanted)
+        if self.parallel:
+            self._submit(wanted)
+
+    @staticmethod
+    def _fits(names: list[str]) -> bool:
+        need = sum(ENGINE_BYTES.get(n, DEFAULT_ENGINE_BYTES) for n in names) + HEADROOM_BYTES
+        return available_bytes() >= need
+
+    def _submit(self, names: list[str]) -> None:
+        # N starts on the two cores at once take about N / 2 times as long as one
+        timeout_s = START_TIMEOUT_S * max(1.0, len(names) / 2)
+        for name in names:
+            self.futures[name] = self.executor.submit(
+                start_vllm_engine, self.model_dir, timeout_s=timeout_s, **ENGINE_SPECS[name])
+
+    def get(self, *names: str) -> list[VllmEngine]:
+        missing = [n for n in names if n not in self.futures]
+        if len(missing) > 1 and self._fits(missing):
+            self._submit(missing)
+        for name in missing:
+            if name not in self.futures:
+                self._submit([name])
+                self.futures[name].result()  # one at a time
+        return [self.futures[n].result() for n in names]
+
+    def release(self, name: str) -> None:
+        future = self.futures.pop(name, None)
+        if future is not None and future.exception() is None:
+            future.result().stop()
+
+    def close(self) -> None:
+        for name in list(self.futures):
+            self.release(name)
+        self.executor.shutdown()
 
 
 @pytest.fixture(scope="package")
-def engine_pair(model_dir: Path) -> Iterator[list[VllmEngine]]:
-    """Two engines with the default capacity (1 GiB of KV cache each), PYTHONHASHSEED 0, tool
-    calling on (chat completions with ``tools`` need it)."""
-    engines = start_engines(model_dir, 2, extra_args=TOOL_CALLING)
+def engine_pool(model_dir: Path, request: pytest.FixtureRequest) -> Iterator[EnginePool]:
+    """The package's ``EnginePool``, for the engines the session's collected tests use."""
+    used = {name for item in request.session.items
+            for name in getattr(item, "fixturenames", ())}
+    wanted = [e for fixture, engines in FIXTURE_ENGINES.items() if fixture in used
+              for e in engines]
+    pool = EnginePool(model_dir, wanted)
     try:
-        yield engines
+        yield pool
     finally:
-        for engine in engines:
-            engine.stop()
+        pool.close()
+
+
+@pytest.fixture(scope="package")
+def engine_pair(engine_pool: EnginePool) -> list[VllmEngine]:
+    """The pool's two default-capacity engines (PYTHONHASHSEED 0, tool calling on), stopped
+    with the package."""
+    return engine_pool.get("pair-0", "pair-1")
+
+
+@pytest.fixture(scope="module")
+def small_pool_engine(engine_pool: EnginePool) -> Iterator[VllmEngine]:
+    """The pool's 64-block engine, stopped after the module."""
+    yield engine_pool.get("small-pool")[0]
+    engine_pool.release("small-pool")
+
+
+@pytest.fixture(scope="module")
+def dp_engine(engine_pool: EnginePool) -> Iterator[VllmEngine]:
+    """The pool's data-parallel server (two ranks, 256 blocks each), stopped after the module."""
+    yield engine_pool.get("data-parallel")[0]
+    engine_pool.release("data-parallel")
 
 
 class EngineFleet:

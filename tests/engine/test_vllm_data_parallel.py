@@ -18,29 +18,34 @@ import pytest
 import redis
 
 from loadtest.redis_server import RedisServer
-from loadtest.vllm_engine import VllmEngine, start_vllm_engine
+from loadtest.vllm_engine import KVEventTap, VllmEngine
 from router.shared import contract
 from tests.helpers import PYTHON, start_process, stop_process, wait_for, wait_ready
 from tests.integration.test_router_fleet import http
 
-pytestmark = pytest.mark.timeout(1800)
+# the package's engines start together when the first is needed (conftest.EnginePool)
+pytestmark = pytest.mark.timeout(2700)
 
 RANKS = ("dp-engine#0", "dp-engine#1")  # the worker names rank r's routing target <id>#<r>
-
-
-@pytest.fixture(scope="module")
-def dp_engine(model_dir: Path) -> Iterator[VllmEngine]:
-    engine = start_vllm_engine(model_dir, num_gpu_blocks=256, data_parallel_size=2)
-    try:
-        yield engine
-    finally:
-        engine.stop()
+SETTLE_S = 120.0  # bound on waits for probes, heartbeats and the index: generous when busy
 
 
 @pytest.fixture
-def fleet(dp_engine: VllmEngine, redis_server: RedisServer,
+def taps(dp_engine: VllmEngine) -> Iterator[dict[str, KVEventTap]]:
+    """One tap per rank, keyed by routing target, connected before the worker starts: the
+    module's engine has served nothing before, so each tap sees every block its rank caches
+    (the worker's probes included)."""
+    out = {target: KVEventTap(dp_engine.endpoints(rank)[0]) for rank, target in enumerate(RANKS)}
+    yield out
+    for tap in out.values():
+        tap.close()
+
+
+@pytest.fixture
+def fleet(dp_engine: VllmEngine, redis_server: RedisServer, taps: dict[str, KVEventTap],
           tmp_path: Path) -> Iterator[tuple[str, redis.Redis]]:
-    """The worker (both ranks) and a router; ``(router URL, Redis client)``."""
+    """The worker (both ranks) and a router, started after the ``taps``; ``(router URL, Redis
+    client)``."""
     client = redis.Redis.from_url(redis_server.url)
     client.flushall()
     procs: list[subprocess.Popen[bytes]] = []
@@ -70,25 +75,27 @@ def heartbeat(client: redis.Redis, replica_id: str) -> dict[str, str]:
 
 
 def test_both_ranks_are_verified_and_predicted_hits_equal_cached_tokens(
-        dp_engine: VllmEngine, fleet: tuple[str, redis.Redis]) -> None:
+        dp_engine: VllmEngine, fleet: tuple[str, redis.Redis],
+        taps: dict[str, KVEventTap]) -> None:
     router_url, client = fleet
     wait_for(lambda: all(heartbeat(client, r).get(contract.F_HASH_VERIFIED) == "1"
-                         for r in RANKS), 180, message="both ranks verified by their probes")
+                         for r in RANKS), 2 * SETTLE_S, message="both ranks verified by their probes")
     assert [heartbeat(client, r)[contract.F_DP_RANK] for r in RANKS] == ["0", "1"]
 
     def ready() -> dict[str, Any]:
         return json.loads(http("GET", router_url + "/ready")[2])
 
-    wait_for(lambda: sum(r["routable"] and r["affinity"] for r in ready()["replicas"]) == 2, 120,
+    wait_for(lambda: sum(r["routable"] and r["affinity"] for r in ready()["replicas"]) == 2, SETTLE_S,
              message="the router routes to both ranks")
     rng = random.Random(31)
     prompts = [[rng.randrange(1000, 100_000) for _ in range(6 * 32 + 5)] for _ in range(4)]
     results = []
     for tokens in [*prompts, *prompts]:  # the second round hits where the first went
-        index = {r["replica_id"]: r["index_blocks"] for r in ready()["replicas"]}
-        wait_for(lambda i=index: {r["replica_id"]: r["index_blocks"]
-                                  for r in ready()["replicas"]} == i, 30, 0.5,
-                 "the router's index to settle")
+        # the claim: the prediction is exact once the events have arrived (a snapshot of the
+        # index taken before the previous request's events came never matched again)
+        wait_for(lambda: {r["replica_id"]: r["index_blocks"] for r in ready()["replicas"]}
+                 == {target: len(tap.resident()) for target, tap in taps.items()}, SETTLE_S,
+                 0.5, "the router's index to match each rank's KV events")
         status, headers, raw = http("POST", router_url + "/v1/completions", {
             "model": dp_engine.model, "prompt": tokens, "max_tokens": 1}, timeout=300)
         assert status == 200, raw

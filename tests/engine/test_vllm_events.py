@@ -1,6 +1,6 @@
 """KV events as vLLM publishes them, through the real worker into Redis: one real engine (vLLM's
-CPU build, a pool of ``NUM_BLOCKS`` blocks so that blocks are evicted) shared by the module,
-a worker per test, the session's Redis.
+CPU build, a pool of ``NUM_BLOCKS`` blocks so that blocks are evicted: the package's
+``small_pool_engine``) shared by the module, a worker per test, the session's Redis.
 
 Every test also taps the engine's event stream itself (``KVEventTap``, a ZMQ subscriber of its
 own), so the assertions are about what vLLM published, not only about what the worker made of
@@ -9,11 +9,12 @@ it; block keys are checked against ``router.shared.hashing.BlockHasher`` under t
 
 from __future__ import annotations
 
+import ipaddress
 import random
 import subprocess
 from collections.abc import Iterator
-from pathlib import Path
 
+import psutil
 import pytest
 
 from loadtest.vllm_engine import (
@@ -21,7 +22,6 @@ from loadtest.vllm_engine import (
     KVEventTap,
     VllmEngine,
     post_json,
-    start_vllm_engine,
 )
 from router.shared.hashing import BlockHasher
 from router.shared.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, event_hash_key
@@ -34,19 +34,19 @@ from tests.integration.test_worker_emulator import (
     verified,
 )
 
-pytestmark = pytest.mark.timeout(1800)  # the module's engine may take minutes to start
+# the package's engines start together when the first is needed: up to half an hour on a
+# machine this busy
+pytestmark = pytest.mark.timeout(2700)
 
 NUM_BLOCKS = 64  # --num-gpu-blocks-override: 63 usable blocks (vLLM's null block), 2,016 tokens
 HASHER = BlockHasher(BLOCK_SIZE, "sha256", SEED)
+SETTLE_S = 120.0  # bound on waits for events to arrive and apply: generous on a busy machine
 
 
 @pytest.fixture(scope="module")
-def engine(model_dir: Path) -> Iterator[VllmEngine]:
-    eng = start_vllm_engine(model_dir, num_gpu_blocks=NUM_BLOCKS)
-    try:
-        yield eng
-    finally:
-        eng.stop()
+def engine(small_pool_engine: VllmEngine) -> VllmEngine:
+    assert small_pool_engine.num_gpu_blocks == NUM_BLOCKS
+    return small_pool_engine
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -74,7 +74,7 @@ class Workers:
         worker = start_worker(replica, self.redis_url, hash_seed=hash_seed)
         self.running.append(worker)
         if verify:
-            wait_for(lambda: verified(self.rds), 120, message="hash probe verified",
+            wait_for(lambda: verified(self.rds), SETTLE_S, message="hash probe verified",
                      procs=[worker])
         return worker
 
@@ -126,8 +126,8 @@ def test_hash_probe_agrees_with_the_engine(workers: Workers) -> None:
 def test_hash_probe_with_a_wrong_seed_fails_loudly(workers: Workers) -> None:
     worker = workers.start(hash_seed="1", verify=False)  # the engine's PYTHONHASHSEED is 0
     rds = workers.rds
-    wait_for(lambda: verified(rds, "0"), 120, message="hash probe mismatch", procs=[worker])
-    wait_for(lambda: rds.heartbeat().get("key_mode") == "recomputed", 30,
+    wait_for(lambda: verified(rds, "0"), SETTLE_S, message="hash probe mismatch", procs=[worker])
+    wait_for(lambda: rds.heartbeat().get("key_mode") == "recomputed", SETTLE_S,
              message="key_mode recomputed")
     log = workers.stop(worker)
     assert "engine block hashes DIFFER from the routers'" in log
@@ -149,14 +149,14 @@ def test_block_stored_events_carry_the_routers_keys(engine: VllmEngine, tap: KVE
         return [e for e in tap.events()[seen:] if isinstance(e, BlockStored)
                 and event_hash_key(e.block_hashes[0]) in expected]
 
-    wait_for(lambda: sum(len(e.block_hashes) for e in stored()) == 5, 60,
+    wait_for(lambda: sum(len(e.block_hashes) for e in stored()) == 5, SETTLE_S,
              message="BlockStored of the prompt's 5 full blocks")
     events = stored()
     assert [event_hash_key(h) for e in events for h in e.block_hashes] == expected
     assert [t for e in events for t in e.token_ids] == tokens[:5 * BLOCK_SIZE]
     assert events[0].parent_block_hash is None and events[0].block_size == BLOCK_SIZE
-    wait_for(lambda: set(expected) <= rds.blocks(), 30, message="the worker stored the keys")
-    wait_for(lambda: settled(rds, tap), 30, message="worker set == engine's resident keys")
+    wait_for(lambda: set(expected) <= rds.blocks(), SETTLE_S, message="the worker stored the keys")
+    wait_for(lambda: settled(rds, tap), SETTLE_S, message="worker set == engine's resident keys")
 
 
 def test_evictions_under_a_small_pool(engine: VllmEngine, tap: KVEventTap,
@@ -174,9 +174,9 @@ def test_evictions_under_a_small_pool(engine: VllmEngine, tap: KVEventTap,
         return {event_hash_key(h) for e in tap.events()[seen:] if isinstance(e, BlockRemoved)
                 for h in e.block_hashes}
 
-    wait_for(lambda: removed() & first, 60, message="BlockRemoved of the first prompt's blocks")
-    wait_for(lambda: last <= tap.resident(), 60, message="the last prompt's blocks resident")
-    wait_for(lambda: settled(rds, tap), 60, message="worker set == engine's resident keys")
+    wait_for(lambda: removed() & first, SETTLE_S, message="BlockRemoved of the first prompt's blocks")
+    wait_for(lambda: last <= tap.resident(), SETTLE_S, message="the last prompt's blocks resident")
+    wait_for(lambda: settled(rds, tap), SETTLE_S, message="worker set == engine's resident keys")
     assert len(rds.blocks()) <= NUM_BLOCKS
 
 
@@ -190,20 +190,20 @@ def test_reset_prefix_cache_publishes_all_blocks_cleared(engine: VllmEngine, tap
     rng = random.Random(13)
     tokens = prompt(3 * BLOCK_SIZE, rng)
     complete(engine, tokens)
-    wait_for(lambda: set(HASHER.keys(tokens)[:2]) <= rds.blocks(), 30, message="keys stored")
-    wait_for(lambda: settled(rds, tap), 30, message="worker set == engine's resident keys")
+    wait_for(lambda: set(HASHER.keys(tokens)[:2]) <= rds.blocks(), SETTLE_S, message="keys stored")
+    wait_for(lambda: settled(rds, tap), SETTLE_S, message="worker set == engine's resident keys")
     epoch = rds.epoch()
     seen = len(tap.batches)
     assert post_json(f"{engine.url}/reset_prefix_cache", {}) == {"success": True}
     after = prompt(2 * BLOCK_SIZE + 1, rng)
     complete(engine, after)
-    wait_for(lambda: set(HASHER.keys(after)) <= tap.resident(), 30,
+    wait_for(lambda: set(HASHER.keys(after)) <= tap.resident(), SETTLE_S,
              message="the next request's stores")
     events = [e for _, batch in tap.batches[seen:] for e in batch.events]
     assert isinstance(events[0], AllBlocksCleared), events[:3]
     assert not any(isinstance(e, AllBlocksCleared) for e in events[1:])
-    wait_for(lambda: rds.epoch() > epoch, 30, message="the worker's epoch bump")
-    wait_for(lambda: settled(rds, tap), 30, message="worker set == engine's resident keys")
+    wait_for(lambda: rds.epoch() > epoch, SETTLE_S, message="the worker's epoch bump")
+    wait_for(lambda: settled(rds, tap), SETTLE_S, message="worker set == engine's resident keys")
     assert set(HASHER.keys(after)) <= rds.blocks() and not set(HASHER.keys(tokens)) & rds.blocks()
 
 
@@ -213,13 +213,27 @@ def test_a_restarted_worker_replays_what_it_missed(engine: VllmEngine, tap: KVEv
     rds = workers.rds
     rng = random.Random(14)
     complete(engine, prompt(3 * BLOCK_SIZE, rng))
-    wait_for(lambda: settled(rds, tap), 30, message="worker set == engine's resident keys")
+    wait_for(lambda: settled(rds, tap), SETTLE_S, message="worker set == engine's resident keys")
     workers.stop(worker, kill=True)
     missed = prompt(4 * BLOCK_SIZE + 3, rng)  # published while no worker listens
     complete(engine, missed)
     keys = set(HASHER.keys(missed))
-    wait_for(lambda: keys <= tap.resident(), 30, message="the engine published the missed blocks")
+    wait_for(lambda: keys <= tap.resident(), SETTLE_S, message="the engine published the missed blocks")
     assert not keys & rds.blocks()
     workers.start()
-    wait_for(lambda: keys <= rds.blocks(), 60, message="missed keys replayed")
-    wait_for(lambda: settled(rds, tap), 30, message="worker set == engine's resident keys")
+    wait_for(lambda: keys <= rds.blocks(), SETTLE_S, message="missed keys replayed")
+    wait_for(lambda: settled(rds, tap), SETTLE_S, message="worker set == engine's resident keys")
+
+
+def test_the_engine_listens_on_loopback_only(engine: VllmEngine) -> None:
+    """The launcher keeps the KV events on this host: they go over ipc:// sockets (vLLM would
+    bind tcp://*:P on every interface), and no process of the engine listens on a TCP address
+    other than loopback."""
+    assert engine.kv_events_endpoint.startswith("ipc://")
+    assert engine.kv_replay_endpoint.startswith("ipc://")
+    root = psutil.Process(engine.proc.pid)
+    pids = {root.pid, *(p.pid for p in root.children(recursive=True))}
+    listening = [(c.pid, c.laddr) for c in psutil.net_connections("tcp")
+                 if c.pid in pids and c.status == psutil.CONN_LISTEN]
+    assert listening, "the engine's HTTP server listens"
+    assert all(ipaddress.ip_address(addr.ip).is_loopback for _, addr in listening), listening

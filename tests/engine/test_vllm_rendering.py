@@ -15,7 +15,8 @@ import pytest
 from loadtest.vllm_engine import HTTPError, post_json
 from tests.engine.conftest import EngineFleet
 
-pytestmark = pytest.mark.timeout(1800)
+# the package's engines start together when the first is needed (conftest.EnginePool)
+pytestmark = pytest.mark.timeout(2700)
 
 WEATHER_TOOL = {"type": "function", "function": {
     "name": "get_weather", "description": "Current weather of a city.",

@@ -19,13 +19,15 @@ from typing import Any
 import pytest
 
 from loadtest.text import default_vocabulary
-from loadtest.vllm_engine import KVEventTap, post_json
+from loadtest.vllm_engine import KVEventTap, post_json, reset_prefix_cache
 from router.shared.kv_events import AllBlocksCleared
 from tests.engine.conftest import EngineFleet
 from tests.helpers import wait_for
 from tests.integration.test_router_fleet import http
 
-pytestmark = pytest.mark.timeout(1800)
+# the package's engines start together when the first is needed (conftest.EnginePool)
+pytestmark = pytest.mark.timeout(2700)
+SETTLE_S = 120.0  # bound on waits for the router's index to catch up: generous when busy
 
 def make_text(rng: random.Random, num_tokens: int) -> str:
     """Text of ``num_tokens`` Qwen3 tokens, drawn from ``rng``."""
@@ -44,15 +46,9 @@ def taps(engine_fleet: EngineFleet) -> Iterator[dict[str, KVEventTap]]:
            for rid in engine_fleet.replica_ids}
     try:
         for rid, tap in out.items():
-            engine = engine_fleet.engine(rid)
-            wait_for(lambda e=engine: post_json(f"{e.url}/reset_prefix_cache", {})["success"],
-                     60, 1.0, "reset_prefix_cache")
-            # vLLM publishes the reset's AllBlocksCleared with the next step's events: a
-            # request shorter than a block runs one step and stores nothing
-            post_json(f"{engine.url}/v1/completions",
-                      {"model": engine.model, "prompt": [1000, 1001], "max_tokens": 1})
+            reset_prefix_cache(engine_fleet.engine(rid), SETTLE_S)
             wait_for(lambda t=tap: any(isinstance(e, AllBlocksCleared) for e in t.events()),
-                     60, 0.1, "AllBlocksCleared")
+                     SETTLE_S, 0.1, "AllBlocksCleared")
         yield out
     finally:
         for tap in out.values():
@@ -70,7 +66,7 @@ def send(fleet: EngineFleet, taps: dict[str, KVEventTap], path: str,
          body: dict[str, Any]) -> tuple[str, int, int]:
     """Send ``body`` through the router once its index has caught up with the engines:
     ``(replica, predicted hit tokens, engine cached_tokens)``."""
-    wait_for(lambda: index_matches_engines(fleet, taps), 60, 0.1,
+    wait_for(lambda: index_matches_engines(fleet, taps), SETTLE_S, 0.1,
              "the router's index to match the engines' KV events")
     status, headers, raw = http("POST", fleet.url + path,
                                 {**body, "max_tokens": 1, "temperature": 0}, timeout=300)
@@ -141,7 +137,8 @@ def test_cache_salt_isolates_tenants_in_the_engine(engine_fleet: EngineFleet,
     assert direct(None) == 0  # and no salt at all
     # the router predicts the same: tenant a holds a hit on engine 0, a tenant that has sent
     # nothing yet none anywhere (tenant b's request above stored b's own blocks)
-    wait_for(lambda: index_matches_engines(engine_fleet, taps), 60, 0.1, "index caught up")
+    wait_for(lambda: index_matches_engines(engine_fleet, taps), SETTLE_S, 0.1,
+             "index caught up")
     for salt, expected in (("tenant-a", warm), ("tenant-c", 0)):
         route = post_json(f"{engine_fleet.url}/debug/route",
                           {"model": engine.model, "messages": messages, "cache_salt": salt})

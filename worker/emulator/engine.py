@@ -396,12 +396,12 @@ class EmulatedEngine:
                 self.scheduler.abort(request)
 
     def reset_prefix_cache(self) -> bool:
-        """vLLM ``reset_prefix_cache``: False (nothing done) while requests hold blocks."""
-        if not self.kv.reset_prefix_cache():
-            return False
-        if self.publisher is not None:
-            self.publisher.publish(self.pool.take_events())
-        return True
+        """vLLM ``reset_prefix_cache``: False (nothing done) while requests hold blocks. The
+        ``AllBlocksCleared`` stays queued with the pool's events and goes out with the next
+        step's batch, before that step's stores: vLLM 0.32 publishes a step's events after the
+        step (``Scheduler.update_from_output`` takes the block pool's queue), so nothing is
+        published while the engine stays idle."""
+        return self.kv.reset_prefix_cache()
 
     # ---------------------------------------------------------------- lifecycle
 
