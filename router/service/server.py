@@ -56,7 +56,6 @@ from router.edges.http_errors import (
     REQUEST_ID_KEY,
     body_limit_middleware,
     error_middleware,
-    openai_parser_errors,
 )
 from router.edges.proxy import REASON_HEADER, REPLICA_HEADER, Proxy, ProxyOutcome
 from router.observability.audit import PrefixAudit, prompt_head
