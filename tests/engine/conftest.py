@@ -62,13 +62,15 @@ def start_engines(model_dir: Path, count: int, **kwargs: object) -> list[VllmEng
 
 
 TOOL_CALLING = ["--enable-auto-tool-choice", "--tool-call-parser", "hermes"]  # Qwen3's parser
+# the render endpoints (/v1/messages/render, /v1/responses/render): vLLM's token ids of a body
+SCALE_OUT = ["--enable-scale-out"]
 
 
 @pytest.fixture(scope="package")
 def engine_pair(model_dir: Path) -> Iterator[list[VllmEngine]]:
     """Two engines with the default capacity (1 GiB of KV cache each), PYTHONHASHSEED 0, tool
-    calling on (chat completions with ``tools`` need it)."""
-    engines = start_engines(model_dir, 2, extra_args=TOOL_CALLING)
+    calling on (chat completions with ``tools`` need it) and the render endpoints."""
+    engines = start_engines(model_dir, 2, extra_args=[*TOOL_CALLING, *SCALE_OUT])
     try:
         yield engines
     finally:
