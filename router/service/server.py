@@ -31,6 +31,13 @@ import aiohttp
 from aiohttp import web
 from aiohttp.web_protocol import RequestPayloadError
 
+from router.apis.affinity import (
+    ResponseAffinity,
+    holder_target,
+    response_id_from_head,
+)
+from router.apis.messages import parse_messages
+from router.apis.responses import ParsedResponses, parse_responses
 from router.decision.fleet import Fleet
 from router.decision.health import HUNG, MISSED, ROUTER_LATE
 from router.decision.policy import Decision, LoadTracker, TtftPrediction
@@ -93,6 +100,7 @@ from router.service.heap import HeapTrimmer
 from router.shared.contract import TIER_CPU
 from router.shared.hashing import BlockHasher, HashConfigError
 from router.shared.logs import REQUEST_ID, configure_logging
+from router.shared.messages_chat import merges_inline_system
 from router.shared.settings import StartupError
 from router.tools.rank_check import StaticRankCheck
 
@@ -144,6 +152,13 @@ class RouterService:
             self.renderer = TemplateRenderer(tokenizer.source, config.chat_template_timeout_s,
                                              config.chat_template_max_bytes)
         self.render_executor = ThreadPoolExecutor(1, thread_name_prefix="chat-template")
+        # /v1/messages: inline system messages merged into the first when the template wants
+        # the system message first (vLLM probes its template the same way)
+        self.merge_inline_system = merges_inline_system(
+            tokenizer.chat_template if tokenizer is not None else None)
+        # /v1/responses previous_response_id: which replica holds which stored response
+        self.affinity = ResponseAffinity(self._affinity_redis if config.redis_url else None,
+                                         config.redis_prefix, config.response_affinity_ttl_s)
         self.reader: FleetReader | None = None
         self.prober: StaticProber | None = None
         self.session: aiohttp.ClientSession | None = None
@@ -185,6 +200,8 @@ class RouterService:
         app = web.Application(middlewares=middlewares, client_max_size=self.config.max_body_bytes)
         app.router.add_post("/v1/completions", functools.partial(self.handle_generate, "completion"))
         app.router.add_post("/v1/chat/completions", functools.partial(self.handle_generate, "chat"))
+        for kind, path in API_PATHS.items():
+            app.router.add_post(path, functools.partial(self.handle_generate, kind))
         app.router.add_get("/v1/models", self.handle_models)
         for path in ("/tokenize", "/detokenize", "/v1/embeddings"):
             app.router.add_post(path, self.handle_passthrough)
@@ -299,6 +316,13 @@ class RouterService:
         self.render_executor.shutdown(wait=False, cancel_futures=True)
         if self.renderer is not None:
             self.renderer.close()
+        await self.affinity.close()
+
+    def _affinity_redis(self) -> Any:
+        from router.shared.redis_client import redis_client
+
+        return redis_client(self.config.redis_url or "", self.config.redis_password,
+                            socket_connect_timeout=2.0, socket_timeout=2.0)
 
     def _close_idle_connections(self) -> int:
         """Close the oldest idle client connections beyond ``max_idle_client_connections``.
@@ -465,7 +489,11 @@ class RouterService:
         """The request path: parse -> prompt chain and routing -> dispatch record -> proxy."""
         arrival = time.perf_counter()
         spec, body = await self._parse(kind, request)  # 1. parse (and a request's own template)
-        routed = await self.router.route(spec)  # 2-3. the prompt's chain, the decision
+        continued = request.get(RESPONSES_KEY)
+        if continued is not None and continued.previous_response_id is not None:
+            routed = await self._route_to_holder(continued.previous_response_id, spec)
+        else:
+            routed = await self.router.route(spec)  # 2-3. the prompt's chain, the decision
         decision = routed.decision
         counted.replica_id, counted.reason = decision.replica_id, decision.reason
         dispatch = self.dispatcher.begin(routed, spec)  # 4. owns tickets, placements, writes
@@ -485,6 +513,8 @@ class RouterService:
                 streamed=spec.stream, expected_s=dispatch.expected_first_byte_s)
             status, replica_id = outcome.status, outcome.replica_id
             counted.status, counted.replica_id = status, replica_id
+            if continued is not None and continued.store and status == 200:
+                await self._remember_response(outcome)
             self._observe(spec, routed, dispatch, outcome, arrival, request.get(TENANT_KEY))
             return response
         except RouterError as exc:
@@ -503,7 +533,30 @@ class RouterService:
         body = await _read_body(request, self.config.client_body_timeout_s)
         if self.auth is not None:
             body = self.auth.salted_body(request, body)  # the tenant's cache_salt
+        if kind == "responses":
+            parsed = parse_responses(decode_json_body(body))
+            request[RESPONSES_KEY] = parsed
+            return parsed.spec, body
+        if kind == "messages":
+            return parse_messages(decode_json_body(body),
+                                  merge_inline_system=self.merge_inline_system), body
         return await self._request_template(parse_request(kind, body)), body
+
+    async def _route_to_holder(self, response_id: str, spec: PromptSpec) -> Routed:
+        """A Responses request continuing ``response_id``: to the replica holding it
+        (``router.apis.affinity``), its prompt unhashed (its prefix is the stored conversation,
+        which only the engine has). Raises ``ResponseNotFound`` (404), ``NoRoutableReplica``."""
+        holder = await self.affinity.holder(response_id)
+        decision, targets, lora = holder_target(self.fleet, response_id, holder, spec.model,
+                                                time.monotonic())
+        return Routed(decision, max(1, len(spec.fallback_text()) // 4), [], targets,
+                      tokenized=False, lora=lora)
+
+    async def _remember_response(self, outcome: ProxyOutcome) -> None:
+        """Record which replica answered a Responses request (its id from the answer's head)."""
+        response_id = response_id_from_head(outcome.head)
+        if response_id is not None:
+            await self.affinity.remember(response_id, outcome.replica_id)
 
     def _observe(self, spec: PromptSpec, routed: Routed, dispatch: Dispatch,
                  outcome: ProxyOutcome, arrival: float, tenant: str | None) -> None:
@@ -691,8 +744,14 @@ class RouterService:
         if self.auth is not None:
             body = self.auth.salted_body(request, body)
         data = decode_json_body(body)
-        kind = "chat" if isinstance(data, dict) and "messages" in data else "completion"
-        spec = await self._request_template(parse_prompt(kind, data))
+        kind = request.query.get("api", "")  # responses | messages: that API's body
+        if kind == "responses":
+            spec = parse_responses(data).spec
+        elif kind == "messages":
+            spec = parse_messages(data, merge_inline_system=self.merge_inline_system)
+        else:
+            kind = "chat" if isinstance(data, dict) and "messages" in data else "completion"
+            spec = await self._request_template(parse_prompt(kind, data))
         routed = await self.router.route(spec, dry_run=True)
         d = routed.decision
         extra: dict[str, Any] = {}
@@ -750,7 +809,12 @@ async def _request_id_middleware(request: web.Request, handler: Any) -> web.Stre
     return response
 
 
-GENERATE_PATHS: Final = frozenset({"/v1/completions", "/v1/chat/completions"})
+# the APIs besides completions and chat that are routed by prefix, by request kind (router.apis)
+API_PATHS: Final = {"responses": "/v1/responses", "messages": "/v1/messages"}
+GENERATE_PATHS: Final = frozenset({"/v1/completions", "/v1/chat/completions",
+                                   *API_PATHS.values()})
+# a Responses request's parse (router.apis.responses.ParsedResponses), for its routing
+RESPONSES_KEY: Final = web.RequestKey("responses", ParsedResponses)
 
 
 @dataclass(slots=True)

@@ -148,3 +148,20 @@ def test_merge_inline_system_follows_the_template() -> None:
     assert merges_inline_system(guarded)
     assert not merges_inline_system("{% for m in messages %}{{ m.content }}{% endfor %}")
     assert merges_inline_system(None)
+
+
+def test_a_stream_failing_after_its_start_ends_with_the_apis_error_event() -> None:
+    from router.apis import ERROR_BODIES, SSE_ERROR_EVENTS
+
+    anthropic_event = SSE_ERROR_EVENTS["/v1/messages"]("replica r1 stream failed", "BadGatewayError", 502)
+    head, data = anthropic_event.decode().strip().split("\n")
+    assert head == "event: error"
+    assert json.loads(data.removeprefix("data: ")) == {
+        "type": "error", "error": {"type": "api_error", "message": "replica r1 stream failed"}}
+    responses_event = SSE_ERROR_EVENTS["/v1/responses"]("late", "GatewayTimeoutError", 504)
+    head, data = responses_event.decode().strip().split("\n")
+    assert head == "event: error"
+    assert json.loads(data.removeprefix("data: ")) == {
+        "type": "error", "code": "GatewayTimeoutError", "message": "late", "param": None,
+        "sequence_number": 0}
+    assert "/v1/responses" not in ERROR_BODIES  # the OpenAI shape, as every other path
