@@ -15,6 +15,7 @@ from typing import Any, Final
 from aiohttp import web
 from aiohttp.web_protocol import RequestHandler
 
+from router.apis import ERROR_BODIES
 from router.request.errors import (
     HTTP_ERROR_TYPES,
     REQUEST_ID_HEADER,
@@ -28,10 +29,13 @@ logger = logging.getLogger(__name__)
 
 
 def error_response(message: str, error_type: str, status: int,
-                   request_id: str | None = None) -> web.Response:
+                   request_id: str | None = None, path: str = "") -> web.Response:
+    """The error in the OpenAI shape, or in the shape of the API at ``path`` (``/v1/messages``:
+    Anthropic's, ``router.apis.ERROR_BODIES``)."""
     headers = {REQUEST_ID_HEADER: request_id} if request_id else None
-    return web.Response(body=error_body(message, error_type, status), status=status,
-                        content_type="application/json", headers=headers)
+    body = ERROR_BODIES.get(path, error_body)(message, error_type, status)
+    return web.Response(body=body, status=status, content_type="application/json",
+                        headers=headers)
 
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -47,21 +51,24 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
     try:
         return await handler(request)
     except RouterError as exc:
-        response = error_response(exc.message, exc.error_type, exc.status, request_id)
+        response = error_response(exc.message, exc.error_type, exc.status, request_id,
+                                  request.path)
         response.headers.update(exc.headers)
         if isinstance(exc, RequestTimeout | BodyTooLarge):
             response.force_close()  # the rest of the body may still come: never read it
         return response
     except web.HTTPRequestEntityTooLarge as exc:
         return error_response(f"request body too large: {exc.text} (the router's max_body_bytes)",
-                              "RequestEntityTooLargeError", 413, request_id)
+                              "RequestEntityTooLargeError", 413, request_id, request.path)
     except web.HTTPException as exc:
         if exc.status < 400:
             raise
-        return error_response(exc.reason, HTTP_ERROR_TYPES.get(exc.status, "Error"), exc.status, request_id)
+        return error_response(exc.reason, HTTP_ERROR_TYPES.get(exc.status, "Error"), exc.status,
+                              request_id, request.path)
     except Exception:
         logger.exception("unhandled error on %s %s", request.method, request.path)
-        return error_response("internal router error", "InternalServerError", 500, request_id)
+        return error_response("internal router error", "InternalServerError", 500, request_id,
+                              request.path)
 
 
 def body_limit_middleware(max_body_bytes: int,

@@ -43,6 +43,7 @@ import aiohttp
 from aiohttp import web
 from multidict import CIMultiDict, CIMultiDictProxy
 
+from router.apis import SSE_ERROR_EVENTS
 from router.decision.health import HUNG, MISSED, ReplicaHealth
 from router.observability.loop_lag import LoopLag
 from router.observability.metrics import RouterMetrics
@@ -66,6 +67,7 @@ REASON_HEADER: Final = "x-prefix-router-reason"
 # tokens of the prompt the index had engine-confirmed on the replica that answered (replay records
 # compare it with the engine's cached_tokens: the coarse index's over-estimation)
 HIT_HEADER: Final = "x-prefix-router-confirmed-hit-tokens"
+HEAD_BYTES: Final = 512  # of an answer kept in ProxyOutcome.head
 HOP_BY_HOP: Final = frozenset({
     "connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te", "trailer",
     "trailers", "transfer-encoding", "upgrade", "host", "content-length",
@@ -99,6 +101,7 @@ class ProxyOutcome:
     status: int
     first_byte_s: float | None = None
     tail: bytes = b""  # the answer's last ``router.request.usage.TAIL_BYTES`` (SSE, or a one-read body)
+    head: bytes = b""  # the answer's first ``HEAD_BYTES`` (a Responses answer's id is there)
 
 
 _DP_RANK: Final = DP_RANK_HEADER.lower()
@@ -374,7 +377,8 @@ class Proxy:
             out_headers[REASON_HEADER] = reason
             out_headers[HIT_HEADER] = str(target.confirmed_hit_tokens)
             out_headers[REQUEST_ID_HEADER] = request_id
-            outcome = ProxyOutcome(target.replica_id, upstream.status, first_byte_s)
+            outcome = ProxyOutcome(target.replica_id, upstream.status, first_byte_s,
+                                   head=first[:HEAD_BYTES])
             whole = upstream.content_length is not None and len(first) == upstream.content_length
             response: web.StreamResponse
             try:
@@ -396,7 +400,7 @@ class Proxy:
                         await response.write(first)
                     if upstream.content_type == "text/event-stream":
                         outcome.tail = keep_tail(b"", first)
-                    await self._relay(upstream, response, target, outcome)
+                    await self._relay(upstream, response, target, outcome, path)
             except ConnectionResetError:
                 # the client went away between two chunks (aiohttp raises on the write rather
                 # than cancelling the handler): same outcome as a cancelled request
@@ -414,7 +418,7 @@ class Proxy:
                     upstream.close()  # drop the connection so the engine aborts the request
 
     async def _relay(self, upstream: aiohttp.ClientResponse, response: web.StreamResponse,
-                     target: Target, outcome: ProxyOutcome) -> None:
+                     target: Target, outcome: ProxyOutcome, path: str = "") -> None:
         """Relay the rest of the body chunk by chunk. The stream-idle timeout covers the reads
         only (a slow client is not the replica's fault); it is one watchdog per response whose
         timer is re-armed only when it fires, a chunk just moving its deadline (``asyncio.timeout``
@@ -448,9 +452,11 @@ class Proxy:
             logger.warning("upstream %s failed mid-response: %s", rid, kind)
             if is_sse:
                 message = (f"replica {rid} stream failed: {kind}")
-                await response.write(b"data: " + error_body(
-                    message, "BadGatewayError" if outcome.status == 502 else "GatewayTimeoutError",
-                    outcome.status) + b"\n\n")
+                error_type = "BadGatewayError" if outcome.status == 502 else "GatewayTimeoutError"
+                event = SSE_ERROR_EVENTS.get(path)  # the API's own error event (router.apis)
+                await response.write(event(message, error_type, outcome.status) if event else
+                                     b"data: " + error_body(message, error_type, outcome.status)
+                                     + b"\n\n")
                 await response.write_eof()
             else:
                 response.force_close()

@@ -544,11 +544,15 @@ class PromptTokenizer:
         if options.get("chat_template") is None and not self.num_template_loads:
             self.num_template_loads = 1  # this first render compiles it (cached after)
         tools = options.get("tools")
+        if options.get("tool_dicts") is not None:  # already as vLLM hands them over (router.apis)
+            tools, normalise = options["tool_dicts"], False
+        else:
+            normalise = True
         messages = prepare_messages(spec.messages or [], template, image_marker=image_marker)
         try:
             rendered = self.hf.apply_chat_template(
                 messages,
-                tools=[normalise_tool(t) for t in tools] if tools else None,
+                tools=([normalise_tool(t) for t in tools] if normalise else tools) if tools else None,
                 chat_template=options.get("chat_template"),
                 tokenize=False,
                 **template_kwargs(options),

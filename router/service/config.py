@@ -117,6 +117,9 @@ DEFAULT_SHUTDOWN_TIMEOUT_S: Final = 120.0  # in-flight requests' time to finish 
 # signal (the stream idle timeout: a stream silent longer is cut anyway)
 DEFAULT_CHAT_TEMPLATE_TIMEOUT_S: Final = 2.0  # a request-supplied chat template's render, at most
 DEFAULT_CHAT_TEMPLATE_MAX_BYTES: Final = 4 * 1024 * 1024  # and its rendered text, at most
+# a Responses answer's replica is remembered this long for previous_response_id (vLLM keeps
+# stored responses for the engine's lifetime; a day bounds what Redis holds)
+DEFAULT_RESPONSE_AFFINITY_TTL_S: Final = 86_400.0
 
 
 # RouterConfig's checks, by kind: {setting: allowed values}, {setting: least value}, settings > 0
@@ -141,7 +144,7 @@ _POSITIVE: Final = ("ttft_prior_tokens_per_s", "cpu_load_tokens_per_s", "cold_wr
                     "circuit_max_ejection_s", "stall_timeout_s", "first_byte_deadline_factor",
                     "first_byte_deadline_floor_s", "client_idle_timeout_s",
                     "client_body_timeout_s", "chat_template_timeout_s",
-                    "admission_max_queue_wait_s")
+                    "admission_max_queue_wait_s", "response_affinity_ttl_s")
 
 
 @dataclass(frozen=True, slots=True)
@@ -219,6 +222,7 @@ class RouterConfig:
     trust_request_chat_template: bool = False
     chat_template_timeout_s: float = DEFAULT_CHAT_TEMPLATE_TIMEOUT_S
     chat_template_max_bytes: int = DEFAULT_CHAT_TEMPLATE_MAX_BYTES
+    response_affinity_ttl_s: float = DEFAULT_RESPONSE_AFFINITY_TTL_S
     # replicas used while no worker-reported fleet is known (Redis down at start-up)
     fallback_replicas: tuple[str, ...] = ()
     # client-facing model names: NAME=MODEL, or a weighted split NAME=A:WA;B:WB (router.apis.aliases)
@@ -436,6 +440,8 @@ _HELP: Final = {
     "chat_template_max_bytes": "a request chat template's rendered text is refused beyond this",
     "model_aliases": "client-facing model name: NAME=MODEL, or a weighted split (a canary) "
                      "NAME=MODEL_A:WEIGHT_A;MODEL_B:WEIGHT_B (repeatable; env comma-separated)",
+    "response_affinity_ttl_s": "a Responses answer's replica is remembered this long (s, in "
+                               "Redis) to route its previous_response_id continuations there",
     "fallback_replicas": "replica URL used while Redis gives no fleet (repeatable, comma-separated; "
                          "URL#RANK as for --replica)",
     "drain_delay_s": "after SIGTERM: /ready answers 503 and requests are still accepted this long",

@@ -29,8 +29,15 @@ import msgspec
 from aiohttp import web
 from aiohttp.web_protocol import RequestPayloadError
 
+from router.apis.affinity import (
+    ResponseAffinity,
+    holder_target,
+    response_id_from_head,
+)
 from router.apis.aliases import AliasTable, rewrite_model
+from router.apis.messages import parse_messages
 from router.apis.pooling import FORWARDED_PATHS, request_model
+from router.apis.responses import ParsedResponses, parse_responses
 from router.decision.fleet import Fleet
 from router.decision.health import HUNG, MISSED, ROUTER_LATE
 from router.decision.load import LoadTracker
@@ -99,6 +106,7 @@ from router.service.heap import HeapTrimmer
 from router.shared.contract import TIER_CPU
 from router.shared.hashing import BlockHasher, HashConfigError
 from router.shared.logs import REQUEST_ID, configure_logging
+from router.shared.messages_chat import merges_inline_system
 from router.shared.process import loop_factory, write_json_atomic
 from router.shared.settings import StartupError
 from router.tools.rank_check import StaticRankCheck
@@ -170,6 +178,13 @@ class RouterService:
             self.renderer = TemplateRenderer(tokenizer.source, config.chat_template_timeout_s,
                                              config.chat_template_max_bytes)
         self.render_executor = ThreadPoolExecutor(1, thread_name_prefix="chat-template")
+        # /v1/messages: inline system messages merged into the first when the template wants
+        # the system message first (vLLM probes its template the same way)
+        self.merge_inline_system = merges_inline_system(
+            tokenizer.chat_template if tokenizer is not None else None)
+        # /v1/responses previous_response_id: which replica holds which stored response
+        self.affinity = ResponseAffinity(self._affinity_redis if config.redis_url else None,
+                                         config.redis_prefix, config.response_affinity_ttl_s)
         self.reader: FleetReader | None = None
         self.prober: StaticProber | None = None
         self.session: aiohttp.ClientSession | None = None
@@ -211,6 +226,8 @@ class RouterService:
         app = web.Application(middlewares=middlewares, client_max_size=self.config.max_body_bytes)
         app.router.add_post("/v1/completions", functools.partial(self.handle_generate, "completion"))
         app.router.add_post("/v1/chat/completions", functools.partial(self.handle_generate, "chat"))
+        for kind, path in API_PATHS.items():
+            app.router.add_post(path, functools.partial(self.handle_generate, kind))
         app.router.add_get("/v1/models", self.handle_models)
         for path in FORWARDED_PATHS:  # pooling, scoring, tokenizer: least loaded
             app.router.add_post(path, self.handle_passthrough)
@@ -325,6 +342,13 @@ class RouterService:
         self.render_executor.shutdown(wait=False, cancel_futures=True)
         if self.renderer is not None:
             self.renderer.close()
+        await self.affinity.close()
+
+    def _affinity_redis(self) -> Any:
+        from router.shared.redis_client import redis_client
+
+        return redis_client(self.config.redis_url or "", self.config.redis_password,
+                            socket_connect_timeout=2.0, socket_timeout=2.0)
 
     def _close_idle_connections(self) -> int:
         """Close the oldest idle client connections beyond ``max_idle_client_connections``.
@@ -495,8 +519,12 @@ class RouterService:
         if self.config.admission_forward_priority and self.admission.enabled:
             body = _with_priority(body, slot.priority)
         try:  # 2-3. the prompt's chain, the decision (among the replicas with room)
-            routed = await self.router.route(spec, has_room=self._replica_has_room
-                                             if self.admission.enabled else None)
+            continued = request.get(RESPONSES_KEY)
+            if continued is not None and continued.previous_response_id is not None:
+                routed = await self._route_to_holder(continued.previous_response_id, spec)
+            else:
+                routed = await self.router.route(spec, has_room=self._replica_has_room
+                                                 if self.admission.enabled else None)
         except BaseException:
             slot.release()
             raise
@@ -520,6 +548,8 @@ class RouterService:
                 streamed=spec.stream, expected_s=dispatch.expected_first_byte_s)
             status, replica_id = outcome.status, outcome.replica_id
             counted.status, counted.replica_id = status, replica_id
+            if continued is not None and continued.store and status == 200:
+                await self._remember_response(outcome)
             self._observe(spec, routed, dispatch, outcome, arrival, request.get(TENANT_KEY))
             return response
         except RouterError as exc:
@@ -584,7 +614,18 @@ class RouterService:
         body = await _read_body(request, self.config.client_body_timeout_s)
         if self.auth is not None:
             body = self.auth.salted_body(request, body)  # the tenant's cache_salt
-        body, spec = self._aliased(body, parse_request(kind, body))
+        if kind == "responses":
+            parsed = parse_responses(decode_json_body(body))
+            request[RESPONSES_KEY] = parsed
+            spec = parsed.spec
+        elif kind == "messages":
+            spec = parse_messages(decode_json_body(body),
+                                  merge_inline_system=self.merge_inline_system)
+        else:
+            spec = parse_request(kind, body)
+        body, spec = self._aliased(body, spec)
+        if kind in API_PATHS:  # rendered already, by that API's own conversion
+            return spec, body
         return await self._request_template(spec), body
 
     def _aliased(self, body: bytes, spec: PromptSpec) -> tuple[bytes, PromptSpec]:
@@ -595,6 +636,22 @@ class RouterService:
             return body, spec
         return (rewrite_model(decode_json_body(body), target),
                 dataclasses.replace(spec, model=target))
+
+    async def _route_to_holder(self, response_id: str, spec: PromptSpec) -> Routed:
+        """A Responses request continuing ``response_id``: to the replica holding it
+        (``router.apis.affinity``), its prompt unhashed (its prefix is the stored conversation,
+        which only the engine has). Raises ``ResponseNotFound`` (404), ``NoRoutableReplica``."""
+        holder = await self.affinity.holder(response_id)
+        decision, targets, lora = holder_target(self.fleet, response_id, holder, spec.model,
+                                                time.monotonic())
+        return Routed(decision, max(1, len(spec.fallback_text()) // 4), [], targets,
+                      tokenized=False, lora=lora)
+
+    async def _remember_response(self, outcome: ProxyOutcome) -> None:
+        """Record which replica answered a Responses request (its id from the answer's head)."""
+        response_id = response_id_from_head(outcome.head)
+        if response_id is not None:
+            await self.affinity.remember(response_id, outcome.replica_id)
 
     def _observe(self, spec: PromptSpec, routed: Routed, dispatch: Dispatch,
                  outcome: ProxyOutcome, arrival: float, tenant: str | None) -> None:
@@ -790,12 +847,19 @@ class RouterService:
         if self.auth is not None:
             body = self.auth.salted_body(request, body)
         data = decode_json_body(body)
-        kind = "chat" if isinstance(data, dict) and "messages" in data else "completion"
-        spec = parse_prompt(kind, data)
+        kind = request.query.get("api", "")  # responses | messages: that API's body
+        if kind == "responses":
+            spec = parse_responses(data).spec
+        elif kind == "messages":
+            spec = parse_messages(data, merge_inline_system=self.merge_inline_system)
+        else:
+            kind = "chat" if isinstance(data, dict) and "messages" in data else "completion"
+            spec = parse_prompt(kind, data)
         target = self.aliases.resolve(spec.model, advance=False) if spec.model else None
         if target is not None:  # where the next request naming the alias would go
             spec = dataclasses.replace(spec, model=target)
-        spec = await self._request_template(spec)
+        if kind not in API_PATHS:
+            spec = await self._request_template(spec)
         routed = await self.router.route(spec, dry_run=True)
         d = routed.decision
         extra: dict[str, Any] = {}
@@ -859,7 +923,12 @@ async def _request_id_middleware(request: web.Request, handler: Any) -> web.Stre
     return response
 
 
-GENERATE_PATHS: Final = frozenset({"/v1/completions", "/v1/chat/completions"})
+# the APIs besides completions and chat that are routed by prefix, by request kind (router.apis)
+API_PATHS: Final = {"responses": "/v1/responses", "messages": "/v1/messages"}
+GENERATE_PATHS: Final = frozenset({"/v1/completions", "/v1/chat/completions",
+                                   *API_PATHS.values()})
+# a Responses request's parse (router.apis.responses.ParsedResponses), for its routing
+RESPONSES_KEY: Final = web.RequestKey("responses", ParsedResponses)
 
 
 class _Priority(msgspec.Struct):

@@ -54,13 +54,16 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 TOOL_CALLING = ("--enable-auto-tool-choice", "--tool-call-parser", "hermes")  # Qwen3's parser
+# the render endpoints (/v1/messages/render, /v1/responses/render): vLLM's token ids of a body
+SCALE_OUT = ("--enable-scale-out",)
 # The package's engines by name: start_vllm_engine's keywords. "pair-0"/"pair-1": the default
-# capacity (1 GiB of KV cache each), tool calling on (chat completions with ``tools`` need it);
+# capacity (1 GiB of KV cache each), tool calling on (chat completions with ``tools`` need it) and
+# the render endpoints;
 # "small-pool": 64 blocks, so that blocks are evicted (test_vllm_events); "data-parallel": one
 # server with two ranks (test_vllm_data_parallel).
 ENGINE_SPECS: dict[str, dict[str, Any]] = {
-    "pair-0": {"extra_args": TOOL_CALLING},
-    "pair-1": {"extra_args": TOOL_CALLING},
+    "pair-0": {"extra_args": (*TOOL_CALLING, *SCALE_OUT)},
+    "pair-1": {"extra_args": (*TOOL_CALLING, *SCALE_OUT)},
     "small-pool": {"num_gpu_blocks": 64},
     "data-parallel": {"num_gpu_blocks": 256, "data_parallel_size": 2},
 }

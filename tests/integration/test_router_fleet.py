@@ -110,7 +110,8 @@ class Router:
         ready = tmp / f"{name}-{time.monotonic_ns()}.json"
         self.proc = start_process([PYTHON, *entry, "serve", "--port", "0",
                                    "--ready-file", str(ready), *args], env)
-        info = wait_for(lambda: read_json_file(ready) or self.proc.poll() is not None, 60,
+        # a bound, not a measure: a router starts in seconds idle, in over a minute at load 35
+        info = wait_for(lambda: read_json_file(ready) or self.proc.poll() is not None, 180,
                         message="router ready file")
         if not isinstance(info, dict):
             raise RuntimeError(stop_process(self.proc))
@@ -157,7 +158,7 @@ def start_router(fleet: Fleet, tmp: Path, *extra: str, affinity: bool = True) ->
                                                  for r in reps) and not ready["warm_up"]["warming"]
 
     try:
-        wait_for(all_routable, 30, message=f"all replicas routable, affinity {affinity}")
+        wait_for(all_routable, 120, message=f"all replicas routable, affinity {affinity}")
     except TimeoutError:
         print(router.ready())
         raise

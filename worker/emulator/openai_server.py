@@ -7,6 +7,7 @@ Does I/O (aiohttp); the engine does no HTTP.
 from __future__ import annotations
 
 import functools
+import os
 import time
 import uuid
 from collections.abc import Awaitable, Callable
@@ -16,7 +17,16 @@ from typing import Annotated, Any, Final
 import msgspec
 from aiohttp import web
 
+from router.shared.chat_messages import template_kwargs
+from router.shared.messages_chat import check_messages_body, merges_inline_system, messages_to_chat
+from router.shared.responses_chat import check_responses_body, input_messages, responses_chat
 from worker.emulator import pooling
+from worker.emulator.api_formats import (
+    MessagesAnswer,
+    ResponsesAnswer,
+    anthropic_usage,
+    responses_usage,
+)
 from worker.emulator.config import VLLM_VERSION, EmulatorConfig
 from worker.emulator.engine import EmulatedEngine, OutputCollector, SubmittedPrompt
 from worker.emulator.metrics import EnginesExposition
@@ -29,6 +39,10 @@ OUTPUT_WORDS: Final = (" the", " quick", " brown", " fox", " jumps", " over", " 
                        " dog", ".")  # text of generated token i is OUTPUT_WORDS[i % 10]
 MAX_BODY_BYTES: Final = 64 * 1024 * 1024
 UVICORN_BACKLOG: Final = 2048  # listen backlog; uvicorn Config default, which vLLM's server keeps
+# vLLM keeps Responses answers for ``previous_response_id`` only with this set to 1 (and never
+# drops them); the emulator keeps the last MAX_STORED_RESPONSES
+RESPONSES_STORE_ENV: Final = "VLLM_ENABLE_RESPONSES_API_STORE"
+MAX_STORED_RESPONSES: Final = 10_000
 
 _json_encode = msgspec.json.encode
 _json_decode = msgspec.json.decode
@@ -168,6 +182,10 @@ class ReplicaServer:
         self.url = ""
         self.app = self._build_app()
         self._runner: web.AppRunner | None = None
+        self.store_responses = os.environ.get(RESPONSES_STORE_ENV) == "1"
+        # {response id: (its chat messages, its output text)}, oldest first
+        self.responses: dict[str, tuple[list[dict[str, Any]], str]] = {}
+        self._merge_inline_system: bool | None = None  # from the chat template, on first use
 
     # ---------------------------------------------------------------- lifecycle
 
@@ -249,6 +267,8 @@ class ReplicaServer:
         r = app.router
         r.add_post("/v1/completions", self.handle_completions)
         r.add_post("/v1/chat/completions", self.handle_chat)
+        r.add_post("/v1/responses", self.handle_responses)
+        r.add_post("/v1/messages", self.handle_messages)
         r.add_post("/v1/completions/render", self.handle_completions_render)
         r.add_post("/v1/chat/completions/render", self.handle_chat_render)
         r.add_get("/v1/models", self.handle_models)
@@ -558,6 +578,130 @@ class ReplicaServer:
         prompt = await self._chat_prompt(data)
         return await self._generate(request, [prompt], params, model, lora, chat=True)
 
+    # ------------------------------------------------- Responses and Anthropic Messages
+
+    async def _api_prompt(self, messages: list[dict[str, Any]], options: dict[str, Any]) -> list[int]:
+        """The prompt ids of a Responses or Messages request (its chat ``messages`` and
+        ``options`` from ``router.shared``: vLLM's own conversion) through the chat template."""
+        kwargs = template_kwargs(options)
+        add_generation_prompt = kwargs.pop("add_generation_prompt")
+        continue_final = kwargs.pop("continue_final_message")
+        try:
+            ids = await self.tokenizer.apply_chat_template(
+                messages, add_generation_prompt=add_generation_prompt,
+                continue_final_message=continue_final, tools=options.get("tool_dicts"),
+                chat_template_kwargs=kwargs, add_special_tokens=False)
+        except TokenizerError as exc:
+            raise bad_request(str(exc), "messages") from exc
+        if not ids:
+            raise bad_request("The decoder prompt cannot be empty", "messages")
+        return ids
+
+    def _api_params(self, max_tokens: Any, stream: bool, salt: Any) -> GenerationParams:
+        if max_tokens is not None and (type(max_tokens) is not int or max_tokens < 1):
+            raise bad_request(f"max_tokens must be a positive integer, got {max_tokens!r}",
+                              "max_tokens")
+        return GenerationParams(max_tokens=max_tokens, ignore_eos=False, stream=stream,
+                                include_usage=True, cache_salt=validate_cache_salt(salt), n=1)
+
+    async def _answer_api(self, request: web.Request, prompt: list[int], params: GenerationParams,
+                          lora: str | None, rid: str, answer: Any) -> tuple[web.StreamResponse, str]:
+        """Generate one sequence and answer it through ``answer`` (``_ResponsesOut`` or
+        ``_MessagesOut``), whole or streamed. Returns the response and the generated text."""
+        engine = self.select_engine(request)
+        collector, seqs = self._submit(engine, [prompt], params, lora, rid)
+        seq = seqs[0]
+        self._num_inflight += 1
+        try:
+            if not params.stream:
+                while seq.finish is None:
+                    _, n_new, finished = await collector.queue.get()
+                    seq.num_output += n_new
+                    seq.finish = finished
+                text = output_text(0, seq.num_output)
+                return web.Response(body=_json_encode(answer.whole(text, seq, len(prompt))),
+                                    content_type="application/json"), text
+            resp = web.StreamResponse(headers={"Content-Type": "text/event-stream",
+                                               "Cache-Control": "no-cache"})
+            await resp.prepare(request)
+            await resp.write(answer.start(seq, len(prompt)))
+            pieces = []
+            while seq.finish is None:
+                _, n_new, finished = await collector.queue.get()
+                piece = output_text(seq.num_output, n_new)
+                seq.num_output += n_new
+                seq.finish = finished
+                if piece:
+                    pieces.append(piece)
+                    await resp.write(answer.delta(piece))
+            await resp.write(answer.end(seq, len(prompt)))
+            await resp.write_eof()
+            return resp, "".join(pieces)
+        finally:
+            self._num_inflight -= 1
+            engine.abort([seq.request])
+
+    def _cached(self, seq: Sequence_) -> int:
+        return max(seq.request.num_cached_tokens, 0)
+
+    async def handle_responses(self, request: web.Request) -> web.StreamResponse:
+        """vLLM's ``/v1/responses`` for text answers; with ``VLLM_ENABLE_RESPONSES_API_STORE=1``
+        answers are kept for ``previous_response_id`` (an unknown id is a 404, as in vLLM)."""
+        data = await self._body(request)
+        model, lora = self._resolve_model(data)
+        try:
+            chat = responses_chat(check_responses_body(data))
+        except ValueError as exc:
+            raise bad_request(str(exc), "input") from exc
+        messages = chat["messages"]
+        previous = data.get("previous_response_id")
+        if previous is not None:  # vLLM construct_input_messages with the stored turn
+            stored = self.responses.get(previous)
+            if stored is None:
+                raise ApiError(404, f"Response with id '{previous}' not found.",
+                               "invalid_request_error", "response_id")
+            history = [m for m in stored[0] if m.get("role") != "system"]
+            history.append({"role": "assistant", "content": stored[1]})
+            new = input_messages(data)
+            system = new[:1] if data.get("instructions") else []
+            messages = system + history + new[len(system):]
+        stream = bool(data.get("stream"))
+        params = self._api_params(data.get("max_output_tokens"), stream, data.get("cache_salt"))
+        prompt = await self._api_prompt(messages, chat["options"])
+        answer = _ResponsesOut(self, ResponsesAnswer(data, model, int(time.time()),
+                                                     self._check_length(len(prompt),
+                                                                        params.max_tokens)))
+        response, text = await self._answer_api(request, prompt, params, lora,
+                                                answer.answer.id, answer)
+        if self.store_responses and data.get("store") is not False:
+            self.responses[answer.answer.id] = (messages, text)
+            while len(self.responses) > MAX_STORED_RESPONSES:
+                del self.responses[next(iter(self.responses))]
+        return response
+
+    async def handle_messages(self, request: web.Request) -> web.StreamResponse:
+        """vLLM's ``/v1/messages`` (Anthropic Messages) for text answers."""
+        data = await self._body(request)
+        model, lora = self._resolve_model(data)
+        if self._merge_inline_system is None:
+            tok = await self.tokenizer.get()
+            self._merge_inline_system = merges_inline_system(getattr(tok, "chat_template", None))
+        try:
+            chat = messages_to_chat(check_messages_body(data),
+                                    merge_inline_system=self._merge_inline_system)
+        except ValueError as exc:
+            raise bad_request(str(exc), "messages") from exc
+        options = {k: v for k, v in chat.items() if k != "messages"}
+        if "tools" in options:
+            options["tool_dicts"] = options.pop("tools")
+        params = self._api_params(data.get("max_tokens"), bool(data.get("stream")),
+                                  data.get("cache_salt"))
+        prompt = await self._api_prompt(chat["messages"], options)
+        answer = _MessagesOut(self, MessagesAnswer(model))
+        response, _ = await self._answer_api(request, prompt, params, lora, answer.answer.id,
+                                             answer)
+        return response
+
     def _render_item(self, prefix: str, model: str, tokens: list[int],
                      params: GenerationParams) -> dict[str, Any]:
         return {"request_id": f"{prefix}-{uuid.uuid4().hex}", "model": model, "token_ids": tokens,
@@ -702,6 +846,54 @@ class ReplicaServer:
 
 
 
+class _ResponsesOut:
+    """A Responses answer's usage from the sequence (cached tokens always reported)."""
+
+    def __init__(self, server: ReplicaServer, answer: ResponsesAnswer) -> None:
+        self.server, self.answer = server, answer
+
+    def _usage(self, seq: Sequence_, prompt_len: int) -> dict[str, Any]:
+        return responses_usage(prompt_len, seq.num_output, self.server._cached(seq))
+
+    def whole(self, text: str, seq: Sequence_, prompt_len: int) -> dict[str, Any]:
+        return self.answer.body(text, self._usage(seq, prompt_len))
+
+    def start(self, seq: Sequence_, prompt_len: int) -> bytes:
+        return self.answer.start()
+
+    def delta(self, text: str) -> bytes:
+        return self.answer.delta(text)
+
+    def end(self, seq: Sequence_, prompt_len: int) -> bytes:
+        return self.answer.end(self._usage(seq, prompt_len))
+
+
+class _MessagesOut:
+    """A Messages answer's usage (cache reads only with prompt-token details on, as vLLM)."""
+
+    def __init__(self, server: ReplicaServer, answer: MessagesAnswer) -> None:
+        self.server, self.answer = server, answer
+
+    def _usage(self, seq: Sequence_, prompt_len: int) -> dict[str, Any]:
+        details = self.server.config.enable_prompt_tokens_details
+        return anthropic_usage(prompt_len, seq.num_output,
+                               self.server._cached(seq) if details else None)
+
+    def whole(self, text: str, seq: Sequence_, prompt_len: int) -> dict[str, Any]:
+        finish = seq.finish.value if seq.finish else None
+        return self.answer.body(text, finish, self._usage(seq, prompt_len))
+
+    def start(self, seq: Sequence_, prompt_len: int) -> bytes:
+        return self.answer.start(anthropic_usage(prompt_len, 0, None))
+
+    def delta(self, text: str) -> bytes:
+        return self.answer.delta(text)
+
+    def end(self, seq: Sequence_, prompt_len: int) -> bytes:
+        finish = seq.finish.value if seq.finish else None
+        return self.answer.end(finish, self._usage(seq, prompt_len))
+
+
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
@@ -711,7 +903,10 @@ async def _error_middleware(request: web.Request, handler: Handler) -> web.Strea
     try:
         return await handler(request)
     except ApiError as exc:
-        return web.Response(status=exc.status, body=_json_encode(exc.body()),
+        body = exc.body()
+        if request.path == "/v1/messages":  # vLLM translate_error_response: Anthropic's shape
+            body = {"type": "error", "error": {"type": exc.err_type, "message": exc.message}}
+        return web.Response(status=exc.status, body=_json_encode(body),
                             content_type="application/json")
     except web.HTTPException as exc:
         if exc.status < 400:

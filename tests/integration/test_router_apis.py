@@ -1,0 +1,223 @@
+"""The Responses (``/v1/responses``) and Anthropic Messages (``/v1/messages``) APIs through the
+router, with the official ``openai`` and ``anthropic`` clients, streamed and not.
+
+One fleet per module on loopback (``test_router_fleet.Fleet``: a real Redis, three emulated
+replicas reporting prompt-token details and keeping Responses answers, as vLLM does with
+``VLLM_ENABLE_RESPONSES_API_STORE=1``, one worker each) and a router with the Qwen3 tokenizer:
+a repeated long conversation returns to its replica, whose engine reports the cached tokens;
+``previous_response_id`` goes to the replica holding the response, also through a second router
+sharing the Redis, and is refused when that replica is gone or the id unknown; bad bodies get a
+400 in each API's own error shape.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from router.shared.contract import DEFAULT_REDIS_PREFIX
+from tests.integration.test_router_fleet import TOKENIZER, Fleet, Router, http, start_router
+
+anthropic = pytest.importorskip("anthropic")
+openai = pytest.importorskip("openai")
+
+pytestmark = [pytest.mark.timeout(240),
+              pytest.mark.skipif(TOKENIZER is None, reason="needs the Qwen3 tokenizer files")]
+
+MODEL = "emulated-llm"
+REPLICA = "x-prefix-router-replica"
+REASON = "x-prefix-router-reason"
+
+
+@pytest.fixture(scope="module")
+def fleet(redis_server: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
+    import redis
+
+    client = redis.Redis.from_url(redis_server.url)
+    client.flushall()
+    client.close()
+    with pytest.MonkeyPatch.context() as patch:  # the emulator process inherits it
+        patch.setenv("VLLM_ENABLE_RESPONSES_API_STORE", "1")
+        f = Fleet(tmp_path_factory.mktemp("apis-fleet"), redis_server.url, time_scale=20.0)
+    try:
+        yield f
+    finally:
+        f.stop()
+
+
+@pytest.fixture(scope="module")
+def router(fleet: Fleet, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Router]:
+    r = start_router(fleet, tmp_path_factory.mktemp("apis-router"))
+    try:
+        yield r
+    finally:
+        r.stop()
+
+
+def document(seed: int, words: int = 900) -> str:
+    """A long text no other test shares (about 1.3 tokens a word)."""
+    rng = random.Random(seed)
+    vocab = ["cache", "block", "replica", "prefix", "router", "token", "engine", "ring", "load",
+             "index", "hash", "stream", "event", "queue", "batch", "model", "prompt", "reply"]
+    return " ".join(f"{rng.choice(vocab)}{rng.randrange(1000)}" for _ in range(words))
+
+
+def openai_client(router: Router) -> Any:
+    return openai.OpenAI(base_url=router.url + "/v1", api_key="unused", max_retries=0)
+
+
+def anthropic_client(router: Router) -> Any:
+    return anthropic.Anthropic(base_url=router.url, api_key="unused", max_retries=0)
+
+
+def test_responses_conversation_returns_to_its_replica_with_cached_tokens(
+        router: Router) -> None:
+    client = openai_client(router)
+    instructions = "You summarise documents.\n" + document(1)
+    first = client.responses.with_raw_response.create(
+        model=MODEL, instructions=instructions, input="Summarise it.", max_output_tokens=4)
+    replica = first.headers[REPLICA]
+    assert first.parse().output_text
+    turns: list[dict[str, Any]] = [{"role": "user", "content": "Summarise it."},
+                                   {"role": "assistant", "content": first.parse().output_text}]
+    for i, stream in enumerate((False, True, False)):
+        turns.append({"role": "user", "content": f"Now part {i}."})
+        raw = client.responses.with_raw_response.create(
+            model=MODEL, instructions=instructions, input=turns, max_output_tokens=4,
+            stream=stream)
+        assert raw.headers[REPLICA] == replica, raw.headers
+        if stream:
+            events = list(raw.parse())
+            assert events[0].type == "response.created"
+            done = events[-1]
+            assert done.type == "response.completed"
+            answer = done.response
+            assert "".join(e.delta for e in events if e.type == "response.output_text.delta") \
+                == answer.output_text
+        else:
+            answer = raw.parse()
+        assert answer.usage is not None
+        cached = answer.usage.input_tokens_details.cached_tokens
+        # the instructions alone are ~1,200 tokens: most of the prompt was a prefix hit
+        assert cached >= 1000, answer.usage
+        turns.append({"role": "assistant", "content": answer.output_text})
+
+
+def test_messages_conversation_returns_to_its_replica_with_cached_tokens(
+        router: Router) -> None:
+    client = anthropic_client(router)
+    system = "You summarise documents.\n" + document(2)
+    messages: list[dict[str, Any]] = [{"role": "user", "content": "Summarise it."}]
+    first = client.messages.with_raw_response.create(
+        model=MODEL, system=system, messages=messages, max_tokens=4)
+    replica = first.headers[REPLICA]
+    reply = first.parse()
+    assert reply.content[0].text and reply.stop_reason == "max_tokens"
+    messages.append({"role": "assistant", "content": reply.content[0].text})
+    for i, stream in enumerate((True, False, True)):
+        messages.append({"role": "user", "content": [{"type": "text", "text": f"Part {i}."}]})
+        if stream:
+            with client.messages.stream(model=MODEL, system=system, messages=messages,
+                                        max_tokens=4) as events:
+                assert events.response.headers[REPLICA] == replica
+                text = "".join(events.text_stream)
+                final = events.get_final_message()
+            assert final.content[0].text == text
+        else:
+            raw = client.messages.with_raw_response.create(
+                model=MODEL, system=system, messages=messages, max_tokens=4)
+            assert raw.headers[REPLICA] == replica
+            final = raw.parse()
+        assert final.usage.cache_read_input_tokens is not None
+        assert final.usage.cache_read_input_tokens >= 1000, final.usage
+        messages.append({"role": "assistant", "content": final.content[0].text})
+
+
+def test_previous_response_id_goes_to_the_replica_holding_it(
+        router: Router, fleet: Fleet, tmp_path: Path) -> None:
+    client = openai_client(router)
+    first = client.responses.with_raw_response.create(
+        model=MODEL, input="Remember the number 7. " + document(3, 50), max_output_tokens=3)
+    holder, response_id = first.headers[REPLICA], first.parse().id
+    for _ in range(3):
+        raw = client.responses.with_raw_response.create(
+            model=MODEL, input="Which number?", previous_response_id=response_id,
+            max_output_tokens=3)
+        assert (raw.headers[REPLICA], raw.headers[REASON]) == (holder, "previous_response")
+        assert raw.parse().previous_response_id == response_id
+    # a second router sharing the Redis knows the holder too (active-active)
+    other = start_router(fleet, tmp_path)
+    try:
+        raw = openai_client(other).responses.with_raw_response.create(
+            model=MODEL, input="Again?", previous_response_id=response_id, max_output_tokens=3,
+            stream=True)
+        assert raw.headers[REPLICA] == holder
+        assert list(raw.parse())[-1].type == "response.completed"
+    finally:
+        other.stop()
+
+
+def test_previous_response_id_refused_when_unknown_or_its_replica_gone(
+        router: Router, fleet: Fleet) -> None:
+    import redis
+
+    status, _, body = http("POST", router.url + "/v1/responses", {
+        "model": MODEL, "input": "x", "previous_response_id": "resp_never_seen"})
+    assert status == 404
+    error = json.loads(body)["error"]
+    assert error["code"] == 404 and "resp_never_seen" in error["message"]
+    client = redis.Redis.from_url(fleet.redis_url)
+    try:
+        client.set(f"{DEFAULT_REDIS_PREFIX}:response:resp_gone", "replica-that-left", ex=60)
+    finally:
+        client.close()
+    status, _, body = http("POST", router.url + "/v1/responses", {
+        "model": MODEL, "input": "x", "previous_response_id": "resp_gone"})
+    assert status == 404
+    assert "replica-that-left" in json.loads(body)["error"]["message"]
+
+
+@pytest.mark.parametrize(("body", "word"), [
+    ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}, "max_tokens"),
+    ({"model": MODEL, "max_tokens": 4, "messages": []}, "messages"),
+    ({"model": MODEL, "max_tokens": 4, "messages": [{"role": "bot", "content": "x"}]}, "role"),
+])
+def test_bad_messages_bodies_get_anthropic_errors(router: Router, body: dict[str, Any],
+                                                  word: str) -> None:
+    status, _, raw = http("POST", router.url + "/v1/messages", body)
+    assert status == 400
+    error = json.loads(raw)
+    assert error["type"] == "error" and error["error"]["type"] == "invalid_request_error"
+    assert word in error["error"]["message"]
+    if "max_tokens" in body:  # (the client itself refuses a body without it)
+        with pytest.raises(anthropic.BadRequestError) as caught:
+            anthropic_client(router).messages.create(**body)  # the client reads the shape too
+        assert caught.value.body["error"]["type"] == "invalid_request_error"
+    status, _, raw = http("POST", router.url + "/v1/messages", b"{not json")
+    assert status == 400 and json.loads(raw)["type"] == "error"
+
+
+@pytest.mark.parametrize("body", [{"model": MODEL}, {"model": MODEL, "input": 5},
+                                  {"model": MODEL, "input": [{"type": "nope"}]}])
+def test_bad_responses_bodies_get_openai_errors(router: Router, body: dict[str, Any]) -> None:
+    status, _, raw = http("POST", router.url + "/v1/responses", body)
+    assert status == 400
+    error = json.loads(raw)["error"]
+    assert error["code"] == 400 and error["type"] == "BadRequestError"
+    with pytest.raises(openai.BadRequestError):
+        openai_client(router).responses.create(**body)
+
+
+def test_unknown_model_gets_each_apis_error_shape(router: Router) -> None:
+    status, _, raw = http("POST", router.url + "/v1/messages", {
+        "model": "no-such-model", "max_tokens": 4, "messages": [{"role": "user", "content": "x"}]})
+    assert status == 404
+    assert json.loads(raw)["error"]["type"] == "not_found_error"
+    status, _, raw = http("POST", router.url + "/v1/responses",
+                          {"model": "no-such-model", "input": "x"})
+    assert status == 404 and json.loads(raw)["error"]["code"] == 404
