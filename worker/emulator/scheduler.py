@@ -332,14 +332,9 @@ class Scheduler:
         load_done_s = self.offload.next_load_done_s() if self.offload is not None else None
         if load_done_s is not None:
             limit_s = min(limit_s, load_done_s - now_s)
-        burst_s = first
-        repeats = 1
-        while repeats < remaining and burst_s < limit_s:
-            duration = self.latency.decode_step_time_s(num_decodes,
-                                                       decode_ctx + repeats * num_decodes)
-            step.durations_s.append(duration)
-            burst_s += duration
-            repeats += 1
+        step.durations_s = self.latency.decode_burst_durations_s(num_decodes, decode_ctx, first,
+                                                                 remaining, limit_s)
+        repeats = len(step.durations_s)
         if repeats > 1:
             # complete() allocates each later step's slots as vLLM's schedule() would, step by
             # step; blocks for all of them must be free now (nothing is freed mid-burst).
