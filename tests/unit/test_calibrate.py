@@ -27,11 +27,21 @@ def _machine(busy: float, cores: int = 2) -> Headroom:
                     load_average_1m=busy * cores)
 
 
-def test_a_quiet_machine_gets_the_fastest_speed() -> None:
+def test_a_quiet_machine_gets_the_fastest_speed_under_the_target() -> None:
     choice = choose_speedup(_machine(0.02), NUM, SPAN_S, TRUST_MACHINE_BUSY)
-    assert choice.speedup == SPEEDUPS[0] and choice.can_trust
-    assert choice.projected_busy <= TARGET_BUSY
+    assert choice.can_trust and choice.projected_busy <= TARGET_BUSY
     assert "2% busy of 2 cores" in choice.why
+    index = SPEEDUPS.index(choice.speedup)
+    if index:  # the stack alone would pass the target at every faster speed
+        faster = SPEEDUPS[index - 1]
+        assert projected_busy(_machine(0.02), NUM / SPAN_S * faster) > TARGET_BUSY
+
+
+def test_a_quiet_machine_leaves_the_demo_under_the_speed_measured_untrusted() -> None:
+    """At speed 10 the quiet machine was 84% busy and every row untrusted (emulator lag p99
+    458 ms, 2026-12-03); the stack's measured cost keeps a quiet machine's demo slower."""
+    choice = choose_speedup(_machine(0.02), NUM, SPAN_S, TRUST_MACHINE_BUSY)
+    assert choice.speedup < 10
 
 
 def test_one_busy_loop_beside_halves_the_speed_and_keeps_the_target() -> None:

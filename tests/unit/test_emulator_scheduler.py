@@ -194,3 +194,23 @@ def test_decode_step_time_is_the_general_formula() -> None:
     for decodes, ctx in ((1, 0), (1, 1000), (64, 500_000), (256, 2_000_000)):
         assert lat.decode_step_time_s(decodes, ctx) == pytest.approx(
             lat.step_time_s([], decodes, ctx), rel=1e-12)
+
+
+def test_a_decode_burst_takes_the_durations_of_its_steps_one_by_one() -> None:
+    """A burst's planned durations are exactly (==, not approximately) what one
+    ``decode_step_time_s`` call per step gives, so planning it at once moves no step's end;
+    it stops at ``max_steps`` or once the burst reaches ``limit_s``."""
+    for lat in (LatencyModel(), LatencyModel(step_overhead_s=0.001)):
+        for decodes, ctx in ((1, 20), (3, 1000), (64, 500_000), (256, 2_000_000)):
+            first = lat.decode_step_time_s(decodes, ctx)
+            burst = lat.decode_burst_durations_s(decodes, ctx, first, 40, 1.0)
+            one_by_one = [first]
+            while len(one_by_one) < 40 and sum(one_by_one) < 1.0:
+                one_by_one.append(lat.decode_step_time_s(decodes,
+                                                         ctx + len(one_by_one) * decodes))
+            assert burst == one_by_one and len(burst) > 1
+    lat = LatencyModel()
+    first = lat.decode_step_time_s(8, 8000)
+    assert lat.decode_burst_durations_s(8, 8000, first, 5, 10.0) == [
+        first, *(lat.decode_step_time_s(8, 8000 + k * 8) for k in range(1, 5))]
+    assert lat.decode_burst_durations_s(8, 8000, first, 100, first) == [first]

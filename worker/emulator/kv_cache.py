@@ -349,15 +349,11 @@ class KVCacheManager:
         ``full_sequence_must_fit``, which the scheduler sets when admitting a waiting request:
         ``SchedulerConfig.scheduler_reserve_full_isl``, on by default).
         """
-        block_size = self.block_size
-        if not new_computed_blocks:
+        if not new_computed_blocks and (request.num_computed_tokens + num_new_tokens
+                                        < self.next_work_total(request)):
             # The common decode case: the tokens fit the blocks the request has and fill no
             # block that is not committed yet: nothing to allocate or commit.
-            total = request.num_computed_tokens + num_new_tokens
-            if total <= len(request.blocks) * block_size and (
-                    not self.enable_caching
-                    or min(total, request.num_tokens) // block_size <= request.num_cached_blocks):
-                return True
+            return True
         pool = self.pool
         num_computed = request.num_computed_tokens + len(new_computed_blocks) * self.block_size
         total = num_computed + num_new_tokens
@@ -382,6 +378,20 @@ class KVCacheManager:
             num_full = min(total, request.num_tokens) // self.block_size
             pool.cache_full_blocks(request, num_full, self.block_size)
         return True
+
+    def next_work_total(self, request: CacheRequest) -> int:
+        """The smallest token total (computed plus new tokens) for which ``allocate_slots``
+        without hit blocks has work to do for ``request`` as it stands: a block to take (the
+        first token past its blocks) or a full block to commit (the token that fills the block
+        after its committed ones). Below it the call returns True at once and changes nothing;
+        from it on it takes the full path (a decode burst calls it only there)."""
+        size = self.block_size
+        total = len(request.blocks) * size + 1
+        if self.enable_caching:
+            commit = (request.num_cached_blocks + 1) * size
+            if commit <= request.num_tokens and commit < total:
+                total = commit
+        return total
 
     def free(self, request: CacheRequest) -> None:
         """Release a finished or preempted request's blocks, tail first."""

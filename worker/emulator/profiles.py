@@ -158,6 +158,32 @@ class LatencyModel:
                     ) / (self.gpu.hbm_gbps * 1e9)
         return max(flops / (self.gpu.tflops * 1e12), memory_s) + self.step_overhead_s
 
+    def decode_burst_durations_s(self, num_decodes: int, decode_context_tokens: int,
+                                 first_s: float, max_steps: int, limit_s: float) -> list[float]:
+        """Engine seconds of each step of a decode burst: ``first_s`` (its first step's), then
+        ``decode_step_time_s(num_decodes, decode_context_tokens + k * num_decodes)`` for steps
+        k = 1, 2, ... while there are fewer than ``max_steps`` and the burst so far is under
+        ``limit_s``. The same floats as those calls (the same operations in the same order),
+        with the profiles' figures read once per burst instead of once per step."""
+        m = self.model
+        decode_flops = 2.0 * m.params * num_decodes
+        context_flops = 4.0 * m.query_width * m.num_layers
+        weight_bytes = m.weight_bytes
+        kv_bytes = m.kv_bytes_per_token
+        hbm_bytes_s = self.gpu.hbm_gbps * 1e9
+        flops_s = self.gpu.tflops * 1e12
+        overhead = self.step_overhead_s
+        durations = [first_s]
+        burst_s = first_s
+        context = decode_context_tokens
+        while len(durations) < max_steps and burst_s < limit_s:
+            context += num_decodes
+            memory_s = (weight_bytes + kv_bytes * (context + num_decodes)) / hbm_bytes_s
+            duration = max((decode_flops + context_flops * context) / flops_s, memory_s) + overhead
+            durations.append(duration)
+            burst_s += duration
+        return durations
+
     def prefill_time_s(self, num_prompt_tokens: int, num_cached_tokens: int = 0) -> float:
         """Engine seconds to prefill one prompt alone in one step (the seed's arithmetic)."""
         return self.step_time_s([(num_prompt_tokens - num_cached_tokens, num_cached_tokens)], 0, 0)

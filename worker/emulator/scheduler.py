@@ -26,6 +26,7 @@ fewer repeats (``complete(step, repeats)``) when a new request arrives.
 from __future__ import annotations
 
 import enum
+import heapq
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -331,14 +332,9 @@ class Scheduler:
         load_done_s = self.offload.next_load_done_s() if self.offload is not None else None
         if load_done_s is not None:
             limit_s = min(limit_s, load_done_s - now_s)
-        burst_s = first
-        repeats = 1
-        while repeats < remaining and burst_s < limit_s:
-            duration = self.latency.decode_step_time_s(num_decodes,
-                                                       decode_ctx + repeats * num_decodes)
-            step.durations_s.append(duration)
-            burst_s += duration
-            repeats += 1
+        step.durations_s = self.latency.decode_burst_durations_s(num_decodes, decode_ctx, first,
+                                                                 remaining, limit_s)
+        repeats = len(step.durations_s)
         if repeats > 1:
             # complete() allocates each later step's slots as vLLM's schedule() would, step by
             # step; blocks for all of them must be free now (nothing is freed mid-burst).
@@ -393,12 +389,29 @@ class Scheduler:
         ``allocate_slots`` for one token per running request, which takes a new block, evicting,
         when the token starts one and commits the blocks full up to it). ``burst``: each
         request with its tokens before the burst; their output tokens are appended already,
-        and ``_plan_durations`` made sure the blocks are free."""
+        and ``_plan_durations`` made sure the blocks are free.
+
+        Only the calls with work are made (``next_work_total``: about two in a block's worth of
+        steps), in that same order, from a heap of (step, position in the burst); the others
+        would change nothing, and making them cost a call per request per step."""
         kv = self.kv
-        for r in range(1, repeats):
-            for request, num_before in burst:
-                request.num_computed_tokens = num_before + r - 1
-                allocated = kv.allocate_slots(request, 1)
-                assert allocated, "a decode burst's blocks were free when it was planned"
+        heap: list[tuple[int, int]] = []
+        for position, (request, num_before) in enumerate(burst):
+            # step r of the burst brings the request to num_before + r tokens
+            r = max(1, kv.next_work_total(request) - num_before)
+            if r < repeats:
+                heap.append((r, position))
+        heapq.heapify(heap)
+        while heap:
+            r, position = heap[0]
+            request, num_before = burst[position]
+            request.num_computed_tokens = num_before + r - 1
+            allocated = kv.allocate_slots(request, 1)
+            assert allocated, "a decode burst's blocks were free when it was planned"
+            r = max(r + 1, kv.next_work_total(request) - num_before)
+            if r < repeats:
+                heapq.heapreplace(heap, (r, position))
+            else:
+                heapq.heappop(heap)
         for request, _ in burst:
             request.num_computed_tokens = request.num_tokens - 1
