@@ -1,20 +1,8 @@
 """The APIs besides completions and chat that vLLM serves, converted to the chat requests vLLM
 renders them as, one module per API (pure): ``responses`` (OpenAI Responses, ``/v1/responses``)
 and ``messages`` (Anthropic Messages, ``/v1/messages``); ``affinity`` keeps which replica holds a
-stored response (Redis I/O).
+stored response (Redis I/O); ``error_shapes`` each API's error answers; ``pooling``, ``aliases``,
+``lora_load`` and ``images`` the other paths and routing inputs. The package itself imports
+nothing: ``router.request.prompts`` imports ``router.apis.images``, and the API modules import the
+prompts.
 """
-
-from __future__ import annotations
-
-from collections.abc import Callable
-from typing import Final
-
-from router.apis.messages import anthropic_error_body, anthropic_sse_error
-from router.apis.responses import responses_sse_error
-
-ErrorShape = Callable[[str, str, int], bytes]  # (message, router error type, HTTP status) -> bytes
-# {path: the body of an error answered there} where not OpenAI's (router.errors.error_body)
-ERROR_BODIES: Final[dict[str, ErrorShape]] = {"/v1/messages": anthropic_error_body}
-# {path: the SSE event of a stream failing after its start} where not a bare ``data: {"error"}``
-SSE_ERROR_EVENTS: Final[dict[str, ErrorShape]] = {"/v1/messages": anthropic_sse_error,
-                                                  "/v1/responses": responses_sse_error}

@@ -15,7 +15,7 @@ from typing import Any, Final
 from aiohttp import web
 from aiohttp.web_protocol import RequestHandler
 
-from router.apis import ERROR_BODIES
+from router.apis.error_shapes import ERROR_BODIES
 from router.request.errors import (
     HTTP_ERROR_TYPES,
     REQUEST_ID_HEADER,

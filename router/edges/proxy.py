@@ -43,7 +43,7 @@ import aiohttp
 from aiohttp import web
 from multidict import CIMultiDict, CIMultiDictProxy
 
-from router.apis import SSE_ERROR_EVENTS
+from router.apis.error_shapes import SSE_ERROR_EVENTS
 from router.decision.health import HUNG, MISSED, ReplicaHealth
 from router.observability.loop_lag import LoopLag
 from router.observability.metrics import RouterMetrics

@@ -151,7 +151,7 @@ def test_merge_inline_system_follows_the_template() -> None:
 
 
 def test_a_stream_failing_after_its_start_ends_with_the_apis_error_event() -> None:
-    from router.apis import ERROR_BODIES, SSE_ERROR_EVENTS
+    from router.apis.error_shapes import ERROR_BODIES, SSE_ERROR_EVENTS
 
     anthropic_event = SSE_ERROR_EVENTS["/v1/messages"]("replica r1 stream failed", "BadGatewayError", 502)
     head, data = anthropic_event.decode().strip().split("\n")
