@@ -20,13 +20,13 @@ from dataclasses import dataclass
 
 __all__ = ["Headroom", "SpeedChoice", "choose_speedup", "measure_headroom"]
 
-# Candidate replay speeds, fastest first. 2 is the slowest sensible one: the demo's 1,000
-# requests (330 s of trace) then take about 165 s per policy, 15 minutes for the five.
+# Candidate replay speeds, fastest first. 2 is the slowest sensible one: the demo's five policies
+# then take about 15 minutes (docs/benchmarks.md).
 SPEEDUPS = (10.0, 8.0, 6.0, 5.0, 4.0, 3.0, 2.0)
 # CPU seconds the whole stack (emulator, workers, router, Redis, replayer) uses per replayed
-# request of the demo slice: the quiet-machine demo (README, commit e4b4f95) had the machine 18-43%
-# busy of 2 cores at 30 requests/s; 30 ms is the top of that range (a busy machine's cores do
-# less per second, its caches are shared).
+# request of the demo slice: the top of the range the quiet-machine demo measured
+# (docs/benchmarks.md, "The demo table" and "Figures from the code's comments"; a busy machine's
+# cores do less per second, its caches are shared).
 STACK_CPU_S_PER_REQUEST = 0.030
 # The projected busy share a speed may reach: below the verdict's 90% (TRUST_MACHINE_BUSY) with
 # room for the bursts of the trace and for the other work's own ups and downs.
