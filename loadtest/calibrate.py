@@ -20,12 +20,12 @@ from dataclasses import dataclass
 
 __all__ = ["Headroom", "SpeedChoice", "choose_speedup", "measure_headroom"]
 
-# Candidate replay speeds, fastest first. 2 is the slowest sensible one: the demo's 1,000
-# requests (330 s of trace) then take about 165 s per policy, 15 minutes for the five.
+# Candidate replay speeds, fastest first. 2 is the slowest sensible one: the demo's five policies
+# then take about 15 minutes (docs/benchmarks.md).
 SPEEDUPS = (10.0, 8.0, 6.0, 5.0, 4.0, 3.0, 2.0)
 # CPU seconds the whole stack (emulator, workers, router, Redis, replayer) uses per replayed
-# request of the demo slice, as measured on 2026-12-03 (docs/pending-emucost.md: 55-58 ms at
-# speed 5 on a busy machine, 56 ms at speed 10 on a quiet one).
+# request of the demo slice, as measured on 2026-12-03 (docs/benchmarks.md: 55-58 ms at speed 5
+# on a busy machine, 56 ms at speed 10 on a quiet one; a busy machine's cores do less per second).
 STACK_CPU_S_PER_REQUEST = 0.056
 # The projected busy share a speed may reach: below the verdict's 90% (TRUST_MACHINE_BUSY) with
 # room for the bursts of the trace and for the other work's own ups and downs.

@@ -92,9 +92,9 @@ PEER_KINDS = (SMG, VLLM_ROUTER, SGLANG)
 TEXT_ONLY_PEERS = (SGLANG, SMG)
 DEFAULT_SAMPLE_INTERVAL_S = 1.0  # gauge sampling for busy time; 8 scrapes per second at most
 
-# The verdict's thresholds. Quiet-machine demo runs show an emulator lag p99 of a few ms; the
-# TTFT p50 the demo compares is about 50 ms, so a typical step delayed by more than 20 ms moves
-# the figures by more than the gaps between policies. A machine over 90% busy has no headroom:
+# The verdict's thresholds. Quiet-machine demo runs show an emulator lag p99 far below the TTFT
+# p50 the demo compares (both: docs/benchmarks.md), so a typical step delayed by more than 20 ms
+# moves the figures by more than the gaps between policies. A machine over 90% busy has no headroom:
 # every process, the router stack included, queues for a core. A replayer that sends more than
 # 250 ms late no longer offers the trace's arrival pattern.
 TRUST_LAG_P99_S = 0.020
@@ -896,12 +896,13 @@ def resolve_runs(policies: str, peers: str) -> tuple[tuple[RouterSpec, ...], dic
 
 # -- CLI ---------------------------------------------------------------------------------------
 
-# The demo: the first 1,000 requests of the packaged Mooncake slice (330 s of real traffic) on 8
-# replicas of 32,000 16-token blocks each (512k tokens: an 8B-class model on an 80 GB GPU, the
-# DESIGN.md reference point where capacity matters: single-cache bound 16.0% vs round-robin 5.5%
-# for this slice), replayed up to 10x faster with the emulator as much faster, so the fleet is
-# as loaded as in the real trace: about 35 s per run at 10x. The speed is chosen from the
-# machine's headroom before the first run (``loadtest.calibrate``) unless --speedup forces it.
+# The demo: the first 1,000 requests of the packaged Mooncake slice on 8 replicas of 32,000
+# 16-token blocks each (512k tokens: an 8B-class model on an 80 GB GPU, the DESIGN.md reference
+# point where capacity matters: the slice's single-cache bound is well above round-robin's hit
+# rate), replayed up to 10x faster with the emulator as much faster, so the fleet is as loaded as
+# in the real trace (the slice's figures and run times: docs/benchmarks.md). The speed is chosen
+# from the machine's headroom before the first run (``loadtest.calibrate``) unless --speedup
+# forces it.
 DEMO_DEFAULTS: dict[str, Any] = {
     "replicas": 8,
     "limit": 1000,

@@ -1,5 +1,6 @@
-"""The input files of the README's worked examples, generated (so every example runs as
-printed from a fresh clone): ``python -m loadtest.examples NAME > FILE``. Writes to stdout only.
+"""The input files of the docs' worked examples (README.md and docs/*.md), generated (so every
+example runs as printed from a fresh clone): ``python -m loadtest.examples NAME > FILE``.
+Writes to stdout only.
 
 * ``audit-requests``: the seed's template-audit example, twelve chat requests: six whose
   system prompt starts with the current time, then a 700-token contract policy, then a question;

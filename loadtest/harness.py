@@ -91,7 +91,7 @@ def start_process(args: Sequence[str], env: Mapping[str, str] | None = None,
 
 
 def start_emulator(ready_file: Path, args: Sequence[str] = (), env: Mapping[str, str] | None = None,
-                   log_path: Path | None = None, timeout_s: float = 60.0,
+                   log_path: Path | None = None, timeout_s: float = 180.0,
                    ) -> tuple[subprocess.Popen[bytes], list[dict[str, Any]]]:
     """Start ``prefix-worker emulate`` (``EMULATE`` plus ``args``, writing ``ready_file``) and
     wait until it serves: ``(process, replicas)``, each replica as its ready file lists it

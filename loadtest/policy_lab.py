@@ -28,7 +28,7 @@ wall clock:
 The trace slice, speedup and fleet shape are the demo's (1,000 requests, 8 replicas of 32,000
 blocks, speedup and time scale 10). What it does not model: several routers, the KV-event lag,
 the coarse index, HTTP and CPU contention. So its figures are for comparing policies, not for
-quoting as the demo's; the demo (real processes) is what the README's figures come from.
+quoting as the demo's; the demo (real processes) is what docs/benchmarks.md's figures come from.
 
 ``python -m loadtest.policy_lab --policies prefix,ttft,dynamo --limit 1000``
 """

@@ -35,11 +35,14 @@ import aiohttp
 
 import router
 from loadtest.harness import start_emulator, stop_process
+from router.edges.proxy import Proxy
 
 ROUTER_DIR = str(Path(router.__file__).parent)
 SKIPPED = {"<genexpr>", "<listcomp>", "<dictcomp>", "<setcomp>"}
 HANDLERS = {"handle_generate"}  # where the walk starts (the completions and chat handler)
-PROXY_ENTRY = "forward"  # where it ends: the proxy's forward (its file: router/edges/proxy.py)
+# Where it ends: the proxy's forward, matched by its code object (not by a file name, which
+# changes when the module moves: the walk recorded whole requests after phase 1 of issue #31).
+PROXY_ENTRY = Proxy.forward.__code__
 STEP_DEPTH = 2  # the "steps" view: the handler's file and what it calls in other files
 CO_RESUMABLE = inspect.CO_COROUTINE | inspect.CO_GENERATOR | inspect.CO_ASYNC_GENERATOR
 
@@ -78,7 +81,7 @@ class WalkRecorder:
             return
         name = filename[len(ROUTER_DIR) + 1:]
         self.calls.append((name, code.co_qualname, _depth(frame)))
-        if name == "edges/proxy.py" and code.co_name == PROXY_ENTRY:
+        if code is PROXY_ENTRY:
             self.done = True
 
 
@@ -172,6 +175,8 @@ async def walk(urls: list[str], model: str, tokenizer: str | None) -> dict[str, 
                         sys.setprofile(None)
                     if status != 200:
                         raise RuntimeError(f"{kind} request answered {status}")
+                    if not recorder.done:
+                        raise RuntimeError(f"{kind} request never reached Proxy.forward")
                 results[kind] = {"steps": summarise(recorder.calls, STEP_DEPTH),
                                  "all": summarise(recorder.calls)}
     finally:

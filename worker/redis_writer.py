@@ -448,7 +448,7 @@ class RedisWriter:
         self._writable.clear()
         # no reset per episode: episodes that follow within the interval share its one line
         self._oom_logged |= self._oom_log.warning("Redis is out of memory (maxmemory reached; run maxmemory-policy "
-                              "noeviction with room for the fleet, see the README): writes of "
+                              "noeviction with room for the fleet, see docs/worker.md): writes of "
                               "replica %s refused, its changes held and retried (%s)",
                               self.replica_id, exc)
 

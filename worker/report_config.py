@@ -35,10 +35,9 @@ DEFAULT_METRICS_PORT: Final = 0  # ephemeral; the bound port is logged
 DEFAULT_REPLAY_TIMEOUT_S: Final = 2.0  # seconds without a replay reply before giving up
 # Seconds a KV event batch waits before the worker handles it together with every batch
 # published meanwhile. A loaded engine publishes one batch per scheduler step (tens of
-# ms apart); handled one by one, each costs a wake-up and a Redis flush (bench_worker
-# --batch-interval-ms 10: 370-635 us of worker CPU per batch depending on the run, against
-# 96-108 us when batches queue up; a 50 ms window halves it). 50 ms matches the routers'
-# default stream read interval.
+# ms apart); handled one by one, each costs a wake-up and a Redis flush, so a window cuts the
+# worker's CPU per batch (bench_worker --batch-interval-ms; its figures: docs/benchmarks.md,
+# "Figures from the code's comments"). 50 ms matches the routers' default stream read interval.
 DEFAULT_EVENT_WINDOW_S: Final = 0.05
 
 

@@ -1,5 +1,6 @@
 """Data shipped with the load tests: a slice of the Mooncake conversation trace and the arrival
-times of a slice of the Azure LLM conversation trace (see README.md). No I/O at import."""
+times of a slice of the Azure LLM conversation trace (see docs/benchmarks.md, "Trace replay").
+No I/O at import."""
 
 from __future__ import annotations
 

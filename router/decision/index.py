@@ -239,7 +239,7 @@ class BlockIndex:
             if not self._retired:
                 return []
             self._sweep_mask, self._retired = self._retired, 0
-            self._sweep_keys = list(self._key_to_mask)  # C speed: ~5 ms per 1M keys
+            self._sweep_keys = list(self._key_to_mask)  # C speed (docs/benchmarks.md)
             self._cpu_sweep_keys = list(self._cpu_key_to_mask)
             self._sweep_pos = 0
             return []

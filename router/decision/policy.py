@@ -127,9 +127,8 @@ DEFAULT_EVICTED_REUSE: Final = 0.5  # chance that a block evicted from a replica
 # share of KV would have been hit again (dimensionless)
 DEFAULT_DECODE_WEIGHT: Final = 0.02  # seconds of TTFT one second of decode-step time is worth:
 # the decode term sums decode seconds over every request sharing the replica's steps (hundreds of
-# steps each) while a TTFT is paid once; in loadtest.policy_lab (three 1,000-request slices),
-# 0.02 cut e2e p50 8-10% and imbalance (work) from 1.12-1.19 to 1.06-1.13, TTFT p50 within 1.6 ms
-# and p99 unchanged (README, "The policy lab")
+# steps each) while a TTFT is paid once; in loadtest.policy_lab 0.02 cut e2e latency and work
+# imbalance at about the same TTFT (docs/benchmarks.md, "The policy lab")
 
 
 @dataclass(frozen=True, slots=True)

@@ -51,10 +51,11 @@ DEFAULT_OUTPUT_TOKENS: Final = 256  # tokens a request is assumed to generate un
 WINDOW: Final = 32  # samples per replica in the fit: "converges within a few dozen requests"
 MIN_SAMPLES: Final = 4  # below this the prior rate stands (a median of 1-3 samples is noise)
 SAME_RATE_BAND: Final = 1.3  # a replica whose fitted seconds per token is within this factor of the
-# fleet's median counts as the median: over 32 samples of mixed queueing the fit is good to 10-20%,
-# and acting on that noise herds cold prompts onto whichever replica looks fastest this minute
-# (the delay term multiplies the difference by the fleet's queue); real differences (another GPU
-# generation, a bigger tensor-parallel group) are 1.5x and more
+# fleet's median counts as the median: over 32 samples of mixed queueing the fit is noisy (its
+# error: docs/benchmarks.md, "Figures from the code's comments"), and acting on that noise
+# herds cold prompts onto whichever replica looks fastest this minute (the delay term
+# multiplies the difference by the fleet's queue); real differences (another GPU generation, a
+# bigger tensor-parallel group) are 1.5x and more
 MIN_WORK_SPREAD: Final = 0.25  # pairs whose work differs by less than this share of the larger
 # are left out of the slopes: their slope is mostly noise
 

@@ -29,8 +29,8 @@ logger = logging.getLogger(__name__)
 OOM_READ_HOLD_S = 10.0  # a read refused for lack of memory keeps ``FleetReader.oom`` this long
 LOAD_ATTEMPTS = 5  # unchecked (non-MULTI) reads of a replica's set before giving up for now
 
-# minimum gap between two stream reads that returned entries: at 1,000 flushes/s a read carries
-# ~10 of them, for at most 10 ms more index lag (``RouterConfig.stream_read_interval_s``)
+# minimum gap between two stream reads that returned entries: a busy stream's entries gather
+# into fewer reads, for at most this much more index lag (``RouterConfig.stream_read_interval_s``)
 STREAM_READ_INTERVAL_S = DEFAULT_STREAM_READ_INTERVAL_S
 
 _ENTRY_FIELDS = (c.E_REPLICA, c.E_EPOCH, c.E_ENTRY_SEQ, c.E_CLEARED, c.E_STORED, c.E_REMOVED,
@@ -323,8 +323,8 @@ class FleetReader:
                     ms = int(self.last_id.split("-", 1)[0])
                     self.metrics.event_lag.set(max(0.0, time.time() - ms / 1000.0))
                 if 0 < len(entries) < count:
-                    # a trickle of entries would cost one XREAD round trip (~0.1 ms of Python)
-                    # each: let them gather for a moment instead
+                    # a trickle of entries would cost one XREAD round trip (Python CPU, see
+                    # docs/benchmarks.md) each: let them gather for a moment instead
                     await asyncio.sleep(self.config.stream_read_interval_s)
             if time.monotonic() >= next_refresh:
                 await self._refresh_heartbeats(client)

@@ -41,9 +41,9 @@ from router.shared.hashing import BlockHasher, block_keys
 
 SPAN_BLOCKS: Final = 16  # full blocks per token-id piece (256 tokens at block size 16)
 DEFAULT_CAPACITY: Final = 65536  # cached pieces (nodes)
-DEFAULT_MAX_BYTES: Final = 96 << 20  # about 1.5 KB per node at the default capacity
-# a token-id prompt with at most this many new blocks is hashed whole, never lazily (~1.3 us a
-# block: cheaper than the thread hop its rest would take)
+DEFAULT_MAX_BYTES: Final = 96 << 20  # nodes' measured size at the default capacity (benchmarks.md)
+# a token-id prompt with at most this many new blocks is hashed whole, never lazily (hashing them
+# is cheaper than the thread hop its rest would take; docs/benchmarks.md)
 LAZY_MIN_UNCACHED_BLOCKS: Final = 64
 
 

@@ -31,8 +31,9 @@ from router.shared.contract import BlockKey
 LAZY_HASHING: Final = True
 PENDING_TAIL_WAIT_S: Final = 1.0
 MAX_QUEUED_RESTS: Final = 4
-INLINE_HASH_BLOCKS: Final = 64  # uncached blocks hashed on the event loop (~1.3 us each) before a thread hop
-INLINE_TOKENIZE_CHARS: Final = 2048  # uncached characters tokenized on the loop (~0.5 ms) before a thread hop
+INLINE_HASH_BLOCKS: Final = 64  # uncached blocks hashed on the event loop before a thread hop
+INLINE_TOKENIZE_CHARS: Final = 2048  # uncached characters tokenized on the loop before a thread hop
+# (both cost less than the hop: docs/benchmarks.md, "Figures from the code's comments")
 
 Lora = tuple[str, str] | None
 

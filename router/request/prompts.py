@@ -305,9 +305,10 @@ def _newline_pieces(text: str) -> list[str]:
 
 
 def _chunk_bytes(key: Hashable, ids: array[int]) -> int:
-    # a str key costs its characters plus ~50 bytes (ASCII; more for other text), a partition
-    # its salt's characters plus ~110 (the salt string and the key tuple), the ids 4 bytes each
-    # plus the array header, the LRU entry ~150
+    # a str key costs its characters plus the str header (ASCII; more for other text), a
+    # partition its salt's characters plus the salt string's and the key tuple's headers, the ids
+    # 4 bytes each plus the array header, plus the LRU entry (the measured sizes behind these
+    # constants: docs/benchmarks.md, "Figures from the code's comments")
     if isinstance(key, tuple):
         return 110 + sum(len(part) for part in key if isinstance(part, str)) + _chunk_bytes("", ids)
     return 250 + (len(key) if isinstance(key, str) else 64) + 4 * len(ids)
@@ -331,7 +332,7 @@ class PromptTokenizer:
 
     def __init__(self, source: str, cache_chunks: int = 65536, cache_bytes: int = 16 << 20,
                  render_cache_bytes: int = 16 << 20) -> None:
-        from transformers import AutoTokenizer  # ~1.3 s import: only when a tokenizer is used
+        from transformers import AutoTokenizer  # a slow import: only when a tokenizer is used
 
         self.source = source
         self.hf = AutoTokenizer.from_pretrained(source)

@@ -16,7 +16,7 @@ from typing import Final
 
 import msgspec
 
-TAIL_BYTES: Final = 4096  # bytes of a stream's end kept: the usage event is ~200-400 bytes
+TAIL_BYTES: Final = 4096  # bytes of a stream's end kept: room for the usage event (benchmarks.md)
 
 _DECODER: Final = msgspec.json.Decoder()
 _MARKER: Final = b'"prompt_tokens_details"'

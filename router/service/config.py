@@ -56,17 +56,15 @@ DEFAULT_SPECULATIVE_TTL_S: Final = 10.0  # seconds a router-side placement count
 DEFAULT_QUEUE_SLACK_TOKENS: Final = _POLICY.queue_slack_tokens  # tokens of extra queue accepted to keep affinity/ring home
 DEFAULT_LOAD_HEADROOM: Final = _POLICY.load_headroom  # requests allowed above ceil(load_factor * mean) (small counts)
 DEFAULT_RECOMPUTE_PENALTY: Final = _POLICY.recompute_penalty  # extra weight on recomputed prefix tokens in a load move:
-# a held prefix moves only behind a queue ~50x its size. Mooncake sweep (1,000 requests, 8 replicas,
-# token hit rate; the placement-only single-cache bound is 16.0%): penalty 1 -> 13.1%, 3 -> 14.5%,
-# 50 -> 15.3%; with load_factor 2.0 + headroom 4 (no count-based spills) -> 16.2%; TTFT p50 ~unchanged
+# a held prefix moves only behind a queue ~50x its size; a higher penalty keeps more prefix hits at
+# about the same TTFT (the Mooncake sweep: docs/benchmarks.md, "Figures from the code's comments")
 DEFAULT_MIN_HIT_FRACTION: Final = _POLICY.min_hit_fraction  # share of the prompt's blocks a replica must hold beyond the ring home
 DEFAULT_MIN_AFFINITY_BLOCKS: Final = _POLICY.min_affinity_blocks  # and at least this many blocks, for affinity to count
 DEFAULT_CONSISTENT_HASH_TOKENS: Final = _POLICY.consistent_hash_blocks * _POLICY.block_size  # tokens keyed by the consistent_hash baseline
 DEFAULT_COLD_CANDIDATES: Final = _POLICY.cold_candidates  # replicas, in ring order, a cold prefix may go to (the one with
-# the fewest recent KV writes wins); 0 = all, 1 = the ring home only. Mooncake placement simulation
-# (8 replicas of 512k tokens, LRU freeing tails first; token hit rate, mean over 8 ring seeds, for
-# 1,000/2,000 requests): ring home only 15.1/17.6% (range 13.8-16.4/16.9-18.4), 2 candidates
-# 15.6/18.0%, 3 -> 15.8/18.2%, all -> 16.0/18.2% (every seed; the single-cache bound is 16.0/18.3%)
+# the fewest recent KV writes wins); 0 = all, 1 = the ring home only. More candidates spread cold
+# prefixes over the caches and bring the hit rate to the single-cache bound (the Mooncake placement
+# simulation: docs/benchmarks.md, "Figures from the code's comments")
 DEFAULT_COLD_QUEUE_SLACK_TOKENS: Final = _POLICY.cold_queue_slack_tokens  # a cold prefix treats queues this close to the shortest
 # as equally short and picks among them by recent writes (0: the shortest queue always wins)
 DEFAULT_COLD_WRITE_WINDOW: Final = 0.5  # recent KV writes decay with e-folding at this share of the
@@ -86,8 +84,8 @@ DEFAULT_CONNECT_TIMEOUT_S: Final = 5.0
 DEFAULT_FIRST_BYTE_TIMEOUT_S: Final = 600.0  # a long prefill behind a queue can take minutes
 DEFAULT_STREAM_IDLE_TIMEOUT_S: Final = 120.0
 DEFAULT_STREAM_READ_INTERVAL_S: Final = 0.05  # pause after a KV-event stream read that returned
-# fewer entries than a full batch, so a trickle gathers into fewer XREADs (~0.1 ms of Python each):
-# CPU against index lag (loadtest.bench_streams, README "Benchmarks")
+# fewer entries than a full batch, so a trickle gathers into fewer XREADs (each costs Python CPU):
+# CPU against index lag (loadtest.bench_streams, docs/benchmarks.md)
 DEFAULT_TOKENIZER_THREADS: Final = 2
 DEFAULT_TOKEN_CACHE_CHUNKS: Final = 65536  # prompt chain cache entries (text chunks of 256-1024
 # chars or 256-token id spans, ~1-3 KB each); the per-chunk token cache keeps 1/8 of that
@@ -105,8 +103,8 @@ DEFAULT_PANIC_THRESHOLD: Final = 0.5  # fewer routable replicas than this share:
 DEFAULT_STALL_TIMEOUT_S: Final = 15.0  # no byte on any streamed request while others progress
 DEFAULT_FIRST_BYTE_DEADLINE_FACTOR: Final = 4.0  # a request's first-byte deadline: this x the time
 # its replica should take (predicted TTFT, queue wait and prefill included, + a non-streamed
-# answer's generation); the learned model is good to 10-20% (router/ttft.py), a queue can
-# double it
+# answer's generation); the learned model is only roughly right (router/decision/ttft.py;
+# docs/benchmarks.md), a queue can double it
 DEFAULT_FIRST_BYTE_DEADLINE_FLOOR_S: Final = 5.0  # ... and at least this: a hung replica fed
 # non-streamed prompts every few seconds is benched after at most a few of them (issue 29)
 DEFAULT_CLIENT_IDLE_TIMEOUT_S: Final = 15.0  # a client connection idle or sending its request head
@@ -430,7 +428,7 @@ _HELP: Final = {
     "first_byte_deadline_factor": "a request's first-byte deadline is this x the time its replica "
                                   "should take (predicted TTFT + a non-streamed answer's "
                                   "generation); a replica silent past it is hung (benched) or "
-                                  "failing (counted), see README",
+                                  "failing (counted), see docs/router.md",
     "first_byte_deadline_floor_s": "a first-byte deadline is at least this (s)",
     "client_idle_timeout_s": "close client connections idle (or sending a request head) this long",
     "client_body_timeout_s": "a request body must arrive within this (408 beyond)",

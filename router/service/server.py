@@ -125,7 +125,7 @@ logger = logging.getLogger(__name__)
 
 GC_GEN0_THRESHOLD = 20_000  # allocations between young-generation collections (CPython: 700)
 
-SWEEP_KEYS_PER_STEP = 5_000  # index keys swept per event-loop turn (~1 ms)
+SWEEP_KEYS_PER_STEP = 5_000  # index keys swept per event-loop turn (a short turn; benchmarks.md)
 AUDIT_QUEUE = 64  # template-audit observations waiting at most (more are dropped and counted)
 # a client's X-Request-Id is kept only if short and plain (letters, digits, ._:/+=-), else replaced
 _REQUEST_ID_OK = re.compile(r"[A-Za-z0-9._:/+=-]{1,128}")

@@ -103,7 +103,7 @@ use it. Distinct from a token id (both are ints; mypy keeps them apart)."""
 CONTRACT_VERSION: Final = 4  # heartbeat field ``contract``; absent: 1 (3 in a tagged key)
 TAGGED_KEYS_VERSION: Final = 3  # first version with hash-tagged keys (a tagged key: at least 3)
 DEFAULT_REDIS_PREFIX: Final = "pr"
-DEFAULT_INDEX_STRIDE: Final = 16  # blocks between anchors (N); 1 = exact index. See README
+DEFAULT_INDEX_STRIDE: Final = 16  # blocks between anchors (N); 1 = exact index (docs/router.md)
 HEARTBEAT_INTERVAL_S: Final = 1.0  # worker refresh period
 HEARTBEAT_TTL_S: Final = 3.0  # about 3 heartbeats; expiry takes the replica out
 # seconds a replica's block sets outlive its last heartbeat (their TTL, refreshed by every

@@ -253,7 +253,8 @@ class BlockHasher:
                 append(prev)
             index = last_extra
         # no extra keys: zip over one iterator cuts the blocks into tuples in C (a slice and a
-        # tuple() per block cost ~0.2 us of the ~1 us a block takes; loadtest.bench_hashing)
+        # tuple() per block are a fair share of a block's cost; loadtest.bench_hashing and
+        # docs/benchmarks.md)
         rest = iter(tokens[index * size : end_block * size])
         for block in zip(*(rest,) * size, strict=True):  # the slice holds whole blocks
             prev = hash_object((prev, block, None))

@@ -41,7 +41,7 @@ def start_emulator(tmp_path: Path) -> Iterator[Any]:
     started: list[subprocess.Popen[bytes]] = []
 
     def start(*args: str, env: dict[str, str] | None = None) -> Emulator:
-        proc, replicas = helpers.start_emulator(tmp_path / f"ready-{len(started)}.json", args, env, timeout_s=30)
+        proc, replicas = helpers.start_emulator(tmp_path / f"ready-{len(started)}.json", args, env, timeout_s=180)
         started.append(proc)
         return Emulator(proc, replicas)
 

@@ -30,7 +30,7 @@ MAX_TOKENS = 256  # 8B profile, H100: ~1.8 engine s for the whole batch at time 
 
 
 def _start(tmp_path: Path, name: str) -> tuple[subprocess.Popen[bytes], str]:
-    proc, replicas = start_emulator(tmp_path / f"{name}.json", ["--time-scale", "1"], timeout_s=30)
+    proc, replicas = start_emulator(tmp_path / f"{name}.json", ["--time-scale", "1"], timeout_s=180)
     return proc, replicas[0]["url"]
 
 
@@ -144,7 +144,7 @@ def test_a_request_arriving_during_a_decode_burst_joins_the_next_step(tmp_path: 
     burst kept it waiting: about half of these newcomers then had a TTFT of 0.2 engine s
     against 0.012 s for the others."""
     proc, replicas = start_emulator(tmp_path / "ready.json", ["--time-scale", "10"],
-                                    timeout_s=30)
+                                    timeout_s=180)
     try:
         ttfts = asyncio.run(_newcomer_ttfts(replicas[0]["url"]))
     finally:
@@ -196,7 +196,7 @@ def test_a_cpu_tier_load_ending_during_a_decode_burst_joins_the_next_step(tmp_pa
     engine s at time scale 10; it did, 0.21 against 0.0096 engine s on an idle replica)."""
     proc, replicas = start_emulator(
         tmp_path / "ready.json", ["--time-scale", "10", "--num-gpu-blocks-override", "400",
-                                  "--num-cpu-blocks-override", "3000"], timeout_s=30)
+                                  "--num-cpu-blocks-override", "3000"], timeout_s=180)
     try:
         idle = asyncio.run(_cpu_tier_ttfts(replicas[0]["url"], False))
         busy = asyncio.run(_cpu_tier_ttfts(replicas[0]["url"], True))

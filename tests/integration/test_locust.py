@@ -21,7 +21,7 @@ SCENARIOS = ("DocumentQAUser", "MultiTurnChatUser", "TenantUser", "UniquePromptU
 
 def test_locust_scenarios_headless(tmp_path: Path) -> None:
     ready = tmp_path / "emulator.json"
-    emulator, replicas = start_emulator(ready, ["--replicas", "1", "--time-scale", "20"], timeout_s=30)
+    emulator, replicas = start_emulator(ready, ["--replicas", "1", "--time-scale", "20"], timeout_s=180)
     try:
         url = replicas[0]["url"]
         # The emulator loads its tokenizer (transformers) on the first text prompt: ~1.5 s idle,

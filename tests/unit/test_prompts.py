@@ -307,7 +307,7 @@ def test_lazy_text_chain_tokenizes_up_to_the_first_unheld_chunk(tok: PromptToken
                           held=lambda key: True) is None
 
 
-# -- rules from vLLM 0.32's chat rendering, each found by tests/engine/test_vllm_chat.py ----------
+# -- rules from vLLM 0.32's chat rendering, each found by tests/engine/test_vllm_rendering.py -----
 
 QUOTED_DEVELOPER = "{% if m.role == 'developer' %}{% endif %}"  # a template that knows the role
 

@@ -28,7 +28,7 @@ from worker.emulator.config import ConfigError, EmulatorConfig, from_args
 from worker.emulator.engine import EmulatedEngine
 from worker.emulator.openai_server import ReplicaServer
 from worker.emulator.publisher import PublisherError
-from worker.emulator.tokenizer import SharedTokenizer
+from worker.emulator.tokenizer import SharedTokenizer, TokenizerError
 
 logger = logging.getLogger(__name__)
 
@@ -57,6 +57,10 @@ class Emulator:
             for i in range(config.replicas)]
 
     async def start(self) -> None:
+        # vLLM loads its tokenizer before its server answers /health; a lazy load on the first
+        # text prompt (transformers' import plus the load, several seconds on a busy machine)
+        # outlasted the router's first-byte deadline floor and got every replica benched.
+        await self.tokenizer.get()
         for replica in self.replicas:
             port = self.config.port + replica.index if self.config.port else 0
             await replica.start(port)
@@ -79,7 +83,7 @@ async def _serve(config: EmulatorConfig) -> int:
             loop.add_signal_handler(sig, stop.set)
     try:
         await emulator.start()
-    except (OSError, PublisherError, ConfigError) as exc:
+    except (OSError, PublisherError, ConfigError, TokenizerError) as exc:
         logger.error("emulator failed to start: %s", exc)
         await emulator.stop()
         return 1

@@ -1,7 +1,8 @@
-"""The emulator's tokenizer: loaded once, lazily, off the event loop, shared by all replicas. Does I/O.
+"""The emulator's tokenizer: loaded once, off the event loop, shared by all replicas. Does I/O.
 
-Token-id prompts never touch it, so token-id fleets never pay transformers'
-import (about 1.3 s) or the tokenizer load. Text prompts are tokenized as vLLM
+Loaded before the replicas listen (``Emulator.start``), as vLLM loads its tokenizer before
+its server answers ``/health``: a first text prompt never waits for transformers' import or
+the tokenizer load. Text prompts are tokenized as vLLM
 0.33 does: completions with ``add_special_tokens`` (default True); chat through
 ``apply_chat_template(tokenize=True, add_generation_prompt=..., continue_final_message=...,
 tools=..., **chat_template_kwargs)`` without adding special tokens again.
@@ -33,7 +34,8 @@ class TokenizerError(ValueError):
 
 
 class SharedTokenizer:
-    """A transformers tokenizer loaded on first use in a worker thread."""
+    """A transformers tokenizer loaded once in a worker thread (``get``; the emulator awaits it
+    before its replicas listen)."""
 
     def __init__(self, path: str | None) -> None:
         self.path = path  # None: the default, resolved on first use
