@@ -11,7 +11,12 @@ failures seen in production. Faults (``POST /_fault {"mode": ...}``, read back w
 * ``500``: answer ``500`` with an OpenAI-shaped error at once;
 * ``hang``: accept the request and never answer (until the client gives up);
 * ``401`` / ``404``: answer as vLLM's API server does without the engine, for a request without
-  the replica's API key (``{"error": "Unauthorized"}``) or for a model it does not serve.
+  the replica's API key (``{"error": "Unauthorized"}``) or for a model it does not serve;
+* ``no-accept``: accept no new connection, as a replica whose accept backlog is full: the
+  listening socket's accept queue is filled, so the kernel drops new SYNs and a client's connect
+  pends (retransmitting) until the mode is lifted. Every open connection but the one that set
+  the mode is closed once idle, so clients must connect anew; set another mode on that same
+  (keep-alive) connection to accept again.
 
 With ``"scope": "all"`` the fault applies to every request (a stalled engine), not only to
 generation requests.
@@ -23,12 +28,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
+import select
+import socket
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
 
 import aiohttp
 from aiohttp import web
@@ -36,8 +43,51 @@ from aiohttp import web
 from router.edges.circuit_probe import PROBE_HEADER
 
 GENERATE_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
-MODES = ("pass", "500", "hang", "401", "404")
+MODES = ("pass", "500", "hang", "401", "404", "no-accept")
+BACKLOG = 128
 _HOP = frozenset({"connection", "keep-alive", "transfer-encoding", "content-length", "host"})
+
+
+class Gate:
+    """The proxy's listening socket with an accept loop that can stop (``no-accept``)."""
+
+    def __init__(self, server: web.Server, port: int) -> None:
+        self.server = server
+        self.sock = socket.create_server(("127.0.0.1", port), backlog=BACKLOG)
+        self.sock.setblocking(False)
+        self.port: int = self.sock.getsockname()[1]
+        self.fillers: list[socket.socket] = []  # connections that keep the accept queue full
+        self.task: asyncio.Task[None] | None = None
+
+    async def _accept(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            conn, _ = await loop.sock_accept(self.sock)
+            await loop.connect_accepted_socket(self.server, conn)
+
+    def open(self) -> None:
+        for filler in self.fillers:
+            filler.close()
+        self.fillers.clear()
+        self.sock.listen(BACKLOG)
+        if self.task is None or self.task.done():
+            self.task = asyncio.get_running_loop().create_task(self._accept())
+
+    def close(self) -> None:
+        """Stop accepting and fill the accept queue (a backlog of 0 holds one connection in
+        Linux) until a connect pends: the kernel then drops every new SYN."""
+        if self.task is not None:
+            self.task.cancel()
+        self.sock.listen(0)
+        for _ in range(BACKLOG):
+            filler = socket.socket()
+            filler.setblocking(False)
+            filler.connect_ex(("127.0.0.1", self.port))
+            _, writable, _ = select.select([], [filler], [], 0.2)
+            if not writable or filler.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR):
+                filler.close()  # its SYN was dropped: the queue is full
+                return
+            self.fillers.append(filler)
 
 
 class FaultProxy:
@@ -48,6 +98,7 @@ class FaultProxy:
         self.generate_requests = 0  # generation requests received, any mode
         self.probe_requests = 0  # of which the router's half-open probes (router.edges.circuit_probe)
         self.session: aiohttp.ClientSession | None = None
+        self.gate: Gate | None = None
 
     async def fault(self, request: web.Request) -> web.Response:
         if request.method == "POST":
@@ -57,9 +108,21 @@ class FaultProxy:
                 return web.json_response({"error": f"mode must be one of {MODES}, scope "
                                                    "generate or all"}, status=400)
             self.mode, self.scope = mode, scope
+            if self.gate is not None:
+                self.set_gate(request)
         return web.json_response({"mode": self.mode, "scope": self.scope,
                                   "generate_requests": self.generate_requests,
                                   "probe_requests": self.probe_requests})
+
+    def set_gate(self, request: web.Request) -> None:
+        assert self.gate is not None
+        if self.mode != "no-accept":
+            self.gate.open()
+            return
+        self.gate.close()
+        for handler in self.gate.server.connections:
+            if handler is not request.protocol:
+                handler.close()  # closed once its request is answered
 
     async def relay(self, request: web.Request) -> web.StreamResponse:
         body = await request.read()
@@ -115,15 +178,23 @@ async def _serve(args: argparse.Namespace) -> None:
     app.router.add_route("*", "/{tail:.*}", proxy.relay)
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
     await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", args.port)
-    await site.start()
-    server: Any = getattr(site, "_server", None)
-    port = server.sockets[0].getsockname()[1]
+    assert runner.server is not None
+    proxy.gate = gate = Gate(runner.server, args.port)  # not a TCPSite: its accepts can stop
+    port = gate.port
+    if proxy.mode == "no-accept":
+        gate.close()
+    else:
+        gate.open()
     if args.ready_file:
         _write_ready_file(args.ready_file, f"http://127.0.0.1:{port}")
     try:
         await asyncio.Event().wait()
     finally:
+        if gate.task is not None:
+            gate.task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await gate.task
+        gate.sock.close()
         await runner.cleanup()
 
 

@@ -51,6 +51,7 @@ from router.observability.tracing import Tracing
 from router.request.errors import (
     REQUEST_ID_HEADER,
     STATUS_CLIENT_CLOSED,
+    RouterOverloaded,
     UpstreamError,
     UpstreamTimeout,
     error_body,
@@ -83,6 +84,12 @@ SUSPECT_CAUSES: Final = frozenset({"connect_error", "connect_refused", "connect_
 COUNTED_CAUSES: Final = frozenset({"stalled", HUNG, MISSED})
 # failures that are timeouts measured on the router's loop: not counted when it ran late
 TIMED_CAUSES: Final = frozenset({"connect_timeout", "first_byte_timeout"})
+# a connect timed out by the router's late loop is tried again on the same replica without using
+# up the attempt, at most this many times a request (then 503 router_overloaded: a loop this
+# starved sheds the request rather than pile up connects)
+LATE_CONNECT_RETRIES: Final = 3
+OVERLOADED_REASON: Final = "router_overloaded"
+OVERLOADED_RETRY_AFTER_S: Final = 1
 
 
 class ProxyTicket(Protocol):
@@ -201,12 +208,17 @@ class Proxy:
         ``streamed``: the client asked for SSE (the attempt is watched by the stall detector).
         ``expected_s(replica_id)``: seconds the replica should take to the first byte, called
         after ``start_ticket`` (None: no deadline).
+        A connect timed out while the router's own loop ran late (``router_late``) is retried on
+        the same replica without using up the attempt, within the request's first-byte deadline
+        (``first_byte_timeout_s`` from ``arrival``) and ``LATE_CONNECT_RETRIES``.
         Raises ``UpstreamError`` (502) / ``UpstreamTimeout`` (504) when nothing
-        was sent to the client.
+        was sent to the client, ``RouterOverloaded`` (503, ``Retry-After``) when late connects
+        used up the late retries or the deadline.
         """
         headers = upstream_headers(request, request_id)
         attempts = list(targets[:2])
         stale_retry_used = False
+        late_retries = 0
         last_error = "no replica"
         health = self.health
         i = 0
@@ -239,7 +251,12 @@ class Proxy:
                     self.metrics.child(self.metrics.retries, "stale_connection").inc()
                     continue
                 if self.router_late(exc.cause, now):
-                    pass  # the replica may well have answered: nothing against it
+                    # the replica may well have answered: nothing against it; a connect that
+                    # never had its time is not the replica's attempt either
+                    if exc.cause == "connect_timeout":
+                        late_retries += 1
+                        self._late_connect(late_retries, arrival, request_id, rid)
+                        continue
                 elif exc.cause not in COUNTED_CAUSES:  # counted once, when found
                     if exc.cause in SUSPECT_CAUSES:
                         on_failure(rid)
@@ -285,6 +302,27 @@ class Proxy:
             return False
         self.metrics.child(self.metrics.loop_late, cause).inc()
         return True
+
+    def _late_connect(self, late_retries: int, arrival: float, request_id: str,
+                      replica_id: str) -> None:
+        """Allow the ``late_retries``-th retry of a connect the router's late loop timed out
+        (counted as ``router_upstream_retries_total{cause="router_late"}``), or raise
+        ``RouterOverloaded`` when the retries or the request's first-byte deadline
+        (``arrival``: ``time.perf_counter``) are used up."""
+        cfg = self.config
+        left_s = cfg.first_byte_timeout_s - (time.perf_counter() - arrival)
+        if late_retries <= LATE_CONNECT_RETRIES and left_s > cfg.connect_timeout_s:
+            self.metrics.child(self.metrics.retries, "router_late").inc()
+            logger.info("retrying %s on %s: the router's loop ran late over its connect",
+                        request_id, replica_id)
+            return
+        exc = RouterOverloaded(
+            f"router overloaded: its event loop ran too late to connect to replica {replica_id} "
+            f"({late_retries} connects timed out on it); retry after "
+            f"{OVERLOADED_RETRY_AFTER_S} s")
+        exc.headers["Retry-After"] = str(OVERLOADED_RETRY_AFTER_S)
+        exc.headers[REASON_HEADER] = OVERLOADED_REASON
+        raise exc
 
     def _failed(self, replica_id: str, cause: str) -> None:
         self.metrics.child(self.metrics.upstream_errors, replica_id, cause).inc()

@@ -50,6 +50,14 @@ class NoRoutableReplica(RouterError):
     status, error_type = 503, "ServiceUnavailableError"
 
 
+class RouterOverloaded(RouterError):
+    """The router's own event loop ran too late to connect to a replica in time (its loop, not
+    the replica, timed the connects out): 503 with ``Retry-After``, as Envoy's overload manager
+    answers 503 to new requests when it sheds load (``stop_accepting_requests``)."""
+
+    status, error_type = 503, "ServiceUnavailableError"
+
+
 class UpstreamError(RouterError):
     status, error_type = 502, "BadGatewayError"
 

@@ -13,14 +13,18 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import signal
 import threading
 import time
 from collections.abc import Iterator
+from http.client import HTTPConnection
 from pathlib import Path
+from typing import Final
 
 import aiohttp
 import pytest
 
+from router.edges.proxy import LATE_CONNECT_RETRIES
 from router.shared import contract as c
 from tests.helpers import (
     FAKE_REPLICA_TAIL,
@@ -30,7 +34,7 @@ from tests.helpers import (
     stop_process,
     wait_for,
 )
-from tests.integration.test_router_fleet import Router, http, prometheus_value
+from tests.integration.test_router_fleet import Router, http, prometheus_value, read_json_file
 
 pytestmark = pytest.mark.timeout(150)
 
@@ -392,3 +396,147 @@ def test_timeouts_on_a_starved_router_loop_leave_the_replicas_circuits_closed(
     assert "router_upstream_errors_total{" not in metrics, metrics
     late = prometheus_value(metrics, "router_loop_late_verdicts_total")
     assert late >= 1, (statuses, metrics)  # the starved loop did time attempts out
+
+
+SYN_SENT: Final = "02"  # the TCP state in /proc/net/tcp of a connect waiting for its SYN-ACK
+
+
+def pending_connects(port: int) -> int:
+    """Connects to 127.0.0.1:``port`` still waiting for their SYN-ACK (every process)."""
+    rows = Path("/proc/net/tcp").read_text().splitlines()[1:]
+    return sum(1 for row in rows if row.split()[2].endswith(f":{port:04X}")
+               and row.split()[3] == SYN_SENT)
+
+
+class NoAcceptProxy:
+    """``loadtest.fault_proxy`` in front of ``replica``, switched through one keep-alive
+    connection (the proxy in ``no-accept`` takes no new one)."""
+
+    def __init__(self, tmp: Path, replica: FakeReplica) -> None:
+        ready = tmp / "proxy.json"
+        self.proc = start_process([PYTHON, "-m", "loadtest.fault_proxy", "--target", replica.url,
+                                   "--ready-file", str(ready)])
+        self.url = wait_for(lambda: read_json_file(ready), 30, message="fault proxy",
+                            procs=[self.proc])["url"]
+        self.port = int(self.url.rsplit(":", 1)[1])
+        self.control = HTTPConnection("127.0.0.1", self.port, timeout=30)
+
+    def mode(self, mode: str) -> None:
+        self.control.request("POST", "/_fault", json.dumps({"mode": mode}),
+                             {"Content-Type": "application/json"})
+        answer = self.control.getresponse()
+        assert answer.status == 200 and json.loads(answer.read())["mode"] == mode
+
+    def stop(self) -> None:
+        self.control.close()
+        stop_process(self.proc)
+
+
+def stall_over_pending_connects(router: Router, proxy: NoAcceptProxy, pending: int,
+                                stop_s: float) -> None:
+    """Once ``pending`` connects of the router to ``proxy`` wait for a SYN-ACK, stop the router
+    process for ``stop_s`` (its timers all fire late when it continues)."""
+    wait_for(lambda: pending_connects(proxy.port) >= pending, 60,
+             message=f"{pending} connects pending", procs=[router.proc])
+    os.kill(router.proc.pid, signal.SIGSTOP)
+    try:
+        time.sleep(stop_s)
+    finally:
+        os.kill(router.proc.pid, signal.SIGCONT)
+
+
+def late_verdicts(router: Router) -> float:
+    return prometheus_value(router.metrics(), "router_loop_late_verdicts_total")
+
+
+# connect timeout of the routers below; the stop lasts 3 of them, so a connect pending when it
+# starts has had at most a third of its span on a running loop (the rule wants a quarter late)
+STALL_CONNECT_TIMEOUT_S = 3.0
+
+
+def stalled_router(tmp_path: Path, proxy: NoAcceptProxy) -> Router:
+    router = Router(tmp_path, [
+        "--replica", proxy.url, "--model", "m", "--panic-threshold", "0",
+        "--connect-timeout-s", str(STALL_CONNECT_TIMEOUT_S), "--static-probe-interval-s", "600"])
+    wait_for(lambda: routable(router) == 1, 30, message="the replica routable")
+    return router
+
+
+@pytest.mark.timeout(240)
+def test_a_connect_timed_out_by_a_stopped_router_is_retried_not_answered_502(
+        tmp_path: Path, replicas: list[FakeReplica]) -> None:
+    """Issue 29: with 1,000 streams a third of the requests got 502 after two connect timeouts
+    the router's starved loop made, every replica healthy. Here the one replica's fault proxy
+    accepts no connection (its accept queue full: the router's connects pend), the router is
+    stopped (SIGSTOP) for three connect timeouts and continued after the proxy accepts again:
+    the timeouts fire late. They are retried on the same replica without using up the attempt,
+    so every request is answered 200 and nothing is counted against the replica (without the
+    retry: 502, the only attempt used up)."""
+    proxy = NoAcceptProxy(tmp_path, replicas[0])
+    router = stalled_router(tmp_path, proxy)
+    body = {"model": "m", "prompt": [1, 2, 3], "max_tokens": 1}
+    answers: list[tuple[int, dict[str, str], bytes]] = []
+    try:
+        proxy.mode("no-accept")
+        clients = [threading.Thread(target=lambda: answers.append(
+            router.post("/v1/completions", body, timeout=120))) for _ in range(2)]
+        for t in clients:
+            t.start()
+        wait_for(lambda: pending_connects(proxy.port) >= 2, 60, message="connects pending")
+        os.kill(router.proc.pid, signal.SIGSTOP)
+        try:
+            time.sleep(3 * STALL_CONNECT_TIMEOUT_S)
+            proxy.mode("pass")  # accepts again: the next connect completes at once
+        finally:
+            os.kill(router.proc.pid, signal.SIGCONT)
+        for t in clients:
+            t.join(120)
+        metrics = router.metrics()
+        ready = router.ready()
+    finally:
+        output = router.stop()
+        proxy.stop()
+    assert [a[0] for a in answers] == [200, 200], (answers, output)
+    assert prometheus_value(metrics, "router_loop_late_verdicts_total") >= 2, metrics
+    assert 'router_upstream_retries_total{cause="router_late"}' in metrics, metrics
+    assert "router_upstream_errors_total{" not in metrics, metrics
+    assert all(r["circuit"] == "closed" and r["routable"] for r in ready["replicas"]), ready
+
+
+@pytest.mark.timeout(300)
+def test_a_router_whose_connects_keep_timing_out_late_answers_503_overloaded(
+        tmp_path: Path, replicas: list[FakeReplica]) -> None:
+    """When the router's loop keeps running late over a request's connects it sheds the request
+    honestly: after ``LATE_CONNECT_RETRIES`` late retries, 503 with ``Retry-After`` and the
+    reason ``router_overloaded``, never a 502 blaming the replica (whose circuit stays closed)."""
+    proxy = NoAcceptProxy(tmp_path, replicas[0])
+    router = stalled_router(tmp_path, proxy)
+    answers: list[tuple[int, dict[str, str], bytes]] = []
+    try:
+        proxy.mode("no-accept")
+        client = threading.Thread(target=lambda: answers.append(router.post(
+            "/v1/completions", {"model": "m", "prompt": [1, 2, 3], "max_tokens": 1},
+            timeout=200)))
+        client.start()
+        for stall in range(1, LATE_CONNECT_RETRIES + 2):
+            stall_over_pending_connects(router, proxy, 1, 3 * STALL_CONNECT_TIMEOUT_S)
+            # the late timeout handled before looking for the next connect (a new socket)
+            wait_for(lambda: late_verdicts(router) >= stall, 60,  # noqa: B023 (called at once)
+                     message=f"late verdict {stall}")
+        client.join(60)
+        proxy.mode("pass")
+        metrics = router.metrics()
+        ready = router.ready()
+    finally:
+        output = router.stop()
+        proxy.stop()
+    assert len(answers) == 1, output
+    status, headers, payload = answers[0]
+    assert status == 503, answers
+    assert headers["retry-after"] == "1" and headers["x-prefix-router-reason"] == "router_overloaded"
+    error = json.loads(payload)["error"]
+    assert error["type"] == "ServiceUnavailableError" and "router overloaded" in error["message"]
+    assert prometheus_value(metrics, 'router_upstream_retries_total{cause="router_late"}') == (
+        LATE_CONNECT_RETRIES), metrics
+    assert "router_upstream_errors_total{" not in metrics, metrics
+    assert all(r["circuit"] == "closed" and r["routable"] for r in ready["replicas"]), ready
