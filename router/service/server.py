@@ -114,6 +114,7 @@ from router.traffic.classes import (
 from router.traffic.gate import AdmissionEvent, AdmissionGate, AdmissionSlot
 from router.traffic.metrics import AdmissionMetrics
 from router.traffic.scheduling import FairOrder
+from router.traffic.sessions import SESSION_HEADER
 
 logger = logging.getLogger(__name__)
 
@@ -498,7 +499,8 @@ class RouterService:
             body = _with_priority(body, slot.priority)
         try:  # 2-3. the prompt's chain, the decision (among the replicas with room)
             routed = await self.router.route(spec, has_room=self._replica_has_room
-                                             if self.admission.enabled else None)
+                                             if self.admission.enabled else None,
+                                             session_id=request.headers.get(SESSION_HEADER))
         except BaseException:
             slot.release()
             raise
@@ -522,6 +524,8 @@ class RouterService:
                 streamed=spec.stream, expected_s=dispatch.expected_first_byte_s)
             status, replica_id = outcome.status, outcome.replica_id
             counted.status, counted.replica_id = status, replica_id
+            if status == 200:
+                self.router.served(routed, replica_id)
             self._observe(spec, routed, dispatch, outcome, arrival, request.get(TENANT_KEY))
             return response
         except RouterError as exc:
@@ -798,7 +802,8 @@ class RouterService:
         if target is not None:  # where the next request naming the alias would go
             spec = dataclasses.replace(spec, model=target)
         spec = await self._request_template(spec)
-        routed = await self.router.route(spec, dry_run=True)
+        routed = await self.router.route(spec, dry_run=True,
+                                         session_id=request.headers.get(SESSION_HEADER))
         d = routed.decision
         extra: dict[str, Any] = {}
         if request.query.get("token_ids") in ("1", "true") and self.tokenizer is not None:
@@ -817,6 +822,8 @@ class RouterService:
             "hit_blocks": d.hit_blocks, "hit_tokens": d.hit_blocks * self.config.block_size,
             "cpu_hit_blocks": d.hit(d.replica_id).cpu_blocks,
             "fallbacks": list(d.fallbacks), "replicas": d.details,
+            # the session's replica (x-session-id / prompt_cache_key), kept or left
+            "session_replica": routed.session_replica,
             # where each candidate's attempt would go: engine URL and DP rank (vLLM header)
             "targets": {t.replica_id: {"url": t.url, "dp_rank": t.dp_rank}
                         for t in routed.targets},

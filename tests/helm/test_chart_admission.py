@@ -52,3 +52,19 @@ def test_grafana_dashboard_shows_admission(chart: helm.Chart) -> None:
                    "router_admission_requests_total", "router_admission_wait_seconds_bucket"):
         assert series in exprs
     assert len({p["id"] for p in panels}) == len(panels)
+
+
+def test_session_affinity_values_reach_the_router(chart: helm.Chart, tmp_path: Path) -> None:
+    from router.service.config import load_config
+
+    objects = render(chart, {"router": {"sessionAffinity": {"maxSessions": 500,
+                                                            "ttlSeconds": 90}}})
+    path = tmp_path / "router.yaml"
+    path.write_text(one(objects, "ConfigMap", "-router")["data"]["router.yaml"])
+    config = load_config(["--config", str(path)], env={})
+    assert (config.session_affinity_max_sessions, config.session_affinity_ttl_s) == (500, 90)
+    assert router_config(render(chart, {}))["session_affinity_max_sessions"] == 100_000
+    for bad, where in (({"maxSessions": -1}, "maxSessions"), ({"ttlSeconds": 0}, "ttlSeconds")):
+        with pytest.raises(helm.HelmError) as info:
+            chart.render({"router": {"sessionAffinity": bad}}, name=RELEASE, namespace=NAMESPACE)
+        assert f"/router/sessionAffinity/{where}" in str(info.value)
