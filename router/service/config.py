@@ -135,7 +135,8 @@ _AT_LEAST: Final = {
                      "cold_queue_slack_tokens", "audit_families", "audit_top_k",
                      "max_idle_client_connections", "admission_max_inflight",
                      "admission_max_inflight_per_replica", "admission_max_queued_prefill_s",
-                     "admission_priority_aging_s", "session_affinity_max_sessions"), 0),
+                     "admission_priority_aging_s", "session_affinity_max_sessions",
+                     "rate_limit_requests_per_min", "rate_limit_tokens_per_min"), 0),
     "admission_max_queue_length": 1}
 _POSITIVE: Final = ("ttft_prior_tokens_per_s", "cpu_load_tokens_per_s", "cold_write_window",
                     "speculative_ttl_s", "connect_timeout_s", "first_byte_timeout_s", "stream_idle_timeout_s",
@@ -242,6 +243,9 @@ class RouterConfig:
     # session affinity (router/traffic/sessions.py): sessions remembered, 0 = off; idle expiry
     session_affinity_max_sessions: int = DEFAULT_MAX_SESSIONS
     session_affinity_ttl_s: float = DEFAULT_SESSION_TTL_S
+    # per-tenant rate limits through Redis (router/traffic/rate_limits.py); 0: none
+    rate_limit_requests_per_min: int = 0
+    rate_limit_tokens_per_min: int = 0
     config: str | None = field(default=None, compare=False)  # the YAML file this came from
 
     def policy_params(self) -> PolicyParams:
@@ -483,6 +487,11 @@ _HELP: Final = {
                                      "body's prompt_cache_key) whose replica this router "
                                      "remembers, least recently used forgotten first (0 = off)",
     "session_affinity_ttl_s": "session affinity: seconds an idle session's replica is remembered",
+    "rate_limit_requests_per_min": "requests per minute per tenant, shared by the routers "
+                                   "through Redis (429 beyond; 0 = none; the tenant file's "
+                                   "requests_per_min replaces it)",
+    "rate_limit_tokens_per_min": "prompt tokens per minute per tenant, as above (the tenant "
+                                 "file's tokens_per_min replaces it)",
     "admission_tenants_file": "admission: YAML file of each tenant's default priority_class "
                               "and fair-share weight (tenants: {NAME: {priority_class, weight}})",
 }

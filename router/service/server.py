@@ -102,6 +102,7 @@ from router.service.heap import HeapTrimmer
 from router.shared.contract import TIER_CPU
 from router.shared.hashing import BlockHasher, HashConfigError
 from router.shared.logs import REQUEST_ID, configure_logging
+from router.shared.redis_client import redis_client
 from router.shared.settings import StartupError
 from router.tools.rank_check import StaticRankCheck
 from router.traffic.admission import ReplicaLoad
@@ -113,6 +114,7 @@ from router.traffic.classes import (
 )
 from router.traffic.gate import AdmissionEvent, AdmissionGate, AdmissionSlot
 from router.traffic.metrics import AdmissionMetrics
+from router.traffic.rate_limits import TenantRateLimits
 from router.traffic.scheduling import FairOrder
 from router.traffic.sessions import SESSION_HEADER
 
@@ -166,6 +168,12 @@ class RouterService:
         self.admission_metrics = AdmissionMetrics(
             self.metrics.registry, self.admission, self.classes.names,
             per_tenant=bool(config.api_keys) and config.metrics_access == "admin")
+        self.rate_limits = TenantRateLimits(
+            config.rate_limit_requests_per_min, config.rate_limit_tokens_per_min,
+            load_tenant_file(config.admission_tenants_file) if config.admission_tenants_file
+            else {}, lambda: redis_client(config.redis_url or "", config.redis_password,
+                                          socket_connect_timeout=0.5, socket_timeout=0.5),
+            config.redis_prefix, self.metrics.registry, config.redis_url)
         # request-supplied chat templates (trusted only): rendered in a child process that is
         # killed on overrun; one thread waits on it so that no tokenizer thread ever does
         self.renderer: TemplateRenderer | None = None
@@ -494,6 +502,7 @@ class RouterService:
         """The request path: parse -> prompt chain and routing -> dispatch record -> proxy."""
         arrival = time.perf_counter()
         spec, body = await self._parse(kind, request)  # 1. parse (and a request's own template)
+        await self.rate_limits.check(request.get(TENANT_KEY) or "", _prompt_tokens(spec))  # 429
         slot = await self._admit(spec, body, request)  # admission: waits for room, or 503
         if self.config.admission_forward_priority and self.admission.enabled:
             body = _with_priority(body, slot.priority)
@@ -555,9 +564,7 @@ class RouterService:
             raise BadRequest(f"request body: {exc}") from exc
         rank = self.classes.request_rank(request.headers.get(PRIORITY_HEADER), body_priority,
                                          tenant, self.auth is not None)
-        num_tokens = (len(spec.token_ids) if spec.token_ids is not None
-                      else max(1, len(spec.fallback_text()) // 4))
-        cost_s = prefill_work_tokens(num_tokens, 0) * self.learner.estimate("").s_per_token
+        cost_s = prefill_work_tokens(_prompt_tokens(spec), 0) * self.learner.estimate("").s_per_token
         return await self.admission.admit(request[REQUEST_ID_KEY], spec.model, cost_s, rank,
                                           tenant or "")
 
@@ -886,6 +893,13 @@ def _with_priority(body: bytes, rank: int) -> bytes:
     data = msgspec.json.decode(body)
     data["priority"] = rank
     return msgspec.json.encode(data)
+
+
+def _prompt_tokens(spec: PromptSpec) -> int:
+    """The prompt's length in tokens before tokenizing: its token ids', else its text's length
+    / 4 (admission's fair-share cost, the rate limits' tokens)."""
+    return (len(spec.token_ids) if spec.token_ids is not None
+            else max(1, len(spec.fallback_text()) // 4))
 
 
 def traffic_classes(config: RouterConfig) -> PriorityClasses:
