@@ -22,7 +22,9 @@ first byte) and a ``reason`` label:
 * ``ttft_wait``, ``ttft_prefill``, ``ttft_evict``: the ``ttft`` policy chose the replica with
   the lowest predicted cost in seconds, and this term (queue wait, own prefill, or the
   recompute its KV writes cause others) made the difference to the runner-up;
-* ``round_robin``, ``least_loaded``, ``consistent_hash``: the baselines.
+* ``round_robin``, ``least_loaded``, ``consistent_hash``: the baselines;
+* ``session_affinity``: the request names a session (``router.traffic.sessions``) and its
+  replica kept it over the policy's choice (``keep_session``).
 
 The prefix policy, step by step:
 
@@ -86,6 +88,7 @@ waiting at heartbeat time minus this router's count at that same time).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -117,10 +120,12 @@ REASON_TTFT_WAIT: Final = "ttft_wait"
 REASON_TTFT_PREFILL: Final = "ttft_prefill"
 REASON_TTFT_EVICT: Final = "ttft_evict"
 REASON_TTFT_DECODE: Final = "ttft_decode"
+REASON_SESSION_AFFINITY: Final = "session_affinity"
 REASONS: Final = (REASON_PREFIX_HIT, REASON_SPECULATIVE_HIT, REASON_COLD_RING, REASON_LOAD_SPILL,
                   REASON_LOAD_BALANCE, REASON_NO_TOKENIZER_RING, REASON_ROUND_ROBIN,
                   REASON_LEAST_LOADED, REASON_CONSISTENT_HASH, REASON_TTFT_WAIT,
-                  REASON_TTFT_PREFILL, REASON_TTFT_EVICT, REASON_TTFT_DECODE)
+                  REASON_TTFT_PREFILL, REASON_TTFT_EVICT, REASON_TTFT_DECODE,
+                  REASON_SESSION_AFFINITY)
 TTFT_LOAD_HEADROOM: Final = 4  # requests above ceil(load_factor * mean) for the ttft policy's cap:
 # a safety cap, not a knob (the prefix policy's default headroom)
 DEFAULT_EVICTED_REUSE: Final = 0.5  # chance that a block evicted from a replica writing its fair
@@ -318,6 +323,45 @@ def decide(
         raise ValueError(f"unknown policy {policy!r}")
     return chosen.run(request, replicas, ring, PolicyContext(
         params, confirmed, combined, tiered, rr_counter, avg_prompt_tokens, avg_output_tokens))
+
+
+def session_replica(ring: HashRing, session_key: int, replicas: Sequence[Candidate],
+                    remembered: str | None) -> str:
+    """The replica a session belongs on: ``remembered`` (the last one that served it) when it is
+    among ``replicas``, else the ring owner of ``session_key`` among them (a session's first
+    request: every router instance picks the same replica without sharing anything)."""
+    if remembered is not None and any(r.replica_id == remembered for r in replicas):
+        return remembered
+    return _ring_order(ring, session_key, replicas)[0]
+
+
+def keep_session(decision: Decision, replicas: Sequence[Candidate], home: str,
+                 params: PolicyParams, policy: str) -> Decision:
+    """``decision`` moved to the session's replica ``home`` (reason ``session_affinity``, the
+    policy's choice first among the fallbacks) while ``home`` holds the session's prefix and is
+    not overloaded; else ``decision`` unchanged.
+
+    * Not overloaded: one more request keeps ``home`` within the bounded load cap the policies
+      use (``ceil(load_factor * mean) + headroom`` in-flight requests; the ttft policy's fixed
+      headroom for it), so a session moves off a replica the policy would spill from.
+    * Holds the prefix: no other candidate's predicted hit (GPU plus CPU tier, with this router's
+      speculative placements) exceeds ``home``'s by ``min_affinity_blocks`` (at least 1) or more. A prefix
+      no replica is known to hold (its KV events not indexed yet, or a baseline policy, which
+      scores no hits) keeps the session where it is; one the index shows elsewhere, deeper
+      (``home`` evicted it, or another replica served the session since), lets it follow.
+
+    ``home`` must be among ``replicas`` (``session_replica``)."""
+    if home == decision.replica_id:
+        return decision
+    headroom = TTFT_LOAD_HEADROOM if policy == "ttft" else params.load_headroom
+    if _over_load_cap(replicas, params.load_factor, headroom)[home]:
+        return decision
+    held, margin = decision.hit(home).total_blocks, max(1, params.min_affinity_blocks)
+    if any(decision.hit(r.replica_id).total_blocks - held >= margin for r in replicas):
+        return decision
+    fallbacks = (decision.replica_id, *(rid for rid in decision.fallbacks if rid != home))
+    return dataclasses.replace(decision, replica_id=home, reason=REASON_SESSION_AFFINITY,
+                               fallbacks=fallbacks, hit_blocks=decision.hit(home).blocks)
 
 
 def _ring_order(ring: HashRing, key: int, replicas: Sequence[Candidate]) -> list[str]:

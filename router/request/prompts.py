@@ -108,6 +108,7 @@ class PromptSpec:
     cache_salt: str | None = None
     stream: bool = False
     batch_size: int = 1
+    session_key: str | None = None  # the body's prompt_cache_key (router.traffic.sessions)
 
     def fallback_text(self) -> str:
         """Text to ring-hash when the prompt cannot be tokenized."""
@@ -126,6 +127,7 @@ class _TokenIdsCompletion(msgspec.Struct):
     cache_salt: str | None = None
     stream: bool | None = False
     add_special_tokens: bool = True  # unused for token ids, but must be a boolean
+    prompt_cache_key: str | None = None
 
 
 _TOKEN_IDS_DECODER: Final = msgspec.json.Decoder(_TokenIdsCompletion)
@@ -146,7 +148,7 @@ def parse_token_ids_completion(body: bytes) -> PromptSpec | None:
     if not parsed.prompt or (salt is not None and not 0 < len(salt) <= CACHE_SALT_MAX_CHARS):
         return None
     return PromptSpec("completion", model=parsed.model, token_ids=parsed.prompt, cache_salt=salt,
-                      stream=bool(parsed.stream))
+                      stream=bool(parsed.stream), session_key=parsed.prompt_cache_key)
 
 
 _JSON_DECODER: Final = msgspec.json.Decoder()
@@ -209,7 +211,11 @@ def parse_prompt(kind: str, body: Any) -> PromptSpec:
     stream = body.get("stream", False)
     if not isinstance(stream, bool) and stream is not None:
         raise PromptError("'stream' must be a boolean")
-    common: dict[str, Any] = {"model": model, "cache_salt": salt, "stream": bool(stream)}
+    session = body.get("prompt_cache_key")
+    if session is not None and not isinstance(session, str):
+        raise PromptError("'prompt_cache_key' must be a string")
+    common: dict[str, Any] = {"model": model, "cache_salt": salt, "stream": bool(stream),
+                              "session_key": session}
     if kind == "completion":
         add_special = body.get("add_special_tokens", True)
         if not isinstance(add_special, bool):

@@ -13,7 +13,8 @@ The steps, each one call (the shape of llm-d's indexer read path):
 4. every candidate's prefix hit depth in the index (worker-confirmed, and with the router's
    speculative placements), ``BlockIndex.hit_depths``, continued by its CPU tier,
    ``BlockIndex.tier_depths``;
-5. the policy's decision, ``router.decision.policy.decide``;
+5. the policy's decision, ``router.decision.policy.decide``, kept on the session's replica
+   for a request naming a session (``router.traffic.sessions``), ``session``;
 6. the targets in retry order, with the engine-confirmed hit there, ``targets``.
 """
 
@@ -29,7 +30,15 @@ from typing import Any
 from router.apis.lora_load import TIER_RANK, LoraPreference, prefer_loaded
 from router.decision.fleet import Fleet, Replica
 from router.decision.load import LoadTracker
-from router.decision.policy import INDEX_POLICIES, Candidate, Decision, RouteInput, decide
+from router.decision.policy import (
+    INDEX_POLICIES,
+    Candidate,
+    Decision,
+    RouteInput,
+    decide,
+    keep_session,
+    session_replica,
+)
 from router.decision.ring import text_key
 from router.decision.ttft import PrefillRateLearner
 from router.observability.metrics import RouterMetrics
@@ -39,6 +48,7 @@ from router.request.prompt_path import Lora, PromptChainer
 from router.request.prompts import PromptSpec
 from router.service.config import RouterConfig
 from router.shared.contract import BlockKey
+from router.traffic.sessions import SessionTable, session_key
 
 logger = logging.getLogger(__name__)
 
@@ -72,6 +82,8 @@ class Routed:
     lora: Lora = None
     write_window_blocks: float = 1.0
     lora_affinity: LoraPreference | None = None  # a LoRA request's replica tiers (step 1)
+    session_key: int | None = None  # the request's session (router.traffic.sessions), if any
+    session_replica: str | None = None  # where the session belonged (kept there or not)
 
 
 class RequestRouter:
@@ -91,12 +103,16 @@ class RequestRouter:
         self.uses_index = config.policy in INDEX_POLICIES
         self.rr_counter = 0  # rotates round_robin and least_loaded's ties
         self._tokenize_children: dict[tuple[str, str], Any] = {}
+        self.sessions = SessionTable(config.session_affinity_max_sessions,
+                                     config.session_affinity_ttl_s)
 
     async def route(self, spec: PromptSpec, *, dry_run: bool = False,
-                    has_room: Callable[[str], bool] | None = None) -> Routed:
-        """Route ``spec``; ``dry_run`` (``/debug/route``): hash whole, count nothing;
-        ``has_room(replica_id)``: admission's per-replica limits (only replicas with room are
-        candidates, unless none has). Raises ``ModelNotFound`` / ``NoRoutableReplica`` (step 1)
+                    has_room: Callable[[str], bool] | None = None,
+                    session_id: str | None = None) -> Routed:
+        """Route ``spec``; ``dry_run`` (``/debug/route``): hash whole, count nothing, remember
+        no session; ``has_room(replica_id)``: admission's per-replica limits (only replicas with
+        room are candidates, unless none has); ``session_id``: the ``x-session-id`` header.
+        Raises ``ModelNotFound`` / ``NoRoutableReplica`` (step 1)
         and ``PromptError`` (step 2)."""
         now = time.monotonic()
         eligible, lora, panic = self.fleet.eligible(spec.model, now)  # 1
@@ -128,11 +144,17 @@ class RequestRouter:
                                  text_key(spec.fallback_text()), tokenized=False)
         decision = self.decide(request, candidates, now, confirmed, combined,
                                len(eligible), count=not dry_run, tiered=tiered)  # 5
+        session = (session_key(session_id, spec.session_key, spec.cache_salt)
+                   if self.sessions.enabled else None)
+        home = None
+        if session is not None:
+            decision, home = self.session(decision, candidates, session, now, remember=not dry_run)
         # 6; a LoRA request's other replicas follow, by tier: a retry still has somewhere to go
         targets = [*self.targets(decision, eligible),
                    *(Target(r.replica_id, r.url, dp_rank=r.dp_rank) for r in others)]
         return Routed(decision, request.num_tokens, chain, targets, request.tokenized,
-                      prompt.complete if prompt is not None else True, lora, window, preference)
+                      prompt.complete if prompt is not None else True, lora, window, preference,
+                      session, home)
 
     async def prompt_chain(self, spec: PromptSpec, lora: Lora,
                            dry_run: bool) -> PromptChain | None:
@@ -210,6 +232,24 @@ class RequestRouter:
                              decision.replica_id, decision.reason, decision.hit_blocks,
                              decision.chain_blocks, request.num_tokens, decision.details)
         return decision
+
+    def session(self, decision: Decision, candidates: list[Candidate], key: int, now: float,
+                remember: bool) -> tuple[Decision, str]:
+        """Step 5, for a request of session ``key``: the decision kept on the session's replica
+        (the one that last served it, else its ring owner) while that one holds the session's
+        prefix and is not overloaded (``keep_session``), and that replica; ``remember``: the
+        chosen replica now serves the session."""
+        ring = self.fleet.ring(self.fleet.routable(now))
+        home = session_replica(ring, key, candidates, self.sessions.replica(key))
+        decision = keep_session(decision, candidates, home, self.params, self.config.policy)
+        if remember:
+            self.sessions.served(key, decision.replica_id)
+        return decision, home
+
+    def served(self, routed: Routed, replica_id: str) -> None:
+        """``replica_id`` answered ``routed`` (a fallback, maybe): its session lives there now."""
+        if routed.session_key is not None and replica_id != routed.decision.replica_id:
+            self.sessions.served(routed.session_key, replica_id)
 
     def targets(self, decision: Decision, eligible: Sequence[Replica]) -> list[Target]:
         """Step 6: the chosen replica, then the fallbacks, with the confirmed hit there."""

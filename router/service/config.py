@@ -41,6 +41,7 @@ from router.traffic.classes import (
     TenantTraffic,
     priority_classes,
 )
+from router.traffic.sessions import DEFAULT_MAX_SESSIONS, DEFAULT_SESSION_TTL_S
 
 LOG_LEVELS: Final = ("debug", "info", "warning", "error", "critical")
 ENV_PREFIX: Final = "ROUTER_"
@@ -134,7 +135,8 @@ _AT_LEAST: Final = {
                      "cold_queue_slack_tokens", "audit_families", "audit_top_k",
                      "max_idle_client_connections", "admission_max_inflight",
                      "admission_max_inflight_per_replica", "admission_max_queued_prefill_s",
-                     "admission_priority_aging_s"), 0),
+                     "admission_priority_aging_s", "session_affinity_max_sessions",
+                     "rate_limit_requests_per_min", "rate_limit_tokens_per_min"), 0),
     "admission_max_queue_length": 1}
 _POSITIVE: Final = ("ttft_prior_tokens_per_s", "cpu_load_tokens_per_s", "cold_write_window",
                     "speculative_ttl_s", "connect_timeout_s", "first_byte_timeout_s", "stream_idle_timeout_s",
@@ -142,7 +144,8 @@ _POSITIVE: Final = ("ttft_prior_tokens_per_s", "cpu_load_tokens_per_s", "cold_wr
                     "circuit_max_ejection_s", "stall_timeout_s", "first_byte_deadline_factor",
                     "first_byte_deadline_floor_s", "client_idle_timeout_s",
                     "client_body_timeout_s", "chat_template_timeout_s",
-                    "admission_max_queue_wait_s", "response_affinity_ttl_s")
+                    "admission_max_queue_wait_s", "response_affinity_ttl_s",
+                    "session_affinity_ttl_s")
 
 
 @dataclass(frozen=True, slots=True)
@@ -239,6 +242,12 @@ class RouterConfig:
     admission_priority_aging_s: float = DEFAULT_AGING_S  # waiting that raises a class a rank
     admission_tenants_file: str | None = None  # YAML: each tenant's default class and weight
     admission_forward_priority: bool = False  # the class rank as the body's priority (vLLM)
+    # session affinity (router/traffic/sessions.py): sessions remembered, 0 = off; idle expiry
+    session_affinity_max_sessions: int = DEFAULT_MAX_SESSIONS
+    session_affinity_ttl_s: float = DEFAULT_SESSION_TTL_S
+    # per-tenant rate limits through Redis (router/traffic/rate_limits.py); 0: none
+    rate_limit_requests_per_min: int = 0
+    rate_limit_tokens_per_min: int = 0
     config: str | None = field(default=None, compare=False)  # the YAML file this came from
 
     def policy_params(self) -> PolicyParams:
@@ -478,6 +487,15 @@ _HELP: Final = {
     "admission_forward_priority": "admission: send each request's class rank (0 = highest) to "
                                   "the engine as the body's priority, for vLLM started with "
                                   "--scheduling-policy priority (lower first); admission on only",
+    "session_affinity_max_sessions": "session affinity: sessions (x-session-id header or the "
+                                     "body's prompt_cache_key) whose replica this router "
+                                     "remembers, least recently used forgotten first (0 = off)",
+    "session_affinity_ttl_s": "session affinity: seconds an idle session's replica is remembered",
+    "rate_limit_requests_per_min": "requests per minute per tenant, shared by the routers "
+                                   "through Redis (429 beyond; 0 = none; the tenant file's "
+                                   "requests_per_min replaces it)",
+    "rate_limit_tokens_per_min": "prompt tokens per minute per tenant, as above (the tenant "
+                                 "file's tokens_per_min replaces it)",
     "admission_tenants_file": "admission: YAML file of each tenant's default priority_class "
                               "and fair-share weight (tenants: {NAME: {priority_class, weight}})",
 }

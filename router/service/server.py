@@ -108,6 +108,7 @@ from router.shared.hashing import BlockHasher, HashConfigError
 from router.shared.logs import REQUEST_ID, configure_logging
 from router.shared.messages_chat import merges_inline_system
 from router.shared.process import loop_factory, write_json_atomic
+from router.shared.redis_client import redis_client
 from router.shared.settings import StartupError
 from router.tools.rank_check import StaticRankCheck
 from router.traffic.admission import ReplicaLoad
@@ -119,7 +120,9 @@ from router.traffic.classes import (
 )
 from router.traffic.gate import AdmissionEvent, AdmissionGate, AdmissionSlot
 from router.traffic.metrics import AdmissionMetrics
+from router.traffic.rate_limits import TenantRateLimits
 from router.traffic.scheduling import FairOrder
+from router.traffic.sessions import SESSION_HEADER
 
 logger = logging.getLogger(__name__)
 
@@ -171,6 +174,12 @@ class RouterService:
         self.admission_metrics = AdmissionMetrics(
             self.metrics.registry, self.admission, self.classes.names,
             per_tenant=bool(config.api_keys) and config.metrics_access == "admin")
+        self.rate_limits = TenantRateLimits(
+            config.rate_limit_requests_per_min, config.rate_limit_tokens_per_min,
+            load_tenant_file(config.admission_tenants_file) if config.admission_tenants_file
+            else {}, lambda: redis_client(config.redis_url or "", config.redis_password,
+                                          socket_connect_timeout=0.5, socket_timeout=0.5),
+            config.redis_prefix, self.metrics.registry, config.redis_url)
         # request-supplied chat templates (trusted only): rendered in a child process that is
         # killed on overrun; one thread waits on it so that no tokenizer thread ever does
         self.renderer: TemplateRenderer | None = None
@@ -515,6 +524,7 @@ class RouterService:
         """The request path: parse -> prompt chain and routing -> dispatch record -> proxy."""
         arrival = time.perf_counter()
         spec, body = await self._parse(kind, request)  # 1. parse (and a request's own template)
+        await self.rate_limits.check(request.get(TENANT_KEY) or "", _prompt_tokens(spec))  # 429
         slot = await self._admit(spec, body, request)  # admission: waits for room, or 503
         if self.config.admission_forward_priority and self.admission.enabled:
             body = _with_priority(body, slot.priority)
@@ -524,7 +534,8 @@ class RouterService:
                 routed = await self._route_to_holder(continued.previous_response_id, spec)
             else:
                 routed = await self.router.route(spec, has_room=self._replica_has_room
-                                                 if self.admission.enabled else None)
+                                                 if self.admission.enabled else None,
+                                                 session_id=request.headers.get(SESSION_HEADER))
         except BaseException:
             slot.release()
             raise
@@ -550,6 +561,8 @@ class RouterService:
             counted.status, counted.replica_id = status, replica_id
             if continued is not None and continued.store and status == 200:
                 await self._remember_response(outcome)
+            if status == 200:
+                self.router.served(routed, replica_id)
             self._observe(spec, routed, dispatch, outcome, arrival, request.get(TENANT_KEY))
             return response
         except RouterError as exc:
@@ -579,9 +592,7 @@ class RouterService:
             raise BadRequest(f"request body: {exc}") from exc
         rank = self.classes.request_rank(request.headers.get(PRIORITY_HEADER), body_priority,
                                          tenant, self.auth is not None)
-        num_tokens = (len(spec.token_ids) if spec.token_ids is not None
-                      else max(1, len(spec.fallback_text()) // 4))
-        cost_s = prefill_work_tokens(num_tokens, 0) * self.learner.estimate("").s_per_token
+        cost_s = prefill_work_tokens(_prompt_tokens(spec), 0) * self.learner.estimate("").s_per_token
         return await self.admission.admit(request[REQUEST_ID_KEY], spec.model, cost_s, rank,
                                           tenant or "")
 
@@ -860,7 +871,8 @@ class RouterService:
             spec = dataclasses.replace(spec, model=target)
         if kind not in API_PATHS:
             spec = await self._request_template(spec)
-        routed = await self.router.route(spec, dry_run=True)
+        routed = await self.router.route(spec, dry_run=True,
+                                         session_id=request.headers.get(SESSION_HEADER))
         d = routed.decision
         extra: dict[str, Any] = {}
         if request.query.get("token_ids") in ("1", "true") and self.tokenizer is not None:
@@ -879,6 +891,8 @@ class RouterService:
             "hit_blocks": d.hit_blocks, "hit_tokens": d.hit_blocks * self.config.block_size,
             "cpu_hit_blocks": d.hit(d.replica_id).cpu_blocks,
             "fallbacks": list(d.fallbacks), "replicas": d.details,
+            # the session's replica (x-session-id / prompt_cache_key), kept or left
+            "session_replica": routed.session_replica,
             # where each candidate's attempt would go: engine URL and DP rank (vLLM header)
             "targets": {t.replica_id: {"url": t.url, "dp_rank": t.dp_rank}
                         for t in routed.targets},
@@ -946,6 +960,13 @@ def _with_priority(body: bytes, rank: int) -> bytes:
     data = msgspec.json.decode(body)
     data["priority"] = rank
     return msgspec.json.encode(data)
+
+
+def _prompt_tokens(spec: PromptSpec) -> int:
+    """The prompt's length in tokens before tokenizing: its token ids', else its text's length
+    / 4 (admission's fair-share cost, the rate limits' tokens)."""
+    return (len(spec.token_ids) if spec.token_ids is not None
+            else max(1, len(spec.fallback_text()) // 4))
 
 
 def traffic_classes(config: RouterConfig) -> PriorityClasses:

@@ -12,10 +12,12 @@ Tenant file (YAML), one entry per tenant (the API-key file's tenant names)::
 
     tenants:
       chat-app: {priority_class: interactive, weight: 3}
-      nightly-batch: {priority_class: batch}
+      nightly-batch: {priority_class: batch, requests_per_min: 600, tokens_per_min: 2000000}
 
 ``weight`` (> 0, default 1) is the tenant's share of the fleet against the other tenants of its
-class while requests wait (``router.traffic.scheduling``).
+class while requests wait (``router.traffic.scheduling``). ``requests_per_min`` and
+``tokens_per_min`` (integers >= 0; 0: none) replace the router's default rate limits for the
+tenant (``router.traffic.rate_limits``).
 """
 
 from __future__ import annotations
@@ -46,6 +48,8 @@ class TenantTraffic:
 
     priority_class: str | None = None  # None: the router's default class
     weight: float = 1.0
+    requests_per_min: int | None = None  # rate limits (router.traffic.rate_limits); None: the
+    tokens_per_min: int | None = None  # router's defaults; 0: none
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,6 +109,9 @@ class PriorityClasses:
         return max(rank, default) if authenticated else rank
 
 
+_TENANT_KEYS: Final = ("priority_class", "weight", "requests_per_min", "tokens_per_min")
+
+
 def parse_tenants(data: Any, source: str) -> dict[str, TenantTraffic]:
     """``{tenant: TenantTraffic}`` from a tenant file's parsed YAML (``{"tenants": {...}}``).
     Raises ``TenantFileError`` naming ``source`` and the bad entry."""
@@ -113,9 +120,15 @@ def parse_tenants(data: Any, source: str) -> dict[str, TenantTraffic]:
     out: dict[str, TenantTraffic] = {}
     for tenant, entry in data.get("tenants", {}).items():
         entry = entry or {}
-        if not isinstance(entry, Mapping) or set(entry) - {"priority_class", "weight"}:
-            raise TenantFileError(f"{source}: tenant {tenant!r}: expected priority_class and/or "
-                                  f"weight, got {entry!r}")
+        if not isinstance(entry, Mapping) or set(entry) - set(_TENANT_KEYS):
+            raise TenantFileError(f"{source}: tenant {tenant!r}: expected some of "
+                                  f"{', '.join(_TENANT_KEYS)}, got {entry!r}")
+        rates = {key: entry.get(key) for key in ("requests_per_min", "tokens_per_min")}
+        for key, rate in rates.items():
+            if rate is not None and (isinstance(rate, bool) or not isinstance(rate, int)
+                                     or rate < 0):
+                raise TenantFileError(f"{source}: tenant {tenant!r}: {key} must be an integer "
+                                      f">= 0, got {rate!r}")
         weight = entry.get("weight", 1.0)
         if isinstance(weight, bool) or not isinstance(weight, int | float) or not weight > 0:
             raise TenantFileError(f"{source}: tenant {tenant!r}: weight must be a number > 0, "
@@ -123,7 +136,8 @@ def parse_tenants(data: Any, source: str) -> dict[str, TenantTraffic]:
         cls = entry.get("priority_class")
         if cls is not None and not isinstance(cls, str):
             raise TenantFileError(f"{source}: tenant {tenant!r}: priority_class must be a name")
-        out[str(tenant)] = TenantTraffic(cls.strip().lower() if cls else None, float(weight))
+        out[str(tenant)] = TenantTraffic(cls.strip().lower() if cls else None, float(weight),
+                                         **rates)
     return out
 
 

@@ -6,11 +6,15 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import helm_python as helm
 import pytest
 
 from tests.helm.test_chart import NAMESPACE, RELEASE, chart, one, render, router_config
+
+if TYPE_CHECKING:
+    from router.service.config import RouterConfig
 
 __all__ = ["chart"]  # the module fixture, shared
 
@@ -52,3 +56,35 @@ def test_grafana_dashboard_shows_admission(chart: helm.Chart) -> None:
                    "router_admission_requests_total", "router_admission_wait_seconds_bucket"):
         assert series in exprs
     assert len({p["id"] for p in panels}) == len(panels)
+
+
+def _router_config(chart: helm.Chart, tmp_path: Path, router: dict[str, Any]) -> RouterConfig:
+    """The router's config loaded from the chart rendered with ``router`` values."""
+    from router.service.config import load_config
+
+    path = tmp_path / "router.yaml"
+    path.write_text(one(render(chart, {"router": router}), "ConfigMap",
+                        "-router")["data"]["router.yaml"])
+    return load_config(["--config", str(path)], env={})
+
+
+def test_session_affinity_values_reach_the_router(chart: helm.Chart, tmp_path: Path) -> None:
+    config = _router_config(chart, tmp_path, {"sessionAffinity": {"maxSessions": 500,
+                                                                  "ttlSeconds": 90}})
+    assert (config.session_affinity_max_sessions, config.session_affinity_ttl_s) == (500, 90)
+    assert router_config(render(chart, {}))["session_affinity_max_sessions"] == 100_000
+    for bad, where in (({"maxSessions": -1}, "maxSessions"), ({"ttlSeconds": 0}, "ttlSeconds")):
+        with pytest.raises(helm.HelmError) as info:
+            chart.render({"router": {"sessionAffinity": bad}}, name=RELEASE, namespace=NAMESPACE)
+        assert f"/router/sessionAffinity/{where}" in str(info.value)
+
+
+def test_rate_limit_values_reach_the_router(chart: helm.Chart, tmp_path: Path) -> None:
+    config = _router_config(chart, tmp_path, {"rateLimits": {"requestsPerMinute": 600,
+                                                             "tokensPerMinute": 200000}})
+    assert (config.rate_limit_requests_per_min, config.rate_limit_tokens_per_min) == (600, 200000)
+    assert router_config(render(chart, {}))["rate_limit_requests_per_min"] == 0  # off by default
+    with pytest.raises(helm.HelmError) as info:
+        chart.render({"router": {"rateLimits": {"tokensPerMinute": -1}}}, name=RELEASE,
+                     namespace=NAMESPACE)
+    assert "/router/rateLimits/tokensPerMinute" in str(info.value)

@@ -69,7 +69,17 @@ def test_tenant_file() -> None:
     for bad, message in (("[1]", "expected a mapping"),
                          ("tenants: {a: {weight: 0}}", "weight must be a number > 0"),
                          ("tenants: {a: {weight: yes}}", "weight must be a number > 0"),
-                         ("tenants: {a: {class: x}}", "expected priority_class and/or weight"),
+                         ("tenants: {a: {class: x}}", "expected some of priority_class, weight"),
                          ("tenants: {a: {priority_class: 3}}", "priority_class must be a name")):
         with pytest.raises(TenantFileError, match=message):
             parse_tenants(yaml.safe_load(bad), "t.yaml")
+
+
+def test_tenant_file_rate_limits() -> None:
+    tenants = parse_tenants({"tenants": {"a": {"requests_per_min": 10, "tokens_per_min": 0},
+                                         "b": {"weight": 2}}}, "t.yaml")
+    assert (tenants["a"].requests_per_min, tenants["a"].tokens_per_min) == (10, 0)
+    assert tenants["b"].requests_per_min is None  # the router's default
+    for bad in (-1, 1.5, True, "10"):
+        with pytest.raises(TenantFileError, match="requests_per_min"):
+            parse_tenants({"tenants": {"a": {"requests_per_min": bad}}}, "t.yaml")
