@@ -84,7 +84,7 @@ def test_unknown_yaml_key_names_the_closest_setting(tmp_path: Path) -> None:
     path.write_text("replicas: [http://127.0.0.1:9]\nblok_size: 32\n")
     result = run("router.cli", "serve", "--config", str(path))
     assert result.returncode == 2
-    assert result.stderr == (f"prefix-router serve: error: config file {path}: unknown key "
+    assert result.stderr == (f"prefix-router serve: error: config file {path}, line 2: unknown key "
                              "'blok_size' (did you mean block_size?)\n")
 
 
