@@ -20,7 +20,7 @@ from router.shared.kv_events import BlockRemoved, BlockStored, decode_batch
 from tests import helpers
 from tests.helpers import stop_process
 from worker.emulator.config import QWEN3_TOKENIZER_VOCAB_SIZE
-from worker.emulator.openai_server import output_text
+from worker.emulator.generation import output_text
 from worker.emulator.tokenizer import default_tokenizer_dir
 
 pytestmark = pytest.mark.timeout(120)

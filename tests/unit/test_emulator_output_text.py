@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from worker.emulator.openai_server import OUTPUT_WORDS, output_text
+from worker.emulator.generation import OUTPUT_WORDS, output_text
 
 
 def test_every_slice_is_the_words_of_its_tokens() -> None:

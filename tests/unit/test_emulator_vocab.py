@@ -9,7 +9,7 @@ import pytest
 
 from router.tools.trace_format import DEFAULT_VOCAB_HIGH, DEFAULT_VOCAB_LOW
 from worker.emulator.config import QWEN3_TOKENIZER_VOCAB_SIZE, ConfigError, from_args
-from worker.emulator.openai_server import ApiError, check_vocab
+from worker.emulator.http_checks import ApiError, check_vocab
 from worker.emulator.tokenizer import default_tokenizer_dir
 
 

@@ -1,0 +1,109 @@
+"""The Responses (``/v1/responses``) and Anthropic Messages (``/v1/messages``) handlers of an
+emulated replica: vLLM 0.33's conversions to chat (shared with the router, ``router.shared``),
+one generated sequence answered in each API's shape, and the Responses store that
+``previous_response_id`` reads. Does I/O (aiohttp).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any, Final
+
+from aiohttp import web
+
+from router.shared.messages_chat import check_messages_body, messages_to_chat
+from router.shared.responses_chat import check_responses_body, input_messages, responses_chat
+from worker.emulator.api_formats import MessagesAnswer, ResponsesAnswer
+from worker.emulator.engine import EmulatedEngine
+from worker.emulator.generation import Generation, MessagesOut, ResponsesOut
+from worker.emulator.http_checks import (
+    ApiError,
+    api_params,
+    bad_request,
+    check_length,
+    read_body,
+    resolve_model,
+)
+from worker.emulator.prompt_input import PromptInput
+
+# vLLM keeps Responses answers for ``previous_response_id`` only with this set to 1 (and never
+# drops them); the emulator keeps the last MAX_STORED_RESPONSES
+RESPONSES_STORE_ENV: Final = "VLLM_ENABLE_RESPONSES_API_STORE"
+MAX_STORED_RESPONSES: Final = 10_000
+
+
+class ApiRoutes:
+    """``handle_responses`` and ``handle_messages`` over a replica's ``Generation`` and
+    ``PromptInput``; ``engine`` answers for the LoRA adapters every rank shares."""
+
+    def __init__(self, engine: EmulatedEngine, generation: Generation,
+                 prompts: PromptInput) -> None:
+        self.engine = engine
+        self.config = engine.config
+        self.generation = generation
+        self.prompts = prompts
+        self.store_responses = os.environ.get(RESPONSES_STORE_ENV) == "1"
+        # {response id: (its chat messages, its output text)}, oldest first
+        self.responses: dict[str, tuple[list[dict[str, Any]], str]] = {}
+
+    def _with_history(self, data: dict[str, Any], messages: list[dict[str, Any]],
+                      previous: str) -> list[dict[str, Any]]:
+        """vLLM ``construct_input_messages`` with the stored turn ``previous``: 404 if unknown."""
+        stored = self.responses.get(previous)
+        if stored is None:
+            raise ApiError(404, f"Response with id '{previous}' not found.",
+                           "invalid_request_error", "response_id")
+        history = [m for m in stored[0] if m.get("role") != "system"]
+        history.append({"role": "assistant", "content": stored[1]})
+        new = input_messages(data)
+        system = new[:1] if data.get("instructions") else []
+        return system + history + new[len(system):]
+
+    async def handle_responses(self, request: web.Request) -> web.StreamResponse:
+        """vLLM's ``/v1/responses`` for text answers; with ``VLLM_ENABLE_RESPONSES_API_STORE=1``
+        answers are kept for ``previous_response_id`` (an unknown id is a 404, as in vLLM)."""
+        data = await read_body(request)
+        model, lora = resolve_model(self.config, self.engine.lora_paths, data)
+        try:
+            chat = responses_chat(check_responses_body(data))
+        except ValueError as exc:
+            raise bad_request(str(exc), "input") from exc
+        messages = chat["messages"]
+        previous = data.get("previous_response_id")
+        if previous is not None:
+            messages = self._with_history(data, messages, previous)
+        stream = bool(data.get("stream"))
+        params = api_params(data.get("max_output_tokens"), stream, data.get("cache_salt"))
+        prompt = await self.prompts.api_prompt(messages, chat["options"])
+        answer = ResponsesOut(ResponsesAnswer(
+            data, model, int(time.time()),
+            check_length(self.config, len(prompt), params.max_tokens)))
+        response, text = await self.generation.answer_api(request, prompt, params, lora,
+                                                          answer.answer.id, answer)
+        if self.store_responses and data.get("store") is not False:
+            self.responses[answer.answer.id] = (messages, text)
+            while len(self.responses) > MAX_STORED_RESPONSES:
+                del self.responses[next(iter(self.responses))]
+        return response
+
+    async def handle_messages(self, request: web.Request) -> web.StreamResponse:
+        """vLLM's ``/v1/messages`` (Anthropic Messages) for text answers."""
+        data = await read_body(request)
+        model, lora = resolve_model(self.config, self.engine.lora_paths, data)
+        merge_inline_system = await self.prompts.merge_inline_system()
+        try:
+            chat = messages_to_chat(check_messages_body(data),
+                                    merge_inline_system=merge_inline_system)
+        except ValueError as exc:
+            raise bad_request(str(exc), "messages") from exc
+        options = {k: v for k, v in chat.items() if k != "messages"}
+        if "tools" in options:
+            options["tool_dicts"] = options.pop("tools")
+        params = api_params(data.get("max_tokens"), bool(data.get("stream")),
+                            data.get("cache_salt"))
+        prompt = await self.prompts.api_prompt(chat["messages"], options)
+        answer = MessagesOut(MessagesAnswer(model), self.config.enable_prompt_tokens_details)
+        response, _ = await self.generation.answer_api(request, prompt, params, lora,
+                                                       answer.answer.id, answer)
+        return response
