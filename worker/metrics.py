@@ -9,13 +9,19 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from router.shared.contract import HashVerified
+from worker.block_keys import KEY_MODE_RECOMPUTED
 from worker.event_filter import KNOWN_MEDIUMS, MEDIUM_GPU, OTHER_MEDIUM
+
+if TYPE_CHECKING:
+    from worker.report import Worker
 
 logger = logging.getLogger(__name__)
 
@@ -140,6 +146,51 @@ class WorkerCollector(Collector):
             yield CounterMetricFamily(name, doc, value=getattr(snap, attr))
         for name, attr, doc in _GAUGES:
             yield GaugeMetricFamily(name, doc, value=getattr(snap, attr))
+
+
+def worker_snapshot(worker: Worker) -> WorkerSnapshot:
+    """The counters of ``worker`` (its subscriber, view, writer, heartbeat, event filter and
+    hash check) as the metrics report them, read at scrape time."""
+    sub = worker.subscriber.stats if worker.subscriber is not None else None
+    stats, wstats = worker.view.stats, worker.writer.stats
+    return WorkerSnapshot(
+        events=dict(stats.events),
+        events_by_medium=dict(stats.events_by_tier),
+        skipped_events={reason: count + stats.skipped[reason]
+                        for reason, count in worker.event_filter.skipped_by_reason()},
+        skipped_tier_events=dict(worker.event_filter.skipped_tiers),
+        num_messages=sub.num_messages if sub else 0,
+        num_malformed=sub.num_malformed if sub else 0,
+        num_refused_batches=sub.num_refused if sub else 0,
+        num_publisher_disconnects=sub.num_disconnects if sub else 0,
+        redis_oom=int(worker.writer.oom),
+        num_bad_events=stats.num_bad_events,
+        num_seq_gaps=sub.num_gaps if sub else 0,
+        num_replays=sub.num_replays if sub else 0,
+        num_replay_failures=sub.num_replay_failures if sub else 0,
+        num_engine_restarts=sub.num_restarts if sub else 0,
+        num_epoch_resets=stats.num_epoch_resets,
+        num_redis_errors=wstats.num_errors + worker.heartbeat.num_redis_errors,
+        num_redis_transactions=wstats.num_transactions,
+        num_redis_rewrites=wstats.num_rewrites,
+        num_keys_written=wstats.num_keys,
+        num_heartbeats=worker.heartbeat.num_beats,
+        num_engine_errors=worker.heartbeat.num_engine_errors,
+        num_unknown_removals=worker.view.num_unknown_removals,
+        num_unknown_depth_blocks=stats.num_unknown_depth_blocks,
+        num_probes=worker.hash_check.num_probes,
+        resident_blocks=len(worker.view.blocks),
+        resident_cpu_blocks=len(worker.view.cpu_blocks),
+        pending_changes=worker.writer.num_pending,
+        epoch=worker.view.epoch,
+        seq=worker.view.seq,
+        hash_verified={HashVerified.VERIFIED: 1, HashVerified.MISMATCH: 0}.get(
+            worker.hash_check.hash_verified, -1),
+        key_mode_recomputed=int(worker.view.key_mode == KEY_MODE_RECOMPUTED),
+        engine_up=int(worker.heartbeat.engine_up),
+        redis_up=int(worker.writer.connected),
+        event_lag_s=worker.event_lag_s,
+    )
 
 
 def make_registry(snapshot: Callable[[], WorkerSnapshot]) -> CollectorRegistry:

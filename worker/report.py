@@ -28,7 +28,7 @@ from typing import Final, TypeVar
 import aiohttp
 import redis.asyncio as aioredis
 
-from router.shared.contract import HEARTBEAT_TTL_S, OP_CLEARED, TIERS, HashVerified
+from router.shared.contract import HEARTBEAT_TTL_S, OP_CLEARED, TIERS
 from router.shared.hashing import BlockHasher, HashConfigError
 from router.shared.kv_event_sources import (
     AUTO_ENDPOINT,
@@ -37,55 +37,32 @@ from router.shared.kv_event_sources import (
     offset_sources,
     parse_kv_event_sources,
 )
-from router.shared.kv_events import (
-    AllBlocksCleared,
-    BlockRemoved,
-    BlockShape,
-    BlockStored,
-    KVEventBatch,
-    count_blocks,
-)
+from router.shared.kv_events import KVEventBatch
 from router.shared.logs import IntervalLog, configure_logging
 from router.shared.process import loop_factory
 from router.shared.redis_client import reconnect_retry, redis_client
 from router.shared.settings import StartupError
-from worker.block_keys import KEY_MODE_RECOMPUTED, EngineKeys, RecomputedKeys
+from worker.block_keys import KEY_MODE_RECOMPUTED, RecomputedKeys
+from worker.capacity_guard import check_capacity, precheck
 from worker.event_filter import EventFilter, parse_kv_tiers
+from worker.hash_check import HashCheck
 from worker.heartbeat import EngineClient, EngineLoad, EngineModels, EngineUnreachable, Heartbeat
-from worker.metrics import WorkerSnapshot, make_registry, start_metrics_server
-from worker.probe import PROBE_TIMEOUT_S, ProbeCatcher, judge, probe_tokens
+from worker.metrics import WorkerSnapshot, make_registry, start_metrics_server, worker_snapshot
 from worker.redis_writer import REDIS_ERRORS, RedisWriter, StoredState
 from worker.replica_view import NO_SEQ, Change, ReplicaView
 from worker.report_config import ConfigError, WorkerConfig, load_config
-from worker.subscriber import BatchRefused, KVEventSubscriber, max_message_bytes
+from worker.subscriber import KVEventSubscriber, max_message_bytes
 
 logger = logging.getLogger(__name__)
 
 SOURCES_RETRY_MAX_S: Final = 5.0  # longest wait between asks of an engine still starting
 ENGINE_WAIT_S: Final = 10.0  # wait this long for the engine's cache config before subscribing
-PROBE_RETRY_S: Final = 2.0
 SHUTDOWN_FLUSH_S: Final = 2.0
 DEREGISTER_TIMEOUT_S: Final = 2.0  # a Redis that does not answer at shutdown: expiry does it
 
 T = TypeVar("T")
 
 
-
-def resident_after(num_resident: int, events: Sequence[object]) -> int:
-    """GPU-tier blocks resident after ``events``, from ``num_resident`` before them: a store adds
-    its blocks, an eviction takes them off, an ``AllBlocksCleared`` empties the cache (vLLM
-    publishes it with the next step's batch, so the stores after it in the same batch start
-    from nothing). Counts blocks, not distinct keys: a real engine's count never exceeds its
-    ``num_gpu_blocks``, and the view's distinct keys never exceed the engine's count."""
-    num = num_resident
-    for event in events:
-        if isinstance(event, AllBlocksCleared):
-            num = 0
-        elif isinstance(event, BlockStored) and event.medium in (None, "GPU"):
-            num += len(event.block_hashes)
-        elif isinstance(event, BlockRemoved) and event.medium in (None, "GPU"):
-            num -= len(event.block_hashes)
-    return num
 
 class Stopped(Exception):
     """The stop signal arrived before the awaited start-up step finished."""
@@ -108,13 +85,6 @@ async def unless_stopped(awaitable: Awaitable[T], stop: asyncio.Event) -> T:
     return task.result()
 
 
-# payload bytes from which a batch's blocks are counted before it is decoded: a legitimate
-# step's batch is tens of KB (8,192 tokens of 16-token blocks: about 40 KB) and a smaller one
-# builds at most a few MB of hashes before ``_check_capacity`` refuses it (the count costs about
-# as much as the lazy decode, so the usual batch skips it)
-PRECHECK_MIN_BYTES: Final = 256 * 1024
-
-
 class Worker:
     """One replica's sidecar. ``apply``/``resync`` are the subscriber's sink (synchronous, cheap)."""
 
@@ -132,15 +102,12 @@ class Worker:
                                    url=config.url, fields=self._heartbeat_fields,
                                    on_engine=self._on_engine)
         self.subscriber: KVEventSubscriber | None = None
-        self.hash_verified = HashVerified.UNKNOWN
-        self.num_probes = 0
+        self.hash_check = HashCheck(self)
         self.engine_block_size: int | None = None
         self.engine_hash_algo: str | None = None
         self.lora_paths: dict[str, str] = {}  # {lora_name: lora_path} from the engine's /v1/models
         self.event_lag_s = 0.0
         self.engine_known = asyncio.Event()
-        self._probe_wanted = asyncio.Event()
-        self._catcher: ProbeCatcher | None = None
         self._writer_task: asyncio.Task[None] | None = None
         self._heartbeat_task: asyncio.Task[None] | None = None
         self._subscriber_task: asyncio.Task[None] | None = None
@@ -156,85 +123,39 @@ class Worker:
         would leave more GPU blocks resident than the engine's KV cache holds."""
         epoch = self.view.epoch
         batch = self.filtered(batch)
-        self._check_capacity(batch)
+        check_capacity(len(self.view.blocks), batch.events, self._capacity())
         for change in self.view.apply_batch(seq, batch):
             self.writer.enqueue(change)
         self.writer.advance(self.view.epoch, seq)
         self.event_lag_s = max(0.0, time.time() - batch.ts)
-        catcher = self._catcher
-        if catcher is not None:
-            for event in batch.events:
-                if isinstance(event, BlockStored):
-                    catcher.observe(event)
+        self.hash_check.observe(batch)
         if self.view.epoch != epoch:
             self._epoch_changed()
 
     def precheck(self, payload: bytes) -> None:
-        """Raise ``BatchRefused`` for a batch payload whose GPU-tier stores net of its GPU-tier
-        evictions exceed the engine's whole KV capacity (``num_gpu_blocks``): impossible from
-        any state, so refused before the decode, its block hashes and token ids never built
-        (a 2,000,000-block batch fits under a 500,000-block engine's ``MAXMSGSIZE``). Counted
-        from the msgpack array headers (``count_blocks``), over the events ``filtered`` keeps;
-        the state-dependent ``_check_capacity`` follows the decode."""
-        capacity = self._capacity()
-        # every block hash takes a byte at least: a payload this small cannot be impossible;
-        # below PRECHECK_MIN_BYTES the decode is cheap and ``_check_capacity`` refuses it after
-        if not capacity or len(payload) <= max(capacity, PRECHECK_MIN_BYTES):
-            return
-        # the stores first (cheap: removals skipped), the removals only when they matter
-        delta = self._gpu_delta(count_blocks(payload, removals=False))
-        if delta > capacity:
-            delta = self._gpu_delta(count_blocks(payload))
-        if delta > capacity:
-            raise BatchRefused(f"{delta:+d} resident blocks exceed the engine's whole KV "
-                               f"capacity of {capacity} blocks (refused before decoding)")
-
-    def _gpu_delta(self, counted: tuple[int | None, dict[BlockShape, int]] | None) -> int:
-        """GPU-tier blocks stored minus removed by the events ``filtered`` would keep (0 for a
-        payload that is not a batch: the decode counts it as malformed)."""
-        if counted is None:
-            return 0
-        rank, counts = counted
-        event_filter = self.event_filter
-        event_filter.block_size = self.config.block_size or self.engine_block_size
-        delta = 0
-        for (stored, block_size, medium, group_idx), num_blocks in counts.items():
-            if (medium or "GPU") == "GPU" and event_filter.skip_reason(
-                    stored, medium, group_idx, block_size, rank) is None:
-                delta += num_blocks if stored else -num_blocks
-        return delta
+        """The subscriber's check before a payload is decoded (``capacity_guard.precheck``)."""
+        self._set_block_size()
+        precheck(payload, self._capacity(), self.event_filter)
 
     def _capacity(self) -> int | None:
         """The engine's ``num_gpu_blocks`` (None: not known yet)."""
         load = self.heartbeat.load
         return load.num_gpu_blocks if load is not None else None
 
-    def _check_capacity(self, batch: KVEventBatch) -> None:
-        """Raise ``BatchRefused`` when ``batch`` would leave more GPU-tier blocks resident than
-        the engine has (``num_gpu_blocks`` of ``vllm:cache_config_info``): vLLM's ``BlockPool``
-        cannot hold more, so such a batch is not the engine's (a rogue or broken publisher) and
-        none of it may reach Redis. A store counts each block, an eviction takes one off; the
-        view holds at most as many distinct keys as the engine holds blocks."""
-        capacity = self._capacity()
-        if not capacity:
-            return
-        num_after = resident_after(len(self.view.blocks), batch.events)
-        if num_after > capacity:
-            raise BatchRefused(f"{len(self.view.blocks)} resident blocks would become "
-                               f"{num_after}, over the engine's KV capacity of {capacity} blocks")
+    def _set_block_size(self) -> None:
+        self.event_filter.block_size = self.config.block_size or self.engine_block_size
 
     def filtered(self, batch: KVEventBatch) -> KVEventBatch:
         """``batch`` without the events the index cannot use (other tiers, block sizes, ...; ``EventFilter``)."""
-        event_filter = self.event_filter
-        event_filter.block_size = self.config.block_size or self.engine_block_size
-        return event_filter.apply(batch)
+        self._set_block_size()
+        return self.event_filter.apply(batch)
 
     def resync(self, reason: str) -> None:
         self.writer.enqueue(self.view.reset(reason))
         self._epoch_changed()
 
     def _epoch_changed(self) -> None:
-        self._probe_wanted.set()
+        self.hash_check.want()
         self.heartbeat.wake.set()
 
     def _on_redis_recovered(self) -> Change:
@@ -281,110 +202,12 @@ class Worker:
             fingerprint = ""
         return {
             "seed_fingerprint": fingerprint,
-            "hash_verified": self.hash_verified,
+            "hash_verified": self.hash_check.hash_verified,
             "key_mode": self.view.key_mode,
             "num_blocks": len(self.view.blocks),
             "index_stride": self.view.index_stride,
             "kv_tiers": ",".join(t for t in TIERS if t in self.event_filter.tiers),
         }
-
-    # -- probe ---------------------------------------------------------------------
-
-    async def probe_loop(self) -> None:
-        """Probe at start and after every epoch change; retry while the engine is away."""
-        self._probe_wanted.set()
-        while True:
-            await self._probe_wanted.wait()
-            self._probe_wanted.clear()
-            try:
-                await self.engine_known.wait()
-                await self.probe_once()
-            except asyncio.CancelledError:
-                raise
-            except EngineUnreachable as exc:
-                logger.warning("hash probe failed (%s); retrying in %.0fs", exc, PROBE_RETRY_S)
-                await asyncio.sleep(PROBE_RETRY_S)
-                self._probe_wanted.set()
-            except Exception:
-                logger.exception("hash probe failed unexpectedly")
-            finally:
-                self._catcher = None
-
-    async def probe_once(self) -> None:
-        """Send the probe completion, catch its ``BlockStored``, publish the verdict."""
-        try:
-            hasher = self.hasher()
-        except HashConfigError as exc:
-            logger.error("cannot reproduce the engine's block hashes: %s", exc)
-            self.hash_verified = HashVerified.MISMATCH
-            return
-        models = self.heartbeat.models
-        if models is None or not models.models:
-            raise EngineUnreachable("engine serves no models yet")
-        tokens = probe_tokens(self.engine_block_size or hasher.block_size)
-        catcher = ProbeCatcher(tokens, self.engine_block_size or hasher.block_size)
-        self._catcher = catcher
-        await self.engine.complete(models.models[0], tokens, PROBE_TIMEOUT_S)
-        try:
-            await asyncio.wait_for(catcher.done.wait(), PROBE_TIMEOUT_S)
-        except TimeoutError:
-            logger.error("hash probe: no BlockStored for the probe prompt within %.0fs (are KV "
-                         "events enabled on the engine, and does it bind its endpoint, e.g. "
-                         "tcp://*:5557? vLLM connects instead for a concrete host, and so does "
-                         "this worker, so no events flow)", PROBE_TIMEOUT_S)
-            return
-        verdict = judge(catcher, hasher)
-        self.num_probes += 1
-        self.hash_verified = HashVerified.VERIFIED if verdict.verified else HashVerified.MISMATCH
-        if verdict.verified:
-            # what was checked: the engine's hashes against this worker's hasher, whose
-            # settings are the routers' only where they are configured here
-            given = [name for name, value in (("block size", self.config.block_size),
-                                              ("hash algo", self.config.hash_algo),
-                                              ("hash seed", self.config.hash_seed)) if value]
-            logger.info("hash probe: engine block hashes match this worker's hasher (%s, block "
-                        "size %d, seed fingerprint %s; %s); routers with other settings report "
-                        "this replica as config_mismatch", hasher.hash_algo, hasher.block_size,
-                        hasher.seed_fingerprint,
-                        f"{', '.join(given)} set for this worker" if given else
-                        "the engine's own settings: none of block size, hash algo, hash seed "
-                        "set for this worker")
-            if self.view.key_mode != EngineKeys.mode:
-                await self._switch(EngineKeys(), "engine hashes verified: back to key_mode=engine")
-        else:
-            logger.error("hash probe: engine block hashes DIFFER from the routers' (likely cause: %s); "
-                         "re-computing keys from token_ids (key_mode=recomputed)", verdict.cause)
-            current = self.view.mapper
-            same = (isinstance(current, RecomputedKeys)
-                    and (current.hasher.block_size, current.hasher.hash_algo, current.hasher.seed)
-                    == (hasher.block_size, hasher.hash_algo, hasher.seed))
-            if not same:
-                await self._switch(RecomputedKeys(hasher, self.lora_paths.get),
-                             f"hash mismatch ({verdict.cause}): key_mode=recomputed")
-        self.heartbeat.wake.set()
-
-    async def _switch(self, mapper: EngineKeys | RecomputedKeys, reason: str) -> None:
-        """Re-key the replica's set under ``mapper`` from the engine's replay buffer.
-
-        The engine keeps its cached blocks across the switch, so the set is rebuilt from
-        the history the engine still buffers and published whole under the next epoch
-        (one Redis change) rather than emptied. A mode switch needs no new probe.
-        """
-        fresh = self.view.rekeyed(mapper, reason)
-
-        def swap(covered: bool) -> None:
-            if not covered:
-                logger.warning("key mode switch: the engine's replay did not complete; %d "
-                               "blocks re-keyed, the rest appears as the engine stores it again",
-                               len(fresh.blocks))
-            self.view = fresh
-            self.writer.enqueue(fresh.publish_whole())
-
-        if self.subscriber is None:
-            swap(True)
-        else:
-            await self.subscriber.rebuild(_Rekeying(self, fresh), f"key mode switch: {reason}", swap)
-        self.heartbeat.wake.set()
 
     # -- life cycle ----------------------------------------------------------------
 
@@ -443,45 +266,7 @@ class Worker:
         return True
 
     def snapshot(self) -> WorkerSnapshot:
-        sub = self.subscriber.stats if self.subscriber is not None else None
-        stats, wstats = self.view.stats, self.writer.stats
-        return WorkerSnapshot(
-            events=dict(stats.events),
-            events_by_medium=dict(stats.events_by_tier),
-            skipped_events={reason: count + stats.skipped[reason]
-                            for reason, count in self.event_filter.skipped_by_reason()},
-            skipped_tier_events=dict(self.event_filter.skipped_tiers),
-            num_messages=sub.num_messages if sub else 0,
-            num_malformed=sub.num_malformed if sub else 0,
-            num_refused_batches=sub.num_refused if sub else 0,
-            num_publisher_disconnects=sub.num_disconnects if sub else 0,
-            redis_oom=int(self.writer.oom),
-            num_bad_events=stats.num_bad_events,
-            num_seq_gaps=sub.num_gaps if sub else 0,
-            num_replays=sub.num_replays if sub else 0,
-            num_replay_failures=sub.num_replay_failures if sub else 0,
-            num_engine_restarts=sub.num_restarts if sub else 0,
-            num_epoch_resets=stats.num_epoch_resets,
-            num_redis_errors=wstats.num_errors + self.heartbeat.num_redis_errors,
-            num_redis_transactions=wstats.num_transactions,
-            num_redis_rewrites=wstats.num_rewrites,
-            num_keys_written=wstats.num_keys,
-            num_heartbeats=self.heartbeat.num_beats,
-            num_engine_errors=self.heartbeat.num_engine_errors,
-            num_unknown_removals=self.view.num_unknown_removals,
-            num_unknown_depth_blocks=stats.num_unknown_depth_blocks,
-            num_probes=self.num_probes,
-            resident_blocks=len(self.view.blocks),
-            resident_cpu_blocks=len(self.view.cpu_blocks),
-            pending_changes=self.writer.num_pending,
-            epoch=self.view.epoch,
-            seq=self.view.seq,
-            hash_verified={HashVerified.VERIFIED: 1, HashVerified.MISMATCH: 0}.get(self.hash_verified, -1),
-            key_mode_recomputed=int(self.view.key_mode == KEY_MODE_RECOMPUTED),
-            engine_up=int(self.heartbeat.engine_up),
-            redis_up=int(self.writer.connected),
-            event_lag_s=self.event_lag_s,
-        )
+        return worker_snapshot(self)
 
     async def run(self, stop: asyncio.Event) -> None:
         """Run until ``stop`` is set; then flush what is queued and return. A stop during
@@ -561,23 +346,8 @@ class Worker:
                     f"continuing from seq {self.view.seq}" if replay_from_state else "fresh start")
         self._writer_task = asyncio.create_task(self.writer.run())
         self._subscriber_task = asyncio.create_task(self.subscriber.run())
-        self._probe_task = asyncio.create_task(self.probe_loop())
+        self._probe_task = asyncio.create_task(self.hash_check.run())
         self.starting = ""
-
-
-class _Rekeying:
-    """The subscriber's sink while a key-mode switch replays the engine's history into a
-    fresh view: changes stay in the view (published whole at the end), nothing reaches Redis."""
-
-    def __init__(self, worker: Worker, view: ReplicaView) -> None:
-        self.worker = worker
-        self.view = view
-
-    def apply(self, seq: int, batch: KVEventBatch) -> None:
-        self.view.apply_batch(seq, self.worker.filtered(batch))
-
-    def resync(self, reason: str) -> None:
-        self.view.reset(reason)
 
 
 async def discover_sources(engine: EngineClient) -> list[RankSource]:

@@ -181,7 +181,7 @@ def test_resident_after_counts_from_nothing_after_all_blocks_cleared() -> None:
     not 66 (the capacity check refused such a batch, so the worker's set never followed a reset
     on a full engine)."""
     from router.shared.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
-    from worker.report import resident_after
+    from worker.capacity_guard import resident_after
 
     def store(n: int, medium: str | None = "GPU") -> BlockStored:
         return BlockStored(block_hashes=list(range(n)), parent_block_hash=None,
