@@ -93,8 +93,14 @@ import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Any, Final
+from typing import Final
 
+from router.decision.details import (
+    TTFT_COST_TERMS,
+    CandidateDetails,
+    CandidateView,
+    TtftTerms,
+)
 from router.decision.ring import HashRing
 from router.decision.ttft import (
     DEFAULT_CPU_LOAD_TOKENS_PER_S,
@@ -274,7 +280,7 @@ class Decision:
     fallbacks: tuple[str, ...]  # other eligible replicas, best first
     hit_blocks: int  # predicted hit on the chosen replica (capped at vLLM's max hit)
     chain_blocks: int
-    details: dict[str, dict[str, Any]] = field(default_factory=dict)  # {replica_id: numbers}
+    details: Mapping[str, CandidateDetails] = field(default_factory=dict)  # {replica_id: view}
     hits: Mapping[str, HitDepth] = field(default_factory=dict)  # {replica_id: hit depth}
     predictions: Mapping[str, TtftPrediction] = field(default_factory=dict)  # ttft policy only
 
@@ -454,7 +460,7 @@ def _over_load_cap(replicas: Sequence[Candidate], load_factor: float,
     return {r.replica_id: r.load + 1 > cap_load for r in replicas}
 
 
-def _view_details(r: Candidate, hits: _Hits, rid: str, over: bool) -> dict[str, Any]:
+def _view_details(r: Candidate, hits: _Hits, rid: str, over: bool) -> CandidateView:
     """What ``Decision.details`` shows of every candidate, whatever the index policy."""
     return {
         "confirmed_hit_blocks": hits.conf[rid],
@@ -555,7 +561,7 @@ def _prefix(
 
     rest = sorted((rid for rid in order if rid != chosen),
                   key=lambda rid: (over[rid], cost[rid], preference(rid)))
-    details = {
+    details: dict[str, CandidateDetails] = {
         rid: {
             **_view_details(by_id[rid], hits, rid, over[rid]),
             "effective_hit_blocks": round(depth[rid], 2),
@@ -597,7 +603,7 @@ def _ttft(
     total_writes = sum(r.recent_write_blocks for r in replicas)
     waiting_behind = sum(r.queued_requests for r in replicas) / len(replicas)  # L
     prompt_blocks = request.num_tokens // size
-    terms: dict[str, dict[str, float]] = {}
+    terms: dict[str, TtftTerms] = {}
     for rid in order:
         r = by_id[rid]
         s_per_token = r.s_per_token or prior_s_per_token
@@ -644,8 +650,7 @@ def _ttft(
             reason = REASON_COLD_RING  # nothing tells them apart: ring order decided
         else:
             runner_up = terms[min(others, key=cost)]
-            gains = {term: runner_up[term] - terms[chosen][term]
-                     for term in ("wait_s", "prefill_s", "delay_s", "evict_s", "decode_s")}
+            gains = {term: runner_up[term] - terms[chosen][term] for term in TTFT_COST_TERMS}
             # the delay others suffer is the same work as the own prefill, weighted by the queue
             gains["prefill_s"] += gains.pop("delay_s")
             reason = {"wait_s": REASON_TTFT_WAIT, "prefill_s": REASON_TTFT_PREFILL,
@@ -653,7 +658,7 @@ def _ttft(
                 max(gains, key=lambda t: gains[t])]
 
     rest = sorted((rid for rid in order if rid != chosen), key=lambda rid: (over[rid], cost(rid)))
-    details = {
+    details: dict[str, CandidateDetails] = {
         rid: {**_view_details(by_id[rid], hits, rid, over[rid]), **terms[rid]}
         for rid in order
     }

@@ -45,8 +45,10 @@ FAMILY_ID_CONTEXT: Final = b"prefix-router audit family id v1\x00"  # the templa
 CLIENT_SALT_POLICIES: Final = ("override", "reject")
 DEBUG_ACCESS: Final = ("admin", "tenant")  # who may call /debug/* when keys are on
 METRICS_ACCESS: Final = ("open", "admin")  # who may scrape /metrics when keys are on
-TENANT_KEY: Final = "tenant"  # request[...] slot of the authenticated tenant
-ADMIN_KEY: Final = "tenant_is_admin"
+# the request's slots of the authenticated tenant's name and its admin flag (typed keys:
+# ``request.get(TENANT_KEY)`` is ``str | None``; a plain "tenant" string would not find it)
+TENANT_KEY: Final = web.RequestKey("tenant", str)
+ADMIN_KEY: Final = web.RequestKey("tenant_is_admin", bool)
 OPEN_PATHS: Final = frozenset({"/health", "/ready"})  # probes of the kubelet: never need a key
 _HASH_RE: Final = re.compile(r"sha256:([0-9a-f]{64})")
 _TENANT_RE: Final = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,127}")
@@ -215,7 +217,7 @@ class TenantAuth:
         return salt
 
     def authenticate(self, request: web.Request) -> None:
-        """Set ``request["tenant"]`` (and the admin flag) or raise ``Unauthorized`` /
+        """Set ``request[TENANT_KEY]`` (and ``ADMIN_KEY``) or raise ``Unauthorized`` /
         ``Forbidden``. Open paths pass without a key; ``/metrics`` too unless restricted."""
         path = request.path
         if path in OPEN_PATHS or (path == "/metrics" and not self.restrict_metrics):

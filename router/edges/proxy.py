@@ -45,6 +45,7 @@ from multidict import CIMultiDict, CIMultiDictProxy
 
 from router.apis.error_shapes import SSE_ERROR_EVENTS
 from router.decision.health import HUNG, MISSED, ReplicaHealth
+from router.edges.auth import TENANT_KEY
 from router.observability.loop_lag import LoopLag
 from router.observability.metrics import RouterMetrics
 from router.observability.tracing import Tracing
@@ -147,7 +148,7 @@ def upstream_headers(request: web.Request, request_id: str) -> CIMultiDict[str]:
     it."""
     headers: CIMultiDict[str] = CIMultiDict()
     # a key the router checked itself (router/auth.py) is the client's secret: it stays here
-    authenticated = request.get("tenant") is not None
+    authenticated = request.get(TENANT_KEY) is not None
     dropped = hop_by_hop(request.headers)
     for name, value in request.headers.items():
         lower = name.lower()

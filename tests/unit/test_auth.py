@@ -78,3 +78,26 @@ def test_auth_cli_makes_keys_the_store_accepts(tmp_path: Path,
     key = key_line.rsplit(" ", 1)[1]
     (tmp_path / "keys").write_text(file_line + "\n")
     assert KeyStore(str(tmp_path / "keys")).tenant_of(key) == "acme"
+
+
+def test_a_key_the_router_checked_stays_in_the_router(tmp_path: Path) -> None:
+    """The authenticated tenant sits in the request's typed slot (``TENANT_KEY``), which is what
+    the proxy reads to drop the client's ``Authorization`` from the upstream headers: the key is
+    the client's secret, the engine never sees it. Without a key, the header goes upstream."""
+    from aiohttp.test_utils import make_mocked_request
+
+    from router.edges.auth import TENANT_KEY, TenantAuth
+    from router.edges.proxy import upstream_headers
+
+    key = new_key()
+    (tmp_path / "keys").write_text(f"acme {hash_key(key)}\n")
+    auth = TenantAuth(KeyStore(str(tmp_path / "keys")), b"s" * 32)
+    request = make_mocked_request("POST", "/v1/completions",
+                                  headers={"Authorization": f"Bearer {key}", "X-Other": "1"})
+    auth.authenticate(request)
+    assert request.get(TENANT_KEY) == "acme"
+    headers = upstream_headers(request, "r1")
+    assert "Authorization" not in headers and headers["X-Other"] == "1"
+    unchecked = make_mocked_request("POST", "/v1/completions",
+                                    headers={"Authorization": "Bearer engine-key"})
+    assert upstream_headers(unchecked, "r2")["Authorization"] == "Bearer engine-key"
