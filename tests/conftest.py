@@ -49,9 +49,13 @@ def load_vectors(name: str) -> Any:
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Every test outside ``tests/unit`` starts processes (Redis, the emulator, workers, routers,
-    helm, a real engine): mark it ``slow``, as the unit tests that start one are marked by hand.
+    helm, a real engine): mark it ``slow``, and the unit tests on the session's Redis; the unit
+    tests that start another process are marked by hand (``tests/unit/conftest.py`` fails one
+    that is not).
     ``pytest -m "not slow" tests/unit`` is the fast loop; CI runs everything."""
     unit = ROOT / "tests" / "unit"
     for item in items:
-        if not item.path.is_relative_to(unit):
+        # a unit test on the session's Redis starts redis-server (unless another started it)
+        if not item.path.is_relative_to(unit) or "redis_server" in getattr(
+                item, "fixturenames", ()):
             item.add_marker(pytest.mark.slow)

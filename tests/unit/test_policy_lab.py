@@ -33,6 +33,7 @@ def test_every_request_is_served_no_faster_than_its_own_prefill_alone() -> None:
                and lab.tracker.prefill_tokens(rid) == 0 for rid in lab.replicas)
 
 
+@pytest.mark.slow  # a simulated fleet over the trace: about 11 CPU-s
 def test_runs_are_deterministic_and_sticky_policies_hit_more() -> None:
     first = run_policies(["round_robin", "consistent_hash", "dynamo"], REQUESTS, OFFSETS, CONFIG)
     again = run_policies(["consistent_hash"], REQUESTS, OFFSETS, CONFIG)
@@ -45,6 +46,7 @@ def test_runs_are_deterministic_and_sticky_policies_hit_more() -> None:
         assert r["imbalance"] >= 1.0
 
 
+@pytest.mark.slow  # a simulated fleet over the trace: about 11 CPU-s
 def test_a_cpu_tier_gives_more_hits_whether_the_router_sees_it_or_not() -> None:
     """Small GPU pools (4,000 blocks) behind a host tier of 4x: returning conversations evicted
     from the GPU are loaded from host memory (vLLM counts them in cached_tokens). That a router
