@@ -1,7 +1,7 @@
 """The worker's guard against batches no engine could have sent: more GPU-tier blocks resident
 than the engine's KV cache holds (``num_gpu_blocks`` of ``vllm:cache_config_info``). vLLM's
 ``BlockPool`` cannot hold more, so such a batch is a rogue or broken publisher's and none of it
-may reach Redis. Pure.
+may reach Redis. Does no I/O (``BatchRefused``, the refusal, is the subscriber's).
 """
 
 from __future__ import annotations

@@ -25,7 +25,7 @@ PURE = ("router.decision.fleet", "router.request.errors", "router.decision.polic
         "router.shared.chat_messages", "router.apis.aliases", "router.apis.images",
         "router.apis.lora_load", "router.apis.pooling", "router.shared.lora_state",
         "router.traffic.admission", "router.traffic.scheduling", "router.traffic.classes",
-        "router.traffic.gate", "router.decision.load")
+        "router.traffic.gate", "router.decision.load", "router.decision.details")
 IO_LIBRARIES = ("aiohttp", "redis", "zmq")
 
 
