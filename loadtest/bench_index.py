@@ -27,7 +27,7 @@ def main() -> None:
                         help="index_stride: each replica's keys form one chain and only its anchor "
                              "keys enter the index, as workers publish them (1 = every key)")
     parser.add_argument("--sweep-keys", type=int, default=5_000,
-                        help="keys per background sweep step (router.service.server.SWEEP_KEYS_PER_STEP)")
+                        help="keys per background sweep step (router.service.background.SWEEP_KEYS_PER_STEP)")
     args = parser.parse_args()
     rng = random.Random(1)
     replica_ids = [f"replica-{i}" for i in range(args.replicas)]

@@ -32,7 +32,6 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any, Final
 
-import msgspec
 from aiohttp import web
 
 from router.request.errors import BadRequest, RouterError
@@ -52,8 +51,6 @@ ADMIN_KEY: Final = web.RequestKey("tenant_is_admin", bool)
 OPEN_PATHS: Final = frozenset({"/health", "/ready"})  # probes of the kubelet: never need a key
 _HASH_RE: Final = re.compile(r"sha256:([0-9a-f]{64})")
 _TENANT_RE: Final = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,127}")
-_JSON: Final = msgspec.json.Decoder()
-_ENCODE: Final = msgspec.json.Encoder()
 
 
 class AuthConfigError(ValueError):
@@ -238,23 +235,17 @@ class TenantAuth:
         request[TENANT_KEY] = tenant
         request[ADMIN_KEY] = admin
 
-    def salted_body(self, request: web.Request, body: bytes) -> bytes:
-        """``body`` with ``cache_salt`` set to the request's tenant salt (after the client-salt
-        policy). Raises ``BadRequest`` for a body that is not a JSON object, or a client salt
-        under ``reject``."""
+    def request_salt(self, request: web.Request) -> str | None:
+        """The ``cache_salt`` the router sets on ``request``'s body: its tenant's, None without
+        a tenant (an open path)."""
         tenant = request.get(TENANT_KEY)
-        if tenant is None:
-            return body
-        try:
-            data = _JSON.decode(body)
-        except (msgspec.DecodeError, RecursionError) as exc:
-            raise BadRequest(f"request body is not valid JSON: {exc}") from exc
-        if not isinstance(data, dict):
-            raise BadRequest("request body must be a JSON object")
-        if data.get("cache_salt") is not None and self.client_salt == "reject":
+        return None if tenant is None else self.salt_of(tenant)
+
+    def check_client_salt(self, sent: Any) -> None:
+        """``sent``: the body's own ``cache_salt`` (None: absent). Raises ``BadRequest`` when the
+        client set one under the ``reject`` policy (``override`` replaces it)."""
+        if sent is not None and self.client_salt == "reject":
             raise BadRequest("'cache_salt' is set by the router for your tenant; do not send it")
-        data["cache_salt"] = self.salt_of(tenant)
-        return _ENCODE.encode(data)
 
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]

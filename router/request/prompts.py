@@ -109,6 +109,7 @@ class PromptSpec:
     stream: bool = False
     batch_size: int = 1
     session_key: str | None = None  # the body's prompt_cache_key (router.traffic.sessions)
+    priority: Any = None  # the body's priority (vLLM's field), checked by admission if on
 
     def fallback_text(self) -> str:
         """Text to ring-hash when the prompt cannot be tokenized."""
@@ -128,6 +129,7 @@ class _TokenIdsCompletion(msgspec.Struct):
     stream: bool | None = False
     add_special_tokens: bool = True  # unused for token ids, but must be a boolean
     prompt_cache_key: str | None = None
+    priority: Any = None  # checked by admission (router.traffic.classes), when it is on
 
 
 _TOKEN_IDS_DECODER: Final = msgspec.json.Decoder(_TokenIdsCompletion)
@@ -148,7 +150,8 @@ def parse_token_ids_completion(body: bytes) -> PromptSpec | None:
     if not parsed.prompt or (salt is not None and not 0 < len(salt) <= CACHE_SALT_MAX_CHARS):
         return None
     return PromptSpec("completion", model=parsed.model, token_ids=parsed.prompt, cache_salt=salt,
-                      stream=bool(parsed.stream), session_key=parsed.prompt_cache_key)
+                      stream=bool(parsed.stream), session_key=parsed.prompt_cache_key,
+                      priority=parsed.priority)
 
 
 _JSON_DECODER: Final = msgspec.json.Decoder()
@@ -215,7 +218,7 @@ def parse_prompt(kind: str, body: Any) -> PromptSpec:
     if session is not None and not isinstance(session, str):
         raise PromptError("'prompt_cache_key' must be a string")
     common: dict[str, Any] = {"model": model, "cache_salt": salt, "stream": bool(stream),
-                              "session_key": session}
+                              "session_key": session, "priority": body.get("priority")}
     if kind == "completion":
         add_special = body.get("add_special_tokens", True)
         if not isinstance(add_special, bool):

@@ -39,14 +39,11 @@ def test_the_walk_of_each_kind_ends_at_the_proxy(tmp_path: Path) -> None:
         # the walk stops at the proxy: nothing after it (the upstream request, the response) counts
         assert every["walk"][-1] == PROXY_STOP, (kind, every["walk"][-8:])
         assert every["walk"].count(PROXY_STOP) == 1, kind
-        assert steps["walk"][0] == "service/server.py:RouterService.handle_generate", kind
+        assert steps["walk"][0] == "service/generate.py:GenerateHandler.handle_generate", kind
         assert steps["walk"][-1] == PROXY_STOP, (kind, steps["walk"])
         assert every["calls"] >= steps["stops"] >= 3, kind
-    # issue 31's measure: the handler's steps return at most once to a file already left. Met at
-    # c8dea83 (1 return); the request path grown since (aliases, admission, sessions, the APIs'
-    # parses in RouterService) returns 5 times: a known regression until RouterService is split
-    # (issue 31, phase 2), reported here instead of hidden.
+    # issue 31's measure: the handler's steps return at most once to a file already left (met
+    # at c8dea83; 5-6 while RouterService held the APIs' parses, admission and sessions; 0 since
+    # it was split into one module per step)
     returns = {kind: views["steps"]["returns"] for kind, views in results.items()}
-    if max(returns.values()) > 1:
-        pytest.xfail(f"issue 31: the request walk returns to a file already left {returns} "
-                     "times (target: at most 1)")
+    assert max(returns.values()) <= 1, returns
