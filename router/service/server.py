@@ -64,7 +64,7 @@ from router.edges.http_errors import (
     body_limit_middleware,
     error_middleware,
 )
-from router.edges.proxy import REASON_HEADER, REPLICA_HEADER, Proxy, ProxyOutcome
+from router.edges.proxy import REASON_HEADER, REPLICA_HEADER, Forward, Proxy, ProxyOutcome
 from router.observability.audit import PrefixAudit, prompt_head
 from router.observability.loop_lag import LoopLag
 from router.observability.metrics import CONTENT_TYPE, RouterMetrics
@@ -77,7 +77,7 @@ from router.request.chat_render import (
     TemplateRenderer,
     has_request_template,
 )
-from router.request.dispatch import Dispatch, Dispatcher, GaugedTicket
+from router.request.dispatch import Dispatch, Dispatcher
 from router.request.errors import (
     REQUEST_ID_HEADER,
     STATUS_CLIENT_CLOSED,
@@ -542,21 +542,14 @@ class RouterService:
         decision = routed.decision
         counted.replica_id, counted.reason = decision.replica_id, decision.reason
         dispatch = self.dispatcher.begin(routed, spec)  # 4. owns tickets, placements, writes
-        endpoint = request.path
         status, replica_id = 500, decision.replica_id
-
-        def sent(rid: str) -> None:
-            self.metrics.child(self.metrics.overhead, endpoint).observe(time.perf_counter() - arrival)
-            dispatch.sent(rid)
-
         assert self.proxy is not None
         try:
             slot.dispatched()  # counted in the replica's load from the proxy's first step on
-            response, outcome = await self.proxy.forward(  # 5. proxy
-                request, endpoint, body, routed.targets, decision.reason,
-                request[REQUEST_ID_KEY], dispatch.start_ticket,
-                lambda rid: self.fleet.mark_failed(rid, time.monotonic()), arrival, sent,
-                streamed=spec.stream, expected_s=dispatch.expected_first_byte_s)
+            response, outcome = await self.proxy.forward(Forward(  # 5. proxy
+                request, request.path, body, routed.targets, decision.reason,
+                request[REQUEST_ID_KEY], arrival, dispatch, streamed=spec.stream,
+                observe_overhead=True))
             status, replica_id = outcome.status, outcome.replica_id
             counted.status, counted.replica_id = status, replica_id
             if continued is not None and continued.store and status == 200:
@@ -767,10 +760,9 @@ class RouterService:
         assert self.proxy is not None
         status = 500
         try:
-            response, outcome = await self.proxy.forward(
+            response, outcome = await self.proxy.forward(Forward(
                 request, request.path, body, targets, decision.reason, request[REQUEST_ID_KEY],
-                lambda rid: GaugedTicket(self.tracker.dispatch(rid, 0), self._update_inflight),
-                lambda rid: self.fleet.mark_failed(rid, time.monotonic()), arrival)
+                arrival, self.dispatcher.passthrough()))
             status = outcome.status
             return response
         except RouterError as exc:
