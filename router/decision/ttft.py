@@ -22,6 +22,7 @@ requests.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections import deque
 from dataclasses import dataclass
@@ -188,17 +189,27 @@ class PrefillRateLearner:
             self._update_typical()
 
     def _fit(self, samples: deque[tuple[float, float]]) -> RateEstimate:
-        work = np.fromiter((w for w, _ in samples), float, len(samples))
-        ttft = np.fromiter((t for _, t in samples), float, len(samples))
-        dw = work[None, :] - work[:, None]
-        usable = np.triu(np.abs(dw) > MIN_WORK_SPREAD * np.maximum(work[None, :], work[:, None]),
-                         k=1)
+        # (runs once per streamed answer: the pairs come from index arrays cached per sample
+        # count, not from two n x n arrays and a triangular mask; the same slopes, in the same
+        # order, so the same median)
+        n = len(samples)
+        work = np.fromiter((w for w, _ in samples), float, n)
+        ttft = np.fromiter((t for _, t in samples), float, n)
+        first, second = _pairs(n)
+        dw = work[second] - work[first]
+        usable = np.abs(dw) > MIN_WORK_SPREAD * np.maximum(work[second], work[first])
         if usable.any():
-            slopes = (ttft[None, :] - ttft[:, None])[usable] / dw[usable]
+            slopes = (ttft[second] - ttft[first])[usable] / dw[usable]
             slope = float(np.partition(slopes, len(slopes) // 2)[len(slopes) // 2])
         else:
             slope = median(t / w for w, t in samples)
         prior = self._prior.s_per_token
         slope = min(max(slope, prior / 100.0), prior * 100.0)
         overhead = max(median(t - slope * w for w, t in samples), 0.0)
-        return RateEstimate(slope, overhead, len(samples))
+        return RateEstimate(slope, overhead, n)
+
+
+@functools.lru_cache(maxsize=WINDOW + 1)
+def _pairs(n: int) -> tuple[np.ndarray, np.ndarray]:
+    """The index pairs (i, j), i < j, of ``n`` samples in row-major order (``np.triu``'s)."""
+    return np.triu_indices(n, k=1)

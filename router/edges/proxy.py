@@ -35,7 +35,7 @@ import errno
 import logging
 import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Final, Protocol
 
@@ -58,7 +58,7 @@ from router.request.errors import (
     error_body,
 )
 from router.request.routing import Target
-from router.request.usage import TAIL_BYTES, keep_tail
+from router.request.usage import TAIL_BYTES, TAIL_CHUNKS, joined_tail, trim_tail
 from router.service.config import RouterConfig
 from router.shared.contract import DP_RANK_HEADER
 
@@ -91,6 +91,9 @@ TIMED_CAUSES: Final = frozenset({"connect_timeout", "first_byte_timeout"})
 LATE_CONNECT_RETRIES: Final = 3
 OVERLOADED_REASON: Final = "router_overloaded"
 OVERLOADED_RETRY_AFTER_S: Final = 1
+# a relayed stream's progress (``ReplicaHealth.progress``) is recorded at most this often: the
+# stall detector judges over seconds (its deadline floor), and a record per chunk cost a call
+PROGRESS_SAMPLE_S: Final = 0.05
 
 
 class ProxyTicket(Protocol):
@@ -159,6 +162,49 @@ def upstream_headers(request: web.Request, request_id: str) -> CIMultiDict[str]:
     return headers
 
 
+class ProxyDispatch(Protocol):
+    """What the proxy needs of a request's dispatch record, per attempt
+    (``router.request.dispatch.Dispatch``; ``PassthroughDispatch`` for the pooling paths)."""
+
+    def start_ticket(self, replica_id: str) -> ProxyTicket:
+        """Count the request's load on ``replica_id`` (released by the proxy)."""
+        ...
+
+    def expected_first_byte_s(self, replica_id: str) -> float:
+        """Seconds ``replica_id`` should take to the first byte (``math.inf``: no deadline)."""
+        ...
+
+    def sent(self, replica_id: str) -> object:
+        """The attempt's request is going out to ``replica_id``."""
+        ...
+
+    def connect_failed(self, replica_id: str) -> None:
+        """``replica_id`` refused or timed out a connection, or did not speak HTTP."""
+        ...
+
+
+@dataclass(slots=True)
+class Forward:
+    """One request for ``Proxy.forward``: the client's ``request`` (its headers, and the
+    response written to it), the upstream ``path`` and ``body``, the ``targets`` in order (the
+    first and at most one fallback), the decision's ``reason`` and the ``request_id`` (both
+    echoed in headers), ``arrival`` (``time.perf_counter`` when the request came: first-byte
+    times and the late-connect deadline), the per-attempt ``dispatch`` record, ``streamed``
+    (the client asked for SSE: the stall detector watches it) and ``observe_overhead``
+    (``router_overhead_seconds`` observed at each send)."""
+
+    request: web.Request
+    path: str
+    body: bytes
+    targets: Sequence[Target]
+    reason: str
+    request_id: str
+    arrival: float
+    dispatch: ProxyDispatch
+    streamed: bool = False
+    observe_overhead: bool = False
+
+
 class _Retryable(Exception):
     def __init__(self, cause: str, same_replica: bool = False) -> None:
         super().__init__(cause)
@@ -186,38 +232,28 @@ class Proxy:
         self._timeout = aiohttp.ClientTimeout(total=None, connect=None,
                                               sock_connect=config.connect_timeout_s, sock_read=None)
 
-    async def forward(
-        self,
-        request: web.Request,
-        path: str,
-        body: bytes,
-        targets: Sequence[Target],
-        reason: str,
-        request_id: str,
-        start_ticket: Callable[[str], ProxyTicket],
-        on_failure: Callable[[str], None],
-        arrival: float,
-        on_sent: Callable[[str], None] | None = None,
-        streamed: bool = False,
-        expected_s: Callable[[str], float] | None = None,
-    ) -> tuple[web.StreamResponse, ProxyOutcome]:
-        """Send ``body`` to ``targets[0]`` (then at most one fallback) and relay the answer.
+    async def forward(self, fwd: Forward) -> tuple[web.StreamResponse, ProxyOutcome]:
+        """Send ``fwd.body`` to ``fwd.targets[0]`` (then at most one fallback) and relay the
+        answer.
 
-        ``start_ticket(replica_id)`` counts the load at dispatch; the ticket is
-        released at the first byte and at the end on every path.
-        ``on_failure(replica_id)`` marks a replica that refused or timed out a connection.
-        ``streamed``: the client asked for SSE (the attempt is watched by the stall detector).
-        ``expected_s(replica_id)``: seconds the replica should take to the first byte, called
-        after ``start_ticket`` (None: no deadline).
+        Per attempt, ``fwd.dispatch`` counts the load (``start_ticket``: the ticket is released
+        at the first byte and at the end on every path), gives the replica's expected first-byte
+        time (``expected_first_byte_s``, after ``start_ticket``; ``math.inf``: no deadline),
+        records the send (``sent``) and hears of a replica that refused or timed out a
+        connection (``connect_failed``).
         A connect timed out while the router's own loop ran late (``router_late``) is retried on
         the same replica without using up the attempt, within the request's first-byte deadline
-        (``first_byte_timeout_s`` from ``arrival``) and ``LATE_CONNECT_RETRIES``.
+        (``first_byte_timeout_s`` from ``fwd.arrival``) and ``LATE_CONNECT_RETRIES``.
         Raises ``UpstreamError`` (502) / ``UpstreamTimeout`` (504) when nothing
         was sent to the client, ``RouterOverloaded`` (503, ``Retry-After``) when late connects
         used up the late retries or the deadline.
         """
+        request, path, body, reason = fwd.request, fwd.path, fwd.body, fwd.reason
+        request_id, arrival, dispatch = fwd.request_id, fwd.arrival, fwd.dispatch
+        overhead = (self.metrics.child(self.metrics.overhead, path) if fwd.observe_overhead
+                    else None)
         headers = upstream_headers(request, request_id)
-        attempts = list(targets[:2])
+        attempts = list(fwd.targets[:2])
         stale_retry_used = False
         late_retries = 0
         last_error = "no replica"
@@ -226,24 +262,22 @@ class Proxy:
         while i < len(attempts):
             target = attempts[i]
             rid = target.replica_id
-            ticket = start_ticket(rid)
+            ticket = dispatch.start_ticket(rid)
             now = time.monotonic()
-            token = health.attempt_started(
-                rid, now, streamed, math.inf if expected_s is None else expected_s(rid),
-                fallback=i + 1 < len(attempts))
+            token = health.attempt_started(rid, now, fwd.streamed,
+                                           dispatch.expected_first_byte_s(rid),
+                                           fallback=i + 1 < len(attempts))
             try:
-                if on_sent is not None:
-                    on_sent(rid)
-                # one CLIENT span per attempt; its context goes upstream as traceparent
-                with self.tracing.client_span("upstream", headers, {
-                        "prefix_router.replica": rid,
-                        "server.address": target.url, "url.path": path,
-                        "prefix_router.attempt": i + 1}) as span:
+                if overhead is not None:
+                    overhead.observe(time.perf_counter() - arrival)
+                dispatch.sent(rid)
+                if self.tracing.enabled:  # (off: no span, no attributes built)
+                    result = await self._traced_attempt(fwd, headers, target, ticket, token,
+                                                        i + 1, i + 1 < len(attempts))
+                else:
                     result = await self._attempt(request, path, body, headers, target, reason,
                                                  request_id, ticket, arrival, token,
                                                  retry_status=i + 1 < len(attempts))
-                    if span is not None:
-                        span.set_attribute("http.response.status_code", result[1].status)
             except _Retryable as exc:
                 ticket.finish()
                 last_error = f"replica {rid}: {exc.cause}"
@@ -260,7 +294,7 @@ class Proxy:
                         continue
                 elif exc.cause not in COUNTED_CAUSES:  # counted once, when found
                     if exc.cause in SUSPECT_CAUSES:
-                        on_failure(rid)
+                        dispatch.connect_failed(rid)
                     if exc.cause == "connect_refused":
                         health.record_refused(rid, time.monotonic())
                     self._failed(rid, exc.cause)
@@ -293,6 +327,19 @@ class Proxy:
                 health.record_success(rid, now, served=200 <= status < 300)
             return result
         raise UpstreamError(f"upstream failed before the first byte: {last_error}")
+
+    async def _traced_attempt(self, fwd: Forward, headers: CIMultiDict[str], target: Target,
+                              ticket: ProxyTicket, token: int, attempt: int,
+                              retry_status: bool) -> tuple[web.StreamResponse, ProxyOutcome]:
+        """``_attempt`` in one CLIENT span; its context goes upstream as traceparent."""
+        with self.tracing.client_span("upstream", headers, {
+                "prefix_router.replica": target.replica_id, "server.address": target.url,
+                "url.path": fwd.path, "prefix_router.attempt": attempt}) as span:
+            result = await self._attempt(fwd.request, fwd.path, fwd.body, headers, target,
+                                         fwd.reason, fwd.request_id, ticket, fwd.arrival, token,
+                                         retry_status=retry_status)
+            span.set_attribute("http.response.status_code", result[1].status)
+            return result
 
     def router_late(self, cause: str, since: float) -> bool:
         """Whether a ``cause`` failure of an attempt sent at ``since`` (monotonic) is a timeout
@@ -437,9 +484,7 @@ class Proxy:
                     await response.prepare(request)
                     if first:
                         await response.write(first)
-                    if upstream.content_type == "text/event-stream":
-                        outcome.tail = keep_tail(b"", first)
-                    await self._relay(upstream, response, target, outcome, path)
+                    await self._relay(upstream, response, target, outcome, path, first)
             except ConnectionResetError:
                 # the client went away between two chunks (aiohttp raises on the write rather
                 # than cancelling the handler): same outcome as a cancelled request
@@ -457,16 +502,28 @@ class Proxy:
                     upstream.close()  # drop the connection so the engine aborts the request
 
     async def _relay(self, upstream: aiohttp.ClientResponse, response: web.StreamResponse,
-                     target: Target, outcome: ProxyOutcome, path: str = "") -> None:
-        """Relay the rest of the body chunk by chunk. The stream-idle timeout covers the reads
-        only (a slow client is not the replica's fault); it is one watchdog per response whose
-        timer is re-armed only when it fires, a chunk just moving its deadline (``asyncio.timeout``
-        per read created and cancelled a timer per chunk; ``loadtest.bench_relay``)."""
+                     target: Target, outcome: ProxyOutcome, path: str = "",
+                     first: bytes = b"") -> None:
+        """Relay the rest of the body (after ``first``) chunk by chunk, doing little per chunk:
+
+        * the stream-idle timeout covers the reads only (a slow client is not the replica's
+          fault); it is one watchdog per response whose timer is re-armed only when it fires, a
+          chunk just moving its deadline (``asyncio.timeout`` per read created and cancelled a
+          timer per chunk; ``loadtest.bench_relay``);
+        * the replica's progress (``ReplicaHealth.progress``, for the stall detector, which
+          judges over seconds) is recorded at most every ``PROGRESS_SAMPLE_S``;
+        * an SSE answer's tail (``outcome.tail``: the usage event) is found by keeping the last
+          chunks and joining them once at the end (``router.request.usage.joined_tail``).
+        """
         idle = self.config.stream_idle_timeout_s
         is_sse = upstream.content_type == "text/event-stream"
         rid = target.replica_id
         read, write, progress = upstream.content.readany, response.write, self.health.progress
         loop = asyncio.get_running_loop()
+        clock = time.monotonic  # the clock ``ReplicaHealth`` and the loop's deadlines share
+        chunks = [first]
+        keep = chunks.append
+        next_progress = 0.0  # a chunk arriving at or after it is recorded as progress
         reading = False
         try:
             async with _IdleWatch(loop, idle) as watch:
@@ -479,8 +536,13 @@ class Proxy:
                     if not chunk:
                         break
                     if is_sse:
-                        outcome.tail = keep_tail(outcome.tail, chunk)
-                    progress(rid, time.monotonic())
+                        keep(chunk)
+                        if len(chunks) >= TAIL_CHUNKS:
+                            trim_tail(chunks)
+                    now = clock()
+                    if now >= next_progress:
+                        progress(rid, now)
+                        next_progress = now + PROGRESS_SAMPLE_S
                     await write(chunk)
         except (TimeoutError, aiohttp.ClientError) as exc:
             if not reading:  # the client's side failed (aiohttp raises a ClientError subclass)
@@ -500,6 +562,9 @@ class Proxy:
             else:
                 response.force_close()
             return
+        finally:
+            if is_sse:
+                outcome.tail = joined_tail(chunks)
         await response.write_eof()
 
 

@@ -28,6 +28,7 @@ prefers the fewest recent writes) even against the replica that then served it.
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 from collections import deque
 from collections.abc import Callable
@@ -139,6 +140,10 @@ class Dispatcher:
     def begin(self, routed: Routed, spec: PromptSpec) -> Dispatch:
         return Dispatch(self, routed, spec)
 
+    def passthrough(self) -> PassthroughDispatch:
+        """The record of a request that is not a generation (pooling, scoring, tokenizer)."""
+        return PassthroughDispatch(self)
+
     def observe_first_byte(self, replica_id: str, first_byte_s: float, prefill_tokens: int) -> None:
         """A streamed answer's first byte came ``first_byte_s`` after arrival."""
         sample = first_byte_s / max(prefill_tokens, 1)
@@ -147,11 +152,36 @@ class Dispatcher:
             old + PREFILL_RATE_EWMA_ALPHA * (sample - old))
 
 
+class PassthroughDispatch:
+    """The per-attempt record of a pooling, scoring or tokenizer request
+    (``router.edges.proxy.ProxyDispatch``): a load ticket of no prefill, no first-byte deadline,
+    nothing placed."""
+
+    __slots__ = ("_d",)
+
+    def __init__(self, dispatcher: Dispatcher) -> None:
+        self._d = dispatcher
+
+    def start_ticket(self, replica_id: str) -> GaugedTicket:
+        d = self._d
+        return GaugedTicket(d.tracker.dispatch(replica_id, 0), d.on_load_change)
+
+    def expected_first_byte_s(self, replica_id: str) -> float:
+        return math.inf
+
+    def sent(self, replica_id: str) -> None:
+        return None
+
+    def connect_failed(self, replica_id: str) -> None:
+        self._d.fleet.mark_failed(replica_id, time.monotonic())
+
+
 class Dispatch:
     """One request's sends: load tickets, placements and KV writes, settled once.
 
-    The proxy calls ``start_ticket(replica_id)`` before each attempt and ``sent(replica_id)``
-    once the attempt's request went out; the handler calls ``settle(status, replica_id)`` at
+    The proxy (``router.edges.proxy.ProxyDispatch``) calls ``start_ticket(replica_id)`` and
+    ``expected_first_byte_s(replica_id)`` before each attempt, ``sent(replica_id)`` as the
+    attempt's request goes out and ``connect_failed(replica_id)`` for a failed connection; the handler calls ``settle(status, replica_id)`` at
     the end, whatever happened (a second call does nothing).
     """
 
@@ -214,6 +244,11 @@ class Dispatch:
         predicted = self._predicted.get(replica_id)
         if predicted is not None:
             self._d.generation_s.append(max(answer_s - predicted.ttft_s, 0.0))
+
+    def connect_failed(self, replica_id: str) -> None:
+        """``replica_id`` refused or timed out a connection: the fleet skips it a while
+        (``Fleet.mark_failed``)."""
+        self._d.fleet.mark_failed(replica_id, time.monotonic())
 
     def sent(self, replica_id: str) -> Placement:
         """The request went out to ``replica_id``: place its chain there and count its KV writes

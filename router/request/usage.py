@@ -17,6 +17,7 @@ from typing import Final
 import msgspec
 
 TAIL_BYTES: Final = 4096  # bytes of a stream's end kept: room for the usage event (benchmarks.md)
+TAIL_CHUNKS: Final = 32  # chunks a relay holds before it trims them to the tail (trim_tail)
 
 _DECODER: Final = msgspec.json.Decoder()
 _MARKER: Final = b'"prompt_tokens_details"'
@@ -80,9 +81,20 @@ def completion_tokens_from_tail(tail: bytes) -> int | None:
     return int(matches[-1].group(1)) if matches else None
 
 
-def keep_tail(tail: bytes, chunk: bytes) -> bytes:
-    """The last ``TAIL_BYTES`` of ``tail + chunk``."""
-    if len(chunk) >= TAIL_BYTES:
-        return chunk[-TAIL_BYTES:]
-    joined = tail + chunk
+def trim_tail(chunks: list[bytes]) -> None:
+    """Drop from ``chunks`` (in place, oldest first) every chunk not needed for the last
+    ``TAIL_BYTES`` of their concatenation. A relay appends each chunk and trims once every
+    ``TAIL_CHUNKS``: no bytes are copied per chunk."""
+    kept = 0
+    for i in range(len(chunks) - 1, 0, -1):
+        kept += len(chunks[i])
+        if kept >= TAIL_BYTES:
+            del chunks[:i]
+            return
+
+
+def joined_tail(chunks: list[bytes]) -> bytes:
+    """The last ``TAIL_BYTES`` of the concatenation of ``chunks`` (which it trims)."""
+    trim_tail(chunks)
+    joined = b"".join(chunks)
     return joined[-TAIL_BYTES:] if len(joined) > TAIL_BYTES else joined

@@ -17,7 +17,7 @@ from aiohttp import web
 from router.decision.fleet import Fleet
 from router.edges.auth import TENANT_KEY
 from router.edges.http_errors import REQUEST_ID_KEY
-from router.edges.proxy import REASON_HEADER, REPLICA_HEADER, Proxy
+from router.edges.proxy import REASON_HEADER, REPLICA_HEADER, Forward, Proxy
 from router.observability.metrics import RouterMetrics
 from router.request.dispatch import Dispatcher
 from router.request.errors import STATUS_CLIENT_CLOSED, RouterError
@@ -108,21 +108,14 @@ class GenerateHandler:
         decision = routed.decision
         counted.replica_id, counted.reason = decision.replica_id, decision.reason
         dispatch = self.dispatcher.begin(routed, spec)  # 4. owns tickets, placements, writes
-        endpoint, metrics, fleet = request.path, self.metrics, self.fleet
         status, replica_id = 500, decision.replica_id
-
-        def sent(rid: str) -> None:
-            metrics.child(metrics.overhead, endpoint).observe(time.perf_counter() - arrival)
-            dispatch.sent(rid)
-
         assert self.proxy is not None
         try:
             slot.dispatched()  # counted in the replica's load from the proxy's first step on
-            response, outcome = await self.proxy.forward(  # 5. proxy
-                request, endpoint, parsed.body.encoded(), routed.targets, decision.reason,
-                request[REQUEST_ID_KEY], dispatch.start_ticket,
-                lambda rid: fleet.mark_failed(rid, time.monotonic()), arrival, sent,
-                streamed=spec.stream, expected_s=dispatch.expected_first_byte_s)
+            response, outcome = await self.proxy.forward(Forward(  # 5. proxy
+                request, request.path, parsed.body.encoded(), routed.targets, decision.reason,
+                request[REQUEST_ID_KEY], arrival, dispatch, streamed=spec.stream,
+                observe_overhead=True))
             status, replica_id = outcome.status, outcome.replica_id
             counted.status, counted.replica_id = status, replica_id
             if continued is not None and continued.store and status == 200:

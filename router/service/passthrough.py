@@ -6,37 +6,31 @@ first. HTTP edge.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
 
 from aiohttp import web
 
 from router.apis.aliases import AliasTable
 from router.apis.pooling import request_model
-from router.decision.fleet import Fleet
-from router.decision.load import LoadTracker
 from router.edges.http_errors import REQUEST_ID_KEY
-from router.edges.proxy import Proxy
+from router.edges.proxy import Forward, Proxy
 from router.observability.metrics import RouterMetrics
-from router.request.dispatch import GaugedTicket
+from router.request.dispatch import Dispatcher
 from router.request.errors import RouterError
 from router.request.routing import RequestRouter
 from router.service.request_parse import RequestParser
 
 
 class PassthroughHandler:
-    """``handle_passthrough(request)``; ``proxy`` is set when the router starts.
-    ``on_load_change(replica_id)``: a replica's load changed (gauges, admission)."""
+    """``handle_passthrough(request)``; ``proxy`` is set when the router starts. Each
+    attempt's load ticket and connect failure go through ``dispatcher.passthrough()``."""
 
     def __init__(self, parser: RequestParser, aliases: AliasTable, router: RequestRouter,
-                 fleet: Fleet, tracker: LoadTracker, metrics: RouterMetrics,
-                 on_load_change: Callable[[str], None]) -> None:
+                 dispatcher: Dispatcher, metrics: RouterMetrics) -> None:
         self.parser = parser
         self.aliases = aliases
         self.router = router
-        self.fleet = fleet
-        self.tracker = tracker
+        self.dispatcher = dispatcher
         self.metrics = metrics
-        self.on_load_change = on_load_change
         self.proxy: Proxy | None = None
 
     async def handle_passthrough(self, request: web.Request) -> web.StreamResponse:
@@ -52,13 +46,10 @@ class PassthroughHandler:
         decision, targets = self.router.least_loaded(model)
         assert self.proxy is not None
         status = 500
-        tracker, fleet = self.tracker, self.fleet
         try:
-            response, outcome = await self.proxy.forward(
+            response, outcome = await self.proxy.forward(Forward(
                 request, request.path, body.encoded(), targets, decision.reason,
-                request[REQUEST_ID_KEY],
-                lambda rid: GaugedTicket(tracker.dispatch(rid, 0), self.on_load_change),
-                lambda rid: fleet.mark_failed(rid, time.monotonic()), arrival)
+                request[REQUEST_ID_KEY], arrival, self.dispatcher.passthrough()))
             status = outcome.status
             return response
         except RouterError as exc:

@@ -180,8 +180,8 @@ class RouterService:
         self.generate = GenerateHandler(
             self.parser, self.admission, self.router, ResponseHolders(self.fleet, self.affinity),
             self.dispatcher, self.learning, self.fleet, self.metrics)
-        self.passthrough = PassthroughHandler(self.parser, self.aliases, self.router, self.fleet,
-                                              self.tracker, self.metrics, self._update_inflight)
+        self.passthrough = PassthroughHandler(self.parser, self.aliases, self.router,
+                                              self.dispatcher, self.metrics)
         self.status = StatusHandlers(
             config, self.fleet, self.tracker, self.router, self.learner, self.aliases,
             self.parser, self.admission.gate, self.warm_up, self.metrics, self._update_inflight,

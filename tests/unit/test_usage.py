@@ -4,12 +4,14 @@
 from __future__ import annotations
 
 import json
+import random
 
 from router.request.usage import (
     TAIL_BYTES,
     cached_tokens_from_sse_tail,
     completion_tokens_from_tail,
-    keep_tail,
+    joined_tail,
+    trim_tail,
 )
 
 
@@ -37,10 +39,13 @@ def test_no_report_is_none() -> None:
 
 def test_tail_keeps_the_last_bytes_only() -> None:
     usage = {"choices": [], "usage": {"prompt_tokens_details": {"cached_tokens": 32}}}
-    tail = b""
+    chunks: list[bytes] = []
     for _ in range(200):
-        tail = keep_tail(tail, sse({"choices": [{"text": "y" * 50}]})[:-14])
-    tail = keep_tail(tail, sse(usage))
+        chunks.append(sse({"choices": [{"text": "y" * 50}]})[:-14])
+        if len(chunks) >= 32:
+            trim_tail(chunks)
+    chunks.append(sse(usage))
+    tail = joined_tail(chunks)
     assert len(tail) <= TAIL_BYTES
     assert cached_tokens_from_sse_tail(tail) == 32
     # the usage event cut off by the tail's start is no report
@@ -56,3 +61,18 @@ def test_completion_tokens_of_a_stream_and_of_a_json_body() -> None:
     fake = {"choices": [{"text": '"completion_tokens": 9'}]}
     assert completion_tokens_from_tail(sse(fake)) is None
     assert completion_tokens_from_tail(b"") is None
+
+
+def test_joined_tail_is_the_streams_last_bytes_whatever_the_chunking() -> None:
+    rng = random.Random(7)
+    for _ in range(300):
+        stream = bytes(rng.randrange(256) for _ in range(rng.randrange(0, 3 * TAIL_BYTES)))
+        chunks: list[bytes] = []
+        at = 0
+        while at < len(stream):
+            size = rng.choice((1, 7, 100, 1000, TAIL_BYTES, 2 * TAIL_BYTES))
+            chunks.append(stream[at: at + size])
+            at += size
+            if rng.random() < 0.2:
+                trim_tail(chunks)
+        assert joined_tail(chunks) == stream[-TAIL_BYTES:]
