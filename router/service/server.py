@@ -585,6 +585,15 @@ class RouterService:
         wait)."""
         if not self.admission.enabled:
             return await self.admission.admit(request[REQUEST_ID_KEY], spec.model)
+        tenant, rank, work, target_s = self._admission_terms(spec, body, request)
+        cost_s = work * self.learner.estimate("").s_per_token
+        return await self.admission.admit(request[REQUEST_ID_KEY], spec.model, cost_s, rank,
+                                          tenant, work, target_s)
+
+    def _admission_terms(self, spec: PromptSpec, body: bytes, request: web.Request,
+                         ) -> tuple[str, int, float, float | None]:
+        """A request's tenant ("" without keys), class rank, own prefill work tokens without a
+        hit, and TTFT target (seconds; None: none). Raises ``BadRequest`` for a bad class."""
         tenant = request.get(TENANT_KEY)
         try:
             body_priority = _PRIORITY.decode(body).priority
@@ -592,16 +601,16 @@ class RouterService:
             raise BadRequest(f"request body: {exc}") from exc
         rank = self.classes.request_rank(request.headers.get(PRIORITY_HEADER), body_priority,
                                          tenant, self.auth is not None)
-        cost_s = prefill_work_tokens(_prompt_tokens(spec), 0) * self.learner.estimate("").s_per_token
-        return await self.admission.admit(request[REQUEST_ID_KEY], spec.model, cost_s, rank,
-                                          tenant or "")
+        return (tenant or "", rank, prefill_work_tokens(_prompt_tokens(spec), 0),
+                self.classes.ttft_target_s(rank, tenant))
 
     def _replica_load(self, replica_id: str) -> ReplicaLoad:
         """A replica's load for admission: this router's requests in flight there, and the
         prefill tokens of those not yet at their first token at its learned rate (seconds)."""
-        s_per_token = self.learner.estimate(replica_id).s_per_token
+        rate = self.learner.estimate(replica_id)
         return ReplicaLoad(replica_id, self.tracker.requests(replica_id),
-                           self.tracker.prefill_tokens(replica_id) * s_per_token)
+                           self.tracker.prefill_tokens(replica_id) * rate.s_per_token,
+                           rate.s_per_token, rate.overhead_s)
 
     def _replica_has_room(self, replica_id: str) -> bool:
         return self.admission.limits.replica_has_room(self._replica_load(replica_id))
@@ -898,7 +907,8 @@ class RouterService:
                         for t in routed.targets},
             "load": self.tracker.snapshot(),
             # whether the request would wait for room now, and why (router/traffic)
-            "admission": {**self.admission.state(), **self.admission.explain(spec.model)},
+            "admission": {**self.admission.state(), **self.admission.explain(
+                spec.model, *self._admission_terms(spec, body, request)[1:])},
             # the typical lengths standing in for load this router cannot count (ttft policy)
             "avg_prompt_tokens": round(self.tracker.avg_prompt_tokens, 1),
             "avg_output_tokens": round(self.tracker.avg_output_tokens, 1),
