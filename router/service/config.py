@@ -242,6 +242,7 @@ class RouterConfig:
     admission_priority_aging_s: float = DEFAULT_AGING_S  # waiting that raises a class a rank
     admission_tenants_file: str | None = None  # YAML: each tenant's default class and weight
     admission_forward_priority: bool = False  # the class rank as the body's priority (vLLM)
+    admission_ttft_targets: tuple[str, ...] = ()  # CLASS=SECONDS: SLO-aware admission
     # session affinity (router/traffic/sessions.py): sessions remembered, 0 = off; idle expiry
     session_affinity_max_sessions: int = DEFAULT_MAX_SESSIONS
     session_affinity_ttl_s: float = DEFAULT_SESSION_TTL_S
@@ -272,7 +273,8 @@ class RouterConfig:
         """The priority classes from the ``admission_*`` settings, with ``tenants``' settings
         (the tenant file). Raises ``ValueError`` for a tenant naming an unknown class."""
         return priority_classes(self.admission_priority_classes,
-                                self.admission_default_priority_class, tenants)
+                                self.admission_default_priority_class, tenants,
+                                self.admission_ttft_targets)
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
@@ -318,10 +320,15 @@ class RouterConfig:
             raise ConfigError("api_keys needs cache_salt_secret_file (every router process "
                               "must derive the same per-tenant cache salts)", "api_keys")
         try:
-            self.priority_classes()
+            priority_classes(self.admission_priority_classes,
+                             self.admission_default_priority_class)
         except ValueError as exc:
             raise ConfigError(f"admission_priority_classes: {exc}",
                               "admission_priority_classes") from exc
+        try:
+            self.priority_classes()
+        except ValueError as exc:
+            raise ConfigError(f"admission_ttft_targets: {exc}", "admission_ttft_targets") from exc
         if not self.redis_url and not self.replicas:
             raise ConfigError("need --redis-url (worker-reported fleet) or at least one --replica URL")
 
@@ -487,6 +494,10 @@ _HELP: Final = {
     "admission_forward_priority": "admission: send each request's class rank (0 = highest) to "
                                   "the engine as the body's priority, for vLLM started with "
                                   "--scheduling-policy priority (lower first); admission on only",
+    "admission_ttft_targets": "admission: a TTFT target per priority class, CLASS=SECONDS "
+                              "(repeatable or comma-separated): a request predicted to miss its "
+                              "class's target waits while it can still meet it, then is shed "
+                              "(503); admission on only",
     "session_affinity_max_sessions": "session affinity: sessions (x-session-id header or the "
                                      "body's prompt_cache_key) whose replica this router "
                                      "remembers, least recently used forgotten first (0 = off)",

@@ -92,15 +92,26 @@ class FleetAdmission:
         await self.rate_limits.check(tenant or "", num_tokens)
         if not gate.enabled:
             return await gate.admit(request[REQUEST_ID_KEY], spec.model)
-        rank = self.classes.request_rank(request.headers.get(PRIORITY_HEADER), spec.priority,
-                                         tenant, self.authenticated)
-        cost_s = prefill_work_tokens(num_tokens, 0) * self.learner.estimate("").s_per_token
-        slot = await gate.admit(request[REQUEST_ID_KEY], spec.model, cost_s, rank, tenant or "")
+        rank, work, target_s = self.terms(spec, request, num_tokens)
+        cost_s = work * self.learner.estimate("").s_per_token
+        slot = await gate.admit(request[REQUEST_ID_KEY], spec.model, cost_s, rank, tenant or "",
+                                work, target_s)
         if self.config.admission_forward_priority:
             # vLLM's priority scheduler serves lower values first (--scheduling-policy
             # priority), as ranks go
             parsed.body.set("priority", slot.priority)
         return slot
+
+    def terms(self, spec: PromptSpec, request: web.Request, num_tokens: int | None = None,
+              ) -> tuple[int, float, float | None]:
+        """A request's class rank (0 the highest), its own prefill work in tokens without a hit
+        (``num_tokens``: its prompt length when already counted) and its TTFT target (seconds;
+        None: none, ``router.traffic.classes``). Raises ``BadRequest`` for an unknown class."""
+        tenant = request.get(TENANT_KEY)
+        rank = self.classes.request_rank(request.headers.get(PRIORITY_HEADER), spec.priority,
+                                         tenant, self.authenticated)
+        work = prefill_work_tokens(prompt_tokens(spec) if num_tokens is None else num_tokens, 0)
+        return rank, work, self.classes.ttft_target_s(rank, tenant)
 
     def room_check(self) -> Callable[[str], bool] | None:
         """What routing asks of a candidate replica: whether it has room (None: admission off,
@@ -113,9 +124,10 @@ class FleetAdmission:
     def replica_load(self, replica_id: str) -> ReplicaLoad:
         """A replica's load for admission: this router's requests in flight there, and the
         prefill tokens of those not yet at their first token at its learned rate (seconds)."""
-        s_per_token = self.learner.estimate(replica_id).s_per_token
+        rate = self.learner.estimate(replica_id)
         return ReplicaLoad(replica_id, self.tracker.requests(replica_id),
-                           self.tracker.prefill_tokens(replica_id) * s_per_token)
+                           self.tracker.prefill_tokens(replica_id) * rate.s_per_token,
+                           rate.s_per_token, rate.overhead_s)
 
     def _loads(self, model: str | None) -> list[ReplicaLoad] | None:
         """The loads of the replicas that could serve ``model`` now; None when routing would

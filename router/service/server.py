@@ -184,7 +184,7 @@ class RouterService:
                                               self.dispatcher, self.metrics)
         self.status = StatusHandlers(
             config, self.fleet, self.tracker, self.router, self.learner, self.aliases,
-            self.parser, self.admission.gate, self.warm_up, self.metrics, self._update_inflight,
+            self.parser, self.admission, self.warm_up, self.metrics, self._update_inflight,
             self.tokenizer, self.auth, self.audit)
 
     # -- lifecycle ---------------------------------------------------------------

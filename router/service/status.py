@@ -24,10 +24,10 @@ from router.request.errors import BadRequest, NoRoutableReplica
 from router.request.prompts import PromptTokenizer
 from router.request.routing import RequestRouter, Routed
 from router.service.config import RouterConfig
+from router.service.fleet_admission import FleetAdmission
 from router.service.request_parse import API_PATHS, RequestParser
 from router.service.warm_up import WarmUp
 from router.shared.contract import TIER_CPU
-from router.traffic.gate import AdmissionGate
 from router.traffic.sessions import SESSION_HEADER
 
 
@@ -37,7 +37,7 @@ class StatusHandlers:
 
     def __init__(self, config: RouterConfig, fleet: Fleet, tracker: LoadTracker,
                  router: RequestRouter, learner: PrefillRateLearner, aliases: AliasTable,
-                 parser: RequestParser, gate: AdmissionGate, warm_up: WarmUp,
+                 parser: RequestParser, admission: FleetAdmission, warm_up: WarmUp,
                  metrics: RouterMetrics, update_inflight: Callable[[str], None],
                  tokenizer: PromptTokenizer | None, auth: TenantAuth | None,
                  audit: PrefixAudit | None) -> None:
@@ -48,7 +48,8 @@ class StatusHandlers:
         self.learner = learner
         self.aliases = aliases
         self.parser = parser
-        self.gate = gate
+        self.admission = admission
+        self.gate = admission.gate
         self.warm_up = warm_up
         self.metrics = metrics
         self.update_inflight = update_inflight
@@ -152,10 +153,12 @@ class StatusHandlers:
             # own /tokenize); only on request: a long prompt's ids are a large answer
             extra["token_ids"] = await asyncio.get_running_loop().run_in_executor(
                 self.router.chainer.executor, self.tokenizer.prompt_tokens, spec)
+        terms = self.admission.terms(spec, request)  # the class, work and TTFT target it has
         return web.json_response({**extra, "kind": kind, "model": spec.model,
-                                  **self._decision_view(routed, spec.model)})
+                                  **self._decision_view(routed, spec.model, terms)})
 
-    def _decision_view(self, routed: Routed, model: str | None) -> dict[str, Any]:
+    def _decision_view(self, routed: Routed, model: str | None,
+                       terms: tuple[int, float, float | None]) -> dict[str, Any]:
         """/debug/route's view of ``routed``: the decision, its candidates and targets, the
         loads and the admission state it was made with."""
         d = routed.decision
@@ -177,7 +180,7 @@ class StatusHandlers:
                         for t in routed.targets},
             "load": self.tracker.snapshot(),
             # whether the request would wait for room now, and why (router/traffic)
-            "admission": {**self.gate.state(), **self.gate.explain(model)},
+            "admission": {**self.gate.state(), **self.gate.explain(model, *terms)},
             # the typical lengths standing in for load this router cannot count (ttft policy)
             "avg_prompt_tokens": round(self.tracker.avg_prompt_tokens, 1),
             "avg_output_tokens": round(self.tracker.avg_output_tokens, 1),

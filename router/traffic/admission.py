@@ -17,6 +17,16 @@ llm-d's flow control (a bounded queue per flow, TTL-bounded waits) and SMG's
 ``--max-concurrent-requests`` with its queue size and queue timeout.
 
 Every limit is off at 0; with all of them off (the default) nothing waits and nothing is shed.
+
+**SLO-aware admission** (``slo_verdict``): a request whose class has a TTFT target is also held
+for it. Its predicted TTFT is the ``ttft`` policy's model (``router.decision.ttft``) on the best
+replica with room: the replica's overhead, plus its queued prefill, plus the request's own
+prefill work at the replica's learned rate (no prefix hit counted: the request is not tokenized
+before it leaves the queue, so the prediction errs long). It waits while the seconds it has
+waited plus that prediction exceed its target, and is shed (503, ``SHED_TTFT_TARGET``) once even
+an idle replica could no longer meet it: waited + the idle prediction > target. A request whose
+idle prediction alone exceeds its target (its own prefill is longer than the target) cannot be
+helped by waiting: it is judged by the limits alone (``SLO_UNMEETABLE``).
 """
 
 from __future__ import annotations
@@ -42,7 +52,14 @@ RETRY_AFTER_MAX_S: Final = 60  # Retry-After never says more than this (seconds)
 RETRY_AFTER_HEADER: Final = "Retry-After"
 SHED_QUEUE_FULL: Final = "queue_full"
 SHED_QUEUE_TIMEOUT: Final = "queue_timeout"
-SHED_REASONS: Final = (SHED_QUEUE_FULL, SHED_QUEUE_TIMEOUT)
+SHED_TTFT_TARGET: Final = "ttft_target"  # its TTFT target can no longer be met (SLO admission)
+SHED_REASONS: Final = (SHED_QUEUE_FULL, SHED_QUEUE_TIMEOUT, SHED_TTFT_TARGET)
+# what SLO-aware admission makes of one request (``slo_verdict``)
+SLO_MEETS: Final = "meets"  # predicted within its target: admitted when the limits allow
+SLO_WAIT: Final = "wait"  # predicted past its target, waiting can still meet it
+SLO_SHED: Final = "shed"  # even an idle replica would now miss it
+SLO_UNMEETABLE: Final = "unmeetable"  # its own prefill alone misses it: the limits decide
+SLO_OUTCOMES: Final = (SLO_MEETS, SLO_WAIT, SLO_SHED, SLO_UNMEETABLE)
 
 
 class Overloaded(RouterError):
@@ -151,6 +168,61 @@ class ReplicaLoad:
     replica_id: str
     inflight_requests: int = 0  # this router's requests sent there and not finished
     queued_prefill_s: float = 0.0  # predicted seconds of this router's prefill queued there
+    s_per_token: float = 0.0  # its learned seconds per prefill work token (router.decision.ttft)
+    overhead_s: float = 0.0  # its learned TTFT overhead (seconds)
+
+    def idle_ttft_s(self, work_tokens: float) -> float:
+        """Predicted TTFT (seconds) of ``work_tokens`` of prefill work with nothing queued."""
+        return self.overhead_s + work_tokens * self.s_per_token
+
+    def predicted_ttft_s(self, work_tokens: float) -> float:
+        """Predicted TTFT (seconds) of ``work_tokens`` of prefill work sent here now: the ttft
+        policy's ``wait_s + prefill_s`` (``router.decision.policy``) without a prefix hit."""
+        return self.queued_prefill_s + self.idle_ttft_s(work_tokens)
+
+
+@dataclass(frozen=True, slots=True)
+class SloVerdict:
+    """``slo_verdict``'s answer: ``outcome`` (one of ``SLO_OUTCOMES``), the best replica's
+    predicted TTFT and the idle one's (seconds; inf when no replica has room / serves)."""
+
+    outcome: str
+    predicted_ttft_s: float
+    idle_ttft_s: float
+
+    def why(self, target_s: float, waited_s: float) -> str:
+        """The verdict for people (``/debug/route``, the 503's message)."""
+        seen = (f"waited {waited_s:.2f} s + predicted TTFT {self.predicted_ttft_s:.2f} s on the "
+                f"best replica with room, target {target_s:g} s")
+        return {SLO_MEETS: f"meets its TTFT target ({seen})",
+                SLO_WAIT: f"waits for its TTFT target ({seen})",
+                SLO_SHED: (f"shed: its TTFT target {target_s:g} s can no longer be met (waited "
+                           f"{waited_s:.2f} s + {self.idle_ttft_s:.2f} s on an idle replica)"),
+                SLO_UNMEETABLE: (f"its own prefill ({self.idle_ttft_s:.2f} s on an idle replica) "
+                                 f"exceeds its TTFT target {target_s:g} s: not held for it"),
+                }[self.outcome]
+
+
+def slo_verdict(limits: AdmissionLimits, loads: Sequence[ReplicaLoad], work_tokens: float,
+                target_s: float, waited_s: float, pending_s: float = 0.0) -> SloVerdict:
+    """SLO-aware admission of one request (module docstring): ``loads`` the replicas that could
+    serve it, ``work_tokens`` its own prefill work, ``target_s`` its class's TTFT target,
+    ``waited_s`` the seconds it waited so far, ``pending_s`` prefill seconds admitted but in no
+    replica's load yet, spread over the replicas with room. ``SLO_MEETS`` says nothing of the
+    limits (the caller checks them); with no replica with room, the prediction is inf (it
+    waits)."""
+    idle = min((load.idle_ttft_s(work_tokens) for load in loads), default=math.inf)
+    room = [load.predicted_ttft_s(work_tokens) for load in loads if limits.replica_has_room(load)]
+    best = min(room) + pending_s / len(room) if room else math.inf
+    if idle > target_s:
+        outcome = SLO_UNMEETABLE
+    elif waited_s + idle > target_s:
+        outcome = SLO_SHED
+    elif waited_s + best > target_s:
+        outcome = SLO_WAIT
+    else:
+        outcome = SLO_MEETS
+    return SloVerdict(outcome, best, idle)
 
 
 @dataclass(eq=False, slots=True)
@@ -166,7 +238,10 @@ class Waiting:
     cost_s: float = 0.0
     priority: int = 0  # class rank, 0 the highest (``router.traffic.scheduling``)
     tenant: str = ""  # whose share of the fleet it takes ("" without API keys)
+    work_tokens: float = 0.0  # its own prefill work (router.decision.ttft), for its TTFT
+    ttft_target_s: float | None = None  # its class's TTFT target; None: none (SLO admission)
     seq: int = 0  # arrival order, set by the queue
+    held: bool = False  # it waited for its TTFT target at some point (SLO admission)
     queued: bool = field(default=False)  # in the queue now (False once popped, removed, expired)
 
 
@@ -199,10 +274,11 @@ class AdmissionQueue:
         return iter(list(self._waiting.values()))
 
     def new_entry(self, request_id: str, model: str | None, now: float, cost_s: float = 0.0,
-                  priority: int = 0, tenant: str = "") -> Waiting:
+                  priority: int = 0, tenant: str = "", work_tokens: float = 0.0,
+                  ttft_target_s: float | None = None) -> Waiting:
         """An entry arriving ``now``, waiting at most ``max_queue_wait_s`` (not yet offered)."""
         return Waiting(request_id, model, now, now + self.limits.max_queue_wait_s, cost_s,
-                       priority, tenant)
+                       priority, tenant, work_tokens, ttft_target_s)
 
     def offer(self, entry: Waiting) -> bool:
         """Queue ``entry``; False (and nothing queued) when ``max_queue_length`` wait already."""

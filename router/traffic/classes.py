@@ -13,15 +13,19 @@ Tenant file (YAML), one entry per tenant (the API-key file's tenant names)::
     tenants:
       chat-app: {priority_class: interactive, weight: 3}
       nightly-batch: {priority_class: batch, requests_per_min: 600, tokens_per_min: 2000000}
+      support-bot: {priority_class: interactive, ttft_targets_s: {interactive: 1.5}}
 
 ``weight`` (> 0, default 1) is the tenant's share of the fleet against the other tenants of its
 class while requests wait (``router.traffic.scheduling``). ``requests_per_min`` and
 ``tokens_per_min`` (integers >= 0; 0: none) replace the router's default rate limits for the
-tenant (``router.traffic.rate_limits``).
+tenant (``router.traffic.rate_limits``). ``ttft_targets_s`` (``{class: seconds > 0}``)
+replaces the router's TTFT targets (``admission_ttft_targets``) of those classes for the
+tenant's requests (SLO-aware admission, ``router.traffic.admission.slo_verdict``).
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -50,6 +54,8 @@ class TenantTraffic:
     weight: float = 1.0
     requests_per_min: int | None = None  # rate limits (router.traffic.rate_limits); None: the
     tokens_per_min: int | None = None  # router's defaults; 0: none
+    # {class name: TTFT target seconds} replacing the router's for this tenant's requests
+    ttft_targets_s: Mapping[str, float] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,6 +68,7 @@ class PriorityClasses:
     names: tuple[str, ...] = DEFAULT_CLASSES
     default: str = DEFAULT_CLASS
     tenants: Mapping[str, TenantTraffic] = field(default_factory=dict)  # {tenant: settings}
+    ttft_targets_s: Mapping[str, float] = field(default_factory=dict)  # {class: TTFT target s}
 
     def __post_init__(self) -> None:
         if not self.names or len(set(self.names)) != len(self.names):
@@ -69,10 +76,28 @@ class PriorityClasses:
         if self.default not in self.names:
             raise ValueError(f"default priority class {self.default!r} is not one of "
                              f"{', '.join(self.names)}")
+        self._check_targets("TTFT targets", self.ttft_targets_s)
         for tenant, traffic in self.tenants.items():
             if traffic.priority_class is not None and traffic.priority_class not in self.names:
                 raise ValueError(f"tenant {tenant!r}: priority class {traffic.priority_class!r} "
                                  f"is not one of {', '.join(self.names)}")
+            self._check_targets(f"tenant {tenant!r}: ttft_targets_s", traffic.ttft_targets_s)
+
+    def _check_targets(self, what: str, targets: Mapping[str, float]) -> None:
+        for name, seconds in targets.items():
+            if name not in self.names:
+                raise ValueError(f"{what}: {name!r} is not one of {', '.join(self.names)}")
+            if not (math.isfinite(seconds) and seconds > 0):
+                raise ValueError(f"{what}: {name}'s target must be > 0 seconds, got {seconds}")
+
+    def ttft_target_s(self, rank: int, tenant: str | None) -> float | None:
+        """The TTFT target (seconds) of a request of class ``rank`` from ``tenant``: the
+        tenant file's for that class, else the router's; None: no target."""
+        name = self.names[min(rank, len(self.names) - 1)]
+        traffic = self.tenants.get(tenant) if tenant is not None else None
+        if traffic is not None and name in traffic.ttft_targets_s:
+            return traffic.ttft_targets_s[name]
+        return self.ttft_targets_s.get(name)
 
     def rank(self, name: str) -> int:
         """The rank of class ``name`` (0 the highest). Raises ``BadRequest`` if unknown."""
@@ -109,7 +134,25 @@ class PriorityClasses:
         return max(rank, default) if authenticated else rank
 
 
-_TENANT_KEYS: Final = ("priority_class", "weight", "requests_per_min", "tokens_per_min")
+_TENANT_KEYS: Final = ("priority_class", "weight", "requests_per_min", "tokens_per_min",
+                        "ttft_targets_s")
+
+
+def parse_ttft_targets(specs: Sequence[str]) -> dict[str, float]:
+    """``{class: seconds}`` from ``CLASS=SECONDS`` strings (``admission_ttft_targets``), class
+    names lower-cased. Raises ``ValueError`` for a malformed entry or a repeated class."""
+    out: dict[str, float] = {}
+    for spec in specs:
+        name, sep, value = spec.partition("=")
+        name = name.strip().lower()
+        try:
+            seconds = float(value)
+        except ValueError:
+            seconds = math.nan
+        if not sep or not name or not math.isfinite(seconds) or name in out:
+            raise ValueError(f"expected distinct CLASS=SECONDS entries, got {spec!r}")
+        out[name] = seconds
+    return out
 
 
 def parse_tenants(data: Any, source: str) -> dict[str, TenantTraffic]:
@@ -136,8 +179,14 @@ def parse_tenants(data: Any, source: str) -> dict[str, TenantTraffic]:
         cls = entry.get("priority_class")
         if cls is not None and not isinstance(cls, str):
             raise TenantFileError(f"{source}: tenant {tenant!r}: priority_class must be a name")
-        out[str(tenant)] = TenantTraffic(cls.strip().lower() if cls else None, float(weight),
-                                         **rates)
+        targets = entry.get("ttft_targets_s") or {}
+        if not isinstance(targets, Mapping) or not all(
+                isinstance(v, int | float) and not isinstance(v, bool) for v in targets.values()):
+            raise TenantFileError(f"{source}: tenant {tenant!r}: ttft_targets_s must map class "
+                                  f"names to seconds, got {targets!r}")
+        out[str(tenant)] = TenantTraffic(
+            cls.strip().lower() if cls else None, float(weight), **rates,
+            ttft_targets_s={str(k).strip().lower(): float(v) for k, v in targets.items()})
     return out
 
 
@@ -151,7 +200,9 @@ def load_tenant_file(path: str) -> dict[str, TenantTraffic]:
 
 
 def priority_classes(names: Sequence[str], default: str,
-                     tenants: Mapping[str, TenantTraffic] | None = None) -> PriorityClasses:
-    """``PriorityClasses`` with names lower-cased. Raises ``ValueError`` as it does."""
+                     tenants: Mapping[str, TenantTraffic] | None = None,
+                     ttft_targets: Sequence[str] = ()) -> PriorityClasses:
+    """``PriorityClasses`` with names lower-cased, ``ttft_targets`` as ``CLASS=SECONDS``
+    strings. Raises ``ValueError`` as it and ``parse_ttft_targets`` do."""
     return PriorityClasses(tuple(n.strip().lower() for n in names), default.strip().lower(),
-                           dict(tenants or {}))
+                           dict(tenants or {}), parse_ttft_targets(ttft_targets))

@@ -7,12 +7,19 @@ its wait bound passes (``Overloaded``, 503). A waiting request whose task is can
 cancels the handler when its client disconnects) leaves the queue at once. The slot counts the
 request against ``max_inflight`` until ``release``; ``dispatched`` says it now counts in its
 replica's load (``LoadTracker``), so it no longer takes a free slot from the ones admitted after.
+
+A request with a TTFT target (``admit``'s ``ttft_target_s``) is also held for it
+(``router.traffic.admission.slo_verdict``): it waits while its predicted TTFT on the best replica
+with room, counting the prefill of the requests admitted but not yet dispatched, would miss its
+target, and while it waits no request of a lower class for the same model is admitted (they
+would take the room it waits for); it is shed once even an idle replica would miss it.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -21,11 +28,18 @@ from typing import Any, Final
 from router.traffic.admission import (
     SHED_QUEUE_FULL,
     SHED_QUEUE_TIMEOUT,
+    SHED_TTFT_TARGET,
+    SLO_MEETS,
+    SLO_SHED,
+    SLO_UNMEETABLE,
+    SLO_WAIT,
     AdmissionLimits,
     AdmissionQueue,
     Overloaded,
     ReplicaLoad,
+    SloVerdict,
     Waiting,
+    slo_verdict,
 )
 from router.traffic.scheduling import FairOrder
 
@@ -44,7 +58,10 @@ class AdmissionEvent:
     """What happened to one request at the gate, for metrics and logs: ``outcome`` is
     ``admitted`` (at once or from the queue: ``queued``), ``shed`` (``reason``) or
     ``cancelled`` (its client left while it waited); ``waited_s`` seconds in the queue;
-    ``priority`` its class rank, ``tenant`` whose it is."""
+    ``priority`` its class rank, ``tenant`` whose it is. With a TTFT target: ``slo`` is
+    ``meets`` (admitted within it without being held), ``waited`` (held for it, then admitted),
+    ``unmeetable``, ``shed`` (or "" for a request cancelled or shed by the limits), and
+    ``predicted_ttft_s`` its predicted TTFT when admitted; without one, "" and None."""
 
     outcome: str
     queued: bool
@@ -52,25 +69,30 @@ class AdmissionEvent:
     reason: str = ""
     priority: int = 0
     tenant: str = ""
+    slo: str = ""
+    predicted_ttft_s: float | None = None
 
 
 class AdmissionSlot:
     """One admitted request's place in the fleet-wide count. ``dispatched()`` once it is counted
     in its replica's load; ``release()`` when it ends (both idempotent)."""
 
-    __slots__ = ("_dispatched", "_gate", "_released", "priority", "waited_s")
+    __slots__ = ("_dispatched", "_gate", "_released", "pending_s", "priority", "waited_s")
 
-    def __init__(self, gate: AdmissionGate, waited_s: float, priority: int = 0) -> None:
+    def __init__(self, gate: AdmissionGate, waited_s: float, priority: int = 0,
+                 pending_s: float = 0.0) -> None:
         self._gate = gate
         self._dispatched = False
         self._released = False
         self.waited_s = waited_s
         self.priority = priority  # the request's class rank
+        self.pending_s = pending_s  # its own prefill seconds, counted in the gate's until dispatched
 
     def dispatched(self) -> None:
         if not self._dispatched:
             self._dispatched = True
             self._gate.num_pending -= 1
+            self._gate.pending_prefill_s = max(self._gate.pending_prefill_s - self.pending_s, 0.0)
             self._gate.kick()
 
     def release(self) -> None:
@@ -101,6 +123,7 @@ class AdmissionGate:
         self._clock = clock
         self.num_admitted = 0  # admitted and not released (fleet-wide in-flight of this router)
         self.num_pending = 0  # admitted and not yet dispatched
+        self.pending_prefill_s = 0.0  # the targeted ones' own prefill seconds (in no load yet)
         self._futures: dict[int, asyncio.Future[AdmissionSlot]] = {}  # {entry seq: its waiter}
         self._pump_handle: asyncio.Handle | None = None
         self._timer: asyncio.TimerHandle | None = None
@@ -110,16 +133,24 @@ class AdmissionGate:
         return self.limits.enabled
 
     async def admit(self, request_id: str, model: str | None, cost_s: float = 0.0,
-                    priority: int = 0, tenant: str = "") -> AdmissionSlot:
+                    priority: int = 0, tenant: str = "", work_tokens: float = 0.0,
+                    ttft_target_s: float | None = None) -> AdmissionSlot:
         """Wait for room for one request for ``model`` (``cost_s``: its predicted prefill
         seconds; ``priority``: its class rank, 0 the highest; ``tenant``: whose fair share it
-        takes; ``router.traffic.scheduling``). Raises ``Overloaded`` (503 with Retry-After) when the queue is full or the
-        wait bound passes; ``CancelledError`` goes through, the request out of the queue."""
+        takes; ``router.traffic.scheduling``; ``work_tokens``: its own prefill work and
+        ``ttft_target_s`` its TTFT target, for SLO-aware admission). Raises ``Overloaded`` (503
+        with Retry-After) when the queue is full, the wait bound passes or the TTFT target can
+        no longer be met; ``CancelledError`` goes through, the request out of the queue."""
         now = self._clock()
         queue = self.queue
-        if not self.enabled or (not len(queue) and self._fits(model)):
+        entry = queue.new_entry(request_id, model, now, cost_s, priority, tenant, work_tokens,
+                                ttft_target_s)
+        if not self.enabled:
             return self._grant(now, 0.0, False, priority, tenant)
-        entry = queue.new_entry(request_id, model, now, cost_s, priority, tenant)
+        if not len(queue) and self._fits(model):
+            verdict = self._verdict(entry, now)
+            if verdict is None or verdict.outcome in (SLO_MEETS, SLO_UNMEETABLE):
+                return self._grant(now, 0.0, False, priority, tenant, entry, verdict)
         if not queue.offer(entry):
             retry = queue.retry_after_s(now)
             self._on_event(AdmissionEvent("shed", False, 0.0, SHED_QUEUE_FULL, priority, tenant))
@@ -151,13 +182,32 @@ class AdmissionGate:
         loads = self._loads_of(model)
         return loads is None or self.limits.has_room(loads, self.num_admitted, self.num_pending)
 
-    def _grant(self, now: float, waited_s: float, queued: bool, priority: int,
-               tenant: str) -> AdmissionSlot:
+    def _verdict(self, entry: Waiting, now: float) -> SloVerdict | None:
+        """SLO-aware admission of ``entry`` now (None: no target, or its model is not routable
+        now). The prefill admitted but not yet dispatched is spread over the replicas with room
+        (where it will go is decided at dispatch)."""
+        if entry.ttft_target_s is None:
+            return None
+        loads = self._loads_of(entry.model)
+        if loads is None:
+            return None
+        return slo_verdict(self.limits, loads, entry.work_tokens, entry.ttft_target_s,
+                           now - entry.enqueued_at, self.pending_prefill_s)
+
+    def _grant(self, now: float, waited_s: float, queued: bool, priority: int, tenant: str,
+               entry: Waiting | None = None, verdict: SloVerdict | None = None) -> AdmissionSlot:
         self.num_admitted += 1
         self.num_pending += 1
         self.queue.record_admission(now)
-        self._on_event(AdmissionEvent("admitted", queued, waited_s, "", priority, tenant))
-        return AdmissionSlot(self, waited_s, priority)
+        slo, predicted, pending_s = "", None, 0.0
+        if verdict is not None and entry is not None:
+            slo = "waited" if entry.held else verdict.outcome
+            predicted = verdict.predicted_ttft_s
+            pending_s = verdict.idle_ttft_s
+            self.pending_prefill_s += pending_s
+        self._on_event(AdmissionEvent("admitted", queued, waited_s, "", priority, tenant, slo,
+                                      predicted))
+        return AdmissionSlot(self, waited_s, priority, pending_s)
 
     def _pump(self) -> None:
         """Shed the requests past their bound, then admit, in order, every one that fits."""
@@ -175,7 +225,9 @@ class AdmissionGate:
                     f"the router is overloaded: no room for the request within {waited:.1f} s "
                     f"(admission_max_queue_wait_s); retry after {retry} s",
                     retry, SHED_QUEUE_TIMEOUT))
+        held = self._judge_targets(now)  # {model: the highest class held for its target}
         fits: dict[str | None, bool] = {}  # {model: room} within this pump: loads are unchanged
+        verdicts: dict[int, SloVerdict | None] = {}  # {seq: its verdict at its admission}
 
         def model_has_room(model: str | None) -> bool:
             room = fits.get(model)
@@ -184,7 +236,11 @@ class AdmissionGate:
             return room
 
         def has_room(entry: Waiting) -> bool:
-            return model_has_room(entry.model)
+            if not model_has_room(entry.model) or entry.priority > held.get(entry.model,
+                                                                            entry.priority):
+                return False
+            verdict = verdicts[entry.seq] = self._verdict(entry, now)
+            return verdict is None or verdict.outcome in (SLO_MEETS, SLO_UNMEETABLE)
 
         # (the models first: a pop that finds no room scans every waiting request)
         while len(queue) and any(model_has_room(m) for m in queue.models()):
@@ -196,8 +252,36 @@ class AdmissionGate:
             if future is None or future.done():
                 continue
             future.set_result(self._grant(now, now - admitted.enqueued_at, True,
-                                          admitted.priority, admitted.tenant))
+                                          admitted.priority, admitted.tenant, admitted,
+                                          verdicts.get(admitted.seq)))
         self._arm_timer()
+
+    def _judge_targets(self, now: float) -> dict[str | None, int]:
+        """Shed the waiting requests whose TTFT target can no longer be met; mark those held for
+        it (``Waiting.held``). Returns ``{model: the highest class (lowest rank) held}``: no
+        request of a lower class for that model is admitted in this pump."""
+        held: dict[str | None, int] = {}
+        for entry in self.queue:
+            verdict = self._verdict(entry, now)
+            if verdict is None:
+                continue
+            waited = now - entry.enqueued_at
+            if verdict.outcome == SLO_WAIT:
+                entry.held = True
+                held[entry.model] = min(held.get(entry.model, entry.priority), entry.priority)
+            elif verdict.outcome == SLO_SHED:
+                self.queue.remove(entry)
+                self._on_event(AdmissionEvent("shed", True, waited, SHED_TTFT_TARGET,
+                                              entry.priority, entry.tenant, SLO_SHED,
+                                              verdict.predicted_ttft_s))
+                future = self._futures.pop(entry.seq, None)
+                if future is not None and not future.done():
+                    assert entry.ttft_target_s is not None
+                    retry = self.queue.retry_after_s(now)
+                    future.set_exception(Overloaded(
+                        f"the router is overloaded: {verdict.why(entry.ttft_target_s, waited)}; "
+                        f"retry after {retry} s", retry, SHED_TTFT_TARGET))
+        return held
 
     def _arm_timer(self) -> None:
         """Pump again at the next deadline, or in ``POLL_S``, whichever comes first."""
@@ -210,19 +294,35 @@ class AdmissionGate:
         delay = min(max(deadline - self._clock(), 0.0), POLL_S)
         self._timer = asyncio.get_running_loop().call_later(delay, self._pump)
 
-    def explain(self, model: str | None) -> dict[str, Any]:
+    def explain(self, model: str | None, priority: int = 0, work_tokens: float = 0.0,
+                ttft_target_s: float | None = None) -> dict[str, Any]:
         """What admission would do with a request for ``model`` now, for ``/debug/route``:
-        ``admit`` (bool), ``wait_reason`` (why it would wait; None when admitted), and each
-        replica's ``inflight_requests``, ``queued_prefill_s`` and ``room``."""
+        ``admit`` (bool), ``wait_reason`` (why it would wait; None when admitted), each
+        replica's ``inflight_requests``, ``queued_prefill_s`` and ``room``, and for SLO-aware
+        admission (``admit``'s arguments) ``ttft_target_s``, ``predicted_ttft_s``, ``slo`` (an
+        ``SLO_OUTCOMES`` value, None without a target) and ``slo_reason``."""
         loads = self._loads_of(model)
+        slo: dict[str, Any] = {"ttft_target_s": ttft_target_s, "predicted_ttft_s": None,
+                               "slo": None, "slo_reason": None}
         if not self.enabled or loads is None:
-            return {"admit": True, "wait_reason": None, "replicas": {}}
+            return {"admit": True, "wait_reason": None, "replicas": {}, **slo}
         reasons = [f"{len(self.queue)} requests wait in the admission queue"] if len(
             self.queue) else []
         why = self.limits.why_no_room(loads, self.num_admitted, self.num_pending)
         if why is not None:
             reasons.append(why)
-        return {"admit": not reasons, "wait_reason": "; ".join(reasons) or None, "replicas": {
+        now = self._clock()
+        verdict = self._verdict(self.queue.new_entry("", model, now, 0.0, priority, "",
+                                                     work_tokens, ttft_target_s), now)
+        if verdict is not None and ttft_target_s is not None:
+            predicted = verdict.predicted_ttft_s
+            slo.update(predicted_ttft_s=round(predicted, 4) if math.isfinite(predicted) else None,
+                       slo=verdict.outcome,
+                       slo_reason=verdict.why(ttft_target_s, 0.0))
+            if verdict.outcome not in (SLO_MEETS, SLO_UNMEETABLE):
+                reasons.append(slo["slo_reason"])
+        return {"admit": not reasons, "wait_reason": "; ".join(reasons) or None, **slo,
+                "replicas": {
             load.replica_id: {"inflight_requests": load.inflight_requests,
                               "queued_prefill_s": round(load.queued_prefill_s, 4),
                               "room": self.limits.replica_has_room(load)} for load in loads}}

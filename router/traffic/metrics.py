@@ -34,6 +34,16 @@ class AdmissionMetrics:
             "router_admission_wait_seconds", "Seconds requests waited in the admission queue, "
             "by outcome (admitted, shed, cancelled); requests admitted at once are not observed",
             ["outcome"], buckets=_WAIT_BUCKETS, registry=registry)
+        self.slo = Counter(
+            "router_admission_slo_requests_total", "Requests with a TTFT target (SLO-aware "
+            "admission), by priority class and outcome: meets (admitted within it at once), "
+            "waited (held for it, then admitted), unmeetable (its own prefill misses it: the "
+            "limits alone decided), shed (it could no longer be met: a 503)",
+            ["priority_class", "outcome"], registry=registry)
+        self.predicted_ttft = Histogram(
+            "router_admission_predicted_ttft_seconds", "Predicted TTFT of requests with a TTFT "
+            "target when admitted (best replica with room, no prefix hit counted), by priority "
+            "class", ["priority_class"], buckets=_WAIT_BUCKETS, registry=registry)
         queue_length = Gauge(
             "router_admission_queue_length", "Requests waiting in the admission queue",
             registry=registry)
@@ -50,3 +60,7 @@ class AdmissionMetrics:
                              event.tenant if self._per_tenant else "").inc()
         if event.queued:
             self.wait.labels(event.outcome).observe(event.waited_s)
+        if event.slo:
+            self.slo.labels(cls, event.slo).inc()
+        if event.outcome == "admitted" and event.predicted_ttft_s is not None:
+            self.predicted_ttft.labels(cls).observe(event.predicted_ttft_s)

@@ -327,3 +327,35 @@ def test_tenants_of_one_class_take_turns_by_weight(
             "first", "b0", "a0", "b1", "b2", "nightly", "nightly-claims-interactive"]
     finally:
         router.stop()
+
+
+def test_a_request_predicted_to_miss_its_ttft_target_waits_then_is_shed(
+        tmp_path: Path, replicas: list[HoldingReplica]) -> None:
+    # SLO-aware admission: at 100 prefill tokens/s (the prior: no first token observed) a
+    # 400-character prompt (100 tokens) predicts 1 s on an idle replica, within the 1.5 s target;
+    # behind the first one (held by the replica, its prefill still queued there) 2 s: it waits
+    # while 1 s on an idle replica could still meet the target, then is shed
+    router = start_router(tmp_path, replicas[:1], "--admission-max-inflight", "100",
+                          "--ttft-prior-tokens-per-s", "100",
+                          "--admission-ttft-targets", "interactive=1.5",
+                          "--admission-default-priority-class", "interactive")
+    body = {**BODY, "prompt": "x" * 400}
+    replica = replicas[0]
+    try:
+        first = Call(router, body)
+        wait_for(lambda: replica.arrived() == 1, 30, message="first request at the replica")
+        explained = json.loads(router.post("/debug/route", body, timeout=10)[2])["admission"]
+        assert explained["slo"] == "wait" and explained["ttft_target_s"] == 1.5, explained
+        assert not explained["admit"] and "TTFT target" in explained["wait_reason"]
+        second = Call(router, body)
+        assert_overloaded(second.wait(), "TTFT target")
+        assert replica.arrived() == 1  # never sent
+        metrics = router.metrics()
+        assert sample(metrics, "router_admission_requests_total", outcome="shed",
+                      reason="ttft_target", priority_class="interactive") == 1
+        assert sample(metrics, "router_admission_slo_requests_total", outcome="shed") == 1
+        assert sample(metrics, "router_admission_slo_requests_total", outcome="meets") == 1
+        replica.release()
+        assert first.wait()[0] == 200
+    finally:
+        router.stop()

@@ -290,7 +290,8 @@ async def test_gate_explains_why_a_request_would_wait() -> None:
     fleet, events = Fleet(), list[AdmissionEvent]()
     gate = _gate(fleet, events, max_inflight_per_replica=1)
     assert gate.explain(None) == {"admit": True, "wait_reason": None, "replicas": {"a": {
-        "inflight_requests": 0, "queued_prefill_s": 0.0, "room": True}}}
+        "inflight_requests": 0, "queued_prefill_s": 0.0, "room": True}}, "ttft_target_s": None,
+        "predicted_ttft_s": None, "slo": None, "slo_reason": None}
     fleet.inflight = 1
     waiter = asyncio.create_task(gate.admit("r0", None))
     await asyncio.sleep(0)
