@@ -26,15 +26,19 @@ from loadtest.redis_server import RedisServer
 from loadtest.vllm_engine import (
     BLOCK_SIZE,
     START_TIMEOUT_S,
+    KVEventTap,
     VllmEngine,
     get_json,
     make_model_dir,
+    reset_prefix_cache,
     start_vllm_engine,
     unavailable_reason,
 )
+from router.shared.kv_events import AllBlocksCleared
 from tests.helpers import PYTHON, start_process, stop_process, wait_for, wait_ready
 
 UNAVAILABLE = unavailable_reason()
+SETTLE_S = 120.0  # bound on waits for the router's index to catch up: generous when busy
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
@@ -233,3 +237,28 @@ def engine_fleet(engine_pair: list[VllmEngine], model_dir: Path, redis_server: R
         yield fleet
     finally:
         fleet.stop()
+
+
+@pytest.fixture(scope="module")
+def taps(engine_fleet: EngineFleet) -> Iterator[dict[str, KVEventTap]]:
+    """One tap per engine of ``engine_fleet``, keyed by replica id. A tap sees only what is
+    published after it connects, so the engines' caches are reset first (which the workers
+    follow)."""
+    out = {rid: KVEventTap(engine_fleet.engine(rid).kv_events_endpoint)
+           for rid in engine_fleet.replica_ids}
+    try:
+        for rid, tap in out.items():
+            reset_prefix_cache(engine_fleet.engine(rid), SETTLE_S)
+            wait_for(lambda t=tap: any(isinstance(e, AllBlocksCleared) for e in t.events()),
+                     SETTLE_S, 0.1, "AllBlocksCleared")
+        yield out
+    finally:
+        for tap in out.values():
+            tap.close()
+
+
+def index_matches_engines(fleet: EngineFleet, taps: dict[str, KVEventTap]) -> bool:
+    """Each replica's block count in the router's index equals its engine's resident blocks as
+    the engine's own events say (the router applies the workers' stream entries)."""
+    counts = {r["replica_id"]: r["index_blocks"] for r in fleet.ready()["replicas"]}
+    return all(counts.get(rid) == len(tap.resident()) for rid, tap in taps.items())

@@ -28,6 +28,11 @@ pytestmark = pytest.mark.timeout(2700)
 
 RANKS = ("dp-engine#0", "dp-engine#1")  # the worker names rank r's routing target <id>#<r>
 SETTLE_S = 120.0  # bound on waits for probes, heartbeats and the index: generous when busy
+# the module's own key prefix in the session's Redis: the package's pair (``engine_fleet``) may be
+# up at the same time, its workers registering the same model under the default prefix, and a
+# router on that prefix would route to the pair as well (a whole-package run timed out waiting
+# for "both ranks" with four routable replicas)
+REDIS_PREFIX = "dp"
 
 
 @pytest.fixture
@@ -44,23 +49,23 @@ def taps(dp_engine: VllmEngine) -> Iterator[dict[str, KVEventTap]]:
 @pytest.fixture
 def fleet(dp_engine: VllmEngine, redis_server: RedisServer, taps: dict[str, KVEventTap],
           tmp_path: Path) -> Iterator[tuple[str, redis.Redis]]:
-    """The worker (both ranks) and a router, started after the ``taps``; ``(router URL, Redis
-    client)``."""
+    """The worker (both ranks) and a router on the module's own Redis prefix, started after the
+    ``taps``; ``(router URL, Redis client)``."""
     client = redis.Redis.from_url(redis_server.url)
-    client.flushall()
     procs: list[subprocess.Popen[bytes]] = []
     try:
         procs.append(start_process([
             PYTHON, "-m", "worker.cli", "report", "--engine-url", dp_engine.url,
             "--kv-events-endpoint", dp_engine.kv_events_endpoint,
             "--kv-replay-endpoint", dp_engine.kv_replay_endpoint, "--data-parallel-size", "2",
-            "--redis-url", redis_server.url, "--replica-id", "dp-engine", "--hash-seed", "0",
-            "--index-stride", "1"]))
+            "--redis-url", redis_server.url, "--redis-prefix", REDIS_PREFIX, "--replica-id",
+            "dp-engine", "--hash-seed", "0", "--index-stride", "1"]))
         ready = tmp_path / "router.json"
         procs.append(start_process([
             PYTHON, "-m", "router.cli", "serve", "--host", "127.0.0.1", "--port", "0",
             "--ready-file", str(ready), "--redis-url", redis_server.url,
-            "--block-size", "32", "--hash-seed", "0", "--index-stride", "1"]))
+            "--redis-prefix", REDIS_PREFIX, "--block-size", "32", "--hash-seed", "0",
+            "--index-stride", "1"]))
         url = wait_ready(ready, procs, 120, "the router's ready file")["url"]
         yield url, client
     finally:
@@ -70,7 +75,7 @@ def fleet(dp_engine: VllmEngine, redis_server: RedisServer, taps: dict[str, KVEv
 
 
 def heartbeat(client: redis.Redis, replica_id: str) -> dict[str, str]:
-    raw: Any = client.hgetall(contract.replica_key("pr", replica_id))
+    raw: Any = client.hgetall(contract.replica_key(REDIS_PREFIX, replica_id))
     return {k.decode(): v.decode() for k, v in raw.items()}
 
 

@@ -13,21 +13,18 @@ from __future__ import annotations
 
 import json
 import random
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
 
 from loadtest.text import default_vocabulary
-from loadtest.vllm_engine import KVEventTap, post_json, reset_prefix_cache
-from router.shared.kv_events import AllBlocksCleared
-from tests.engine.conftest import EngineFleet
+from loadtest.vllm_engine import KVEventTap, post_json
+from tests.engine.conftest import SETTLE_S, EngineFleet, index_matches_engines
 from tests.helpers import wait_for
 from tests.integration.test_router_fleet import http
 
 # the package's engines start together when the first is needed (conftest.EnginePool)
 pytestmark = pytest.mark.timeout(2700)
-SETTLE_S = 120.0  # bound on waits for the router's index to catch up: generous when busy
 
 def make_text(rng: random.Random, num_tokens: int) -> str:
     """Text of ``num_tokens`` Qwen3 tokens, drawn from ``rng``."""
@@ -36,30 +33,6 @@ def make_text(rng: random.Random, num_tokens: int) -> str:
 
 HIT_HEADER = "x-prefix-router-confirmed-hit-tokens"
 REPLICA_HEADER = "x-prefix-router-replica"
-
-
-@pytest.fixture(scope="module")
-def taps(engine_fleet: EngineFleet) -> Iterator[dict[str, KVEventTap]]:
-    """One tap per engine, keyed by replica id. A tap sees only what is published after it
-    connects, so the engines' caches are reset first (which the workers follow)."""
-    out = {rid: KVEventTap(engine_fleet.engine(rid).kv_events_endpoint)
-           for rid in engine_fleet.replica_ids}
-    try:
-        for rid, tap in out.items():
-            reset_prefix_cache(engine_fleet.engine(rid), SETTLE_S)
-            wait_for(lambda t=tap: any(isinstance(e, AllBlocksCleared) for e in t.events()),
-                     SETTLE_S, 0.1, "AllBlocksCleared")
-        yield out
-    finally:
-        for tap in out.values():
-            tap.close()
-
-
-def index_matches_engines(fleet: EngineFleet, taps: dict[str, KVEventTap]) -> bool:
-    """Each replica's block count in the router's index equals its engine's resident blocks as
-    the engine's own events say (the router applies the workers' stream entries)."""
-    counts = {r["replica_id"]: r["index_blocks"] for r in fleet.ready()["replicas"]}
-    return all(counts.get(rid) == len(tap.resident()) for rid, tap in taps.items())
 
 
 def send(fleet: EngineFleet, taps: dict[str, KVEventTap], path: str,
