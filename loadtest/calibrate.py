@@ -18,7 +18,7 @@ import statistics
 import time
 from dataclasses import dataclass
 
-__all__ = ["Headroom", "SpeedChoice", "choose_speedup", "measure_headroom"]
+__all__ = ["EMULATOR_TARGET_SHARE", "Headroom", "SpeedChoice", "choose_speedup", "measure_headroom"]
 
 # Candidate replay speeds, fastest first. 2 is the slowest sensible one: the demo's five policies
 # then take about 15 minutes (docs/benchmarks.md).
@@ -30,6 +30,15 @@ STACK_CPU_S_PER_REQUEST = 0.056
 # The projected busy share a speed may reach: below the verdict's 90% (TRUST_MACHINE_BUSY) with
 # room for the bursts of the trace and for the other work's own ups and downs.
 TARGET_BUSY = 0.75
+# CPU seconds the emulator process alone uses per replayed request of the demo slice (18.5-20.4 ms
+# in the quiet demo of 2026-12-03 21:30, speed 8: docs/benchmarks.md).
+EMULATOR_CPU_S_PER_REQUEST = 0.0195
+# The share of one core the emulator process may use. All eight replicas' steps run in that one
+# process's event loop, so its step lag is a queue on one core, not on the machine: on a quiet
+# machine (1% busy) 46% of a core (speed 8) gave lag p99 39-53 ms and 58% (speed 10) 458 ms, both
+# over the verdict's 20 ms, while the machine was only 60-84% busy. 35% is an extrapolation below
+# the first point, not a measured limit; the lead's quiet run confirms or moves it.
+EMULATOR_TARGET_SHARE = 0.35
 CALIBRATION_S = 3.0  # seconds of measuring before the first fleet starts
 WAKE_PROBE_SLEEP_S = 0.005
 
@@ -98,9 +107,12 @@ def projected_busy(headroom: Headroom, requests_per_s: float,
 def choose_speedup(headroom: Headroom, num_requests: int, trace_span_s: float,
                    limit_busy: float, speedups: tuple[float, ...] = SPEEDUPS,
                    target_busy: float = TARGET_BUSY,
-                   cpu_s_per_request: float = STACK_CPU_S_PER_REQUEST) -> SpeedChoice:
+                   cpu_s_per_request: float = STACK_CPU_S_PER_REQUEST,
+                   emulator_cpu_s_per_request: float = EMULATOR_CPU_S_PER_REQUEST,
+                   emulator_target_share: float = EMULATOR_TARGET_SHARE) -> SpeedChoice:
     """The fastest of ``speedups`` (fastest first) at which the projected busy share stays at or
-    under ``target_busy``; else the slowest, with ``can_trust`` False when even there the
+    under ``target_busy`` and the emulator process's projected share of its one core
+    (``emulator_cpu_s_per_request`` times the rate) at or under ``emulator_target_share``; else the slowest, with ``can_trust`` False when even there the
     projection passes ``limit_busy`` (the verdict's own limit). ``num_requests`` over
     ``trace_span_s`` trace seconds is the slice's rate at speed 1. Raises ``ValueError`` for an
     empty ladder or a non-positive span."""
@@ -111,12 +123,16 @@ def choose_speedup(headroom: Headroom, num_requests: int, trace_span_s: float,
              f"cores (load average {headroom.load_average_1m:.1f})")
     for speedup in speedups:
         busy = projected_busy(headroom, rate_1x * speedup, cpu_s_per_request)
-        if busy <= target_busy:
+        share = rate_1x * speedup * emulator_cpu_s_per_request
+        if busy <= target_busy and share <= emulator_target_share:
             fastest = speedup == speedups[0]
             return SpeedChoice(speedup, busy, True, (
                 f"{other}; at speedup {speedup:g} ({rate_1x * speedup:.0f} requests/s, "
                 f"{cpu_s_per_request * 1000:.0f} ms of CPU each) the machine would be about "
-                f"{busy:.0%} busy, under the {target_busy:.0%} this demo aims for"
+                f"{busy:.0%} busy, under the {target_busy:.0%} this demo aims for, and the "
+                f"emulator process (one event loop for all replicas, "
+                f"{emulator_cpu_s_per_request * 1000:.1f} ms each) about {share:.0%} of a core, "
+                f"under the {emulator_target_share:.0%} at which its steps keep their clock"
                 + ("" if fastest else f" (speedup {speedups[0]:g} would need more)")))
     slowest = speedups[-1]
     busy = projected_busy(headroom, rate_1x * slowest, cpu_s_per_request)
