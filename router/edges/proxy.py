@@ -45,6 +45,7 @@ from multidict import CIMultiDict, CIMultiDictProxy
 
 from router.apis.error_shapes import SSE_ERROR_EVENTS
 from router.decision.health import HUNG, MISSED, ReplicaHealth
+from router.edges.auth import X_API_KEY_HEADER
 from router.observability.loop_lag import LoopLag
 from router.observability.metrics import RouterMetrics
 from router.observability.tracing import Tracing
@@ -152,7 +153,7 @@ def upstream_headers(request: web.Request, request_id: str) -> CIMultiDict[str]:
     for name, value in request.headers.items():
         lower = name.lower()
         if lower not in dropped and lower != "content-encoding" and lower != _DP_RANK and not (
-                authenticated and lower == "authorization"):
+                authenticated and lower in ("authorization", X_API_KEY_HEADER)):
             headers.add(name, value)
     headers[REQUEST_ID_HEADER] = request_id
     return headers
