@@ -43,7 +43,7 @@ import aiohttp
 from aiohttp import web
 from multidict import CIMultiDict, CIMultiDictProxy
 
-from router.apis.error_shapes import SSE_ERROR_EVENTS
+from router.apis.error_shapes import SSE_ERROR_EVENTS, UPSTREAM_ERROR_BODIES
 from router.decision.health import HUNG, MISSED, ReplicaHealth
 from router.edges.auth import X_API_KEY_HEADER
 from router.observability.loop_lag import LoopLag
@@ -425,6 +425,10 @@ class Proxy:
                     # the whole (non-streamed) body came in the first read: one write, headers
                     # and body together
                     outcome.tail = first[-TAIL_BYTES:]  # the usage, for the template audit
+                    reshape = UPSTREAM_ERROR_BODIES.get(path)
+                    if reshape is not None and upstream.status >= 400 and (
+                            "content-encoding" not in upstream.headers):
+                        first = reshape(first, upstream.status)  # the API's own error shape
                     response = web.Response(status=upstream.status, reason=upstream.reason,
                                             body=first, headers=out_headers)
                     await response.prepare(request)

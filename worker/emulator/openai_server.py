@@ -338,10 +338,13 @@ class ReplicaServer:
             include_usage=include_usage, cache_salt=validate_cache_salt(data.get("cache_salt")),
             n=n)
 
-    async def _completion_prompts(self, data: dict[str, Any]) -> list[list[int]]:
-        if "prompt" not in data or data["prompt"] is None:
-            raise bad_request("prompt is required", "prompt")
-        prompt = data["prompt"]
+    async def _completion_prompts(self, data: dict[str, Any],
+                                  field: str = "prompt") -> list[list[int]]:
+        """``data[field]`` (a completions ``prompt``; ``input`` of the pooling paths) as token-id
+        lists; the errors name ``field``, the field the client sent."""
+        if data.get(field) is None:
+            raise bad_request(f"{field} is required", field)
+        prompt = data[field]
         if isinstance(prompt, list) and prompt and type(prompt[0]) is int and valid_token_ids(
                 prompt, await self._vocab_size()):
             return [prompt]  # one valid token-id prompt: the common case, checked in C
@@ -352,8 +355,8 @@ class ReplicaServer:
         elif isinstance(prompt, list) and prompt:
             items = prompt
         else:
-            raise bad_request("prompt must be a string, a list of token ids, or a non-empty list "
-                              "of either", "prompt")
+            raise bad_request(f"{field} must be a string, a list of token ids, or a non-empty list "
+                              "of either", field)
         out: list[list[int]] = []
         vocab_size: int | None = None
         for item in items:
@@ -361,16 +364,17 @@ class ReplicaServer:
                 out.append(await self._encode(item, bool(add_special)))
             elif isinstance(item, list) and all(type(t) is int for t in item):
                 if any(t < 0 for t in item):
-                    raise bad_request("token ids must be non-negative integers", "prompt")
+                    raise bad_request("token ids must be non-negative integers", field)
                 if item:
                     if vocab_size is None:
                         vocab_size = await self._vocab_size()
                     check_vocab(item, vocab_size)
                 out.append(item)
             else:
-                raise bad_request("each prompt must be a string or a list of token ids", "prompt")
+                raise bad_request(f"each item of {field} must be a string or a list of token ids",
+                                  field)
             if not out[-1]:
-                raise bad_request("The decoder prompt cannot be empty", "prompt")
+                raise bad_request("The decoder prompt cannot be empty", field)
         return out
 
     async def _vocab_size(self) -> int:
@@ -597,10 +601,13 @@ class ReplicaServer:
             raise bad_request("The decoder prompt cannot be empty", "messages")
         return ids
 
-    def _api_params(self, max_tokens: Any, stream: bool, salt: Any) -> GenerationParams:
+    def _api_params(self, data: dict[str, Any], field: str) -> GenerationParams:
+        """The generation parameters of a Responses or Messages body whose token limit is
+        ``data[field]`` (``max_output_tokens`` / ``max_tokens``: its errors name it)."""
+        max_tokens = data.get(field)
         if max_tokens is not None and (type(max_tokens) is not int or max_tokens < 1):
-            raise bad_request(f"max_tokens must be a positive integer, got {max_tokens!r}",
-                              "max_tokens")
+            raise bad_request(f"{field} must be a positive integer, got {max_tokens!r}", field)
+        stream, salt = bool(data.get("stream")), data.get("cache_salt")
         return GenerationParams(max_tokens=max_tokens, ignore_eos=False, stream=stream,
                                 include_usage=True, cache_salt=validate_cache_salt(salt), n=1)
 
@@ -666,7 +673,7 @@ class ReplicaServer:
             system = new[:1] if data.get("instructions") else []
             messages = system + history + new[len(system):]
         stream = bool(data.get("stream"))
-        params = self._api_params(data.get("max_output_tokens"), stream, data.get("cache_salt"))
+        params = self._api_params(data, "max_output_tokens")
         prompt = await self._api_prompt(messages, chat["options"])
         answer = _ResponsesOut(self, ResponsesAnswer(data, model, int(time.time()),
                                                      self._check_length(len(prompt),
@@ -694,8 +701,7 @@ class ReplicaServer:
         options = {k: v for k, v in chat.items() if k != "messages"}
         if "tools" in options:
             options["tool_dicts"] = options.pop("tools")
-        params = self._api_params(data.get("max_tokens"), bool(data.get("stream")),
-                                  data.get("cache_salt"))
+        params = self._api_params(data, "max_tokens")
         prompt = await self._api_prompt(chat["messages"], options)
         answer = _MessagesOut(self, MessagesAnswer(model))
         response, _ = await self._answer_api(request, prompt, params, lora, answer.answer.id,
@@ -785,7 +791,7 @@ class ReplicaServer:
         dim = data.get("dimensions") or pooling.EMBED_DIM
         if type(dim) is not int or not 0 < dim <= pooling.MAX_EMBED_DIM:
             raise bad_request(f"dimensions must be 1..{pooling.MAX_EMBED_DIM}", "dimensions")
-        prompts = await self._completion_prompts({**data, "prompt": data.get("input")})
+        prompts = await self._completion_prompts(data, "input")
         kind = "embeddings" if request.path == "/v1/embeddings" else "pooling"
         return web.json_response(pooling.vectors_body(kind, model, prompts, dim))
 
