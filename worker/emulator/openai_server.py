@@ -672,7 +672,6 @@ class ReplicaServer:
             new = input_messages(data)
             system = new[:1] if data.get("instructions") else []
             messages = system + history + new[len(system):]
-        stream = bool(data.get("stream"))
         params = self._api_params(data, "max_output_tokens")
         prompt = await self._api_prompt(messages, chat["options"])
         answer = _ResponsesOut(self, ResponsesAnswer(data, model, int(time.time()),
