@@ -32,6 +32,23 @@ def anthropic_error_body(message: str, error_type: str, status: int) -> bytes:
     return msgspec.json.encode({"type": "error", "error": {"type": kind, "message": message}})
 
 
+def anthropic_upstream_error(body: bytes, status: int) -> bytes:
+    """An engine's error answer on ``/v1/messages`` (``body``, answered with HTTP ``status``)
+    in Anthropic's shape with Anthropic's type for ``status``. vLLM answers there in
+    Anthropic's envelope but keeps its OpenAI error type (``BadRequestError``: vLLM 0.32
+    ``anthropic/api_router.py`` ``translate_error_response``), which Anthropic clients do not
+    know; its message is kept. A body that is not JSON becomes the message."""
+    try:
+        data = msgspec.json.decode(body)
+    except msgspec.DecodeError:
+        data = None
+    error = data.get("error") if isinstance(data, dict) else None
+    message = error.get("message") if isinstance(error, dict) else None
+    if not isinstance(message, str):
+        message = body.decode("utf-8", "replace").strip() or f"HTTP {status} from the engine"
+    return anthropic_error_body(message, "", status)
+
+
 def anthropic_sse_error(message: str, error_type: str, status: int) -> bytes:
     """The SSE ``error`` event of a Messages stream that failed after its start."""
     return b"event: error\ndata: " + anthropic_error_body(message, error_type, status) + b"\n\n"

@@ -48,6 +48,10 @@ METRICS_ACCESS: Final = ("open", "admin")  # who may scrape /metrics when keys a
 # ``request.get(TENANT_KEY)`` is ``str | None``; a plain "tenant" string would not find it)
 TENANT_KEY: Final = web.RequestKey("tenant", str)
 ADMIN_KEY: Final = web.RequestKey("tenant_is_admin", bool)
+# paths where Anthropic's key header is accepted as the API key (Anthropic's SDK sends no
+# Authorization header)
+X_API_KEY_PATHS: Final = frozenset({"/v1/messages"})
+X_API_KEY_HEADER: Final = "x-api-key"
 OPEN_PATHS: Final = frozenset({"/health", "/ready"})  # probes of the kubelet: never need a key
 _HASH_RE: Final = re.compile(r"sha256:([0-9a-f]{64})")
 _TENANT_RE: Final = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,127}")
@@ -178,6 +182,20 @@ def read_secret(path: str) -> bytes:
     return secret
 
 
+def request_api_key(request: web.Request) -> str | None:
+    """The API key a request carries: ``Authorization: Bearer KEY``, or on the Anthropic paths
+    (``X_API_KEY_PATHS``) Anthropic's ``x-api-key: KEY`` header (what the Anthropic SDK sends;
+    Anthropic's API reference, "Authentication"). ``None`` when there is none."""
+    scheme, _, token = request.headers.get("Authorization", "").partition(" ")
+    if scheme.lower() == "bearer" and token.strip():
+        return token.strip()
+    if request.path in X_API_KEY_PATHS:
+        token = request.headers.get(X_API_KEY_HEADER, "").strip()
+        if token:
+            return token
+    return None
+
+
 class TenantAuth:
     """Authentication and salting policy of one router process.
 
@@ -219,13 +237,13 @@ class TenantAuth:
         path = request.path
         if path in OPEN_PATHS or (path == "/metrics" and not self.restrict_metrics):
             return
-        header = request.headers.get("Authorization", "")
-        scheme, _, token = header.partition(" ")
-        if scheme.lower() != "bearer" or not token.strip():
+        token = request_api_key(request)
+        if token is None:
             raise Unauthorized("You didn't provide an API key. Send it as 'Authorization: "
-                               "Bearer YOUR_KEY'.")
+                               "Bearer YOUR_KEY'" + (" or 'x-api-key: YOUR_KEY'."
+                                                     if path in X_API_KEY_PATHS else "."))
         self.keys.maybe_reload(time.monotonic())
-        tenant = self.keys.tenant_of(token.strip())
+        tenant = self.keys.tenant_of(token)
         if tenant is None:
             raise Unauthorized("Incorrect API key provided.")
         admin = tenant in self.admin_tenants

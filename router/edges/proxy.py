@@ -43,9 +43,9 @@ import aiohttp
 from aiohttp import web
 from multidict import CIMultiDict, CIMultiDictProxy
 
-from router.apis.error_shapes import SSE_ERROR_EVENTS
+from router.apis.error_shapes import SSE_ERROR_EVENTS, UPSTREAM_ERROR_BODIES
 from router.decision.health import HUNG, MISSED, ReplicaHealth
-from router.edges.auth import TENANT_KEY
+from router.edges.auth import TENANT_KEY, X_API_KEY_HEADER
 from router.observability.loop_lag import LoopLag
 from router.observability.metrics import RouterMetrics
 from router.observability.tracing import Tracing
@@ -156,7 +156,7 @@ def upstream_headers(request: web.Request, request_id: str) -> CIMultiDict[str]:
     for name, value in request.headers.items():
         lower = name.lower()
         if lower not in dropped and lower != "content-encoding" and lower != _DP_RANK and not (
-                authenticated and lower == "authorization"):
+                authenticated and lower in ("authorization", X_API_KEY_HEADER)):
             headers.add(name, value)
     headers[REQUEST_ID_HEADER] = request_id
     return headers
@@ -472,6 +472,10 @@ class Proxy:
                     # the whole (non-streamed) body came in the first read: one write, headers
                     # and body together
                     outcome.tail = first[-TAIL_BYTES:]  # the usage, for the template audit
+                    reshape = UPSTREAM_ERROR_BODIES.get(path)
+                    if reshape is not None and upstream.status >= 400 and (
+                            "content-encoding" not in upstream.headers):
+                        first = reshape(first, upstream.status)  # the API's own error shape
                     response = web.Response(status=upstream.status, reason=upstream.reason,
                                             body=first, headers=out_headers)
                     await response.prepare(request)

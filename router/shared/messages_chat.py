@@ -282,6 +282,8 @@ def check_messages_body(body: Any) -> dict[str, Any]:
     max_tokens = body.get("max_tokens")
     if not isinstance(max_tokens, int) or isinstance(max_tokens, bool):
         raise MessagesError("'max_tokens' is required and must be an integer")
+    if max_tokens < 1:  # Anthropic's Messages reference: x >= 1
+        raise MessagesError(f"'max_tokens' must be at least 1, got {max_tokens}")
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise MessagesError("'messages' is required and must be a non-empty list")

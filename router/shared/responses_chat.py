@@ -171,6 +171,10 @@ def check_responses_body(body: Any) -> dict[str, Any]:
     for key in ("reasoning", "chat_template_kwargs"):
         if body.get(key) is not None and not isinstance(body[key], dict):
             raise ResponsesError(f"'{key}' must be an object")
+    limit = body.get("max_output_tokens")
+    if limit is not None and (not isinstance(limit, int) or isinstance(limit, bool) or limit < 1):
+        # vLLM's own message names max_tokens (its SamplingParams'): the client sent this one
+        raise ResponsesError(f"'max_output_tokens' must be a positive integer, got {limit!r}")
     tools = body.get("tools")
     if tools is not None and not (isinstance(tools, list)
                                   and all(isinstance(t, dict) and "type" in t for t in tools)):

@@ -202,6 +202,32 @@ def test_bad_messages_bodies_get_anthropic_errors(router: Router, body: dict[str
     assert status == 400 and json.loads(raw)["type"] == "error"
 
 
+def test_messages_errors_have_anthropics_types_and_name_the_field_sent(router: Router) -> None:
+    """Issue 29 review: ``max_tokens: -5`` on ``/v1/messages`` came back as the engine's
+    ``BadRequestError`` inside Anthropic's envelope (vLLM's translate_error_response keeps the
+    OpenAI type); Anthropic's own type for a 400 is ``invalid_request_error``, and the Anthropic
+    SDK reads it. A refusal only the engine can make (the prompt and ``max_tokens`` over the
+    context length) gets Anthropic's type too. On ``/v1/responses`` a bad
+    ``max_output_tokens`` named ``max_tokens``, a field the client never sent."""
+    base = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}
+    for max_tokens, word in ((-5, "max_tokens"), (0, "max_tokens"), (10**9, "context")):
+        status, _, raw = http("POST", router.url + "/v1/messages",
+                              {**base, "max_tokens": max_tokens})
+        error = json.loads(raw)
+        assert status == 400 and error["type"] == "error", error
+        assert error["error"]["type"] == "invalid_request_error", error
+        assert word in error["error"]["message"], error
+    with pytest.raises(anthropic.BadRequestError) as caught:
+        anthropic_client(router).messages.create(**base, max_tokens=-5)
+    assert caught.value.body["error"]["type"] == "invalid_request_error"
+    for value in (-5, 0, "many"):
+        status, _, raw = http("POST", router.url + "/v1/responses",
+                              {"model": MODEL, "input": "hi", "max_output_tokens": value})
+        error = json.loads(raw)["error"]
+        assert status == 400 and "max_output_tokens" in error["message"], error
+        assert "max_tokens" not in error["message"].replace("max_output_tokens", ""), error
+
+
 @pytest.mark.parametrize("body", [{"model": MODEL}, {"model": MODEL, "input": 5},
                                   {"model": MODEL, "input": [{"type": "nope"}]}])
 def test_bad_responses_bodies_get_openai_errors(router: Router, body: dict[str, Any]) -> None:

@@ -142,6 +142,17 @@ def test_an_unknown_model_is_a_404_and_a_bad_body_a_400(router: Router) -> None:
     assert status == 400 and "'model' must be a string" in json.loads(raw)["error"]["message"]
 
 
+def test_a_bad_input_error_names_the_field_the_client_sent(router: Router) -> None:
+    """Issue 29 review: an embeddings body with no ``input`` was refused as "prompt is
+    required" (the engine reads ``input`` as a completions ``prompt``): the client never sent a
+    ``prompt``."""
+    for body in ({"model": BASE_MODEL}, {"model": BASE_MODEL, "input": 7}):
+        status, _, raw = router.post("/v1/embeddings", body)
+        error = json.loads(raw)["error"]
+        assert status == 400 and "input" in error["message"], error
+        assert "prompt" not in error["message"] and error["param"] == "input", error
+
+
 def test_models_list_the_aliases(router: Router) -> None:
     status, _, raw = http("GET", router.url + "/v1/models")
     cards = {c["id"]: c for c in json.loads(raw)["data"]}

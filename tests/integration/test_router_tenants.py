@@ -315,3 +315,35 @@ def test_a_text_another_tenant_sent_is_a_miss_in_every_router_cache(replica: One
                 assert repeat["rendered_chat hit"] >= 1
     finally:
         router.stop()
+
+
+@pytest.mark.skipif(TOKENIZER is None, reason="needs the Qwen3 tokenizer files")
+def test_messages_take_anthropics_x_api_key(replica: OneReplica, tmp_path: Path) -> None:
+    """Issue 29 review: the Anthropic SDK sends its key as ``x-api-key``, not ``Authorization:
+    Bearer``; on ``/v1/messages`` the router takes it as the API key (tenant-salted like any
+    other), refuses a wrong or missing one with Anthropic's ``authentication_error``, and does
+    not send it on to the engine. Other paths still want the Bearer header."""
+    anthropic = pytest.importorskip("anthropic")
+    assert TOKENIZER is not None
+    router = start_router(replica, tmp_path, "--tokenizer", TOKENIZER)
+    try:
+        body = {"model": MODEL, "max_tokens": 1,
+                "messages": [{"role": "user", "content": "Say one word."}]}
+        # as the Anthropic SDK before 2.x sends it (2.x sends Authorization: Bearer as well)
+        status, _, raw_body = http("POST", router.url + "/v1/messages", body, headers={
+            "x-api-key": KEYS["b"], "anthropic-version": "2023-06-01"})
+        assert status == 200 and json.loads(raw_body)["content"], raw_body
+        for headers in ({"x-api-key": "sk-wrong"}, {}):
+            status, _, raw_body = http("POST", router.url + "/v1/messages", body, headers=headers)
+            error = json.loads(raw_body)
+            assert status == 401 and error["type"] == "error", error
+            assert error["error"]["type"] == "authentication_error"
+        with pytest.raises(anthropic.AuthenticationError):
+            anthropic.Anthropic(base_url=router.url, api_key="sk-wrong",
+                                max_retries=0).messages.create(**body)
+        status, _, _ = http("POST", router.url + "/v1/completions",
+                            {"model": MODEL, "prompt": [1, 2, 3], "max_tokens": 1},
+                            headers={"x-api-key": KEYS["b"]})
+        assert status == 401
+    finally:
+        router.stop()

@@ -73,8 +73,7 @@ class ApiRoutes:
         previous = data.get("previous_response_id")
         if previous is not None:
             messages = self._with_history(data, messages, previous)
-        stream = bool(data.get("stream"))
-        params = api_params(data.get("max_output_tokens"), stream, data.get("cache_salt"))
+        params = api_params(data, "max_output_tokens")
         prompt = await self.prompts.api_prompt(messages, chat["options"])
         answer = ResponsesOut(ResponsesAnswer(
             data, model, int(time.time()),
@@ -100,8 +99,7 @@ class ApiRoutes:
         options = {k: v for k, v in chat.items() if k != "messages"}
         if "tools" in options:
             options["tool_dicts"] = options.pop("tools")
-        params = api_params(data.get("max_tokens"), bool(data.get("stream")),
-                            data.get("cache_salt"))
+        params = api_params(data, "max_tokens")
         prompt = await self.prompts.api_prompt(chat["messages"], options)
         answer = MessagesOut(MessagesAnswer(model), self.config.enable_prompt_tokens_details)
         response, _ = await self.generation.answer_api(request, prompt, params, lora,

@@ -133,11 +133,14 @@ def generation_params(data: dict[str, Any], chat: bool) -> GenerationParams:
         n=n)
 
 
-def api_params(max_tokens: Any, stream: bool, salt: Any) -> GenerationParams:
-    """The sampling parameters of a Responses or Messages request (one sequence, usage always)."""
+def api_params(data: dict[str, Any], field: str) -> GenerationParams:
+    """The sampling parameters of a Responses or Messages body (one sequence, usage always)
+    whose token limit is ``data[field]`` (``max_output_tokens`` / ``max_tokens``: its errors
+    name it)."""
+    max_tokens = data.get(field)
     if max_tokens is not None and (type(max_tokens) is not int or max_tokens < 1):
-        raise bad_request(f"max_tokens must be a positive integer, got {max_tokens!r}",
-                          "max_tokens")
+        raise bad_request(f"{field} must be a positive integer, got {max_tokens!r}", field)
+    stream, salt = bool(data.get("stream")), data.get("cache_salt")
     return GenerationParams(max_tokens=max_tokens, ignore_eos=False, stream=stream,
                             include_usage=True, cache_salt=validate_cache_salt(salt), n=1)
 

@@ -54,13 +54,15 @@ class PromptInput:
             self._merge_inline_system = merges_inline_system(getattr(tok, "chat_template", None))
         return self._merge_inline_system
 
-    async def completion_prompts(self, data: dict[str, Any]) -> list[list[int]]:
-        """The prompts of a completions body's ``prompt``: a string, a token-id list, or a
-        non-empty list of either. ApiError 400 for anything else, negative or out-of-vocabulary
+    async def completion_prompts(self, data: dict[str, Any],
+                                 field: str = "prompt") -> list[list[int]]:
+        """The prompts of ``data[field]`` (a completions body's ``prompt``; the pooling paths'
+        ``input``): a string, a token-id list, or a non-empty list of either. ApiError 400 naming
+        ``field`` (the field the client sent) for anything else, negative or out-of-vocabulary
         ids, or an empty prompt."""
-        if "prompt" not in data or data["prompt"] is None:
-            raise bad_request("prompt is required", "prompt")
-        prompt = data["prompt"]
+        if data.get(field) is None:
+            raise bad_request(f"{field} is required", field)
+        prompt = data[field]
         if isinstance(prompt, list) and prompt and type(prompt[0]) is int and valid_token_ids(
                 prompt, await self.vocab_size()):
             return [prompt]  # one valid token-id prompt: the common case, checked in C
@@ -71,8 +73,8 @@ class PromptInput:
         elif isinstance(prompt, list) and prompt:
             items = prompt
         else:
-            raise bad_request("prompt must be a string, a list of token ids, or a non-empty list "
-                              "of either", "prompt")
+            raise bad_request(f"{field} must be a string, a list of token ids, or a non-empty list "
+                              "of either", field)
         out: list[list[int]] = []
         vocab_size: int | None = None
         for item in items:
@@ -80,16 +82,17 @@ class PromptInput:
                 out.append(await self.encode(item, bool(add_special)))
             elif isinstance(item, list) and all(type(t) is int for t in item):
                 if any(t < 0 for t in item):
-                    raise bad_request("token ids must be non-negative integers", "prompt")
+                    raise bad_request("token ids must be non-negative integers", field)
                 if item:
                     if vocab_size is None:
                         vocab_size = await self.vocab_size()
                     check_vocab(item, vocab_size)
                 out.append(item)
             else:
-                raise bad_request("each prompt must be a string or a list of token ids", "prompt")
+                raise bad_request(f"each item of {field} must be a string or a list of token ids",
+                                  field)
             if not out[-1]:
-                raise bad_request("The decoder prompt cannot be empty", "prompt")
+                raise bad_request("The decoder prompt cannot be empty", field)
         return out
 
     async def chat_prompt(self, data: dict[str, Any]) -> list[int]:

@@ -99,7 +99,7 @@ class TokenRoutes:
         dim = data.get("dimensions") or pooling.EMBED_DIM
         if type(dim) is not int or not 0 < dim <= pooling.MAX_EMBED_DIM:
             raise bad_request(f"dimensions must be 1..{pooling.MAX_EMBED_DIM}", "dimensions")
-        prompts = await self.prompts.completion_prompts({**data, "prompt": data.get("input")})
+        prompts = await self.prompts.completion_prompts(data, "input")
         kind = "embeddings" if request.path == "/v1/embeddings" else "pooling"
         return web.json_response(pooling.vectors_body(kind, model, prompts, dim))
 
