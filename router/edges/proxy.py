@@ -551,25 +551,32 @@ class Proxy:
         except (TimeoutError, aiohttp.ClientError) as exc:
             if not reading:  # the client's side failed (aiohttp raises a ClientError subclass)
                 raise
-            kind = "stream_idle_timeout" if isinstance(exc, TimeoutError) else "stream_broken"
-            self.metrics.upstream_errors.labels(rid, kind).inc()
-            outcome.status = 504 if kind == "stream_idle_timeout" else 502
-            logger.warning("upstream %s failed mid-response: %s", rid, kind)
-            if is_sse:
-                message = (f"replica {rid} stream failed: {kind}")
-                error_type = "BadGatewayError" if outcome.status == 502 else "GatewayTimeoutError"
-                event = SSE_ERROR_EVENTS.get(path)  # the API's own error event (router.apis)
-                await response.write(event(message, error_type, outcome.status) if event else
-                                     b"data: " + error_body(message, error_type, outcome.status)
-                                     + b"\n\n")
-                await response.write_eof()
-            else:
-                response.force_close()
+            await self._relay_failed(exc, response, rid, outcome, path, is_sse)
             return
         finally:
             if is_sse:
                 outcome.tail = joined_tail(chunks)
         await response.write_eof()
+
+    async def _relay_failed(self, exc: Exception, response: web.StreamResponse, rid: str,
+                            outcome: ProxyOutcome, path: str, is_sse: bool) -> None:
+        """The replica's side failed mid-response (idle timeout or a broken stream): count it,
+        set ``outcome.status`` (504 / 502), and end an SSE answer with the API's own error event,
+        or close a whole-body answer's connection (its status line is already sent)."""
+        kind = "stream_idle_timeout" if isinstance(exc, TimeoutError) else "stream_broken"
+        self.metrics.upstream_errors.labels(rid, kind).inc()
+        outcome.status = 504 if kind == "stream_idle_timeout" else 502
+        logger.warning("upstream %s failed mid-response: %s", rid, kind)
+        if is_sse:
+            message = (f"replica {rid} stream failed: {kind}")
+            error_type = "BadGatewayError" if outcome.status == 502 else "GatewayTimeoutError"
+            event = SSE_ERROR_EVENTS.get(path)  # the API's own error event (router.apis)
+            await response.write(event(message, error_type, outcome.status) if event else
+                                 b"data: " + error_body(message, error_type, outcome.status)
+                                 + b"\n\n")
+            await response.write_eof()
+        else:
+            response.force_close()
 
 
 class _IdleWatch:

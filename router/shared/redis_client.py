@@ -202,5 +202,6 @@ def reconnect_retry(base_s: float = RECONNECT_BASE_S, cap_s: float = RECONNECT_C
     from redis.asyncio.retry import Retry
     from redis.backoff import ExponentialBackoff
 
+    # supported_errors is typed narrowly in some redis releases, not in others
     return Retry(ExponentialBackoff(cap=cap_s, base=base_s), retries=-1,
-                 supported_errors=redis_errors())  # type: ignore[arg-type]
+                 supported_errors=redis_errors())  # type: ignore[arg-type, unused-ignore]

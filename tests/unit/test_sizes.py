@@ -21,7 +21,6 @@ PACKAGES: Final = ("router", "worker", "loadtest")
 
 # why each is declarative, or whose it is and when it is split
 _DECLARATIVE = "declarative table: one metric declaration after another, no logic"
-_WALK = "RouterService is being split by another helper (walk) this session; removed at merge"
 _RELAY = "the proxy's per-attempt object is another helper's work (relay) this session"
 _DEMO = "the emulated engine is another helper's work (demo) this session"
 _DECISION = ("decision core on the request path: not split in phase 2 (issue 31 keeps it to "
@@ -37,8 +36,6 @@ _CONFIG = "one setting checked after another; splitting it scatters the emulator
 ALLOWED: Final[dict[str, str]] = {
     "router/observability/metrics.py::RouterMetrics.__init__": _DECLARATIVE,
     "worker/emulator/metrics.py::ReplicaMetrics.__init__": _DECLARATIVE,
-    "router/service/server.py::RouterService": _WALK,
-    "router/service/server.py::RouterService.__init__": _WALK,
     "router/edges/proxy.py::Proxy": _RELAY,
     "router/edges/proxy.py::Proxy.forward": _RELAY,
     "router/edges/proxy.py::Proxy._attempt": _RELAY,
