@@ -3,7 +3,7 @@ admit + dispatched + release with admission off and on (room), and the pump that
 request from a queue of 1,000 (3 classes, 10 tenants) per released slot. CPU time
 (``time.process_time``), so a busy machine slows it less than wall time.
 
-    python -m loadtest.bench_admission_gate
+    python -m loadtest.bench.admission_gate
 """
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ token hit rate (``vllm:prefix_cache_hits`` / ``queries`` over both ranks), the s
 requests on rank 0, and the client-side median latency; arms alternate order per repeat, and
 the summary gives medians and ranges over the repeats. Does I/O (processes, HTTP).
 
-    python -m loadtest.bench_data_parallel [--repeats 3] [--families 16] [--per-family 6]
+    python -m loadtest.bench.data_parallel [--repeats 3] [--families 16] [--per-family 6]
 """
 
 from __future__ import annotations
@@ -37,8 +37,8 @@ from typing import Any
 import redis
 import requests
 
-from loadtest.harness import EMULATE, PYTHON, start_process, stop_process, wait_for
-from loadtest.redis_server import RedisServer
+from loadtest.harness.processes import EMULATE, PYTHON, start_process, stop_process, wait_for
+from loadtest.harness.redis_server import RedisServer
 
 SEED = "0"  # PYTHONHASHSEED of the engine, --hash-seed of worker and router
 ARMS = ("vllm_dp_balancing", "prefix_per_rank")
@@ -83,45 +83,13 @@ def workload(families: int, per_family: int, prefix_tokens: int, suffix_tokens: 
 
 def run_arm(arm: str, prompts: list[list[int]], args: argparse.Namespace,
             redis_url: str) -> dict[str, float]:
+    """One arm on a fresh emulator (two data-parallel ranks) and router: ``prompts`` sent
+    ``args.concurrency`` at a time; the engine's hit rate, rank 0's share of the requests and
+    the median latency."""
     procs: list[subprocess.Popen[bytes]] = []
     with tempfile.TemporaryDirectory(prefix="bench-dp-") as tmp:
         try:
-            ready = Path(tmp) / "emulator.json"
-            emu = start_process([*EMULATE, "--ready-file", str(ready), "--data-parallel-size", "2",
-                                 "--num-gpu-blocks-override", str(args.num_gpu_blocks),
-                                 "--time-scale", str(args.time_scale), "--max-num-seqs", "16",
-                                 "--kv-events-config", json.dumps(KV_EVENTS)],
-                                env={"PYTHONHASHSEED": SEED})
-            procs.append(emu)
-            url = _ready_json(ready, emu, "emulator")["replicas"][0]["url"]
-            router_args = ["--hash-seed", SEED, "--model", "emulated-llm"]
-            expected = 1
-            if arm == "prefix_per_rank":
-                client = redis.Redis.from_url(redis_url)
-                client.flushall()  # the previous arm's replicas
-                client.close()
-                procs.append(start_process([
-                    PYTHON, "-m", "worker.cli", "report", "--engine-url", url,
-                    "--kv-events-endpoint", "auto", "--redis-url", redis_url,
-                    "--replica-id", "engine", "--hash-seed", SEED, "--log-level", "warning"]))
-                router_args += ["--redis-url", redis_url]
-                expected = 2
-            else:
-                router_args += ["--replica", url]
-            router_ready = Path(tmp) / "router.json"
-            router = start_process([PYTHON, "-m", "router.cli", "serve", "--port", "0",
-                                    "--ready-file", str(router_ready), "--log-level", "warning",
-                                    *router_args])
-            procs.append(router)
-            router_url = _ready_json(router_ready, router, "router")["url"]
-
-            def routable() -> bool:
-                body = requests.get(f"{router_url}/ready", timeout=5).json()
-                return sum(1 for r in body.get("replicas", [])
-                           if r["routable"] and (arm != "prefix_per_rank" or r["affinity"])) \
-                    == expected
-
-            wait_for(routable, 60, message=f"{arm}: router ready")
+            url, router_url = _start_arm(arm, args, redis_url, Path(tmp), procs)
             before = _engine_counters(url)
 
             def send(tokens: list[int]) -> float:
@@ -146,6 +114,50 @@ def run_arm(arm: str, prompts: list[list[int]], args: argparse.Namespace,
     return {"hit_rate": sum(hits) / max(sum(queries), 1.0),
             "rank0_share": done[0] / max(sum(done), 1.0),
             "latency_p50_s": statistics.median(latencies)}
+
+
+def _start_arm(arm: str, args: argparse.Namespace, redis_url: str, tmp: Path,
+               procs: list[subprocess.Popen[bytes]]) -> tuple[str, str]:
+    """Start the arm's emulator, its worker (the per-rank arm), and the router, appending each
+    process to ``procs``; wait until the router can route to every rank. The engine's and the
+    router's URLs."""
+    ready = tmp / "emulator.json"
+    emu = start_process([*EMULATE, "--ready-file", str(ready), "--data-parallel-size", "2",
+                         "--num-gpu-blocks-override", str(args.num_gpu_blocks),
+                         "--time-scale", str(args.time_scale), "--max-num-seqs", "16",
+                         "--kv-events-config", json.dumps(KV_EVENTS)],
+                        env={"PYTHONHASHSEED": SEED})
+    procs.append(emu)
+    url = _ready_json(ready, emu, "emulator")["replicas"][0]["url"]
+    router_args = ["--hash-seed", SEED, "--model", "emulated-llm"]
+    expected = 1
+    if arm == "prefix_per_rank":
+        client = redis.Redis.from_url(redis_url)
+        client.flushall()  # the previous arm's replicas
+        client.close()
+        procs.append(start_process([
+            PYTHON, "-m", "worker.cli", "report", "--engine-url", url,
+            "--kv-events-endpoint", "auto", "--redis-url", redis_url,
+            "--replica-id", "engine", "--hash-seed", SEED, "--log-level", "warning"]))
+        router_args += ["--redis-url", redis_url]
+        expected = 2
+    else:
+        router_args += ["--replica", url]
+    router_ready = tmp / "router.json"
+    router = start_process([PYTHON, "-m", "router.cli", "serve", "--port", "0",
+                            "--ready-file", str(router_ready), "--log-level", "warning",
+                            *router_args])
+    procs.append(router)
+    router_url = _ready_json(router_ready, router, "router")["url"]
+
+    def routable() -> bool:
+        body = requests.get(f"{router_url}/ready", timeout=5).json()
+        return sum(1 for r in body.get("replicas", [])
+                   if r["routable"] and (arm != "prefix_per_rank" or r["affinity"])) \
+            == expected
+
+    wait_for(routable, 60, message=f"{arm}: router ready")
+    return url, router_url
 
 
 def main(argv: Sequence[str] | None = None) -> int:

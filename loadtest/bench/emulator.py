@@ -1,4 +1,4 @@
-"""Benchmark of the engine emulator's CPU cost: ``python -m loadtest.bench_emulator``.
+"""Benchmark of the engine emulator's CPU cost: ``python -m loadtest.bench.emulator``.
 
 Starts one ``prefix-worker emulate`` process hosting ``--replicas`` replicas
 (default 8) at ``--time-scale`` (default 10), drives it open-loop at ``--rate``
@@ -21,7 +21,7 @@ from pathlib import Path
 
 import aiohttp
 
-from loadtest.harness import ProcessExited, cpu_seconds, start_emulator, stop_process
+from loadtest.harness.processes import ProcessExited, cpu_seconds, start_emulator, stop_process
 
 
 def _bodies(count: int, prompt_tokens: int, max_tokens: int, seed: int) -> list[bytes]:
@@ -65,7 +65,7 @@ async def _drive(urls: list[str], bodies: list[bytes], rate: float) -> tuple[flo
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m loadtest.bench_emulator", description=__doc__)
+    p = argparse.ArgumentParser(prog="python -m loadtest.bench.emulator", description=__doc__)
     p.add_argument("--replicas", type=int, default=8)
     p.add_argument("--time-scale", type=float, default=10.0)
     p.add_argument("--rate", type=float, default=60.0, help="offered requests/s")

@@ -1,6 +1,6 @@
 """Benchmark: vLLM block hashing speed per algorithm and prompt length (one core).
 
-Run: ``python -m loadtest.bench_hashing [--repeat 30]``. Prints milliseconds per
+Run: ``python -m loadtest.bench.hashing [--repeat 30]``. Prints milliseconds per
 prompt (best and median of the repeats) and microseconds per block for 1k, 8k
 and 32k-token prompts, for every algorithm, plus the ratio to sha256. Pure CPU,
 no I/O besides printing. Not a pass/fail test: the figures go into notes.

@@ -1,6 +1,6 @@
 """Block index cost: bytes per resident block at 1M blocks over 64 replicas, chain lookup time.
 
-``python -m loadtest.bench_index [--blocks N] [--replicas R] [--chain 2048] [--stride 16]``. Memory is measured
+``python -m loadtest.bench.index [--blocks N] [--replicas R] [--chain 2048] [--stride 16]``. Memory is measured
 with tracemalloc around building the index (keys are 64-bit ints as in production). Reports
 figures, not pass/fail.
 """
@@ -16,7 +16,7 @@ from router.decision.index import BlockIndex, SpeculativePlacements
 from router.shared.contract import BlockKey, anchor_keys
 
 
-def main() -> None:
+def _arguments() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--blocks", type=int, default=1_000_000, help="distinct resident block keys")
     parser.add_argument("--replicas", type=int, default=64)
@@ -28,9 +28,14 @@ def main() -> None:
                              "keys enter the index, as workers publish them (1 = every key)")
     parser.add_argument("--sweep-keys", type=int, default=5_000,
                         help="keys per background sweep step (router.service.background.SWEEP_KEYS_PER_STEP)")
-    args = parser.parse_args()
-    rng = random.Random(1)
-    replica_ids = [f"replica-{i}" for i in range(args.replicas)]
+    return parser.parse_args()
+
+
+def _build_index(args: argparse.Namespace, rng: random.Random, replica_ids: list[str],
+                 ) -> tuple[BlockIndex, list[BlockKey], int, float, float]:
+    """The index of ``args.blocks`` random keys spread over ``replica_ids``, built under
+    tracemalloc: the index, the first replica's first ``args.chain`` keys, the (key, replica)
+    pairs, the build time (seconds) and the bytes the index holds."""
     tracemalloc.start()
     base = tracemalloc.get_traced_memory()[0]
     # key ints are created under tracing: in production the Redis reader creates them
@@ -52,6 +57,14 @@ def main() -> None:
     del per_replica, held  # the index now owns the only references to the key ints
     used = tracemalloc.get_traced_memory()[0] - base - 8 * len(full_chain) - 36 * len(full_chain)
     tracemalloc.stop()
+    return index, full_chain, resident, build_s, used
+
+
+def main() -> None:
+    args = _arguments()
+    rng = random.Random(1)
+    replica_ids = [f"replica-{i}" for i in range(args.replicas)]
+    index, full_chain, resident, build_s, used = _build_index(args, rng, replica_ids)
 
     # a chain whose first 2/3 is held by one replica (a long conversation)
     chain = full_chain[: args.chain * 2 // 3]

@@ -1,6 +1,6 @@
 """Benchmark: the worker's CPU per KV event batch, full decode against lazy (one core).
 
-Run: ``python -m loadtest.bench_kv_decode [--batches 200] [--rounds 15]``. Builds batches
+Run: ``python -m loadtest.bench.kv_decode [--batches 200] [--rounds 15]``. Builds batches
 of the demo's kind as vLLM 0.33 encodes them (one ``BlockStored`` of 32-512 blocks of 16
 token ids drawn from a 151k vocabulary, with parent and per-block extra keys, plus one
 one-block ``BlockRemoved`` per block it evicts, as a loaded replica publishes), then times, in

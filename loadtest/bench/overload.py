@@ -1,10 +1,10 @@
 """Overload benchmark: many concurrent streams through the router against a healthy emulated
 fleet (issue 29). Does process and network I/O.
 
-``python -m loadtest.bench_overload [--streams 1000] [--seconds 60] [--replicas 4]
+``python -m loadtest.bench.overload [--streams 1000] [--seconds 60] [--replicas 4]
 [--time-scale 20]``
 
-Starts a ``loadtest.fleet.LoopbackFleet`` (real Redis, one emulator process with ``--replicas``
+Starts a ``loadtest.harness.fleet.LoopbackFleet`` (real Redis, one emulator process with ``--replicas``
 replicas at ``--time-scale``, a worker each, the router), then runs ``--streams`` client loops
 for ``--seconds``: each sends streamed completions (``--prompt-tokens`` token ids, a shared
 head per group of prompts, ``--max-tokens`` out) one after another and reads each SSE stream
@@ -33,7 +33,7 @@ from typing import Any
 
 import aiohttp
 
-from loadtest.fleet import OURS, FleetConfig, LoopbackFleet, RouterSpec
+from loadtest.harness.fleet import OURS, FleetConfig, LoopbackFleet, RouterSpec
 
 PROMPT_GROUPS = 64  # distinct prompt heads: some prefix reuse, as a real fleet sees
 VOCAB = 30_000  # token ids drawn below this

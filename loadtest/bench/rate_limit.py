@@ -5,7 +5,7 @@ tokens-per-minute limit. Wall and CPU microseconds per request, one at a time an
 against a throwaway ``redis-server`` on loopback; and how many of 150 requests each lets
 through under a limit of 100 per minute (both must say 100). Does I/O.
 
-    python -m loadtest.bench_rate_limit
+    python -m loadtest.bench.rate_limit
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Literal
 
-from loadtest.redis_server import RedisServer
+from loadtest.harness.redis_server import RedisServer
 from router.traffic.rate_limits import RateLimiter
 
 Check = Callable[[str, int], Awaitable[bool]]  # (tenant, tokens) -> allowed

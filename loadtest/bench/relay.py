@@ -1,6 +1,6 @@
 """Benchmark of the router's streaming relay: router CPU per streamed request.
 
-``python -m loadtest.bench_relay [--events 200] [--gap-ms 2] [--concurrency 40] [--waves 5]``
+``python -m loadtest.bench.relay [--events 200] [--gap-ms 2] [--concurrency 40] [--waves 5]``
 
 Starts an upstream (this module with ``--serve``: an aiohttp server whose completions stream
 ``--events`` server-sent events ``--gap-ms`` apart, then ``[DONE]``) and a router in front of it
@@ -23,7 +23,14 @@ from pathlib import Path
 import aiohttp
 from aiohttp import web
 
-from loadtest.harness import PYTHON, cpu_seconds, free_port, start_process, stop_process, wait_for
+from loadtest.harness.processes import (
+    PYTHON,
+    cpu_seconds,
+    free_port,
+    start_process,
+    stop_process,
+    wait_for,
+)
 
 
 def serve(port: int, events: int, gap_s: float) -> None:
@@ -81,7 +88,7 @@ def _ready(router_url: str) -> bool:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m loadtest.bench_relay", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m loadtest.bench.relay", description=__doc__)
     parser.add_argument("--events", type=int, default=200, help="SSE events per response")
     parser.add_argument("--gap-ms", type=float, default=2.0, help="ms between two events")
     parser.add_argument("--concurrency", type=int, default=40, help="streams at once")
@@ -92,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
         serve(args.serve, args.events, args.gap_ms / 1000)
         return 0
     port = free_port()
-    upstream = start_process([PYTHON, "-m", "loadtest.bench_relay", "--serve", str(port),
+    upstream = start_process([PYTHON, "-m", "loadtest.bench.relay", "--serve", str(port),
                               "--events", str(args.events), "--gap-ms", str(args.gap_ms)])
     router = None
     try:

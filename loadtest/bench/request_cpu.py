@@ -1,6 +1,6 @@
 """The router's CPU budget per request, by phase, against a scripted upstream (issue 32).
 
-``python -m loadtest.bench_request_cpu [--requests 1500] [--concurrency 16] [--chunks 13]
+``python -m loadtest.bench.request_cpu [--requests 1500] [--concurrency 16] [--chunks 13]
 [--profile] [--router-dir DIR]``
 
 Starts a scripted replica (this module with ``--serve``: an aiohttp server that reads the body
@@ -44,7 +44,14 @@ from typing import Final
 import aiohttp
 from aiohttp import web
 
-from loadtest.harness import PYTHON, cpu_seconds, start_process, stop_processes, wait_ready
+from loadtest.bench.router import serve_scripted_replica
+from loadtest.harness.processes import (
+    PYTHON,
+    cpu_seconds,
+    start_process,
+    stop_processes,
+    wait_ready,
+)
 from router.request.prompts import default_tokenizer_dir
 
 MODEL: Final = "emulated-llm"
@@ -113,37 +120,7 @@ def serve(ready_file: str, chunks: int) -> None:
         await response.write_eof()
         return response
 
-    async def health(request: web.Request) -> web.Response:
-        return web.Response(text="ok")
-
-    async def models(request: web.Request) -> web.Response:
-        return web.json_response({"object": "list", "data": [
-            {"id": MODEL, "object": "model", "created": 0, "owned_by": "vllm", "root": MODEL,
-             "parent": None}]})
-
-    async def main() -> None:
-        app = web.Application(client_max_size=64 * 1024 * 1024)
-        app.router.add_post("/v1/completions", completions)
-        app.router.add_get("/health", health)
-        app.router.add_get("/v1/models", models)
-        runner = web.AppRunner(app, access_log=None)
-        await runner.setup()
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        await site.start()
-        _write_ready(ready_file, f"http://127.0.0.1:{runner.addresses[0][1]}")
-        await asyncio.Event().wait()
-
-    try:
-        import uvloop
-
-        uvloop.run(main())
-    except ImportError:
-        asyncio.run(main())
-
-
-def _write_ready(ready_file: str, url: str) -> None:
-    Path(ready_file + ".tmp").write_text(json.dumps({"replicas": [{"index": 0, "url": url}]}))
-    os.replace(ready_file + ".tmp", ready_file)
+    serve_scripted_replica(ready_file, completions, MODEL)
 
 
 def _bodies(count: int, rng: random.Random) -> list[bytes]:
@@ -207,7 +184,7 @@ def phase_shares(raw: str) -> dict[str, float]:
 
 async def run(args: argparse.Namespace) -> None:
     tmp = Path(tempfile.mkdtemp(prefix="bench_request_cpu_"))
-    upstream = start_process([PYTHON, "-m", "loadtest.bench_request_cpu", "--serve",
+    upstream = start_process([PYTHON, "-m", "loadtest.bench.request_cpu", "--serve",
                               str(tmp / "upstream.json"), "--chunks", str(args.chunks)],
                              log_path=tmp / "upstream.log")
     router = None

@@ -1,6 +1,6 @@
 """The walk of one request body through the router's code, from the HTTP handler to the proxy.
 
-``python -m loadtest.request_walk`` starts a real emulator (two replicas), runs the router
+``python -m loadtest.bench.request_walk`` starts a real emulator (two replicas), runs the router
 in-process against it as static replicas (no Redis), sends one warm-up and one measured request
 of each kind (token ids, text, chat) over real HTTP, and records, with ``sys.setprofile`` on the
 handler's own task only, every Python call into the ``router`` package between the handler's
@@ -34,7 +34,7 @@ from typing import Any
 import aiohttp
 
 import router
-from loadtest.harness import start_emulator, stop_process
+from loadtest.harness.processes import start_emulator, stop_process
 from router.edges.proxy import Proxy
 
 ROUTER_DIR = str(Path(router.__file__).parent)
@@ -185,7 +185,7 @@ async def walk(urls: list[str], model: str, tokenizer: str | None) -> dict[str, 
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m loadtest.request_walk", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m loadtest.bench.request_walk", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--walk", action="store_true", help="print every stop of the walk")
     args = parser.parse_args(argv)

@@ -1,6 +1,6 @@
 """Router overhead: added latency and requests per second per core, router vs straight to the replica.
 
-``python -m loadtest.bench_router [--requests 60] [--time-scale 1000]`` starts one emulated replica
+``python -m loadtest.bench.router [--requests 60] [--time-scale 1000]`` starts one emulated replica
 (fast clock so the replica is not the bottleneck) and a router in front of it (static replica,
 Qwen3 tokenizer), then for 1k, 8k and 32k-token prompts, as token ids and as text, sends the same
 sequence of non-streamed requests (max_tokens=1) once directly and once through the router and
@@ -34,7 +34,14 @@ from typing import Any
 
 import aiohttp
 
-from loadtest.harness import EMULATE, PYTHON, cpu_seconds, start_process, stop_processes, wait_ready
+from loadtest.harness.processes import (
+    EMULATE,
+    PYTHON,
+    cpu_seconds,
+    start_process,
+    stop_processes,
+    wait_ready,
+)
 from router.request.prompts import default_tokenizer_dir
 
 
@@ -136,13 +143,22 @@ def serve_null_replica(ready_file: str) -> None:
         await request.read()
         return web.Response(body=_NULL_COMPLETION, content_type="application/json")
 
+    serve_scripted_replica(ready_file, completions, "emulated-llm")
+
+
+def serve_scripted_replica(ready_file: str, completions: Any, model: str) -> None:
+    """Serve ``completions`` (an aiohttp handler) at /v1/completions on 127.0.0.1, port 0, with
+    /health and /v1/models listing ``model``; write the URL to ``ready_file`` as the emulator
+    does; serve until killed."""
+    from aiohttp import web
+
     async def health(request: web.Request) -> web.Response:
         return web.Response(text="ok")
 
     async def models(request: web.Request) -> web.Response:
         return web.json_response({"object": "list", "data": [
-            {"id": "emulated-llm", "object": "model", "created": 0, "owned_by": "vllm",
-             "root": "emulated-llm", "parent": None}]})
+            {"id": model, "object": "model", "created": 0, "owned_by": "vllm", "root": model,
+             "parent": None}]})
 
     async def main() -> None:
         app = web.Application(client_max_size=64 * 1024 * 1024)
@@ -165,10 +181,13 @@ def serve_null_replica(ready_file: str) -> None:
 
 
 async def run(args: argparse.Namespace) -> None:
+    """Start the replica (the emulator or the null replica) and a router in front of it, then
+    print the added latency (open loop with ``--rate``, else sequential and the throughput per
+    router core)."""
     tmp = Path(tempfile.mkdtemp(prefix="bench_router_"))
     tokenizer_dir = default_tokenizer_dir()
     if args.upstream == "null":
-        emulator = _start(["loadtest.bench_router", "--serve-null", str(tmp / "emu.json")],
+        emulator = _start(["loadtest.bench.router", "--serve-null", str(tmp / "emu.json")],
                           tmp / "emu.log")
     else:
         emulator = _start([*EMULATE, "--replicas", "1", "--time-scale", str(args.time_scale),
@@ -185,68 +204,86 @@ async def run(args: argparse.Namespace) -> None:
 
         tok = AutoTokenizer.from_pretrained(tokenizer_dir)
         rng = random.Random(0)
-        sizes = [int(x) for x in args.sizes.split(",")]
-        kinds = args.kinds.split(",")
         connector = aiohttp.TCPConnector(limit=0)
         async with aiohttp.ClientSession(connector=connector) as session:
             if args.rate:
-                print(f"open loop, {args.rate:g} routed req/s (+ the same direct), "
-                      f"{args.requests} requests per configuration, upstream {args.upstream}")
-                print(f"{'prompt':>16} {'direct p50':>10} {'p99':>8} {'router p50':>10} {'p99':>8} "
-                      f"{'added p50':>9} {'added p99':>9} {'router CPU/req':>14}  (ms)")
-                for num_tokens in sizes:
-                    for kind in kinds:
-                        prompts = make_prompts(kind, num_tokens, args.requests, tok, rng)
-                        for p in prompts[:2]:
-                            await _timed(session, router_url, p)
-                        direct, routed, cpu = await open_loop(
-                            session, router_url, replica_url, prompts[2:], args.rate, rng,
-                            router.pid)
-                        print(f"{kind + ' ' + str(num_tokens // 1024) + 'k':>16} "
-                              f"{_pct(direct, .5) * 1e3:10.2f} {_pct(direct, .99) * 1e3:8.2f} "
-                              f"{_pct(routed, .5) * 1e3:10.2f} {_pct(routed, .99) * 1e3:8.2f} "
-                              f"{(_pct(routed, .5) - _pct(direct, .5)) * 1e3:9.2f} "
-                              f"{(_pct(routed, .99) - _pct(direct, .99)) * 1e3:9.2f} "
-                              f"{cpu * 1e3 / len(routed):14.2f}")
+                await _open_loop_table(session, router_url, replica_url, router.pid, args, tok,
+                                       rng)
                 return
-            print(f"{'prompt':>16} {'direct p50':>10} {'p99':>8} {'router p50':>10} {'p99':>8} "
-                  f"{'added p50':>9} {'added p99':>9}  (ms)")
-            for num_tokens in sizes:
-                count = max(10, args.requests * 1024 // num_tokens) if num_tokens > 8192 else args.requests
-                for kind in kinds:
-                    prompts = make_prompts(kind, num_tokens, count, tok, rng)
-                    # both paths see the same prompts; the replica caches them after the first
-                    # pass, so warm it first and send each prompt direct and routed alternately
-                    for p in prompts[:2]:
-                        await _timed(session, replica_url, p)
-                    direct, routed = [], []
-                    for p in prompts:
-                        routed.append(await _timed(session, router_url, p))
-                        direct.append(await _timed(session, replica_url, p))
-                    added = [r - d for r, d in zip(routed, direct, strict=True)]
-                    print(f"{kind + ' ' + str(num_tokens // 1024) + 'k':>16} "
-                          f"{_pct(direct, .5) * 1e3:10.2f} {_pct(direct, .99) * 1e3:8.2f} "
-                          f"{_pct(routed, .5) * 1e3:10.2f} {_pct(routed, .99) * 1e3:8.2f} "
-                          f"{statistics.median(added) * 1e3:9.2f} {_pct(added, .99) * 1e3:9.2f}")
-            # throughput per core: concurrent token-id and shared-text 8k prompts through the router
-            for kind in ("ids", "text-shared"):
-                prompts = make_prompts(kind, 8192, args.requests * 2, tok, rng)
-                cpu0 = cpu_seconds(router.pid)
-                t0 = time.perf_counter()
-                sem = asyncio.Semaphore(16)
-
-                async def one(p: Any, sem: asyncio.Semaphore = sem) -> float:
-                    async with sem:
-                        return await _timed(session, router_url, p)
-
-                await asyncio.gather(*(one(p) for p in prompts))
-                wall = time.perf_counter() - t0
-                cpu = cpu_seconds(router.pid) - cpu0
-                print(f"throughput {kind} 8k: {len(prompts) / wall:.0f} req/s wall "
-                      f"(replica-bound), router CPU {cpu * 1e3 / len(prompts):.2f} ms/request "
-                      f"= {len(prompts) / cpu:.0f} req/s per router core")
+            await _sequential_table(session, router_url, replica_url, args, tok, rng)
+            await _throughput(session, router_url, router.pid, args, tok, rng)
     finally:
         stop_processes([p for p in (emulator, router) if p is not None])
+
+
+async def _open_loop_table(session: aiohttp.ClientSession, router_url: str, replica_url: str,
+                           router_pid: int, args: argparse.Namespace, tok: Any,
+                           rng: random.Random) -> None:
+    """Per prompt size and kind, ``args.rate`` routed requests per second (and as many direct):
+    the latency direct, routed and added, and the router's CPU per request."""
+    print(f"open loop, {args.rate:g} routed req/s (+ the same direct), "
+          f"{args.requests} requests per configuration, upstream {args.upstream}")
+    print(f"{'prompt':>16} {'direct p50':>10} {'p99':>8} {'router p50':>10} {'p99':>8} "
+          f"{'added p50':>9} {'added p99':>9} {'router CPU/req':>14}  (ms)")
+    for num_tokens in [int(x) for x in args.sizes.split(",")]:
+        for kind in args.kinds.split(","):
+            prompts = make_prompts(kind, num_tokens, args.requests, tok, rng)
+            for p in prompts[:2]:
+                await _timed(session, router_url, p)
+            direct, routed, cpu = await open_loop(
+                session, router_url, replica_url, prompts[2:], args.rate, rng, router_pid)
+            print(f"{kind + ' ' + str(num_tokens // 1024) + 'k':>16} "
+                  f"{_pct(direct, .5) * 1e3:10.2f} {_pct(direct, .99) * 1e3:8.2f} "
+                  f"{_pct(routed, .5) * 1e3:10.2f} {_pct(routed, .99) * 1e3:8.2f} "
+                  f"{(_pct(routed, .5) - _pct(direct, .5)) * 1e3:9.2f} "
+                  f"{(_pct(routed, .99) - _pct(direct, .99)) * 1e3:9.2f} "
+                  f"{cpu * 1e3 / len(routed):14.2f}")
+
+
+async def _sequential_table(session: aiohttp.ClientSession, router_url: str, replica_url: str,
+                            args: argparse.Namespace, tok: Any, rng: random.Random) -> None:
+    """Per prompt size and kind, one request at a time, each prompt direct and routed in turn:
+    the latency direct, routed and added."""
+    print(f"{'prompt':>16} {'direct p50':>10} {'p99':>8} {'router p50':>10} {'p99':>8} "
+          f"{'added p50':>9} {'added p99':>9}  (ms)")
+    for num_tokens in [int(x) for x in args.sizes.split(",")]:
+        count = max(10, args.requests * 1024 // num_tokens) if num_tokens > 8192 else args.requests
+        for kind in args.kinds.split(","):
+            prompts = make_prompts(kind, num_tokens, count, tok, rng)
+            # both paths see the same prompts; the replica caches them after the first
+            # pass, so warm it first and send each prompt direct and routed alternately
+            for p in prompts[:2]:
+                await _timed(session, replica_url, p)
+            direct, routed = [], []
+            for p in prompts:
+                routed.append(await _timed(session, router_url, p))
+                direct.append(await _timed(session, replica_url, p))
+            added = [r - d for r, d in zip(routed, direct, strict=True)]
+            print(f"{kind + ' ' + str(num_tokens // 1024) + 'k':>16} "
+                  f"{_pct(direct, .5) * 1e3:10.2f} {_pct(direct, .99) * 1e3:8.2f} "
+                  f"{_pct(routed, .5) * 1e3:10.2f} {_pct(routed, .99) * 1e3:8.2f} "
+                  f"{statistics.median(added) * 1e3:9.2f} {_pct(added, .99) * 1e3:9.2f}")
+
+
+async def _throughput(session: aiohttp.ClientSession, router_url: str, router_pid: int,
+                      args: argparse.Namespace, tok: Any, rng: random.Random) -> None:
+    """Throughput per router core: concurrent token-id and shared-text 8k prompts."""
+    for kind in ("ids", "text-shared"):
+        prompts = make_prompts(kind, 8192, args.requests * 2, tok, rng)
+        cpu0 = cpu_seconds(router_pid)
+        t0 = time.perf_counter()
+        sem = asyncio.Semaphore(16)
+
+        async def one(p: Any, sem: asyncio.Semaphore = sem) -> float:
+            async with sem:
+                return await _timed(session, router_url, p)
+
+        await asyncio.gather(*(one(p) for p in prompts))
+        wall = time.perf_counter() - t0
+        cpu = cpu_seconds(router_pid) - cpu0
+        print(f"throughput {kind} 8k: {len(prompts) / wall:.0f} req/s wall "
+              f"(replica-bound), router CPU {cpu * 1e3 / len(prompts):.2f} ms/request "
+              f"= {len(prompts) / cpu:.0f} req/s per router core")
 
 
 def main() -> None:

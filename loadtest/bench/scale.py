@@ -1,7 +1,7 @@
 """Scale benchmark: the CPU one router process spends keeping its block index up to date, and the
 requests per second one router core routes on top of that, for large fleets. Does I/O.
 
-``python -m loadtest.bench_scale [--replicas 64,256] [--rates 1000,5000] [--strides 1,16]``
+``python -m loadtest.bench.scale [--replicas 64,256] [--rates 1000,5000] [--strides 1,16]``
 
 No engines and no workers: a writer process plays the whole fleet's workers, pouring synthetic
 KV-change traffic shaped like the Mooncake conversation trace into a real Redis, in real time,
@@ -12,7 +12,7 @@ stream entry per flush, exactly what ``prefix-worker report`` writes). Per reque
 evicts as many, namely the blocks it stored ``--resident-requests`` requests earlier (before
 that: keys it never stored); with ``index_stride`` N only the anchor positions of those depths
 are written (``router.shared.contract.is_anchor``), as workers do. Heartbeats for every replica point at
-one null replica (``loadtest.bench_router --serve-null``).
+one null replica (``loadtest.bench.router --serve-null``).
 
 For every (replicas, rate, stride): a fresh Redis and router (``prefix-router serve
 --index-stride N``), then
@@ -43,15 +43,16 @@ import random
 import tempfile
 import time
 from collections import deque
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import aiohttp
 
-from loadtest.bench_router import _start
-from loadtest.harness import cpu_seconds as _cpu_seconds
-from loadtest.harness import stop_process, wait_ready
-from loadtest.redis_server import RedisServer
+from loadtest.bench.router import _start
+from loadtest.harness.processes import cpu_seconds as _cpu_seconds
+from loadtest.harness.processes import stop_process, wait_ready
+from loadtest.harness.redis_server import RedisServer
 from router.shared import contract as c
 from worker.redis_writer import _FLUSH
 
@@ -189,8 +190,23 @@ def _phase(args: argparse.Namespace, redis_url: str, ids: list[str], null_url: s
     return proc, queue
 
 
+@dataclass
+class _Target:
+    """One configuration's router and Redis, as a phase measures them."""
+
+    router_url: str
+    router_pid: int
+    redis_url: str
+    redis_pid: int
+    client: Any  # redis.asyncio.Redis: reads the stream's end
+    session: aiohttp.ClientSession
+
+
 async def run_one(args: argparse.Namespace, tmp: Path, null_url: str, num_replicas: int,
                   rate: float, stride: int, prompts: list[list[int]]) -> dict[str, Any]:
+    """One configuration: ``num_replicas`` made-up replicas (heartbeats in a fresh Redis, their
+    KV changes poured by another process) behind a fresh router; the router's and Redis's CPU in
+    an upkeep-only phase and in a routing phase, and what that makes per request and per core."""
     import redis.asyncio as aioredis
 
     ids = _replica_ids(num_replicas)
@@ -207,68 +223,91 @@ async def run_one(args: argparse.Namespace, tmp: Path, null_url: str, num_replic
         try:
             router_url = wait_ready(ready, [router], 60)["url"]
             async with aiohttp.ClientSession() as session:
-                deadline = time.monotonic() + 30
-                while time.monotonic() < deadline:
-                    async with session.get(router_url + "/ready") as resp:
-                        body = await resp.json()
-                    if len(body.get("replicas", ())) == num_replicas:
-                        break
-                    await asyncio.sleep(0.2)
-                for p in prompts[:DOCS]:  # warm the chain cache with the documents
-                    async with session.post(router_url + "/v1/completions",
-                                            data=msgspec_json(p)) as resp:
-                        await resp.read()
+                await _await_replicas_and_warm(session, router_url, num_replicas, prompts)
+                target = _Target(router_url, router.pid, server.url, server.pid, client, session)
                 result: dict[str, Any] = {"replicas": num_replicas, "rate": rate,
                                           "stride": stride}
-                redis_pid = server.pid
                 for phase in ("upkeep", "routing"):
-                    cpu0, rcpu0 = _cpu_seconds(router.pid), _cpu_seconds(redis_pid)
-                    proc, queue = _phase(args, server.url, ids, null_url, stride, rate,
-                                         seed=hash((num_replicas, rate, stride, phase)) & 0xFFFF)
-                    routed = 0
-                    if phase == "routing":
-                        await asyncio.sleep(0.3)  # the writer is up
-                        routed = await _closed_loop(router_url, prompts, args.seconds - 0.5,
-                                                    args.concurrency)
-                    requests, keys, wall = await asyncio.to_thread(queue.get)
-                    proc.join()
-                    end = await _stream_end(client)
-                    caught_up = time.monotonic() + 5.0
-                    lag_s = 0.0
-                    t_end = time.monotonic()
-                    while await _router_position(session, router_url) != end:
-                        if time.monotonic() > caught_up:
-                            lag_s = float("inf")
-                            break
-                        await asyncio.sleep(0.02)
-                    else:
-                        lag_s = time.monotonic() - t_end
-                    cpu = _cpu_seconds(router.pid) - cpu0
-                    result[phase] = {"requests_written": requests, "wall_s": round(wall, 2),
-                                     "keys_per_s": round(keys / wall), "routed": routed,
-                                     "router_cpu_s": round(cpu, 3),
-                                     "redis_cpu_s": round(_cpu_seconds(redis_pid) - rcpu0, 3),
-                                     "catch_up_s": lag_s}
-                up = result["upkeep"]
-                # the router's cost per request of upkeep is ~constant once reads are batched, so
-                # a rate this machine could not generate is extrapolated from the achieved one
-                per_request_s = up["router_cpu_s"] / max(up["requests_written"], 1)
-                upkeep_cores = per_request_s * rate
-                ro = result["routing"]
-                ro_upkeep_s = per_request_s * ro["requests_written"]
-                per_req = ((ro["router_cpu_s"] - ro_upkeep_s) / ro["routed"]
-                           if ro["routed"] else float("nan"))
-                result["upkeep_us_per_request"] = round(per_request_s * 1e6, 1)
-                result["upkeep_cores"] = round(upkeep_cores, 3)
-                result["extrapolated"] = up["requests_written"] < 0.95 * rate * up["wall_s"]
-                result["route_cpu_ms"] = round(per_req * 1e3, 2)
-                result["rps_per_core"] = (round((1 - upkeep_cores) / per_req)
-                                          if per_req > 0 and upkeep_cores < 1 else 0)
-                return result
+                    seed = hash((num_replicas, rate, stride, phase)) & 0xFFFF
+                    result[phase] = await _measure_phase(phase, target, args, ids, null_url,
+                                                         stride, rate, prompts, seed)
+                return _with_per_core_figures(result, rate)
         finally:
             await client.aclose()
             sync.close()
             stop_process(router)  # SIGKILL after 10 s: still busy applying a backlog
+
+
+async def _await_replicas_and_warm(session: aiohttp.ClientSession, router_url: str,
+                                   num_replicas: int, prompts: list[list[int]]) -> None:
+    """Wait (up to 30 s) until the router lists every replica, then send it the documents so
+    its chain cache is warm."""
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        async with session.get(router_url + "/ready") as resp:
+            body = await resp.json()
+        if len(body.get("replicas", ())) == num_replicas:
+            break
+        await asyncio.sleep(0.2)
+    for p in prompts[:DOCS]:  # warm the chain cache with the documents
+        async with session.post(router_url + "/v1/completions",
+                                data=msgspec_json(p)) as resp:
+            await resp.read()
+
+
+async def _measure_phase(phase: str, target: _Target, args: argparse.Namespace, ids: list[str],
+                         null_url: str, stride: int, rate: float, prompts: list[list[int]],
+                         seed: int) -> dict[str, Any]:
+    """One phase: the writer pours ``args.seconds`` of traffic (in the routing phase, requests
+    are routed meanwhile); what it wrote, the CPU the router and Redis used, and how long the
+    router took to catch up with the stream's end (inf after 5 s)."""
+    cpu0, rcpu0 = _cpu_seconds(target.router_pid), _cpu_seconds(target.redis_pid)
+    proc, queue = _phase(args, target.redis_url, ids, null_url, stride, rate, seed=seed)
+    routed = 0
+    if phase == "routing":
+        await asyncio.sleep(0.3)  # the writer is up
+        routed = await _closed_loop(target.router_url, prompts, args.seconds - 0.5,
+                                    args.concurrency)
+    requests, keys, wall = await asyncio.to_thread(queue.get)
+    proc.join()
+    end = await _stream_end(target.client)
+    caught_up = time.monotonic() + 5.0
+    lag_s = 0.0
+    t_end = time.monotonic()
+    while await _router_position(target.session, target.router_url) != end:
+        if time.monotonic() > caught_up:
+            lag_s = float("inf")
+            break
+        await asyncio.sleep(0.02)
+    else:
+        lag_s = time.monotonic() - t_end
+    cpu = _cpu_seconds(target.router_pid) - cpu0
+    return {"requests_written": requests, "wall_s": round(wall, 2),
+            "keys_per_s": round(keys / wall), "routed": routed,
+            "router_cpu_s": round(cpu, 3),
+            "redis_cpu_s": round(_cpu_seconds(target.redis_pid) - rcpu0, 3),
+            "catch_up_s": lag_s}
+
+
+def _with_per_core_figures(result: dict[str, Any], rate: float) -> dict[str, Any]:
+    """``result`` with the upkeep's cost per request and in cores at ``rate``, the routing's CPU
+    per request net of upkeep, and the requests per second one core routes."""
+    up = result["upkeep"]
+    # the router's cost per request of upkeep is ~constant once reads are batched, so
+    # a rate this machine could not generate is extrapolated from the achieved one
+    per_request_s = up["router_cpu_s"] / max(up["requests_written"], 1)
+    upkeep_cores = per_request_s * rate
+    ro = result["routing"]
+    ro_upkeep_s = per_request_s * ro["requests_written"]
+    per_req = ((ro["router_cpu_s"] - ro_upkeep_s) / ro["routed"]
+               if ro["routed"] else float("nan"))
+    result["upkeep_us_per_request"] = round(per_request_s * 1e6, 1)
+    result["upkeep_cores"] = round(upkeep_cores, 3)
+    result["extrapolated"] = up["requests_written"] < 0.95 * rate * up["wall_s"]
+    result["route_cpu_ms"] = round(per_req * 1e3, 2)
+    result["rps_per_core"] = (round((1 - upkeep_cores) / per_req)
+                              if per_req > 0 and upkeep_cores < 1 else 0)
+    return result
 
 
 def _print(r: dict[str, Any]) -> None:
@@ -284,7 +323,7 @@ def _print(r: dict[str, Any]) -> None:
 
 async def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     tmp = Path(tempfile.mkdtemp(prefix="bench_scale_"))
-    null = _start(["loadtest.bench_router", "--serve-null", str(tmp / "null.json")],
+    null = _start(["loadtest.bench.router", "--serve-null", str(tmp / "null.json")],
                   tmp / "null.log")
     results = []
     try:

@@ -2,7 +2,7 @@
 ONE shared stream (contract version 3, as before it) versus one stream per replica, on one Redis
 and on a 3-master Redis Cluster. Does I/O (real ``redis-server`` processes).
 
-``python -m loadtest.bench_streams [--replicas 64] [--rate 1000] [--seconds 5]``
+``python -m loadtest.bench.streams [--replicas 64] [--rate 1000] [--seconds 5]``
 
 A writer process pours ``--rate`` flushes/s (each entry: ``--keys`` packed 8-byte keys stored
 and as many removed, from a replica chosen uniformly) into the layout's stream(s), through the
@@ -29,8 +29,8 @@ import statistics
 import time
 from typing import Any
 
-from loadtest.redis_server import RedisServer
-from loadtest.redis_topology import RedisClusterServers
+from loadtest.harness.redis_server import RedisServer
+from loadtest.harness.redis_topology import RedisClusterServers
 from router.edges.fleet_sync import STREAM_READ_INTERVAL_S
 from router.shared import contract as c
 from router.shared.redis_client import redis_client

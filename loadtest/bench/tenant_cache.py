@@ -1,8 +1,8 @@
 """Cross-tenant timing through the router's prompt caches (issue 29 item 3): does tenant A route a
 text faster when tenant B sent it first?
 
-``python -m loadtest.bench_tenant_cache [--pairs 20] [--chars 120000]`` starts a null replica
-(``loadtest.bench_router --serve-null``: answers every completion at once) and a router in
+``python -m loadtest.bench.tenant_cache [--pairs 20] [--chars 120000]`` starts a null replica
+(``loadtest.bench.router --serve-null``: answers every completion at once) and a router in
 front of it with API keys for two tenants, the Qwen3 tokenizer and ``--debug-access tenant``.
 For each pair: B sends a real completion of a new text X (and the router finishes hashing its
 rest); then A asks ``POST /debug/route`` (a dry run: the whole prompt tokenized and hashed, the
@@ -32,7 +32,7 @@ from typing import Any
 
 import numpy as np
 
-from loadtest.harness import PYTHON, start_process, stop_processes, wait_for, wait_ready
+from loadtest.harness.processes import PYTHON, start_process, stop_processes, wait_for, wait_ready
 from router.edges.auth import hash_key, new_key
 from router.request.prompts import default_tokenizer_dir
 
@@ -107,7 +107,7 @@ def run(args: argparse.Namespace) -> None:
     keys = {"a": new_key(), "b": new_key()}
     (tmp / "keys.txt").write_text(f"tenant-a {hash_key(keys['a'])}\ntenant-b {hash_key(keys['b'])}\n")
     (tmp / "salt").write_text("bench-tenant-cache-secret-0123456789")
-    replica = start_process([PYTHON, "-m", "loadtest.bench_router", "--serve-null",
+    replica = start_process([PYTHON, "-m", "loadtest.bench.router", "--serve-null",
                              str(tmp / "replica.json")], log_path=tmp / "replica.log")
     procs = [replica]
     try:

@@ -1,6 +1,6 @@
 """Benchmark of the worker sidecar: block keys ingested per second into Redis, and Redis memory per block.
 
-``python -m loadtest.bench_worker [--keys 1000000] [--min-batch 32] [--max-batch 512]
+``python -m loadtest.bench.worker [--keys 1000000] [--min-batch 32] [--max-batch 512]
 [--evict-beyond N] [--vocab N] [--batch-interval-ms MS] [--worker-arg=ARG ...]``
 
 Starts a local Redis, one emulator replica (the worker's engine for heartbeat
@@ -33,7 +33,8 @@ from typing import Any
 
 import redis
 
-from loadtest.harness import (
+from loadtest.harness.kv_publisher import KVEventPublisher
+from loadtest.harness.processes import (
     PYTHON,
     ProcessExited,
     cpu_seconds,
@@ -42,8 +43,7 @@ from loadtest.harness import (
     start_process,
     stop_process,
 )
-from loadtest.kv_publisher import KVEventPublisher
-from loadtest.redis_server import RedisServer
+from loadtest.harness.redis_server import RedisServer
 from router.shared import contract
 from router.shared.kv_events import BlockRemoved, BlockStored, KVEventBatch, encode_batch
 
@@ -98,35 +98,11 @@ async def _run(args: argparse.Namespace) -> dict[str, Any]:
                                         "--index-stride", str(args.index_stride),
                                         "--log-level", "warning", *args.worker_arg])
                 key = contract.replica_key("pr", REPLICA)
-                deadline = time.monotonic() + 30
-                while not client.exists(key):
-                    _check_running(worker)
-                    if time.monotonic() > deadline:
-                        raise TimeoutError("worker heartbeat")
-                    await asyncio.sleep(0.05)
-                # Warm-up batch so the subscription is live (ZMQ slow joiner).
-                await pub.publish(KVEventBatch(ts=time.time(), events=[], data_parallel_rank=0))
-                while client.hget(key, contract.F_SEQ) in (None, b"-1"):
-                    _check_running(worker)
-                    await pub.publish(KVEventBatch(ts=time.time(), events=[], data_parallel_rank=0))
-                    await asyncio.sleep(0.05)
+                await _await_subscribed(client, key, worker, pub)
                 mem_before = int(client.info("memory")["used_memory"])
                 cpu_before = cpu_seconds(worker.pid)
-                start = time.perf_counter()
-                interval_s = args.batch_interval_ms / 1000
-                for i, payload in enumerate(payloads):
-                    if interval_s:
-                        # paced like an engine publishing one batch per scheduler step
-                        await asyncio.sleep(max(0.0, start + i * interval_s - time.perf_counter()))
-                    await pub.publish(payload)
-                publish_s = time.perf_counter() - start
-                last = str(pub.next_seq - 1).encode()
-                while True:
-                    if client.hget(key, contract.F_SEQ) == last:
-                        break
-                    _check_running(worker)
-                    await asyncio.sleep(0.005)
-                elapsed = time.perf_counter() - start
+                publish_s, elapsed = await _publish_until_applied(
+                    client, key, worker, pub, payloads, args.batch_interval_ms / 1000)
                 cpu = cpu_seconds(worker.pid) - cpu_before
                 mem_after = int(client.info("memory")["used_memory"])
                 set_bytes = int(client.memory_usage(contract.blocks_key("pr", REPLICA), samples=0) or 0)
@@ -157,6 +133,45 @@ async def _run(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
+async def _await_subscribed(client: redis.Redis, key: str, worker: subprocess.Popen[bytes],
+                            pub: KVEventPublisher) -> None:
+    """Wait (up to 30 s) for the worker's heartbeat at ``key``, then until it has applied a
+    batch: empty ones are published until it has (ZMQ's slow joiner drops the first)."""
+    deadline = time.monotonic() + 30
+    while not client.exists(key):
+        _check_running(worker)
+        if time.monotonic() > deadline:
+            raise TimeoutError("worker heartbeat")
+        await asyncio.sleep(0.05)
+    # Warm-up batch so the subscription is live (ZMQ slow joiner).
+    await pub.publish(KVEventBatch(ts=time.time(), events=[], data_parallel_rank=0))
+    while client.hget(key, contract.F_SEQ) in (None, b"-1"):
+        _check_running(worker)
+        await pub.publish(KVEventBatch(ts=time.time(), events=[], data_parallel_rank=0))
+        await asyncio.sleep(0.05)
+
+
+async def _publish_until_applied(client: redis.Redis, key: str, worker: subprocess.Popen[bytes],
+                                 pub: KVEventPublisher, payloads: list[bytes],
+                                 interval_s: float) -> tuple[float, float]:
+    """Publish ``payloads`` (one every ``interval_s``, or as fast as possible for 0) and wait
+    until the worker has applied the last: seconds to publish, seconds until applied."""
+    start = time.perf_counter()
+    for i, payload in enumerate(payloads):
+        if interval_s:
+            # paced like an engine publishing one batch per scheduler step
+            await asyncio.sleep(max(0.0, start + i * interval_s - time.perf_counter()))
+        await pub.publish(payload)
+    publish_s = time.perf_counter() - start
+    last = str(pub.next_seq - 1).encode()
+    while True:
+        if client.hget(key, contract.F_SEQ) == last:
+            break
+        _check_running(worker)
+        await asyncio.sleep(0.005)
+    return publish_s, time.perf_counter() - start
+
+
 def _check_running(worker: subprocess.Popen[bytes]) -> None:
     """Raises ``ProcessExited`` with the worker's last output line (a bad ``--worker-arg`` is
     its one-line config error) once it has exited: the waits would otherwise never end."""
@@ -167,7 +182,7 @@ def _check_running(worker: subprocess.Popen[bytes]) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m loadtest.bench_worker", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m loadtest.bench.worker", description=__doc__)
     parser.add_argument("--keys", type=int, default=1_000_000, help="block keys to store")
     parser.add_argument("--min-batch", type=int, default=32, help="blocks per BlockStored, min")
     parser.add_argument("--max-batch", type=int, default=512, help="blocks per BlockStored, max")

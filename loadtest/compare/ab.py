@@ -35,9 +35,9 @@ from typing import Any, Final
 import aiohttp
 import numpy as np
 
-from loadtest.harness import ProcessExited, start_emulator, stop_process
-from loadtest.replay import RequestRecord, send_one
-from loadtest.trace import read_trace
+from loadtest.harness.processes import ProcessExited, start_emulator, stop_process
+from loadtest.replay.replayer import RequestRecord, send_one
+from loadtest.replay.trace import read_trace
 from router.tools.trace_format import TokenMapper
 
 logger = logging.getLogger(__name__)
@@ -105,7 +105,7 @@ class Measured:
 async def measure(base_url: str, prompts: Sequence[Prompt], timeout_s: float = DEFAULT_TIMEOUT_S,
                   progress: Callable[[str], None] | None = None) -> list[Measured]:
     """Send each prompt once, one at a time, with ``max_tokens`` 1 (after one unmeasured warm-up
-    request), streamed with usage; TTFT = first token event (``loadtest.replay.send_one``)."""
+    request), streamed with usage; TTFT = first token event (``loadtest.replay.replayer.send_one``)."""
     headers = {"content-type": "application/json"}
     out: list[Measured] = []
     async with aiohttp.ClientSession() as session:

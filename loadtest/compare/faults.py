@@ -1,7 +1,7 @@
 """Fault measurements on a real loopback fleet (issue 15's scenarios, re-runnable). Process I/O.
 
-``python -m loadtest.faults SCENARIO`` starts what the scenario needs (real Redis, one emulator
-process with 4 replicas, a worker each, a ``loadtest.fault_proxy`` in front of replica-3 that
+``python -m loadtest.compare.faults SCENARIO`` starts what the scenario needs (real Redis, one emulator
+process with 4 replicas, a worker each, a ``loadtest.harness.fault_proxy`` in front of replica-3 that
 its worker polls too, the router on port 0), prints one JSON line of figures and stops it all:
 
 * ``refuse``: share of 40 new 1,000-token prompts sent to a replica answering 500 to
@@ -44,8 +44,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from loadtest import harness
-from loadtest.redis_server import RedisServer
+from loadtest.harness import processes
+from loadtest.harness.redis_server import RedisServer
 
 KV_EVENTS = json.dumps({"enable_kv_cache_events": True, "publisher": "zmq",
                         "endpoint": "tcp://*:0", "replay_endpoint": "tcp://*:0"})
@@ -68,12 +68,12 @@ def http(method: str, url: str, body: Any = None, timeout: float = 120.0) -> tup
 
 
 def wait_for(cond: Callable[[], Any], timeout_s: float, interval_s: float = 0.05) -> Any:
-    """``loadtest.harness.wait_for`` with this module's positional timeout."""
-    return harness.wait_for(cond, timeout_s, interval_s)
+    """``loadtest.harness.processes.wait_for`` with this module's positional timeout."""
+    return processes.wait_for(cond, timeout_s, interval_s)
 
 
 class Lab:
-    """The processes of one scenario (``loadtest.harness``), stopped newest first."""
+    """The processes of one scenario (``loadtest.harness.processes``), stopped newest first."""
 
     def __init__(self) -> None:
         self.tmp = Path(tempfile.mkdtemp(prefix="faults-"))
@@ -82,8 +82,8 @@ class Lab:
 
     def spawn(self, *args: str, env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
         """``python -m ARGS`` (or the command ``ARGS`` when it starts with the interpreter)."""
-        command = list(args) if args[0] == harness.PYTHON else [harness.PYTHON, "-m", *args]
-        proc = harness.start_process(command, env, self.tmp / f"p{len(self.procs)}.log")
+        command = list(args) if args[0] == processes.PYTHON else [processes.PYTHON, "-m", *args]
+        proc = processes.start_process(command, env, self.tmp / f"p{len(self.procs)}.log")
         self.procs.append(proc)
         return proc
 
@@ -91,8 +91,8 @@ class Lab:
         return self.tmp / f"{name}-{time.monotonic_ns()}.json"
 
     def emulator(self, *args: str, env: dict[str, str] | None = None) -> list[dict[str, Any]]:
-        """An emulator process (``harness.EMULATE`` plus ``args``); its replicas once ready."""
-        proc, replicas = harness.start_emulator(self.ready("emu"), args, env,
+        """An emulator process (``processes.EMULATE`` plus ``args``); its replicas once ready."""
+        proc, replicas = processes.start_emulator(self.ready("emu"), args, env,
                                                 self.tmp / f"p{len(self.procs)}.log", 90)
         self.procs.append(proc)
         return replicas
@@ -104,9 +104,9 @@ class Lab:
         reps = self.emulator("--replicas", str(replicas), "--kv-events-config", KV_EVENTS,
                              "--time-scale", "20", env={"PYTHONHASHSEED": "0"})
         proxy_ready = self.ready("proxy")
-        proc = self.spawn("loadtest.fault_proxy", "--target", reps[-1]["url"], "--ready-file",
+        proc = self.spawn("loadtest.harness.fault_proxy", "--target", reps[-1]["url"], "--ready-file",
                           str(proxy_ready))
-        proxy = harness.wait_ready(proxy_ready, [proc], 30)["url"]
+        proxy = processes.wait_ready(proxy_ready, [proc], 30)["url"]
         for rep in reps:
             url = proxy if rep["index"] == replicas - 1 else rep["url"]
             self.spawn("worker.cli", "report", "--engine-url", url, "--kv-events-endpoint",
@@ -118,14 +118,14 @@ class Lab:
     def router(self, *args: str, wait: int | None = None) -> tuple[str, subprocess.Popen[bytes]]:
         ready = self.ready("router")
         proc = self.spawn("router.cli", "serve", "--port", "0", "--ready-file", str(ready), *args)
-        url: str = harness.wait_ready(ready, [proc])["url"]
+        url: str = processes.wait_ready(ready, [proc])["url"]
         if wait is not None:
-            harness.wait_for(lambda: sum(r["routable"] for r in ready_of(url)["replicas"]) == wait,
+            processes.wait_for(lambda: sum(r["routable"] for r in ready_of(url)["replicas"]) == wait,
                              60, message=f"{wait} routable replicas", procs=[proc])
         return url, proc
 
     def close(self) -> None:
-        harness.stop_processes(self.procs)
+        processes.stop_processes(self.procs)
         if self.redis is not None:
             self.redis.stop()
 
@@ -441,7 +441,7 @@ SCENARIOS: dict[str, Callable[[Lab], dict[str, Any]]] = {
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m loadtest.faults", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m loadtest.compare.faults", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("scenario", choices=sorted(SCENARIOS))
     args = parser.parse_args(argv)

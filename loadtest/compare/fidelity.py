@@ -3,7 +3,7 @@ event for event. Does process, network and file I/O (the comparison itself is pu
 
 One request sequence (``synthetic_workload``: system prompts, shared documents and random
 suffixes over tenants; or ``trace_workload``: a slice of a Mooncake trace) goes to a fresh
-emulator and to a fresh vLLM CPU engine (``loadtest.vllm_engine``) started with the same
+emulator and to a fresh vLLM CPU engine (``loadtest.harness.vllm_engine``) started with the same
 capacity and scheduler flags (block size, ``--num-gpu-blocks-override``,
 ``--max-num-batched-tokens``, ``--max-num-seqs``, ``--max-model-len``, hash algorithm and
 ``PYTHONHASHSEED``). Both publish KV events, which a subscriber per engine records (completed
@@ -43,14 +43,14 @@ from typing import Any, Final
 import aiohttp
 import zmq
 
-from loadtest import harness
-from loadtest.trace import read_trace
-from loadtest.vllm_engine import (
+from loadtest.harness import processes
+from loadtest.harness.vllm_engine import (
     KVEventTap,
     make_model_dir,
     start_vllm_engine,
     unavailable_reason,
 )
+from loadtest.replay.trace import read_trace
 from router.shared.hashing import BlockHasher, block_keys
 from router.shared.kv_events import (
     AllBlocksCleared,
@@ -442,7 +442,7 @@ def run_emulator(prompts: Sequence[list[int]], config: FidelityConfig,
             "--served-model-name", EMULATOR_MODEL, *config.engine_flags()]
     ready = log_dir / "emulator.ready.json"
     ready.unlink(missing_ok=True)  # a kept log directory's last run must not pass for this one
-    proc, replicas = harness.start_emulator(ready, args,
+    proc, replicas = processes.start_emulator(ready, args,
                                             env={"PYTHONHASHSEED": config.hash_seed},
                                             log_path=log_dir / "emulator.log")
     try:
@@ -451,12 +451,12 @@ def run_emulator(prompts: Sequence[list[int]], config: FidelityConfig,
                           str(replica["kv_events_endpoint"]), replica.get("kv_replay_endpoint"),
                           prompts, config)
     finally:
-        harness.stop_process(proc)
+        processes.stop_process(proc)
 
 
 def run_vllm(prompts: Sequence[list[int]], config: FidelityConfig, log_dir: Path,
              progress: Callable[[str], None] = lambda line: None) -> EngineRun:
-    """A fresh vLLM CPU engine (``loadtest.vllm_engine``) with ``config``'s flags, given
+    """A fresh vLLM CPU engine (``loadtest.harness.vllm_engine``) with ``config``'s flags, given
     ``prompts``; stopped afterwards. Raises ``RuntimeError`` when vLLM cannot run here."""
     reason = unavailable_reason()
     if reason is not None:

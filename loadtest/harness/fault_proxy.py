@@ -1,6 +1,6 @@
 """A fault-injecting HTTP proxy in front of one replica, for failure tests and measurements.
 
-``python -m loadtest.fault_proxy --target http://127.0.0.1:PORT --port 0 --ready-file F``
+``python -m loadtest.harness.fault_proxy --target http://127.0.0.1:PORT --port 0 --ready-file F``
 relays every request to the target unchanged (streamed, headers and status kept) except
 generation requests (``POST /v1/completions``, ``/v1/chat/completions``) while a fault is
 set, so the replica's ``/health``, ``/metrics`` and ``/v1/models`` stay fine, as in the
@@ -199,7 +199,7 @@ async def _serve(args: argparse.Namespace) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m loadtest.fault_proxy", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m loadtest.harness.fault_proxy", description=__doc__)
     parser.add_argument("--target", required=True, help="base URL of the replica")
     parser.add_argument("--port", type=int, default=0)
     parser.add_argument("--mode", choices=MODES, default="pass")

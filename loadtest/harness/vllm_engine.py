@@ -59,7 +59,7 @@ from typing import Any, Final
 
 import zmq
 
-from loadtest.harness import (
+from loadtest.harness.processes import (
     PYTHON,
     ProcessExited,
     free_port_run,
@@ -276,34 +276,15 @@ def start_vllm_engine(model_dir: Path, *, num_gpu_blocks: int | None = None,
     # the HTTP port, then (data parallel) the KV-event and the replay ports of each rank (vLLM
     # publishes rank r's events at the endpoint's port + r), all free a moment ago
     http = free_port_run(1 + (2 * data_parallel_size if data_parallel_size > 1 else 0))
-    ipc_dir: Path | None = None
-    if not kv_events:
-        events_bind = events_at = replay_at = ""
-    elif data_parallel_size > 1:
-        # vLLM 0.32 offsets only tcp ports per rank (see the module docstring)
-        events_bind = f"tcp://*:{http + 1}"
-        events_at = f"tcp://127.0.0.1:{http + 1}"
-        replay_at = f"tcp://127.0.0.1:{http + 1 + data_parallel_size}"
-    else:
-        ipc_dir = Path(tempfile.mkdtemp(prefix="vllm-kv-"))  # mode 0700
-        events_bind = events_at = f"ipc://{ipc_dir}/events"
-        replay_at = f"ipc://{ipc_dir}/replay"
+    events_bind, events_at, replay_at, ipc_dir = _kv_event_endpoints(http, kv_events,
+                                                                     data_parallel_size)
     args = [PYTHON, "-m", "vllm.entrypoints.openai.api_server",
             "--host", "127.0.0.1", "--port", str(http),
             "--model", str(model_dir), "--served-model-name", MODEL_NAME,
             "--load-format", "dummy", "--block-size", str(block_size),
             "--enable-prefix-caching", "--prefix-caching-hash-algo", hash_algo,
-            "--enable-prompt-tokens-details"]
-    if num_gpu_blocks is not None:
-        # vLLM keeps block 0 as its null block: a request may use num_gpu_blocks - 1 of them,
-        # and the engine refuses to start when max_model_len does not fit in those
-        max_len = min((num_gpu_blocks - 1) * block_size,
-                      TINY_QWEN3_CONFIG["max_position_embeddings"])
-        args += ["--num-gpu-blocks-override", str(num_gpu_blocks), "--max-model-len", str(max_len)]
-    if eager:
-        args.append("--enforce-eager")
-    if data_parallel_size > 1:
-        args += ["--data-parallel-size", str(data_parallel_size)]
+            "--enable-prompt-tokens-details",
+            *_capacity_and_parallel_flags(num_gpu_blocks, block_size, eager, data_parallel_size)]
     if kv_events:
         config = {"enable_kv_cache_events": True, "publisher": "zmq",
                   "endpoint": events_bind, "replay_endpoint": replay_at}
@@ -325,6 +306,39 @@ def start_vllm_engine(model_dir: Path, *, num_gpu_blocks: int | None = None,
         engine.stop()
         raise
     return engine
+
+
+def _kv_event_endpoints(http: int, kv_events: bool, data_parallel_size: int,
+                        ) -> tuple[str, str, str, Path | None]:
+    """Where the engine at port ``http`` binds its KV-event publisher, where a subscriber
+    connects, its replay endpoint, and the directory of their ``ipc://`` sockets (None for tcp;
+    all empty without ``kv_events``)."""
+    if not kv_events:
+        return "", "", "", None
+    if data_parallel_size > 1:
+        # vLLM 0.32 offsets only tcp ports per rank (see the module docstring)
+        return (f"tcp://*:{http + 1}", f"tcp://127.0.0.1:{http + 1}",
+                f"tcp://127.0.0.1:{http + 1 + data_parallel_size}", None)
+    ipc_dir = Path(tempfile.mkdtemp(prefix="vllm-kv-"))  # mode 0700
+    return f"ipc://{ipc_dir}/events", f"ipc://{ipc_dir}/events", f"ipc://{ipc_dir}/replay", ipc_dir
+
+
+def _capacity_and_parallel_flags(num_gpu_blocks: int | None, block_size: int, eager: bool,
+                                 data_parallel_size: int) -> list[str]:
+    """vLLM's flags for the KV capacity (and the longest prompt it allows), eager mode and data
+    parallelism."""
+    args: list[str] = []
+    if num_gpu_blocks is not None:
+        # vLLM keeps block 0 as its null block: a request may use num_gpu_blocks - 1 of them,
+        # and the engine refuses to start when max_model_len does not fit in those
+        max_len = min((num_gpu_blocks - 1) * block_size,
+                      TINY_QWEN3_CONFIG["max_position_embeddings"])
+        args += ["--num-gpu-blocks-override", str(num_gpu_blocks), "--max-model-len", str(max_len)]
+    if eager:
+        args.append("--enforce-eager")
+    if data_parallel_size > 1:
+        args += ["--data-parallel-size", str(data_parallel_size)]
+    return args
 
 
 _ERROR_LINE: Final = re.compile(r"\b\w*(?:Error|Exception): .*")

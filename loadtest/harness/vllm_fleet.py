@@ -4,7 +4,7 @@ prefix caches emptied before each run so that no run inherits another's cache. D
 network and file I/O.
 
 An engine is vLLM's CPU build serving the tiny Qwen3 model with random weights
-(``loadtest.vllm_engine``): its tokenizer, prefix cache, KV events and ``vllm:*`` counters are
+(``loadtest.harness.vllm_engine``): its tokenizer, prefix cache, KV events and ``vllm:*`` counters are
 vLLM's own, so hit rates per policy are real engines' hit rates; its latencies are those of a
 CPU sharing the machine's cores with the router, workers and replayer, not a GPU's.
 """
@@ -19,8 +19,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final
 
-from loadtest.fleet import ReplicaInfo
-from loadtest.vllm_engine import (
+from loadtest.harness.fleet import ReplicaInfo
+from loadtest.harness.vllm_engine import (
     BLOCK_SIZE,
     MODEL_NAME,
     TINY_QWEN3_CONFIG,

