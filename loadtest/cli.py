@@ -23,11 +23,11 @@ with exit_on_interrupt():  # Ctrl-C while these load: exit 130, no traceback
     from pathlib import Path
     from typing import NoReturn
 
-    from loadtest.ab import add_ab_parser
-    from loadtest.compare import add_compare_parsers
+    from loadtest.compare.ab import add_ab_parser
+    from loadtest.compare.command import add_compare_parsers
+    from loadtest.compare.fidelity import add_fidelity_parser
     from loadtest.data import PACKAGED_ARRIVALS, packaged_trace_path
-    from loadtest.fidelity import add_fidelity_parser
-    from loadtest.replay import (
+    from loadtest.replay.replayer import (
         DEFAULT_MAX_CONCURRENCY,
         DEFAULT_MODEL,
         DEFAULT_REQUEST_TIMEOUT_S,
@@ -37,7 +37,7 @@ with exit_on_interrupt():  # Ctrl-C while these load: exit 130, no traceback
         summarize,
         write_records,
     )
-    from loadtest.trace import read_trace
+    from loadtest.replay.trace import read_trace
     from router.shared.settings import usage_error_line
     from router.shared.version import version_line
 logger = logging.getLogger(__name__)

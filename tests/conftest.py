@@ -9,8 +9,8 @@ from typing import Any
 
 import pytest
 
-from loadtest.redis_server import RedisServer
-from loadtest.vllm_engine import hide_unmatched_torch_packages
+from loadtest.harness.redis_server import RedisServer
+from loadtest.harness.vllm_engine import hide_unmatched_torch_packages
 
 # with the [vllm] extra installed, PyPI's torchvision beside vLLM's CPU torch breaks transformers
 hide_unmatched_torch_packages()

@@ -1,4 +1,4 @@
-"""Helpers for integration tests: the shared harness (``loadtest.harness``: real processes on
+"""Helpers for integration tests: the shared harness (``loadtest.harness.processes``: real processes on
 loopback, waits on conditions) and a fake replica script."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from loadtest.harness import (
+from loadtest.harness.processes import (
     EMULATE,
     PYTHON,
     free_port,

@@ -20,7 +20,6 @@ does not keep its prefix cache across them: a canary trades that affinity for th
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Final
@@ -168,9 +167,3 @@ class AliasTable:
                 }
             )
         return cards
-
-
-def rewrite_model(data: dict[str, Any], model: str) -> bytes:
-    """The JSON body ``data`` (a decoded request object) with ``model`` set, encoded again
-    (compact; key order kept). ``data`` is not changed."""
-    return json.dumps({**data, "model": model}, ensure_ascii=False, separators=(",", ":")).encode()

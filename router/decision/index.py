@@ -3,7 +3,7 @@
 ``BlockIndex`` maps each resident 64-bit block key to a bitmask of the replicas
 that hold it (``{block_key: replica bitmask}``; bit ``i`` is the replica in slot
 ``i``). Equal masks are interned so a key held by one replica costs one dict
-entry plus its key int (about 100 bytes, see ``loadtest/bench_index.py``).
+entry plus its key int (about 100 bytes, see ``loadtest/bench/index.py``).
 Forgetting a replica's keys is O(1) (a fresh bit slot; the old one is swept
 away incrementally, see ``BlockIndex``). A chain lookup walks the prompt's
 block keys from the front, ANDing masks with the candidates' slots, and

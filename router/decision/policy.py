@@ -138,7 +138,7 @@ DEFAULT_EVICTED_REUSE: Final = 0.5  # chance that a block evicted from a replica
 # share of KV would have been hit again (dimensionless)
 DEFAULT_DECODE_WEIGHT: Final = 0.02  # seconds of TTFT one second of decode-step time is worth:
 # the decode term sums decode seconds over every request sharing the replica's steps (hundreds of
-# steps each) while a TTFT is paid once; in loadtest.policy_lab 0.02 cut e2e latency and work
+# steps each) while a TTFT is paid once; in loadtest.lab.policy_lab 0.02 cut e2e latency and work
 # imbalance at about the same TTFT (docs/benchmarks.md, "The policy lab")
 
 

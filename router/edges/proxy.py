@@ -513,7 +513,7 @@ class Proxy:
         * the stream-idle timeout covers the reads only (a slow client is not the replica's
           fault); it is one watchdog per response whose timer is re-armed only when it fires, a
           chunk just moving its deadline (``asyncio.timeout`` per read created and cancelled a
-          timer per chunk; ``loadtest.bench_relay``);
+          timer per chunk; ``loadtest.bench.relay``);
         * the replica's progress (``ReplicaHealth.progress``, for the stall detector, which
           judges over seconds) is recorded at most every ``PROGRESS_SAMPLE_S``;
         * an SSE answer's tail (``outcome.tail``: the usage event) is found by keeping the last

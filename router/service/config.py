@@ -86,7 +86,7 @@ DEFAULT_FIRST_BYTE_TIMEOUT_S: Final = 600.0  # a long prefill behind a queue can
 DEFAULT_STREAM_IDLE_TIMEOUT_S: Final = 120.0
 DEFAULT_STREAM_READ_INTERVAL_S: Final = 0.05  # pause after a KV-event stream read that returned
 # fewer entries than a full batch, so a trickle gathers into fewer XREADs (each costs Python CPU):
-# CPU against index lag (loadtest.bench_streams, docs/benchmarks.md)
+# CPU against index lag (loadtest.bench.streams, docs/benchmarks.md)
 DEFAULT_TOKENIZER_THREADS: Final = 2
 DEFAULT_TOKEN_CACHE_CHUNKS: Final = 65536  # prompt chain cache entries (text chunks of 256-1024
 # chars or 256-token id spans, ~1-3 KB each); the per-chunk token cache keeps 1/8 of that

@@ -41,7 +41,7 @@ single-slot transaction). Because the script commits before the entry is written
 that remembered the stream's last id before loading a snapshot never misses an entry the
 snapshot lacks. An entry is applied whole (one entry is one flush) or not at all.
 
-Why one shared stream and not one per replica (``loadtest/bench_streams.py``): on a cluster a
+Why one shared stream and not one per replica (``loadtest/bench/streams.py``): on a cluster a
 multi-key ``XREAD`` must stay in one slot, so per-replica streams need one ``XREAD`` per
 replica per read, and cannot block: at 64 replicas and 1,000 flushes/s that cost a router
 about 0.5 of a core against 0.07 to 0.08 for the one blocking ``XREAD`` of one stream, at 3 to
@@ -69,7 +69,7 @@ depth as ``anchor depth + 1`` of the deepest leading anchor a replica holds, so
 hit depths are exact at anchors and under-estimate by fewer than N blocks
 between them. A replica that evicted a block inside a span whose anchor it
 still holds is over-estimated (vLLM frees a chain's tail first, so this is
-rare; ``loadtest/replay.py`` measures it against the engine's cached tokens). A
+rare; ``loadtest/replay/replayer.py`` measures it against the engine's cached tokens). A
 replica whose ``index_stride`` or ``contract`` differs from the router's gets
 no prefix-hit credit (reported on ``/ready`` and ``router_replica_config_mismatch``).
 

@@ -253,7 +253,7 @@ class BlockHasher:
                 append(prev)
             index = last_extra
         # no extra keys: zip over one iterator cuts the blocks into tuples in C (a slice and a
-        # tuple() per block are a fair share of a block's cost; loadtest.bench_hashing and
+        # tuple() per block are a fair share of a block's cost; loadtest.bench.hashing and
         # docs/benchmarks.md)
         rest = iter(tokens[index * size : end_block * size])
         for block in zip(*(rest,) * size, strict=True):  # the slice holds whole blocks

@@ -20,7 +20,7 @@ share no block. Ids are drawn from ``[vocab_low, vocab_high)`` so no special
 token of a real tokenizer (Qwen3's start at 151643) can appear.
 
 Here, not in ``loadtest``, because the product reads it too: ``prefix-router audit`` takes trace
-files and maps them as the replay does (``loadtest.trace`` reads and schedules them).
+files and maps them as the replay does (``loadtest.replay.trace`` reads and schedules them).
 """
 
 from __future__ import annotations

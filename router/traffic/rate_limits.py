@@ -1,6 +1,6 @@
 """Per-tenant rate limits shared by active-active routers through Redis (issue 33). Does I/O.
 
-The limiter is the one the measurement picked (``loadtest.bench_rate_limit``: one Lua script on
+The limiter is the one the measurement picked (``loadtest.bench.rate_limit``: one Lua script on
 the project's redis-py asyncio client against the ``limits`` library's async Redis storage).
 ``TenantRateLimits`` is the request path's gate: a completions or chat request over its
 tenant's limits is a 429 ``RateLimitError`` with ``Retry-After``; when Redis does not answer

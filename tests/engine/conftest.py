@@ -1,7 +1,7 @@
 """Real-engine tests: vLLM's CPU build (the ``vllm`` extra) serving the tiny Qwen3 model with
 random weights, beside real workers, Redis and routers on loopback.
 
-They skip, with the reason, where the build cannot run (``loadtest.vllm_engine.
+They skip, with the reason, where the build cannot run (``loadtest.harness.vllm_engine.
 unavailable_reason``: not x86-64 Linux, no AVX2, vLLM not installed). An engine takes about
 3.7 GB and minutes to start on a busy machine, so engines are shared and started together:
 ``EnginePool`` starts every engine the collected tests will use (``ENGINE_SPECS``) at once,
@@ -22,8 +22,8 @@ from typing import Any
 import pytest
 import redis
 
-from loadtest.redis_server import RedisServer
-from loadtest.vllm_engine import (
+from loadtest.harness.redis_server import RedisServer
+from loadtest.harness.vllm_engine import (
     BLOCK_SIZE,
     START_TIMEOUT_S,
     KVEventTap,

@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 
-from loadtest.vllm_engine import HTTPError, KVEventTap, post_json
+from loadtest.harness.vllm_engine import HTTPError, KVEventTap, post_json
 from tests.engine.conftest import SETTLE_S, EngineFleet, index_matches_engines
 from tests.engine.test_vllm_rendering import ids_mismatch
 from tests.engine.test_vllm_router import HIT_HEADER, REPLICA_HEADER, make_text

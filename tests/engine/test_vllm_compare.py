@@ -13,13 +13,12 @@ from pathlib import Path
 
 import pytest
 
-from loadtest.compare import CompareConfig, run_compare, run_notes
+from loadtest.compare.orchestration import CompareConfig, run_compare
+from loadtest.compare.report import run_notes
 from loadtest.data import packaged_trace_path
-from loadtest.fleet import OURS, FleetConfig, RouterSpec
-from loadtest.replay import ReplayConfig, read_records
-from loadtest.trace import read_trace
-from loadtest.vllm_engine import BLOCK_SIZE, MODEL_NAME, VllmEngine
-from loadtest.vllm_fleet import (
+from loadtest.harness.fleet import OURS, FleetConfig, RouterSpec
+from loadtest.harness.vllm_engine import BLOCK_SIZE, MODEL_NAME, VllmEngine
+from loadtest.harness.vllm_fleet import (
     CPU_TTFT_NOTE,
     DRAIN_TIMEOUT_S,
     ENGINE_FLEET_START_TIMEOUT_S,
@@ -27,6 +26,8 @@ from loadtest.vllm_fleet import (
     ROUTER_ARGS,
     EngineReplicas,
 )
+from loadtest.replay.replayer import ReplayConfig, read_records
+from loadtest.replay.trace import read_trace
 
 # the package's engines start together when the first is needed (conftest.EnginePool)
 pytestmark = pytest.mark.timeout(2700)

@@ -17,8 +17,8 @@ from typing import Any
 import pytest
 import redis
 
-from loadtest.redis_server import RedisServer
-from loadtest.vllm_engine import KVEventTap, VllmEngine
+from loadtest.harness.redis_server import RedisServer
+from loadtest.harness.vllm_engine import KVEventTap, VllmEngine
 from router.shared import contract
 from tests.helpers import PYTHON, start_process, stop_process, wait_for, wait_ready
 from tests.integration.test_router_fleet import http

@@ -17,7 +17,7 @@ from collections.abc import Iterator
 import psutil
 import pytest
 
-from loadtest.vllm_engine import (
+from loadtest.harness.vllm_engine import (
     BLOCK_SIZE,
     KVEventTap,
     VllmEngine,

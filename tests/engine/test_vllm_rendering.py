@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from loadtest.vllm_engine import HTTPError, post_json
+from loadtest.harness.vllm_engine import HTTPError, post_json
 from tests.engine.conftest import EngineFleet
 
 # the package's engines start together when the first is needed (conftest.EnginePool)

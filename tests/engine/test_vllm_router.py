@@ -17,8 +17,8 @@ from typing import Any
 
 import pytest
 
-from loadtest.text import default_vocabulary
-from loadtest.vllm_engine import KVEventTap, post_json
+from loadtest.harness.vllm_engine import KVEventTap, post_json
+from loadtest.replay.text import default_vocabulary
 from tests.engine.conftest import SETTLE_S, EngineFleet, index_matches_engines
 from tests.helpers import wait_for
 from tests.integration.test_router_fleet import http

@@ -461,7 +461,7 @@ def test_bundled_redis_command_runs_and_requires_the_password(tmp_path: Path) ->
 
     import redis as redis_lib
 
-    from loadtest.redis_server import free_port, redis_server_binary
+    from loadtest.harness.redis_server import free_port, redis_server_binary
     from tests.helpers import wait_for
 
     with helm.Chart.load(CHART_DIR) as loaded:

@@ -16,7 +16,7 @@ import helm_python as helm
 import pytest
 import requests
 
-from loadtest.harness import stop_processes
+from loadtest.harness.processes import stop_processes
 from tests.helm.test_chart import (
     FULLNAME,
     NAMESPACE,

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from loadtest.ab import ABError, Measured, Prompt, analyse, file_prompts
 from loadtest.cli import main as loadtest_main
+from loadtest.compare.ab import ABError, Measured, Prompt, analyse, file_prompts
 
 pytestmark = pytest.mark.timeout(180)
 

@@ -1,4 +1,4 @@
-"""``python -m loadtest.bench_worker`` on bad input, as a real process (its real Redis, emulator
+"""``python -m loadtest.bench.worker`` on bad input, as a real process (its real Redis, emulator
 and worker): a bad flag value, its own or one passed on to the worker, is one line naming it."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ pytestmark = pytest.mark.timeout(120)
 
 
 def run_bench(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([PYTHON, "-m", "loadtest.bench_worker", "--keys", "200", *args],
+    return subprocess.run([PYTHON, "-m", "loadtest.bench.worker", "--keys", "200", *args],
                           capture_output=True, text=True, timeout=60)
 
 

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from loadtest.harness import PYTHON
+from loadtest.harness.processes import PYTHON
 from tests.integration.test_startup_stop import closed_port
 
 pytestmark = pytest.mark.timeout(120)

@@ -13,7 +13,7 @@ import psutil
 import pytest
 
 from loadtest.cli import main
-from loadtest.compare import verdict
+from loadtest.compare.verdict import verdict
 
 pytestmark = pytest.mark.timeout(180)
 

@@ -12,7 +12,14 @@ import psutil
 import pytest
 
 from loadtest.cli import main
-from loadtest.fleet import SMG, FleetConfig, LoopbackFleet, RouterSpec, http_get, peer_available
+from loadtest.harness.fleet import (
+    SMG,
+    FleetConfig,
+    LoopbackFleet,
+    RouterSpec,
+    http_get,
+    peer_available,
+)
 
 pytestmark = [
     pytest.mark.timeout(240),

@@ -16,8 +16,8 @@ from typing import Any
 import aiohttp
 import pytest
 
-from loadtest.compare import LagHistogram
-from loadtest.compare import parse_metrics as sum_samples
+from loadtest.compare.scraping import LagHistogram
+from loadtest.compare.scraping import parse_metrics as sum_samples
 from tests.helpers import start_emulator, stop_process
 
 pytestmark = pytest.mark.timeout(120)

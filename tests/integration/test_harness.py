@@ -1,4 +1,4 @@
-"""The one harness (``loadtest.harness``) that tests, benchmarks, the fault lab and the compare
+"""The one harness (``loadtest.harness.processes``) that tests, benchmarks, the fault lab and the compare
 fleet start real processes with: waits fail fast when a watched process dies, ready files are
 read once complete, and stopping escalates to SIGKILL."""
 
@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from loadtest.harness import (
+from loadtest.harness.processes import (
     PYTHON,
     ProcessExited,
     output,

@@ -1,4 +1,4 @@
-"""Locust smoke test: every scenario of ``loadtest/locustfile.py``, headless, against one emulated
+"""Locust smoke test: every scenario of ``loadtest/replay/locustfile.py``, headless, against one emulated
 replica on loopback; TTFT and end-to-end entries reported without failures."""
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ def test_locust_scenarios_headless(tmp_path: Path) -> None:
         # --stop-timeout: requests in flight when the 8 s end are finished and counted, not
         # dropped (a 12,000-token prompt on a busy machine can take seconds).
         result = subprocess.run(
-            [locust, "-f", str(ROOT / "loadtest" / "locustfile.py"), "--host", url, "--headless",
+            [locust, "-f", str(ROOT / "loadtest" / "replay" / "locustfile.py"), "--host", url, "--headless",
              "-u", "4", "-r", "4", "-t", "8s", "--stop-timeout", "30", "--only-summary",
              "--csv", str(tmp_path / "run"), *SCENARIOS],
             env={**_env(), "PREFIX_LOADTEST_MAX_TOKENS": "8"}, cwd=tmp_path,
@@ -59,8 +59,8 @@ def test_vocabulary_built_at_init_before_the_run() -> None:
     In a subprocess: importing locust monkey-patches the interpreter with gevent."""
     code = (
         "from locust.env import Environment\n"
-        "import loadtest.locustfile as lf\n"
-        "from loadtest.text import default_vocabulary\n"
+        "import loadtest.replay.locustfile as lf\n"
+        "from loadtest.replay.text import default_vocabulary\n"
         "env = Environment(user_classes=[lf.DocumentQAUser], events=lf.events)\n"
         "env.create_local_runner()\n"
         "import gevent, time\n"

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from loadtest.redis_server import RedisServer
+from loadtest.harness.redis_server import RedisServer
 from router.traffic.rate_limits import WINDOW_S, RateLimiter
 from tests.helpers import wait_for
 from tests.integration.test_router_admission import BODY, HoldingReplica, replicas, sample

@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 import redis
 
-from loadtest.redis_server import RedisServer
+from loadtest.harness.redis_server import RedisServer
 from router.shared import contract
 from router.shared.redis_client import redis_client
 from tests.helpers import wait_for

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 import redis
 
-from loadtest.redis_server import RedisServer
+from loadtest.harness.redis_server import RedisServer
 from tests.helpers import EMULATE, PYTHON, start_process, stop_process, wait_for
 from tests.integration.test_router_fleet import KV_EVENTS, Router, read_json_file
 

@@ -27,7 +27,7 @@ from typing import Any
 
 import pytest
 
-from loadtest.redis_topology import NUM_SLOTS, RedisClusterServers, RedisSentinelSet
+from loadtest.harness.redis_topology import NUM_SLOTS, RedisClusterServers, RedisSentinelSet
 from router.shared import contract as c
 from router.shared.redis_client import redis_client
 from tests.helpers import stop_process, wait_for, wait_routable

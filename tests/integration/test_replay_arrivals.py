@@ -11,7 +11,7 @@ import pytest
 
 from loadtest.cli import main
 from loadtest.data import packaged_arrivals_path
-from loadtest.trace import arrival_offsets, read_arrival_times
+from loadtest.replay.trace import arrival_offsets, read_arrival_times
 from tests.helpers import EMULATE, start_process, stop_process, wait_for
 from tests.integration.test_router_fleet import read_json_file
 

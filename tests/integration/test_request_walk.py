@@ -1,4 +1,4 @@
-"""``python -m loadtest.request_walk`` records the walk of a request body from the handler to
+"""``python -m loadtest.bench.request_walk`` records the walk of a request body from the handler to
 ``Proxy.forward`` and stops there, wherever the proxy's module lives (it compared a bare file
 name, ``proxy.py``, and recorded whole requests after the module moved to ``edges/proxy.py``).
 
@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from loadtest import request_walk
+from loadtest.bench import request_walk
 from router.request.prompts import default_tokenizer_dir
 from tests.helpers import start_emulator, stop_process
 

@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from loadtest.redis_server import RedisServer
+from loadtest.harness.redis_server import RedisServer
 from tests.helpers import stop_process, wait_for
 from tests.integration.test_router_failover import _emulated_fleet
 from tests.integration.test_router_fleet import Router, read_json_file

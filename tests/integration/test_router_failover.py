@@ -281,7 +281,7 @@ def _emulated_fleet(redis_url: str, tmp_path: Path, num: int) -> list[Any]:
 
 
 def test_redis_outage_keeps_routing_and_index_resyncs_after_restart(tmp_path: Path) -> None:
-    from loadtest.redis_server import RedisServer
+    from loadtest.harness.redis_server import RedisServer
 
     redis = RedisServer().start()
     procs: list[Any] = []
@@ -340,7 +340,7 @@ def test_redis_outage_keeps_routing_and_index_resyncs_after_restart(tmp_path: Pa
 def test_stream_trimmed_past_the_router_forces_a_resync(tmp_path: Path) -> None:
     import redis as redis_lib
 
-    from loadtest.redis_server import RedisServer
+    from loadtest.harness.redis_server import RedisServer
     from router.shared import contract as c
 
     with RedisServer() as server:

@@ -1,7 +1,7 @@
 """Replicas that fail or hang behind a live fleet: errors count as ill health, never as appeal.
 
 One emulator process (2 replicas), a worker each, real Redis; replica-1 is reached through a
-fault-injecting proxy (``loadtest.fault_proxy``: its ``/health``, ``/metrics`` and
+fault-injecting proxy (``loadtest.harness.fault_proxy``: its ``/health``, ``/metrics`` and
 ``/v1/models`` stay fine, generation requests answer 500 or hang). Each test starts its own
 router on port 0.
 """
@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 
-from loadtest.redis_server import RedisServer
+from loadtest.harness.redis_server import RedisServer
 from tests.helpers import EMULATE, PYTHON, start_process, stop_process, wait_for
 from tests.integration.test_router_fleet import KV_EVENTS, Router, http, read_json_file
 
@@ -36,7 +36,7 @@ class FaultFleet:
             "--ready-file", str(ready)], env={"PYTHONHASHSEED": "0"}))
         reps = wait_for(lambda: read_json_file(ready), 60, message="emulator")["replicas"]
         proxy_ready = tmp / "proxy.json"
-        self.procs.append(start_process([PYTHON, "-m", "loadtest.fault_proxy", "--target",
+        self.procs.append(start_process([PYTHON, "-m", "loadtest.harness.fault_proxy", "--target",
                                          reps[1]["url"], "--ready-file", str(proxy_ready)]))
         self.proxy_url = wait_for(lambda: read_json_file(proxy_ready), 30)["url"]
         self.good_url = reps[0]["url"]

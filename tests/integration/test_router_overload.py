@@ -409,12 +409,12 @@ def pending_connects(port: int) -> int:
 
 
 class NoAcceptProxy:
-    """``loadtest.fault_proxy`` in front of ``replica``, switched through one keep-alive
+    """``loadtest.harness.fault_proxy`` in front of ``replica``, switched through one keep-alive
     connection (the proxy in ``no-accept`` takes no new one)."""
 
     def __init__(self, tmp: Path, replica: FakeReplica) -> None:
         ready = tmp / "proxy.json"
-        self.proc = start_process([PYTHON, "-m", "loadtest.fault_proxy", "--target", replica.url,
+        self.proc = start_process([PYTHON, "-m", "loadtest.harness.fault_proxy", "--target", replica.url,
                                    "--ready-file", str(ready)])
         self.url = wait_for(lambda: read_json_file(ready), 30, message="fault proxy",
                             procs=[self.proc])["url"]

@@ -26,7 +26,7 @@ def _entries_read(router: Router) -> float:
 def test_entries_after_a_short_read_wait_for_the_read_interval(tmp_path: Path) -> None:
     import redis as redis_lib
 
-    from loadtest.redis_server import RedisServer
+    from loadtest.harness.redis_server import RedisServer
 
     with RedisServer() as server:
         client = redis_lib.Redis.from_url(server.url)

@@ -290,7 +290,7 @@ def test_a_text_another_tenant_sent_is_a_miss_in_every_router_cache(replica: One
     """Issue 29 item 3: the chunk-token cache was keyed by text alone, so B's text routed faster
     for A (91 against 462 ms for 120k characters). Now every prompt cache is partitioned by the
     tenant's salt: A's request for B's text misses in each (it is tokenized and hashed anew),
-    B's own repeat hits. Counted, not timed (loadtest/bench_tenant_cache.py times it)."""
+    B's own repeat hits. Counted, not timed (loadtest/bench/tenant_cache.py times it)."""
     assert TOKENIZER is not None
     router = start_router(replica, tmp_path, "--tokenizer", TOKENIZER, "--audit-families", "0")
     try:

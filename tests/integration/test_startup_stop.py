@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from loadtest.harness import output
+from loadtest.harness.processes import output
 from tests.helpers import PYTHON, start_process, stop_process, wait_for
 from tests.integration.test_router_fleet import Router
 

@@ -7,8 +7,13 @@ from pathlib import Path
 
 import pytest
 
-from loadtest.fidelity import FidelityConfig, format_report, run_fidelity, synthetic_workload
-from loadtest.vllm_engine import unavailable_reason
+from loadtest.compare.fidelity import (
+    FidelityConfig,
+    format_report,
+    run_fidelity,
+    synthetic_workload,
+)
+from loadtest.harness.vllm_engine import unavailable_reason
 
 UNAVAILABLE = unavailable_reason()
 # An engine starts in 1-3 minutes on a busy machine and prefills the 40 prompts in about 2 more;

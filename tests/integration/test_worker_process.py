@@ -20,8 +20,8 @@ import pytest
 import redis
 import requests
 
-from loadtest.kv_publisher import KVEventPublisher
-from loadtest.redis_server import RedisServer
+from loadtest.harness.kv_publisher import KVEventPublisher
+from loadtest.harness.redis_server import RedisServer
 from router.shared import contract
 from router.shared.kv_events import (
     AllBlocksCleared,

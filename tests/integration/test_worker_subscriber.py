@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from loadtest.kv_publisher import KVEventPublisher
+from loadtest.harness.kv_publisher import KVEventPublisher
 from router.shared.kv_events import (
     BlockStored,
     KVEventBatch,

@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import json
 from collections import Counter
 from pathlib import Path
 
 import pytest
 
-from router.apis.aliases import Alias, AliasTable, AliasTarget, parse_alias, rewrite_model
+from router.apis.aliases import Alias, AliasTable, AliasTarget, parse_alias
 from router.service.config import load_config
 from router.shared.settings import ConfigError
 
@@ -80,14 +79,6 @@ def test_cards_list_the_aliases_some_target_of_which_is_served() -> None:
         {"model": "base", "weight": 90},
         {"model": "canary", "weight": 10},
     ]
-
-
-def test_rewrite_model_keeps_every_other_field_and_the_original() -> None:
-    data = {"model": "chat", "prompt": "héllo", "max_tokens": 3}
-    body = rewrite_model(data, "base")
-    assert json.loads(body) == {"model": "base", "prompt": "héllo", "max_tokens": 3}
-    assert list(json.loads(body)) == ["model", "prompt", "max_tokens"]
-    assert data["model"] == "chat"
 
 
 def test_aliases_come_from_flags_env_and_yaml_and_bad_ones_name_their_source(

@@ -1,4 +1,4 @@
-"""The demo's choice of replay speed from the machine's headroom (``loadtest.calibrate``): the
+"""The demo's choice of replay speed from the machine's headroom (``loadtest.compare.calibrate``): the
 fastest speed whose projected busy share stays under the target, the slowest when none does,
 and a refusal when even the slowest passes the verdict's limit; the measurement itself reads
 real CPU counters."""
@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from loadtest.calibrate import (
+from loadtest.compare.calibrate import (
     EMULATOR_CPU_S_PER_REQUEST,
     EMULATOR_TARGET_SHARE,
     SPEEDUPS,
@@ -18,7 +18,7 @@ from loadtest.calibrate import (
     measure_headroom,
     projected_busy,
 )
-from loadtest.compare import TRUST_MACHINE_BUSY
+from loadtest.compare.verdict import TRUST_MACHINE_BUSY
 
 # the demo slice: 1,000 requests over 330 trace seconds
 NUM, SPAN_S = 1000, 330.0

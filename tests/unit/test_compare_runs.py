@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from loadtest.compare import PEER_SPECS, resolve_runs
-from loadtest.fleet import OURS, SGLANG, SMG, RouterSpec, peer_available
+from loadtest.compare.runs import PEER_SPECS, resolve_runs
+from loadtest.harness.fleet import OURS, SGLANG, SMG, RouterSpec, peer_available
 
 
 def test_own_policies_and_named_peers_in_order() -> None:

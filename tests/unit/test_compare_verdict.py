@@ -8,20 +8,19 @@ from typing import Any
 
 import pytest
 
-from loadtest.compare import (
+from loadtest.compare.orchestration import aggregate_rounds
+from loadtest.compare.report import format_table, run_notes
+from loadtest.compare.scraping import LagHistogram
+from loadtest.compare.verdict import (
     TRUST_LAG_MAX_S,
     TRUST_LAG_P99_S,
     TRUST_MACHINE_BUSY,
-    LagHistogram,
-    aggregate_rounds,
-    format_table,
     ranking,
-    run_notes,
     untrusted_causes,
     verdict,
     verdict_lines,
 )
-from loadtest.replay import RequestRecord, error_kinds, summarize
+from loadtest.replay.replayer import RequestRecord, error_kinds, summarize
 from worker.emulator.metrics import ReplicaMetrics
 
 

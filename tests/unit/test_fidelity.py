@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from loadtest.fidelity import (
+from loadtest.compare.fidelity import (
     EngineRun,
     FidelityConfig,
     compare,

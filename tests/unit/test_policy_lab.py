@@ -1,12 +1,12 @@
-"""The policy lab (loadtest/policy_lab.py): the emulator's engines on a virtual clock."""
+"""The policy lab (loadtest/lab/policy_lab.py): the emulator's engines on a virtual clock."""
 
 from __future__ import annotations
 
 import pytest
 
 from loadtest.data import packaged_trace_path
-from loadtest.policy_lab import Lab, LabConfig, main, run_policies
-from loadtest.trace import read_trace, schedule_offsets
+from loadtest.lab.policy_lab import Lab, LabConfig, main, run_policies
+from loadtest.replay.trace import read_trace, schedule_offsets
 from router.shared.hashing import BlockHasher
 from router.tools.trace_format import TokenMapper
 from worker.emulator.profiles import LatencyModel

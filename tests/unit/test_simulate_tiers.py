@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from loadtest.simulate import LRUBlockCache, simulate_bounds, simulate_two_tier
+from loadtest.replay.simulate import LRUBlockCache, simulate_bounds, simulate_two_tier
 from router.tools.trace_format import TraceRequest
 
 

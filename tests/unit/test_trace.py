@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from loadtest.data import packaged_arrivals_path, packaged_trace_path
-from loadtest.replay import ReplayConfig, send_offsets
-from loadtest.trace import (
+from loadtest.replay.replayer import ReplayConfig, send_offsets
+from loadtest.replay.trace import (
     arrival_offsets,
     read_arrival_times,
     read_trace,
@@ -169,7 +169,7 @@ def test_packaged_trace_slice_is_consistent() -> None:
 
 
 def test_text_prompts_have_exact_token_counts_and_share_prefixes() -> None:
-    from loadtest.text import TextMapper, default_vocabulary
+    from loadtest.replay.text import TextMapper, default_vocabulary
 
     vocab = default_vocabulary()
     mapper = TextMapper(TokenMapper(), vocab)
@@ -183,7 +183,7 @@ def test_text_prompts_have_exact_token_counts_and_share_prefixes() -> None:
 
 
 def test_simulated_bounds_single_cache_and_round_robin() -> None:
-    from loadtest.simulate import simulate_bounds
+    from loadtest.replay.simulate import simulate_bounds
 
     # two conversations of two turns each; turn 2 extends turn 1's full blocks
     reqs = [_req(0, 0, [0, 1], 1024), _req(1, 0, [0, 2], 1024),
@@ -205,7 +205,7 @@ def test_simulated_bounds_single_cache_and_round_robin() -> None:
 
 
 def test_write_balanced_placement_follows_prefixes_and_balances_new_conversations() -> None:
-    from loadtest.simulate import LRUBlockCache, WriteBalancedPlacement, simulate
+    from loadtest.replay.simulate import LRUBlockCache, WriteBalancedPlacement, simulate
 
     caches = [LRUBlockCache(100) for _ in range(2)]
     place = WriteBalancedPlacement(caches)
@@ -226,7 +226,7 @@ def test_write_balanced_placement_follows_prefixes_and_balances_new_conversation
 
 
 def test_consistent_hash_placement_is_the_router_ring_on_the_first_1024_tokens() -> None:
-    from loadtest.simulate import ConsistentHashPlacement, compare_placements
+    from loadtest.replay.simulate import ConsistentHashPlacement, compare_placements
     from router.decision.ring import HashRing
     from router.shared.hashing import BlockHasher
     from router.tools.trace_format import TokenMapper
@@ -299,7 +299,7 @@ def test_mappers_are_freed_without_the_cyclic_garbage_collector() -> None:
     import gc
     import weakref
 
-    from loadtest.text import TextMapper, default_vocabulary
+    from loadtest.replay.text import TextMapper, default_vocabulary
 
     vocab = default_vocabulary()
     was_enabled = gc.isenabled()

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from loadtest.compare import format_bounds, slice_ttft_floor
-from loadtest.simulate import ttft_floor
+from loadtest.compare.command import slice_ttft_floor
+from loadtest.compare.report import format_bounds
+from loadtest.replay.simulate import ttft_floor
 from router.tools.trace_format import TraceRequest
 from worker.emulator.profiles import LatencyModel
 

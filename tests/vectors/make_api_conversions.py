@@ -20,7 +20,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from loadtest.vllm_engine import hide_unmatched_torch_packages
+from loadtest.harness.vllm_engine import hide_unmatched_torch_packages
 
 hide_unmatched_torch_packages()
 

@@ -1,0 +1,1 @@
+"""Benchmarks, one module each (``python -m loadtest.bench.NAME``), and the request walk."""
