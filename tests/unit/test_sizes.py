@@ -37,7 +37,6 @@ ALLOWED: Final[dict[str, str]] = {
     "router/edges/proxy.py::Proxy": _RELAY,
     "router/edges/proxy.py::Proxy.forward": _RELAY,
     "router/edges/proxy.py::Proxy._attempt": _RELAY,
-    "router/edges/proxy.py::Proxy._relay": _RELAY,
     "worker/emulator/engine.py::EmulatedEngine": _DEMO,
     "worker/emulator/engine.py::EmulatedEngine.__init__": _DEMO,
     "worker/emulator/engine.py::EmulatedEngine._engine_loop": _DEMO,
