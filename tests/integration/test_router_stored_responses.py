@@ -119,6 +119,31 @@ def test_messages_count_tokens_through_the_router(router: Router) -> None:
     assert caught.value.body["error"]["type"] == "not_found_error"
 
 
+def test_stored_response_refused_when_its_replica_is_down(tmp_path: Path) -> None:
+    """The replica holding a response stops: retrieve and cancel are refused as the
+    continuation is (503 while it is not routable, 502 when a send to it fails: here 502, as
+    the lone static replica stays eligible in panic mode and refuses the connection), in the
+    OpenAI shape."""
+    proc, replicas = start_emulator(tmp_path / "emulator.json", ["--time-scale", "20"],
+                                    env={"VLLM_ENABLE_RESPONSES_API_STORE": "1"})
+    router = start_router(replicas[0]["url"], tmp_path)
+    try:
+        created = openai_client(router, "a1").responses.create(
+            model=MODEL, input="Remember 7.", max_output_tokens=2)
+        stop_process(proc)
+        for method, path, body in [
+                ("GET", f"/v1/responses/{created.id}", None),
+                ("POST", f"/v1/responses/{created.id}/cancel", None),
+                ("POST", "/v1/responses", {"model": MODEL, "input": "Which?",
+                                           "previous_response_id": created.id})]:
+            status, _, error = call(router, "a1", method, path, body)
+            assert status in (502, 503), (method, path, status, error)
+            assert error["error"]["code"] == status
+    finally:
+        router.stop()
+        stop_process(proc)
+
+
 class RecordingReplica:
     """An HTTP server on loopback standing where an engine would, recording the JSON body of
     every pooling request it answers (so a test sees what the router sent the engine)."""
