@@ -9,6 +9,13 @@ answer, which is the response's in a JSON body and in a stream's first event,
 ``response.created``) and keeps it in Redis under ``{prefix}:response:{id}`` with a TTL, so
 active-active routers share it, and in a bounded local LRU (all there is without Redis, and the
 fallback while Redis fails: a Redis error never fails a request).
+
+Tenants: the engine's store is one per replica, shared by every client, so the record carries
+the tenant whose request produced the answer (with API keys on; None without) and a lookup by
+another tenant finds nothing: the same 404 as an id never seen, so no tenant can learn that
+another's id exists nor continue, read or cancel it. The Redis value is ``[replica, tenant]``
+(JSON); a plain string (a record written before tenants were kept) is the replica with tenant
+None.
 """
 
 from __future__ import annotations
@@ -18,6 +25,8 @@ import re
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Final
+
+import msgspec
 
 from router.decision.policy import Decision
 from router.request.errors import ModelNotFound, NoRoutableReplica
@@ -31,7 +40,7 @@ logger = logging.getLogger(__name__)
 
 PREVIOUS_RESPONSE_REASON: Final = "previous_response"  # the decision's reason (reason header)
 LOCAL_ENTRIES: Final = 100_000  # response ids kept in the router's own memory
-_ENTRY_BYTES: Final = 200  # an LRU entry: id (~40 chars), replica id, tuple, cache overhead
+_ENTRY_BYTES: Final = 260  # an LRU entry: id (~40 chars), replica id, tenant, tuple, overhead
 _RESPONSE_ID: Final = re.compile(rb'"id"\s*:\s*"([^"\\]{1,256})"')
 
 
@@ -43,12 +52,25 @@ def response_id_from_head(head: bytes) -> str | None:
 
 
 def response_key(prefix: str, response_id: str) -> str:
-    """Redis key of a response's holder: ``{prefix}:response:{id}`` (a string: the replica id)."""
+    """Redis key of a response's holder: ``{prefix}:response:{id}`` (``[replica, tenant]``)."""
     return f"{prefix}:response:{response_id}"
 
 
+def decode_record(value: bytes | str) -> tuple[str, str | None]:
+    """A Redis record -> (replica id, tenant or None): ``[replica, tenant]`` JSON, or a plain
+    replica id (written before records kept the tenant). Raises ``ValueError`` for neither."""
+    raw = value.encode() if isinstance(value, str) else value
+    if not raw.startswith(b"["):
+        return raw.decode(), None
+    try:
+        replica, tenant = msgspec.json.decode(raw, type=tuple[str, str | None])
+    except msgspec.DecodeError as exc:
+        raise ValueError(f"bad response record {raw[:80]!r}") from exc
+    return replica, tenant
+
+
 class ResponseAffinity:
-    """``response id -> replica id``, in Redis with a TTL (when ``client`` builds a redis-py
+    """``response id -> (replica id, tenant)``, in Redis with a TTL (when ``client`` builds a redis-py
     asyncio client) and in a local LRU. Not thread-safe: use on the event loop.
 
     ``remember`` and ``holder`` never raise for Redis failures: they log, count them in
@@ -61,8 +83,8 @@ class ResponseAffinity:
         self._client: Any = None
         self.prefix = prefix
         self.ttl_s = ttl_s
-        # {response id: (replica id, monotonic expiry)}
-        self.local: SizedLRU[tuple[str, float]] = SizedLRU(
+        # {response id: (replica id, tenant or None, monotonic expiry)}
+        self.local: SizedLRU[tuple[str, str | None, float]] = SizedLRU(
             local_entries, local_entries * _ENTRY_BYTES, lambda key, value: _ENTRY_BYTES)
         self.num_redis_errors = 0
 
@@ -71,21 +93,23 @@ class ResponseAffinity:
             self._client = self._make_client()
         return self._client
 
-    async def remember(self, response_id: str, replica_id: str) -> None:
-        """Record that ``replica_id`` holds ``response_id`` for ``ttl_s``."""
-        self.local.put(response_id, (replica_id, time.monotonic() + self.ttl_s))
+    async def remember(self, response_id: str, replica_id: str, tenant: str | None) -> None:
+        """Record that ``replica_id`` holds ``response_id``, ``tenant``'s, for ``ttl_s``."""
+        self.local.put(response_id, (replica_id, tenant, time.monotonic() + self.ttl_s))
         client = self._redis()
         if client is None:
             return
         try:
-            await client.set(response_key(self.prefix, response_id), replica_id,
+            await client.set(response_key(self.prefix, response_id),
+                             msgspec.json.encode([replica_id, tenant]),
                              ex=max(1, round(self.ttl_s)))
         except Exception as exc:  # redis_errors(): the local entry stands
             self._failed("record", exc)
 
-    async def holder(self, response_id: str) -> str | None:
+    async def holder(self, response_id: str, tenant: str | None) -> str | None:
         """The replica holding ``response_id`` (Redis first: another router may have seen the
-        answer), or None when no router remembers it."""
+        answer), or None when no router remembers it or it is not ``tenant``'s (the caller
+        cannot tell these apart)."""
         client = self._redis()
         if client is not None:
             try:
@@ -94,9 +118,14 @@ class ResponseAffinity:
                 self._failed("look up", exc)
             else:
                 if value is not None:
-                    return value.decode() if isinstance(value, bytes) else str(value)
+                    try:
+                        replica, owner = decode_record(value)
+                    except ValueError:
+                        logger.warning("response affinity: unreadable record for %r", response_id)
+                        return None
+                    return replica if owner == tenant else None
         entry = self.local.get(response_id)
-        if entry is None or entry[1] < time.monotonic():
+        if entry is None or entry[2] < time.monotonic() or entry[1] != tenant:
             return None
         return entry[0]
 

@@ -7,7 +7,9 @@ they have no block chain for the index: the router sends each to the least-loade
 replica serving its ``model``, with the same model filter, health, circuit breaker, panic mode
 and retries as completions. (vLLM 0.32 does read the prefix cache for the ``embed``,
 ``classify`` and ``score`` tasks, ``PoolingParams._merge_default_parameters`` skips it only for
-``token_embed`` and ``token_classify``: routing them by prefix is possible, not done here.)
+``token_embed`` and ``token_classify``: routing them by prefix is possible, not done here.
+Since the cache is read, the pooling paths carry the tenant's ``cache_salt`` as generation
+does: vLLM 0.32 ``PoolingBasicRequestMixin.cache_salt``.)
 Paths from vLLM 0.32.0's API routers
 (``vllm/entrypoints/pooling/{embed,pooling,classify,scoring}/api_router.py``,
 ``vllm/entrypoints/serve/tokenize/api_router.py``).
@@ -33,9 +35,21 @@ POOLING_PATHS: Final = {
 }
 TOKENIZER_PATHS: Final = {
     "/tokenize": "tokenize",  # any replica of the model answers: its tokenizer is the model's
+    # Anthropic count_tokens (vLLM 0.32 anthropic/api_router.py): the Messages body rendered
+    # and counted, {"input_tokens": N}; errors in Anthropic's shape (router.apis.error_shapes)
+    "/v1/messages/count_tokens": "count_tokens",
     "/detokenize": "detokenize",
 }
 FORWARDED_PATHS: Final = {**POOLING_PATHS, **TOKENIZER_PATHS}  # {path: kind}
+# the paths whose body takes a cache_salt (vLLM 0.32 PoolingBasicRequestMixin): every pooling
+# path but Cohere's /v2/embed (CohereEmbedRequest has no such field; the engine drops it)
+SALTED_PATHS: Final = frozenset(POOLING_PATHS) - {"/v2/embed"}
+# the stored Responses answers (vLLM 0.32 openai/responses/api_router.py): sent to the replica
+# holding the id, as previous_response_id is (router.apis.affinity)
+STORED_RESPONSE_PATHS: Final = {
+    "/v1/responses/{response_id}": "GET",  # the stored response object (or its stream)
+    "/v1/responses/{response_id}/cancel": "POST",  # cancel a background response
+}
 
 
 def request_model(data: Any) -> str | None:

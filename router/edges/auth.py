@@ -50,7 +50,7 @@ TENANT_KEY: Final = web.RequestKey("tenant", str)
 ADMIN_KEY: Final = web.RequestKey("tenant_is_admin", bool)
 # paths where Anthropic's key header is accepted as the API key (Anthropic's SDK sends no
 # Authorization header)
-X_API_KEY_PATHS: Final = frozenset({"/v1/messages"})
+X_API_KEY_PATHS: Final = frozenset({"/v1/messages", "/v1/messages/count_tokens"})
 X_API_KEY_HEADER: Final = "x-api-key"
 OPEN_PATHS: Final = frozenset({"/health", "/ready"})  # probes of the kubelet: never need a key
 _HASH_RE: Final = re.compile(r"sha256:([0-9a-f]{64})")

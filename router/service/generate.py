@@ -98,7 +98,8 @@ class GenerateHandler:
         spec, continued = parsed.spec, parsed.responses
         try:  # 3. the prompt's chain, the decision (among the replicas with room)
             if continued is not None and continued.previous_response_id is not None:
-                routed = await self.holders.route(continued.previous_response_id, spec)
+                routed = await self.holders.route(continued.previous_response_id, spec,
+                                                  request.get(TENANT_KEY))
             else:
                 routed = await self.router.route(spec, has_room=self.admission.room_check(),
                                                  session_id=request.headers.get(SESSION_HEADER))
@@ -119,7 +120,7 @@ class GenerateHandler:
             status, replica_id = outcome.status, outcome.replica_id
             counted.status, counted.replica_id = status, replica_id
             if continued is not None and continued.store and status == 200:
-                await self.holders.remember(outcome)
+                await self.holders.remember(outcome, request.get(TENANT_KEY))
             if status == 200:
                 self.router.served(routed, replica_id)
             self.learning.observe(spec, routed, dispatch, outcome, arrival,

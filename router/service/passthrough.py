@@ -1,6 +1,8 @@
-"""The pooling, scoring and tokenizer paths (``router.apis.pooling``): forwarded to the
-least-loaded replica serving the request's model, an alias rewritten to its served model
-first. HTTP edge.
+"""The pooling, scoring and tokenizer paths and Anthropic ``count_tokens``
+(``router.apis.pooling``): forwarded to the least-loaded replica serving the request's model, an
+alias rewritten to its served model first, the pooling paths under the tenant's ``cache_salt``;
+and a stored Responses answer's retrieve and cancel, forwarded to the replica holding it. HTTP
+edge.
 """
 
 from __future__ import annotations
@@ -10,51 +12,97 @@ import time
 from aiohttp import web
 
 from router.apis.aliases import AliasTable
-from router.apis.pooling import request_model
+from router.apis.pooling import SALTED_PATHS, request_model
+from router.edges.auth import TENANT_KEY
 from router.edges.http_errors import REQUEST_ID_KEY
 from router.edges.proxy import Forward, Proxy
 from router.observability.metrics import RouterMetrics
+from router.request.body import RequestBody
 from router.request.dispatch import Dispatcher
 from router.request.errors import RouterError
-from router.request.routing import RequestRouter
+from router.request.routing import RequestRouter, Target
 from router.service.request_parse import RequestParser
+from router.service.response_holders import ResponseHolders
+
+STORED_RESPONSE_REASON = "stored_response"  # retrieve / cancel: the holder, nothing chosen
 
 
 class PassthroughHandler:
-    """``handle_passthrough(request)``; ``proxy`` is set when the router starts. Each
-    attempt's load ticket and connect failure go through ``dispatcher.passthrough()``."""
+    """``handle_passthrough(request)`` and ``handle_stored_response(request)``; ``proxy`` is
+    set when the router starts. Each attempt's load ticket and connect failure go through
+    ``dispatcher.passthrough()``."""
 
     def __init__(self, parser: RequestParser, aliases: AliasTable, router: RequestRouter,
-                 dispatcher: Dispatcher, metrics: RouterMetrics) -> None:
+                 dispatcher: Dispatcher, metrics: RouterMetrics,
+                 holders: ResponseHolders) -> None:
         self.parser = parser
         self.aliases = aliases
         self.router = router
         self.dispatcher = dispatcher
         self.metrics = metrics
+        self.holders = holders
         self.proxy: Proxy | None = None
 
     async def handle_passthrough(self, request: web.Request) -> web.StreamResponse:
         """Forward the request to the least-loaded replica serving its model; counted in
-        ``router_requests_total``. Raises ``BadRequest`` for a body that is not JSON."""
+        ``router_requests_total``. Raises ``BadRequest`` for a body that is not JSON (or a
+        client's own ``cache_salt`` on a pooling path under the ``reject`` policy)."""
         arrival = time.perf_counter()
         body = await self.parser.read(request)
         model = request_model(body.data())
+        self._salt(request, body)
         target = self.aliases.resolve(model) if model is not None else None
         if target is not None:
             body.set("model", target)
             model = target
         decision, targets = self.router.least_loaded(model)
+        return await self._forward(request, request.path, body.encoded(), targets,
+                                   decision.replica_id, decision.reason, arrival)
+
+    def _salt(self, request: web.Request, body: RequestBody) -> None:
+        """A pooling request's ``cache_salt`` set to its tenant's (API keys on), by the
+        generate path's rules (``TenantAuth.check_client_salt``): vLLM 0.32 reads the prefix
+        cache for pooling too, so an unsalted request would share blocks across tenants."""
+        auth = self.parser.auth
+        if auth is None or request.path not in SALTED_PATHS:
+            return
+        salt = auth.request_salt(request)
+        if salt is not None:
+            auth.check_client_salt(body.data().get("cache_salt"))
+            body.set("cache_salt", salt)
+
+    async def handle_stored_response(self, request: web.Request) -> web.StreamResponse:
+        """``GET /v1/responses/{id}`` and ``POST /v1/responses/{id}/cancel``: to the replica
+        holding the tenant's response. Raises ``ResponseNotFound`` (404: unknown, another
+        tenant's, or its replica left the fleet), ``NoRoutableReplica`` (503)."""
+        arrival = time.perf_counter()
+        resource = request.match_info.route.resource
+        # the route's template, not the path: one series, not one per response id
+        endpoint = resource.canonical if resource is not None else request.path
+        try:
+            body = (await self.parser.read(request)).raw if request.method == "POST" else b""
+            target = await self.holders.target(request.match_info["response_id"],
+                                               request.get(TENANT_KEY))
+        except RouterError as exc:
+            self.metrics.requests.labels("", "none", endpoint, str(exc.status)).inc()
+            raise
+        return await self._forward(request, request.path_qs, body, [target], target.replica_id,
+                                   STORED_RESPONSE_REASON, arrival, endpoint)
+
+    async def _forward(self, request: web.Request, path: str, body: bytes,
+                       targets: list[Target], replica_id: str, reason: str, arrival: float,
+                       endpoint: str | None = None) -> web.StreamResponse:
         assert self.proxy is not None
         status = 500
         try:
             response, outcome = await self.proxy.forward(Forward(
-                request, request.path, body.encoded(), targets, decision.reason,
-                request[REQUEST_ID_KEY], arrival, self.dispatcher.passthrough()))
+                request, path, body, targets, reason, request[REQUEST_ID_KEY], arrival,
+                self.dispatcher.passthrough()))
             status = outcome.status
             return response
         except RouterError as exc:
             status = exc.status
             raise
         finally:
-            self.metrics.requests.labels(decision.replica_id, decision.reason, request.path,
+            self.metrics.requests.labels(replica_id, reason, endpoint or request.path,
                                          str(status)).inc()

@@ -1,5 +1,6 @@
-"""``/v1/responses`` continuing a stored response (``previous_response_id``): routed to the
-replica holding it, and each stored answer's holder remembered (``router.apis.affinity``: this
+"""``/v1/responses`` continuing a stored response (``previous_response_id``), and
+``GET /v1/responses/{id}`` / ``POST /v1/responses/{id}/cancel``: routed to the replica holding
+it, and each stored answer's holder remembered with its tenant (``router.apis.affinity``: this
 process's memory and Redis, shared by the routers). Redis I/O through the affinity store.
 """
 
@@ -11,7 +12,7 @@ from router.apis.affinity import ResponseAffinity, holder_target, response_id_fr
 from router.decision.fleet import Fleet
 from router.edges.proxy import ProxyOutcome
 from router.request.prompts import PromptSpec
-from router.request.routing import Routed
+from router.request.routing import Routed, Target
 
 
 class ResponseHolders:
@@ -21,19 +22,27 @@ class ResponseHolders:
         self.fleet = fleet
         self.affinity = affinity
 
-    async def route(self, response_id: str, spec: PromptSpec) -> Routed:
-        """A Responses request continuing ``response_id``: to the replica holding it, its
-        prompt unhashed (its prefix is the stored conversation, which only the engine has).
-        Raises ``ResponseNotFound`` (404), ``NoRoutableReplica`` (503)."""
-        holder = await self.affinity.holder(response_id)
+    async def route(self, response_id: str, spec: PromptSpec, tenant: str | None) -> Routed:
+        """``tenant``'s Responses request continuing ``response_id``: to the replica holding
+        it, its prompt unhashed (its prefix is the stored conversation, which only the engine
+        has). Raises ``ResponseNotFound`` (404; also for another tenant's id),
+        ``NoRoutableReplica`` (503)."""
+        holder = await self.affinity.holder(response_id, tenant)
         decision, targets, lora = holder_target(self.fleet, response_id, holder, spec.model,
                                                 time.monotonic())
         return Routed(decision, max(1, len(spec.fallback_text()) // 4), [], targets,
                       tokenized=False, lora=lora)
 
-    async def remember(self, outcome: ProxyOutcome) -> None:
-        """Record which replica answered a stored Responses request (its id from the answer's
-        head)."""
+    async def target(self, response_id: str, tenant: str | None) -> Target:
+        """The replica holding ``tenant``'s ``response_id`` (retrieve, cancel), with the errors
+        of ``route``."""
+        holder = await self.affinity.holder(response_id, tenant)
+        _, targets, _ = holder_target(self.fleet, response_id, holder, None, time.monotonic())
+        return targets[0]
+
+    async def remember(self, outcome: ProxyOutcome, tenant: str | None) -> None:
+        """Record which replica answered ``tenant``'s stored Responses request (its id from the
+        answer's head)."""
         response_id = response_id_from_head(outcome.head)
         if response_id is not None:
-            await self.affinity.remember(response_id, outcome.replica_id)
+            await self.affinity.remember(response_id, outcome.replica_id, tenant)

@@ -28,7 +28,7 @@ from aiohttp import web
 
 from router.apis.affinity import ResponseAffinity
 from router.apis.aliases import AliasTable
-from router.apis.pooling import FORWARDED_PATHS
+from router.apis.pooling import FORWARDED_PATHS, STORED_RESPONSE_PATHS
 from router.decision.fleet import Fleet
 from router.decision.load import LoadTracker
 from router.decision.ttft import PrefillRateLearner
@@ -177,11 +177,12 @@ class RouterService:
         # /v1/responses previous_response_id: which replica holds which stored response
         self.affinity = ResponseAffinity(self._affinity_redis if config.redis_url else None,
                                          config.redis_prefix, config.response_affinity_ttl_s)
+        holders = ResponseHolders(self.fleet, self.affinity)
         self.generate = GenerateHandler(
-            self.parser, self.admission, self.router, ResponseHolders(self.fleet, self.affinity),
+            self.parser, self.admission, self.router, holders,
             self.dispatcher, self.learning, self.fleet, self.metrics)
         self.passthrough = PassthroughHandler(self.parser, self.aliases, self.router,
-                                              self.dispatcher, self.metrics)
+                                              self.dispatcher, self.metrics, holders)
         self.status = StatusHandlers(
             config, self.fleet, self.tracker, self.router, self.learner, self.aliases,
             self.parser, self.admission, self.warm_up, self.metrics, self._update_inflight,
@@ -205,6 +206,8 @@ class RouterService:
             app.router.add_post(path, functools.partial(generate, kind))
         for path in FORWARDED_PATHS:  # pooling, scoring, tokenizer: least loaded
             app.router.add_post(path, self.passthrough.handle_passthrough)
+        for path, method in STORED_RESPONSE_PATHS.items():  # to the response's holder
+            app.router.add_route(method, path, self.passthrough.handle_stored_response)
         status = self.status
         app.router.add_get("/v1/models", status.handle_models)
         app.router.add_get("/health", status.handle_health)

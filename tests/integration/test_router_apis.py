@@ -180,6 +180,13 @@ def test_previous_response_id_refused_when_unknown_or_its_replica_gone(
         "model": MODEL, "input": "x", "previous_response_id": "resp_gone"})
     assert status == 404
     assert "replica-that-left" in json.loads(body)["error"]["message"]
+    # retrieve and cancel read the same record, with the same refusals
+    for method, path in [("GET", "/v1/responses/resp_gone"),
+                         ("POST", "/v1/responses/resp_gone/cancel"),
+                         ("GET", "/v1/responses/resp_never_seen")]:
+        status, _, body = http(method, router.url + path)
+        assert status == 404, (method, path)
+        assert json.loads(body)["error"]["code"] == 404
 
 
 @pytest.mark.parametrize(("body", "word"), [

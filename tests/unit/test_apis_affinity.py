@@ -12,6 +12,7 @@ from router.apis.affinity import (
     PREVIOUS_RESPONSE_REASON,
     ResponseAffinity,
     ResponseNotFound,
+    decode_record,
     holder_target,
     response_id_from_head,
 )
@@ -33,13 +34,33 @@ def test_local_memory_remembers_until_the_ttl() -> None:
     affinity = ResponseAffinity(None, "pr", ttl_s=0.2)
 
     async def run() -> tuple[str | None, str | None, str | None]:
-        await affinity.remember("resp_1", "r1")
-        first = await affinity.holder("resp_1")
-        unknown = await affinity.holder("resp_2")
+        await affinity.remember("resp_1", "r1", None)
+        first = await affinity.holder("resp_1", None)
+        unknown = await affinity.holder("resp_2", None)
         await asyncio.sleep(0.3)
-        return first, unknown, await affinity.holder("resp_1")
+        return first, unknown, await affinity.holder("resp_1", None)
 
     assert asyncio.run(run()) == ("r1", None, None)
+
+
+def test_another_tenants_response_is_not_found() -> None:
+    """A record is its tenant's: another tenant (or a request without one) finds nothing, as
+    for an id never seen."""
+    affinity = ResponseAffinity(None, "pr", ttl_s=60)
+
+    async def run() -> list[str | None]:
+        await affinity.remember("resp_a", "r1", "tenant-a")
+        return [await affinity.holder("resp_a", who) for who in ("tenant-a", "tenant-b", None)]
+
+    assert asyncio.run(run()) == ["r1", None, None]
+
+
+def test_redis_records_with_and_without_a_tenant() -> None:
+    assert decode_record(b'["r1","tenant-a"]') == ("r1", "tenant-a")
+    assert decode_record(b'["r1",null]') == ("r1", None)
+    assert decode_record(b"replica-0") == ("replica-0", None)  # written before tenants were kept
+    with pytest.raises(ValueError):
+        decode_record(b'["r1"]')
 
 
 def test_a_continuation_goes_to_its_holder_only() -> None:

@@ -1,7 +1,8 @@
 """The Responses (``/v1/responses``) and Anthropic Messages (``/v1/messages``) handlers of an
 emulated replica: vLLM 0.33's conversions to chat (shared with the router, ``router.shared``),
-one generated sequence answered in each API's shape, and the Responses store that
-``previous_response_id`` reads. Does I/O (aiohttp).
+one generated sequence answered in each API's shape, the Responses store that
+``previous_response_id``, retrieve and cancel read, and Messages ``count_tokens``. Does I/O
+(aiohttp).
 """
 
 from __future__ import annotations
@@ -44,16 +45,21 @@ class ApiRoutes:
         self.generation = generation
         self.prompts = prompts
         self.store_responses = os.environ.get(RESPONSES_STORE_ENV) == "1"
-        # {response id: (its chat messages, its output text)}, oldest first
-        self.responses: dict[str, tuple[list[dict[str, Any]], str]] = {}
+        # {response id: (its chat messages, its output text, the response object)}, oldest first
+        self.responses: dict[str, tuple[list[dict[str, Any]], str, dict[str, Any]]] = {}
+
+    def _stored(self, response_id: str) -> tuple[list[dict[str, Any]], str, dict[str, Any]]:
+        """A stored response; vLLM ``_make_not_found_error`` (404) if unknown."""
+        stored = self.responses.get(response_id)
+        if stored is None:
+            raise ApiError(404, f"Response with id '{response_id}' not found.",
+                           "invalid_request_error", "response_id")
+        return stored
 
     def _with_history(self, data: dict[str, Any], messages: list[dict[str, Any]],
                       previous: str) -> list[dict[str, Any]]:
         """vLLM ``construct_input_messages`` with the stored turn ``previous``: 404 if unknown."""
-        stored = self.responses.get(previous)
-        if stored is None:
-            raise ApiError(404, f"Response with id '{previous}' not found.",
-                           "invalid_request_error", "response_id")
+        stored = self._stored(previous)
         history = [m for m in stored[0] if m.get("role") != "system"]
         history.append({"role": "assistant", "content": stored[1]})
         new = input_messages(data)
@@ -81,15 +87,27 @@ class ApiRoutes:
         response, text = await self.generation.answer_api(request, prompt, params, lora,
                                                           answer.answer.id, answer)
         if self.store_responses and data.get("store") is not False:
-            self.responses[answer.answer.id] = (messages, text)
+            self.responses[answer.answer.id] = (
+                messages, text, answer.answer.response("completed", answer.usage))
             while len(self.responses) > MAX_STORED_RESPONSES:
                 del self.responses[next(iter(self.responses))]
         return response
 
-    async def handle_messages(self, request: web.Request) -> web.StreamResponse:
-        """vLLM's ``/v1/messages`` (Anthropic Messages) for text answers."""
-        data = await read_body(request)
-        model, lora = resolve_model(self.config, self.engine.lora_paths, data)
+    async def handle_retrieve_response(self, request: web.Request) -> web.Response:
+        """vLLM ``GET /v1/responses/{id}``: the stored response object (404 if unknown; the
+        emulator answers every response synchronously, so it has no background stream)."""
+        return web.json_response(self._stored(request.match_info["response_id"])[2])
+
+    async def handle_cancel_response(self, request: web.Request) -> web.Response:
+        """vLLM ``POST /v1/responses/{id}/cancel``: 404 if unknown; only a queued or running
+        (background) response can be cancelled, and every stored one here has finished, so
+        vLLM's 400 (``OpenAIServingResponses.cancel_responses``)."""
+        self._stored(request.match_info["response_id"])
+        raise ApiError(400, "Cannot cancel a synchronous response.", "invalid_request_error",
+                       "response_id")
+
+    async def _messages_prompt(self, data: dict[str, Any]) -> list[int]:
+        """A Messages body's prompt token ids, as vLLM renders it."""
         merge_inline_system = await self.prompts.merge_inline_system()
         try:
             chat = messages_to_chat(check_messages_body(data),
@@ -99,8 +117,24 @@ class ApiRoutes:
         options = {k: v for k, v in chat.items() if k != "messages"}
         if "tools" in options:
             options["tool_dicts"] = options.pop("tools")
+        return await self.prompts.api_prompt(chat["messages"], options)
+
+    async def handle_count_tokens(self, request: web.Request) -> web.Response:
+        """vLLM ``/v1/messages/count_tokens``: the rendered prompt's length, ``{"input_tokens":
+        N, "context_management": {"original_input_tokens": N}}`` (``AnthropicServingMessages.
+        count_tokens``; its request has no ``max_tokens``)."""
+        data = await read_body(request)
+        resolve_model(self.config, self.engine.lora_paths, data)
+        num_tokens = len(await self._messages_prompt({**data, "max_tokens": 1}))
+        return web.json_response({"input_tokens": num_tokens, "context_management": {
+            "original_input_tokens": num_tokens}})
+
+    async def handle_messages(self, request: web.Request) -> web.StreamResponse:
+        """vLLM's ``/v1/messages`` (Anthropic Messages) for text answers."""
+        data = await read_body(request)
+        model, lora = resolve_model(self.config, self.engine.lora_paths, data)
+        prompt = await self._messages_prompt(data)
         params = api_params(data, "max_tokens")
-        prompt = await self.prompts.api_prompt(chat["messages"], options)
         answer = MessagesOut(MessagesAnswer(model), self.config.enable_prompt_tokens_details)
         response, _ = await self.generation.answer_api(request, prompt, params, lora,
                                                        answer.answer.id, answer)

@@ -77,9 +77,11 @@ class ResponsesOut:
 
     def __init__(self, answer: ResponsesAnswer) -> None:
         self.answer = answer
+        self.usage: dict[str, Any] | None = None  # the finished answer's (the stored response's)
 
     def _usage(self, seq: Sequence_, prompt_len: int) -> dict[str, Any]:
-        return responses_usage(prompt_len, seq.num_output, cached_tokens(seq))
+        self.usage = responses_usage(prompt_len, seq.num_output, cached_tokens(seq))
+        return self.usage
 
     def whole(self, text: str, seq: Sequence_, prompt_len: int) -> dict[str, Any]:
         return self.answer.body(text, self._usage(seq, prompt_len))

@@ -114,6 +114,9 @@ class ReplicaServer:
         r.add_post("/v1/chat/completions", self.handle_chat)
         r.add_post("/v1/responses", self.apis.handle_responses)
         r.add_post("/v1/messages", self.apis.handle_messages)
+        r.add_get("/v1/responses/{response_id}", self.apis.handle_retrieve_response)
+        r.add_post("/v1/responses/{response_id}/cancel", self.apis.handle_cancel_response)
+        r.add_post("/v1/messages/count_tokens", self.apis.handle_count_tokens)
         r.add_post("/v1/completions/render", self.tokens.handle_completions_render)
         r.add_post("/v1/chat/completions/render", self.tokens.handle_chat_render)
         r.add_get("/v1/models", self.handle_models)
@@ -204,7 +207,7 @@ async def _error_middleware(request: web.Request, handler: Handler) -> web.Strea
         return await handler(request)
     except ApiError as exc:
         body = exc.body()
-        if request.path == "/v1/messages":  # vLLM translate_error_response: Anthropic's shape
+        if request.path.startswith("/v1/messages"):  # vLLM translate_error_response: Anthropic's
             body = {"type": "error", "error": {"type": exc.err_type, "message": exc.message}}
         return web.Response(status=exc.status, body=_json_encode(body),
                             content_type="application/json")
