@@ -563,24 +563,30 @@ class Proxy:
         except (TimeoutError, aiohttp.ClientError, UpstreamClientError) as exc:
             if not reading:  # the client's side failed (aiohttp raises a ClientError subclass)
                 raise
-            kind = "stream_idle_timeout" if isinstance(exc, TimeoutError) else "stream_broken"
-            self.metrics.upstream_errors.labels(rid, kind).inc()
-            outcome.status = 504 if kind == "stream_idle_timeout" else 502
-            logger.warning("upstream %s failed mid-response: %s", rid, kind)
-            if is_sse:
-                message = (f"replica {rid} stream failed: {kind}")
-                error_type = "BadGatewayError" if outcome.status == 502 else "GatewayTimeoutError"
-                event = SSE_ERROR_EVENTS.get(path)  # the API's own error event (router.apis)
-                await response.write(event(message, error_type, outcome.status) if event else
-                                     b"data: " + error_body(message, error_type, outcome.status)
-                                     + b"\n\n")
-                await response.write_eof()
-            else:
-                response.force_close()
+            await self._stream_failed(isinstance(exc, TimeoutError), response, rid, outcome,
+                                      path, is_sse)
             return
         finally:
             if is_sse:
                 outcome.tail = joined_tail(chunks)
+        await response.write_eof()
+
+    async def _stream_failed(self, idle: bool, response: web.StreamResponse, rid: str,
+                             outcome: ProxyOutcome, path: str, is_sse: bool) -> None:
+        """The replica's stream broke (or went ``idle`` past the timeout) after the client got
+        bytes: counted, and an SSE answer ends with the API's error event, another is cut."""
+        kind = "stream_idle_timeout" if idle else "stream_broken"
+        self.metrics.upstream_errors.labels(rid, kind).inc()
+        outcome.status = 504 if idle else 502
+        logger.warning("upstream %s failed mid-response: %s", rid, kind)
+        if not is_sse:
+            response.force_close()
+            return
+        message = f"replica {rid} stream failed: {kind}"
+        error_type = "BadGatewayError" if outcome.status == 502 else "GatewayTimeoutError"
+        event = SSE_ERROR_EVENTS.get(path)  # the API's own error event (router.apis)
+        await response.write(event(message, error_type, outcome.status) if event else
+                             b"data: " + error_body(message, error_type, outcome.status) + b"\n\n")
         await response.write_eof()
 
 

@@ -1,6 +1,7 @@
 """The proxy's httptools upstream client (``router.edges.upstream_pool``) against real servers on
 127.0.0.1, port 0: an aiohttp server for well-formed answers, raw asyncio servers for the
-malformed and the broken ones. The router's own tests run it end to end with
+malformed and the broken ones; and a router process with either client in front of a replica
+whose stream breaks. The router's other tests run it end to end with
 ``ROUTER_UPSTREAM_CLIENT=httptools`` (docs/router.md)."""
 
 from __future__ import annotations
@@ -8,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
 
 import pytest
 from aiohttp import web
@@ -21,6 +23,9 @@ from router.edges.upstream_pool import (
     UpstreamPayloadError,
     UpstreamPool,
 )
+from router.service.config import UPSTREAM_CLIENTS
+from tests.helpers import FAKE_REPLICA_TAIL
+from tests.integration.test_router_fleet import Router, scripted_replica
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(60)]
 
@@ -178,3 +183,38 @@ async def test_refused_and_broken_answers_name_their_cause() -> None:
     assert conn.closed
     srv.close()
     pool.close()
+
+
+BROKEN_SSE_SERVER = """
+import asyncio, json, sys
+from aiohttp import web
+async def completions(request):
+    await request.read()
+    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+    await resp.prepare(request)
+    for i in range(2):
+        await resp.write(b'data: {"i": %d}\\n\\n' % i)
+    await asyncio.sleep(0.2)
+    request.transport.close()  # the engine dies mid-stream: the chunked body never ends
+    await asyncio.sleep(1)
+    return resp""" + FAKE_REPLICA_TAIL
+
+
+@pytest.mark.parametrize("client", UPSTREAM_CLIENTS)
+def test_a_stream_broken_mid_body_ends_with_an_sse_error(client: str, tmp_path: Path) -> None:
+    """Either upstream client: a replica's connection lost in the middle of a chunked SSE body
+    ends the client's stream with the events relayed so far and a 502 error event, counted as
+    ``stream_broken``."""
+    with scripted_replica(tmp_path, BROKEN_SSE_SERVER) as url:
+        router = Router(tmp_path, ["--replica", url], env={"ROUTER_UPSTREAM_CLIENT": client})
+        try:
+            status, _, body = router.post("/v1/completions",
+                                          {"model": "fixed", "prompt": [1], "stream": True})
+            assert status == 200
+            *events, error = body.split(b"\n\n")[:3]
+            assert events == [b'data: {"i": %d}' % i for i in range(2)]
+            payload = json.loads(error.removeprefix(b"data: "))["error"]
+            assert payload["code"] == 502 and "stream_broken" in payload["message"]
+            assert 'router_upstream_errors_total{kind="stream_broken",replica=' in router.metrics()
+        finally:
+            router.stop()
