@@ -46,6 +46,7 @@ from multidict import CIMultiDict, CIMultiDictProxy
 from router.apis.error_shapes import SSE_ERROR_EVENTS, UPSTREAM_ERROR_BODIES
 from router.decision.health import HUNG, MISSED, ReplicaHealth
 from router.edges.auth import TENANT_KEY, X_API_KEY_HEADER
+from router.edges.upstream_pool import PooledResponse, UpstreamClientError, UpstreamPool
 from router.observability.loop_lag import LoopLag
 from router.observability.metrics import RouterMetrics
 from router.observability.tracing import Tracing
@@ -213,12 +214,16 @@ class _Retryable(Exception):
 
 
 class Proxy:
-    """Forwards requests to replicas over one pooled ``aiohttp.ClientSession``."""
+    """Forwards requests to replicas over one pooled ``aiohttp.ClientSession``, or over
+    ``pool`` (``router.edges.upstream_pool``, ``upstream_client: httptools``) for the replicas
+    it serves (plain HTTP)."""
 
     def __init__(self, session: aiohttp.ClientSession, config: RouterConfig,
                  metrics: RouterMetrics, health: ReplicaHealth,
-                 tracing: Tracing | None = None, loop_lag: LoopLag | None = None) -> None:
+                 tracing: Tracing | None = None, loop_lag: LoopLag | None = None,
+                 pool: UpstreamPool | None = None) -> None:
         self.session = session
+        self.pool = pool
         self.loop_lag = loop_lag
         self.config = config
         self.metrics = metrics
@@ -414,19 +419,26 @@ class Proxy:
         relays a 502/503/504 answer instead of retrying."""
         cfg = self.config
         timeout = self._timeout
-        upstream: aiohttp.ClientResponse | None = None
+        upstream: aiohttp.ClientResponse | PooledResponse | None = None
         first_byte = asyncio.timeout(cfg.first_byte_timeout_s)
+        pool = self.pool
         try:
             try:
                 async with first_byte:
                     self._waiting[token] = (target.replica_id, first_byte)
-                    upstream = await self.session.request(
-                        request.method, f"{target.url}{path}", data=body or None,
-                        headers=target_headers(headers, target), timeout=timeout, auto_decompress=False,
-                        allow_redirects=False)
+                    if pool is not None and pool.handles(target.url):
+                        upstream = await pool.request(request.method, target.url, path, body,
+                                                      target_headers(headers, target))
+                    else:
+                        upstream = await self.session.request(
+                            request.method, f"{target.url}{path}", data=body or None,
+                            headers=target_headers(headers, target), timeout=timeout,
+                            auto_decompress=False, allow_redirects=False)
                     if retry_status and upstream.status in RETRY_STATUSES:
                         raise _Retryable(f"http_{upstream.status}")
                     first = await upstream.content.readany()
+            except UpstreamClientError as exc:  # the httptools pool's, named by their cause
+                raise _Retryable(exc.cause, same_replica=exc.cause == "disconnected") from exc
             except aiohttp.ClientConnectorError as exc:
                 # refused (nothing listens: the replica is down) apart from the other connect
                 # errors (unreachable host, DNS), which a busy network can cause
@@ -505,7 +517,7 @@ class Proxy:
                 else:
                     upstream.close()  # drop the connection so the engine aborts the request
 
-    async def _relay(self, upstream: aiohttp.ClientResponse, response: web.StreamResponse,
+    async def _relay(self, upstream: aiohttp.ClientResponse | PooledResponse, response: web.StreamResponse,
                      target: Target, outcome: ProxyOutcome, path: str = "",
                      first: bytes = b"") -> None:
         """Relay the rest of the body (after ``first``) chunk by chunk, doing little per chunk:
@@ -548,35 +560,34 @@ class Proxy:
                         progress(rid, now)
                         next_progress = now + PROGRESS_SAMPLE_S
                     await write(chunk)
-        except (TimeoutError, aiohttp.ClientError) as exc:
+        except (TimeoutError, aiohttp.ClientError, UpstreamClientError) as exc:
             if not reading:  # the client's side failed (aiohttp raises a ClientError subclass)
                 raise
-            await self._relay_failed(exc, response, rid, outcome, path, is_sse)
+            await self._stream_failed(isinstance(exc, TimeoutError), response, rid, outcome,
+                                      path, is_sse)
             return
         finally:
             if is_sse:
                 outcome.tail = joined_tail(chunks)
         await response.write_eof()
 
-    async def _relay_failed(self, exc: Exception, response: web.StreamResponse, rid: str,
-                            outcome: ProxyOutcome, path: str, is_sse: bool) -> None:
-        """The replica's side failed mid-response (idle timeout or a broken stream): count it,
-        set ``outcome.status`` (504 / 502), and end an SSE answer with the API's own error event,
-        or close a whole-body answer's connection (its status line is already sent)."""
-        kind = "stream_idle_timeout" if isinstance(exc, TimeoutError) else "stream_broken"
+    async def _stream_failed(self, idle: bool, response: web.StreamResponse, rid: str,
+                             outcome: ProxyOutcome, path: str, is_sse: bool) -> None:
+        """The replica's stream broke (or went ``idle`` past the timeout) after the client got
+        bytes: counted, and an SSE answer ends with the API's error event, another is cut."""
+        kind = "stream_idle_timeout" if idle else "stream_broken"
         self.metrics.upstream_errors.labels(rid, kind).inc()
-        outcome.status = 504 if kind == "stream_idle_timeout" else 502
+        outcome.status = 504 if idle else 502
         logger.warning("upstream %s failed mid-response: %s", rid, kind)
-        if is_sse:
-            message = (f"replica {rid} stream failed: {kind}")
-            error_type = "BadGatewayError" if outcome.status == 502 else "GatewayTimeoutError"
-            event = SSE_ERROR_EVENTS.get(path)  # the API's own error event (router.apis)
-            await response.write(event(message, error_type, outcome.status) if event else
-                                 b"data: " + error_body(message, error_type, outcome.status)
-                                 + b"\n\n")
-            await response.write_eof()
-        else:
+        if not is_sse:
             response.force_close()
+            return
+        message = f"replica {rid} stream failed: {kind}"
+        error_type = "BadGatewayError" if outcome.status == 502 else "GatewayTimeoutError"
+        event = SSE_ERROR_EVENTS.get(path)  # the API's own error event (router.apis)
+        await response.write(event(message, error_type, outcome.status) if event else
+                             b"data: " + error_body(message, error_type, outcome.status) + b"\n\n")
+        await response.write_eof()
 
 
 class _IdleWatch:

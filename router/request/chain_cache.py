@@ -268,7 +268,8 @@ class ChainCache:
     def id_chain(self, tokens: Sequence[int], lora: tuple[str, str] | None,
                  cache_salt: str | None, max_uncached_blocks: int | None = None,
                  held: Callable[[int], bool] | None = None,
-                 lazy_min_blocks: int = LAZY_MIN_UNCACHED_BLOCKS) -> PromptChain | None:
+                 lazy_min_blocks: int = LAZY_MIN_UNCACHED_BLOCKS,
+                 pieces: list[Hashable] | None = None) -> PromptChain | None:
         """Block-key chain of a token-id prompt (the token-id counterpart of
         ``PromptTokenizer.text_chain``; vLLM uses given token ids as they are).
 
@@ -277,8 +278,10 @@ class ChainCache:
         loop. Lazy mode (``held`` given, more than ``lazy_min_blocks`` new blocks): hashing
         stops at the first piece holding an un-held key (``chain``; ``complete=False``); with
         ``max_uncached_blocks`` it gives up after that many blocks' pieces, keeping them cached.
+        ``pieces``: ``id_pieces(tokens)`` computed before (a lazy chain's rest reuses them).
         """
-        pieces = self.id_pieces(tokens)
+        if pieces is None:
+            pieces = self.id_pieces(tokens)
         root = self.root(lora, cache_salt)
         path = self.walk(root, pieces)
         done = path[-1].num_tokens if path else 0

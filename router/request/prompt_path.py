@@ -20,7 +20,7 @@ overload.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Final
 
@@ -32,6 +32,7 @@ LAZY_HASHING: Final = True
 PENDING_TAIL_WAIT_S: Final = 1.0
 MAX_QUEUED_RESTS: Final = 4
 INLINE_HASH_BLOCKS: Final = 64  # uncached blocks hashed on the event loop before a thread hop
+MAX_KEPT_PIECES: Final = 256  # lazy token-id chains whose piece keys wait for their rest
 INLINE_TOKENIZE_CHARS: Final = 2048  # uncached characters tokenized on the loop before a thread hop
 # (both cost less than the hop: docs/benchmarks.md, "Figures from the code's comments")
 
@@ -57,6 +58,9 @@ class PromptChainer:
         # {last key of a lazily hashed chain: done when the rest of that chain is recorded}
         self.pending_tails: dict[int, asyncio.Future[None]] = {}
         self.queued_rests = 0  # rests of lazy chains submitted and not yet recorded
+        # {id(token ids): (those ids, their piece keys)} of lazy token-id chains, until their
+        # rest is hashed: cutting and digesting 8k ids costs about 0.1 ms, once per request
+        self._rest_pieces: dict[int, tuple[list[int], list[Hashable]]] = {}
 
     def tokenizes(self, spec: PromptSpec) -> bool:
         """True if ``spec`` gets a block chain (token ids, or text with a tokenizer)."""
@@ -75,13 +79,17 @@ class PromptChainer:
         lazy = follow and self.queued_rests < MAX_QUEUED_RESTS
         loop = asyncio.get_running_loop()
         give_up = loop.time() + PENDING_TAIL_WAIT_S
+        ids = spec.token_ids
+        pieces = self.chains.id_pieces(ids) if ids is not None else None
         while True:
             path = "inline"
-            prompt = self._compute(spec, lora, inline=True, lazy=lazy)
+            prompt = self._compute(spec, lora, inline=True, lazy=lazy, pieces=pieces)
             if prompt is None:
                 path = "thread"
                 prompt = await loop.run_in_executor(self.executor, self._whole_or_lazy,
-                                                    spec, lora, lazy)
+                                                    spec, lora, lazy, pieces)
+            if ids is not None and pieces is not None and not prompt.complete:
+                self._keep_pieces(ids, pieces)
             pending = self.pending_tails
             if not follow or not pending or pending.keys().isdisjoint(prompt.keys):
                 return prompt, path
@@ -112,9 +120,15 @@ class PromptChainer:
                     del self.pending_tails[boundary]
                 recorded.set_result(None)
 
+        pieces = None
+        if spec.token_ids is not None:
+            kept = self._rest_pieces.pop(id(spec.token_ids), None)
+            if kept is not None and kept[0] is spec.token_ids:
+                pieces = kept[1]
         self.queued_rests += 1
         try:
-            future = loop.run_in_executor(self.rest_executor, self._whole_or_lazy, spec, lora, False)
+            future = loop.run_in_executor(self.rest_executor, self._whole_or_lazy, spec, lora,
+                                          False, pieces)
         except RuntimeError:  # the executor is shut down: the router is stopping
             future = loop.create_future()
             future.cancel()
@@ -126,20 +140,31 @@ class PromptChainer:
         self.executor.shutdown(wait=wait, cancel_futures=not wait)
         self.rest_executor.shutdown(wait=wait, cancel_futures=not wait)
 
-    def _compute(self, spec: PromptSpec, lora: Lora, inline: bool, lazy: bool) -> PromptChain | None:
+    def _keep_pieces(self, ids: list[int], pieces: list[Hashable]) -> None:
+        """Keep a lazy chain's piece keys for its rest (``hash_rest``); a chain never sent
+        leaves its entry until ``MAX_KEPT_PIECES`` newer ones push it out."""
+        kept = self._rest_pieces
+        if len(kept) >= MAX_KEPT_PIECES:
+            del kept[next(iter(kept))]
+        kept[id(ids)] = (ids, pieces)
+
+    def _compute(self, spec: PromptSpec, lora: Lora, inline: bool, lazy: bool,
+                 pieces: list[Hashable] | None = None) -> PromptChain | None:
         """The chain through the chain cache; ``inline`` (on the event loop): ``None`` instead
         of hashing more than ``INLINE_HASH_BLOCKS`` or tokenizing more than
-        ``INLINE_TOKENIZE_CHARS``; ``lazy``: only up to the first un-held piece."""
+        ``INLINE_TOKENIZE_CHARS``; ``lazy``: only up to the first un-held piece; ``pieces``: a
+        token-id prompt's ``ChainCache.id_pieces``, when known."""
         held = self._holds_key if lazy else None
         if spec.token_ids is not None:
             return self.chains.id_chain(spec.token_ids, lora, spec.cache_salt,
                                         INLINE_HASH_BLOCKS if inline else None, held,
-                                        lazy_min_blocks=INLINE_HASH_BLOCKS)
+                                        lazy_min_blocks=INLINE_HASH_BLOCKS, pieces=pieces)
         assert self.tokenizer is not None
         return self.tokenizer.prompt_chain(spec, self.chains, lora,
                                            INLINE_TOKENIZE_CHARS if inline else None, held)
 
-    def _whole_or_lazy(self, spec: PromptSpec, lora: Lora, lazy: bool) -> PromptChain:
-        chain = self._compute(spec, lora, inline=False, lazy=lazy)
+    def _whole_or_lazy(self, spec: PromptSpec, lora: Lora, lazy: bool,
+                       pieces: list[Hashable] | None = None) -> PromptChain:
+        chain = self._compute(spec, lora, inline=False, lazy=lazy, pieces=pieces)
         assert chain is not None  # only the inline limit gives up
         return chain

@@ -121,10 +121,16 @@ DEFAULT_CHAT_TEMPLATE_MAX_BYTES: Final = 4 * 1024 * 1024  # and its rendered tex
 DEFAULT_RESPONSE_AFFINITY_TTL_S: Final = 86_400.0
 
 
+# the proxy's client to replicas: aiohttp's ClientSession, or the httptools pool for http://
+# replicas (router/edges/upstream_pool.py; docs/benchmarks.md, router CPU per request)
+UPSTREAM_CLIENTS: Final = ("aiohttp", "httptools")
+
+
 # RouterConfig's checks, by kind: {setting: allowed values}, {setting: least value}, settings > 0
 _ONE_OF: Final = {"log_format": LOG_FORMATS, "policy": POLICIES, "hash_algo": HASH_ALGOS,
                   "log_level": LOG_LEVELS, "client_cache_salt": ("override", "reject"),
-                  "debug_access": ("admin", "tenant"), "metrics_access": ("open", "admin")}
+                  "debug_access": ("admin", "tenant"), "metrics_access": ("open", "admin"),
+                  "upstream_client": UPSTREAM_CLIENTS}
 _AT_LEAST: Final = {
     "block_size": 1, "index_stride": 1, "load_factor": 1.0, "vnodes": 1, "max_body_bytes": 1024,
     "replica_kv_blocks": 1, "health_failures": 1, "circuit_failures": 1,
@@ -192,6 +198,7 @@ class RouterConfig:
     connect_timeout_s: float = DEFAULT_CONNECT_TIMEOUT_S
     first_byte_timeout_s: float = DEFAULT_FIRST_BYTE_TIMEOUT_S
     stream_idle_timeout_s: float = DEFAULT_STREAM_IDLE_TIMEOUT_S
+    upstream_client: str = "aiohttp"  # aiohttp | httptools (the pool, http:// replicas)
     tokenizer_threads: int = DEFAULT_TOKENIZER_THREADS
     token_cache_chunks: int = DEFAULT_TOKEN_CACHE_CHUNKS
     prompt_cache_mib: int = DEFAULT_PROMPT_CACHE_MIB
@@ -426,6 +433,8 @@ _HELP: Final = {
                           "worth, summed over the requests sharing a replica's steps (0: off)",
     "speculative_ttl_s": "seconds this router's own placements count as hits",
     "max_body_bytes": "request body limit (413 beyond)",
+    "upstream_client": "the proxy's client to replicas: aiohttp (ClientSession) | httptools "
+                       "(a small pooled client, http:// replicas; https:// stay on aiohttp)",
     "prompt_cache_mib": "memory bound of the prompt caches (MiB, estimated): 3/4 block-key "
                         "chains, 1/8 chunk tokens, 1/8 rendered chats; 0 turns them off",
     "tokenizer": "tokenizer dir or hub id; without it text prompts are routed by hashing the text",

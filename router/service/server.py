@@ -14,11 +14,12 @@ import asyncio
 import contextlib
 import functools
 import gc
+import itertools
 import logging
+import os
 import re
 import signal
 import sys
-import uuid
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -42,6 +43,7 @@ from router.edges.client_connections import (
 from router.edges.fleet_sync import FleetReader, StaticProber, read_fleet_cache
 from router.edges.http_errors import REQUEST_ID_KEY, body_limit_middleware, error_middleware
 from router.edges.proxy import Proxy
+from router.edges.upstream_pool import UpstreamPool
 from router.observability.audit import PrefixAudit
 from router.observability.loop_lag import LoopLag
 from router.observability.metrics import RouterMetrics
@@ -80,6 +82,10 @@ GC_GEN0_THRESHOLD = 20_000  # allocations between young-generation collections (
 
 # a client's X-Request-Id is kept only if short and plain (letters, digits, ._:/+=-), else replaced
 _REQUEST_ID_OK = re.compile(r"[A-Za-z0-9._:/+=-]{1,128}")
+# a fresh id is 32 hex digits, as uuid4().hex was: 64 random bits per process and a counter
+# (unique across routers without uuid4's 16 random bytes per request)
+_REQUEST_ID_PREFIX = os.urandom(8).hex()
+_REQUEST_NUMBERS = itertools.count()
 CLIENT_LINGER_S = 1.0  # unread request body drained after the answer, at most (aiohttp: 10 s)
 # an idle pooled upstream connection is closed after this: below uvicorn's 5 s keep-alive (vLLM's
 # server closes idle connections then, and a reuse racing that close fails), and a burst of
@@ -123,6 +129,7 @@ class RouterService:
         self.prober: StaticProber | None = None
         self.session: aiohttp.ClientSession | None = None
         self.proxy: Proxy | None = None
+        self.pool: UpstreamPool | None = None  # the proxy's httptools client, when chosen
         self._tasks: list[asyncio.Task[None]] = []
 
     def _wire_request_path(self, config: RouterConfig, tokenizer: PromptTokenizer | None) -> None:
@@ -240,8 +247,11 @@ class RouterService:
         # load balancer in front of a replica) would ride along on every later request there
         self.session = aiohttp.ClientSession(connector=connector, auto_decompress=False,
                                              cookie_jar=aiohttp.DummyCookieJar())
+        if self.config.upstream_client == "httptools":
+            self.pool = UpstreamPool(self.config.connect_timeout_s, UPSTREAM_IDLE_S)
+            logger.info("upstream client: httptools pool for http:// replicas")
         self.proxy = Proxy(self.session, self.config, self.metrics, self.fleet.health,
-                           self.tracing, self.loop_lag)
+                           self.tracing, self.loop_lag, self.pool)
         self.generate.proxy = self.passthrough.proxy = self.background.proxy = self.proxy
         self._start(self.loop_lag.run())
         self._start(CircuitProber(self.fleet, self.session, self.config, self.metrics,
@@ -290,6 +300,8 @@ class RouterService:
                 await task
         if self.session is not None:
             await self.session.close()
+        if self.pool is not None:
+            self.pool.close()
         self.chainer.shutdown()
         self.audit_queue.shutdown()
         self.render_executor.shutdown(wait=False, cancel_futures=True)
@@ -320,7 +332,7 @@ class RouterService:
 async def _request_id_middleware(request: web.Request, handler: Any) -> web.StreamResponse:
     request_id = request.headers.get(REQUEST_ID_HEADER, "")
     if not _REQUEST_ID_OK.fullmatch(request_id):  # reflected and logged: bounded and plain
-        request_id = uuid.uuid4().hex
+        request_id = f"{_REQUEST_ID_PREFIX}{next(_REQUEST_NUMBERS):016x}"
     request[REQUEST_ID_KEY] = request_id
     REQUEST_ID.set(request_id)  # for every log line while serving it (the handler's own task)
     response = await handler(request)
