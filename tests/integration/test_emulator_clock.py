@@ -120,7 +120,13 @@ async def _newcomer_ttfts(url: str) -> list[float]:
         background = asyncio.create_task(decode())
         ttfts = []
         try:
-            await asyncio.sleep(0.2)  # it is decoding in bursts now
+            # it is decoding in bursts once its own first token is counted (a fixed sleep was
+            # too short on a busy machine: its first token then landed in a newcomer's count)
+            for _ in range(1200):  # up to 60 s
+                if (await _ttft_sums(session, url))[1] >= 1:
+                    break
+                await asyncio.sleep(0.05)
+            await asyncio.sleep(0.2)
             for i in range(NEWCOMERS):
                 before = await _ttft_sums(session, url)
                 body = {"prompt": _prompt(i, 16), "max_tokens": 1}

@@ -85,9 +85,10 @@ def burst_then_idle(router: Router) -> None:
     finally:
         done.set()
         sampler.join()
-    # after the burst and the idle trim the freed heap is back with the OS
+    # after the burst and the idle trim the freed heap is back with the OS (the bound is generous:
+    # a busy machine delays the last requests and the trim, not the outcome)
     wait_for(lambda: rss_bytes(router.proc.pid) < before + (CACHE_MIB << 20) + (64 << 20),
-             IDLE_TRIM_S + 15, message="router RSS back near its start after the burst")
+             IDLE_TRIM_S + 120, message="router RSS back near its start after the burst")
     print(f"RSS before {before >> 20} MiB, peak {peak >> 20} MiB, "
           f"after {rss_bytes(router.proc.pid) >> 20} MiB; caches {prompt_cache_bytes(router):.0f} B")
     assert peak > before + (128 << 20)  # the burst did grow the heap: the check above means it
