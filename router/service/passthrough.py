@@ -22,7 +22,8 @@ from router.service.request_parse import RequestParser
 
 class PassthroughHandler:
     """``handle_passthrough(request)``; ``proxy`` is set when the router starts. Each
-    attempt's load ticket and connect failure go through ``dispatcher.passthrough()``."""
+    attempt's load ticket, first-byte deadline and connect failure go through
+    ``dispatcher.passthrough()``; an answer's time teaches the deadline of the next."""
 
     def __init__(self, parser: RequestParser, aliases: AliasTable, router: RequestRouter,
                  dispatcher: Dispatcher, metrics: RouterMetrics) -> None:
@@ -46,11 +47,14 @@ class PassthroughHandler:
         decision, targets = self.router.least_loaded(model)
         assert self.proxy is not None
         status = 500
+        dispatch = self.dispatcher.passthrough()
         try:
             response, outcome = await self.proxy.forward(Forward(
                 request, request.path, body.encoded(), targets, decision.reason,
-                request[REQUEST_ID_KEY], arrival, self.dispatcher.passthrough()))
+                request[REQUEST_ID_KEY], arrival, dispatch))
             status = outcome.status
+            if status == 200 and outcome.first_byte_s is not None:  # its first-byte deadline
+                dispatch.observe_answer(outcome.replica_id, arrival + outcome.first_byte_s)
             return response
         except RouterError as exc:
             status = exc.status
