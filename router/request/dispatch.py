@@ -28,7 +28,6 @@ prefers the fewest recent writes) even against the replica that then served it.
 from __future__ import annotations
 
 import asyncio
-import math
 import time
 from collections import deque
 from collections.abc import Callable
@@ -131,11 +130,19 @@ class Dispatcher:
         self.prefill_s_per_token: dict[str, float] = {}
         # seconds recent non-streamed answers took beyond their predicted TTFT (generation)
         self.generation_s: deque[float] = deque(maxlen=ANSWER_WINDOW)
+        # seconds recent pooling, scoring and tokenizer answers took from their send
+        self.passthrough_s: deque[float] = deque(maxlen=ANSWER_WINDOW)
 
     def generation_allowance_s(self) -> float:
         """Seconds a non-streamed answer may take beyond its TTFT: the longest generation of the
         last ``ANSWER_WINDOW`` non-streamed answers (0 before any)."""
         return max(self.generation_s, default=0.0)
+
+    def passthrough_allowance_s(self) -> float:
+        """Seconds a pooling, scoring or tokenizer answer should take (its first byte is the whole
+        answer): the longest of the last ``ANSWER_WINDOW`` such answers (0 before any: the
+        first-byte deadline is then its floor). No prediction: the router does not tokenize them."""
+        return max(self.passthrough_s, default=0.0)
 
     def begin(self, routed: Routed, spec: PromptSpec) -> Dispatch:
         return Dispatch(self, routed, spec)
@@ -154,23 +161,33 @@ class Dispatcher:
 
 class PassthroughDispatch:
     """The per-attempt record of a pooling, scoring or tokenizer request
-    (``router.edges.proxy.ProxyDispatch``): a load ticket of no prefill, no first-byte deadline,
-    nothing placed."""
+    (``router.edges.proxy.ProxyDispatch``): a load ticket of no prefill, nothing placed, and the
+    first-byte deadline of a non-streamed answer: the expected time is
+    ``Dispatcher.passthrough_allowance_s`` (a hung replica's request moves before its first
+    byte, and the miss counts against it, as generate's do)."""
 
-    __slots__ = ("_d",)
+    __slots__ = ("_d", "_sent_at")
 
     def __init__(self, dispatcher: Dispatcher) -> None:
         self._d = dispatcher
+        self._sent_at: dict[str, float] = {}  # {replica_id: perf_counter at the send}
 
     def start_ticket(self, replica_id: str) -> GaugedTicket:
         d = self._d
         return GaugedTicket(d.tracker.dispatch(replica_id, 0), d.on_load_change)
 
     def expected_first_byte_s(self, replica_id: str) -> float:
-        return math.inf
+        return self._d.passthrough_allowance_s()
 
     def sent(self, replica_id: str) -> None:
-        return None
+        self._sent_at[replica_id] = time.perf_counter()
+
+    def observe_answer(self, replica_id: str, answered_at: float) -> None:
+        """``replica_id`` answered (``answered_at``: ``time.perf_counter`` of its first byte): the
+        time since the send is a sample of ``Dispatcher.passthrough_allowance_s``."""
+        sent_at = self._sent_at.get(replica_id)
+        if sent_at is not None:
+            self._d.passthrough_s.append(max(answered_at - sent_at, 0.0))
 
     def connect_failed(self, replica_id: str) -> None:
         self._d.fleet.mark_failed(replica_id, time.monotonic())

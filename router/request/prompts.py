@@ -16,7 +16,8 @@ Rules copied from vLLM 0.33:
   with ``add_special_tokens=False`` (vLLM's chat default); text content parts
   are joined with newlines; ``developer`` becomes ``system`` when the template
   does not know that role; assistant tool-call ``arguments`` strings are parsed
-  to objects (vLLM ``_postprocess_messages``);
+  to objects (vLLM ``_postprocess_messages``); ``chat_template_kwargs`` "tools" and
+  "tokenize" are that call's own arguments (``router.shared.chat_messages.template_call``);
 * ``cache_salt`` goes into block 0 and the LoRA (name, path) into every block
   of the hash chain (done by the caller through ``router.shared.hashing``).
 
@@ -55,7 +56,7 @@ from router.apis.images import image_marker
 from router.request.chain_cache import ChainCache, PromptChain
 from router.request.errors import BadRequest
 from router.request.lru import SizedLRU
-from router.shared.chat_messages import normalise_tool, prepare_messages, template_kwargs
+from router.shared.chat_messages import normalise_tool, prepare_messages, template_call
 
 logger = logging.getLogger(__name__)
 
@@ -254,9 +255,9 @@ def parse_prompt(kind: str, body: Any) -> PromptSpec:
         tools = body.get("tools")
         if not isinstance(kwargs, dict):
             raise PromptError("'chat_template_kwargs' must be an object")
-        reserved = {"chat_template", "tokenize"} & kwargs.keys()  # vLLM resolve_chat_template_kwargs
-        if reserved:
-            raise PromptError(f"Found unexpected chat template kwargs from request: {reserved}")
+        if "chat_template" in kwargs:  # vLLM: refused unless --trust-request-chat-template
+            raise PromptError("Found unexpected chat template kwargs from request: "
+                              "{'chat_template'}")
         if tools is not None and not isinstance(tools, list):
             raise PromptError("'tools' must be a list")
         add_special = body.get("add_special_tokens", False)
@@ -272,6 +273,8 @@ def parse_prompt(kind: str, body: Any) -> PromptSpec:
                    "continue_final_message": continue_final, "chat_template_kwargs": kwargs,
                    "chat_template": body.get("chat_template"), "reasoning_effort": effort,
                    "documents": documents}
+        if template_call(options, tools)[1]:  # vLLM takes the template's own ids as they are
+            add_special = False
         return PromptSpec("chat", messages=messages, add_special_tokens=add_special,
                           chat_options=options, **common)
     raise ValueError(f"unknown prompt kind {kind!r}")
@@ -559,13 +562,15 @@ class PromptTokenizer:
         else:
             normalise = True
         messages = prepare_messages(spec.messages or [], template, image_marker=image_marker)
+        tools, _, kwargs = template_call(options, (
+            [normalise_tool(t) for t in tools] if normalise else tools) if tools else None)
         try:
             rendered = self.hf.apply_chat_template(
                 messages,
-                tools=([normalise_tool(t) for t in tools] if normalise else tools) if tools else None,
+                tools=tools,
                 chat_template=options.get("chat_template"),
-                tokenize=False,
-                **template_kwargs(options),
+                tokenize=False,  # a "tokenize" kwarg: encoded without special tokens (parse)
+                **kwargs,
             )
         except Exception as exc:  # jinja errors, template raise_exception(...)
             raise PromptError(f"chat template error: {exc}") from exc

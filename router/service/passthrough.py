@@ -29,8 +29,9 @@ STORED_RESPONSE_REASON = "stored_response"  # retrieve / cancel: the holder, not
 
 class PassthroughHandler:
     """``handle_passthrough(request)`` and ``handle_stored_response(request)``; ``proxy`` is
-    set when the router starts. Each attempt's load ticket and connect failure go through
-    ``dispatcher.passthrough()``."""
+    set when the router starts. Each attempt's load ticket, first-byte deadline and connect
+    failure go through ``dispatcher.passthrough()``; an answer's time teaches the deadline of
+    the next."""
 
     def __init__(self, parser: RequestParser, aliases: AliasTable, router: RequestRouter,
                  dispatcher: Dispatcher, metrics: RouterMetrics,
@@ -94,11 +95,14 @@ class PassthroughHandler:
                        endpoint: str | None = None) -> web.StreamResponse:
         assert self.proxy is not None
         status = 500
+        dispatch = self.dispatcher.passthrough()
         try:
             response, outcome = await self.proxy.forward(Forward(
                 request, path, body, targets, reason, request[REQUEST_ID_KEY], arrival,
-                self.dispatcher.passthrough()))
+                dispatch))
             status = outcome.status
+            if status == 200 and outcome.first_byte_s is not None:  # its first-byte deadline
+                dispatch.observe_answer(outcome.replica_id, arrival + outcome.first_byte_s)
             return response
         except RouterError as exc:
             status = exc.status

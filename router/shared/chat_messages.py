@@ -162,3 +162,18 @@ def template_kwargs(options: dict[str, Any]) -> dict[str, Any]:
     if explicit["reasoning_effort"] is not None and "enable_thinking" not in user:
         explicit["enable_thinking"] = explicit["reasoning_effort"] != "none"
     return user | {k: v for k, v in explicit.items() if v is not None and v != "auto"}
+
+
+def template_call(options: dict[str, Any],
+                  tools: list[Any] | None) -> tuple[list[Any] | None, bool, dict[str, Any]]:
+    """``(tools, tokenize, kwargs)`` of the chat template call for a chat request's
+    ``chat_options`` and its ``tools`` (as vLLM hands them over), as vLLM 0.32 makes it
+    (``OnlineRenderer.preprocess_chat``): ``template_kwargs`` over the defaults
+    ``{"tools": tools, "tokenize": False}`` (``ChatParams.with_defaults``: ``merge_kwargs`` drops
+    the request's None and "auto" values), all passed as ``safe_apply_chat_template(**kwargs)``,
+    whose own ``tools`` and ``tokenize`` parameters take those two keys. So a
+    ``chat_template_kwargs`` "tools" replaces the request's ``tools`` (as given), and a true
+    "tokenize" has the template's text tokenized there, without special tokens."""
+    merged: dict[str, Any] = {"tools": tools, "tokenize": False} | {
+        k: v for k, v in template_kwargs(options).items() if v is not None and v != "auto"}
+    return merged.pop("tools"), bool(merged.pop("tokenize")), merged

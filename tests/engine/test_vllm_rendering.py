@@ -126,6 +126,18 @@ CHAT_BODIES: dict[str, dict[str, Any]] = {
         "messages": [{"role": "user", "content": "The kwarg wins."}]},
     "documents-and-task": {"documents": [{"title": "t", "text": "doc"}], "messages": [
         {"role": "user", "content": "Use the document.", "task": "qa"}]},
+    # issue 35 review F4: vLLM 0.32 passes the kwargs as safe_apply_chat_template(**kwargs),
+    # whose own "tools" and "tokenize" parameters take these (the router refused both with 400)
+    "kwargs-tools": {"chat_template_kwargs": {"tools": [WEATHER_TOOL]}, "messages": [
+        {"role": "user", "content": "Weather in Zürich?"}]},
+    "kwargs-tools-over-request-tools": {"tools": [SEARCH_TOOL],
+                                        "chat_template_kwargs": {"tools": [WEATHER_TOOL]},
+                                        "messages": [{"role": "user", "content": "Which tool?"}]},
+    "kwargs-tokenize": {"chat_template_kwargs": {"tokenize": True}, "messages": [
+        {"role": "user", "content": "Tokenized by the template."}]},
+    "kwargs-tokenize-and-add-special-tokens": {
+        "add_special_tokens": True, "chat_template_kwargs": {"tokenize": True},
+        "messages": [{"role": "user", "content": "The template's ids as they are."}]},
     "unused-template-kwarg": {"chat_template_kwargs": {"not_a_template_var": 1,
                                                        "enable_thinking": True},
                               "messages": [{"role": "user", "content": "Kwargs."}]},

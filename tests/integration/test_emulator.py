@@ -260,6 +260,25 @@ def test_text_and_chat_prompts_use_the_tokenizer(start_emulator: Any) -> None:
     assert status == 200 and detok["prompt"] == "Hello world, hello world"
 
 
+def test_chat_template_kwargs_tools_and_tokenize_render_as_vllm(start_emulator: Any) -> None:
+    """Issue 35 review F4: vLLM 0.32 serves ``chat_template_kwargs`` "tools" (they replace the
+    request's ``tools``) and "tokenize" (the template's own ids); both were a 400 here."""
+    url = start_emulator("--time-scale", "100").url
+    tool = {"type": "function", "function": {"name": "get_weather", "parameters": {}}}
+    other = {"type": "function", "function": {"name": "search", "parameters": {}}}
+    messages = [{"role": "user", "content": "Weather?"}]
+
+    def ids(body: dict[str, Any]) -> list[int]:
+        status, render = post(url + "/v1/chat/completions/render", {"messages": messages, **body})
+        assert status == 200, render
+        return list(render["token_ids"])
+
+    with_tools = ids({"tools": [tool]})
+    assert ids({"chat_template_kwargs": {"tools": [tool]}}) == with_tools
+    assert ids({"tools": [other], "chat_template_kwargs": {"tools": [tool]}}) == with_tools
+    assert ids({"chat_template_kwargs": {"tokenize": True}}) == ids({})
+
+
 async def _metrics(session: aiohttp.ClientSession, url: str) -> str:
     async with session.get(url + "/metrics") as resp:
         return await resp.text()

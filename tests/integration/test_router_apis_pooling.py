@@ -10,6 +10,8 @@ canary split holds its weights over 1,000 requests.
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 from collections import Counter
 from collections.abc import Iterator
@@ -207,5 +209,34 @@ def test_a_dead_replica_is_skipped(fleet: StaticFleet, tmp_path: Path) -> None:
             message="the dead replica out of rotation",
         )
     finally:
+        router.stop()
+        stop_process(proc)
+
+
+def test_a_hung_replica_does_not_hold_pooling_requests(fleet: StaticFleet, tmp_path: Path) -> None:
+    """Issue 35 review F2: an embeddings request sent to a replica that accepts connections and
+    never answers (its emulator stopped by SIGSTOP) waited until the client gave up, although a
+    non-streamed chat there moves at its first-byte deadline. Default deadline settings: every
+    request is answered by the live replica (the one sent to the hung replica moved before its
+    first byte), and the miss counts against the hung replica."""
+    proc, replicas = start_emulator(tmp_path / "hung.json", ["--time-scale", "20"])
+    router = Router(tmp_path, ["--replica", fleet.urls[0], "--replica", replicas[0]["url"]])
+    hung = replicas[0]["url"].removeprefix("http://")
+    try:
+        wait_for(lambda: sum(r["routable"] for r in router.ready()["replicas"]) == 2, 60,
+                 message="both replicas routable")
+        os.kill(proc.pid, signal.SIGSTOP)
+        served = []
+        for i in range(4):  # ties go in turn: one of the first two is sent to the hung replica
+            status, headers, raw = router.post("/v1/embeddings",
+                                               {"model": BASE_MODEL, "input": f"x {i}"}, timeout=60)
+            assert status == 200, (i, status, raw[:300])
+            served.append(headers[REPLICA_HEADER])
+        assert served == [fleet.replica_id(0)] * 4, served
+        metrics = router.metrics()
+        assert any(f'router_upstream_errors_total{{kind="{kind}",replica="{hung}"}}' in metrics
+                   for kind in ("hung", "first_byte_deadline")), metrics
+    finally:
+        os.kill(proc.pid, signal.SIGCONT)
         router.stop()
         stop_process(proc)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import random
 import threading
+import time
 
 import pytest
 
@@ -86,3 +87,21 @@ def test_a_refused_request_withdraws_its_writes_and_a_lazy_rest_is_hashed_once()
     finally:
         gate.set()
         service.chainer.shutdown(wait=True)
+
+
+def test_a_passthrough_request_has_the_deadline_of_its_recent_answers() -> None:
+    """Issue 35 review F2: a pooling, scoring or tokenizer attempt expects its first byte within
+    the longest of the recent such answers (none yet: 0 s, so its first-byte deadline is the
+    floor), never ``math.inf`` (no deadline: a hung replica held it until the client left)."""
+    service = service_with_replicas(2)
+    rid = next(iter(service.fleet.replicas))
+    first = service.dispatcher.passthrough()
+    first.start_ticket(rid).finish()
+    assert first.expected_first_byte_s(rid) == 0.0
+    first.sent(rid)
+    first.observe_answer(rid, time.perf_counter() + 2.5)  # answered 2.5 s after the send
+    second = service.dispatcher.passthrough()
+    assert second.expected_first_byte_s(rid) == pytest.approx(2.5, abs=0.5)
+    second.observe_answer(rid, time.perf_counter())  # never sent there: no sample
+    assert service.dispatcher.passthrough_allowance_s() == pytest.approx(2.5, abs=0.5)
+    service.chainer.shutdown(wait=True)

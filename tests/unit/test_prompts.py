@@ -19,7 +19,7 @@ from router.request.prompts import (
     parse_token_ids_completion,
     text_chunks,
 )
-from router.shared.chat_messages import prepare_messages, template_kwargs
+from router.shared.chat_messages import prepare_messages, template_call, template_kwargs
 from router.shared.hashing import BlockHasher
 
 TOKENIZER_DIR = default_tokenizer_dir()
@@ -225,7 +225,8 @@ def test_completion_forms(tok: PromptTokenizer) -> None:
     ("chat", {"messages": [{"role": "user", "content": "x"}], "continue_final_message": True,
               "add_generation_prompt": True}, "both"),
     ("chat", {"messages": [{"role": "user", "content": "x"}],
-              "chat_template_kwargs": {"tokenize": True}}, "unexpected chat template kwargs"),
+              "chat_template_kwargs": {"chat_template": "{{ x }}"}},
+     "unexpected chat template kwargs"),
 ])
 def test_parse_errors(kind: str, body: object, message: str) -> None:
     with pytest.raises(PromptError, match=message):
@@ -405,3 +406,46 @@ def test_kwargs_naming_a_request_field_render_instead_of_failing(tok: PromptToke
         parse_prompt("chat", body))
     thinking_off = tok.render_chat(parse_prompt("chat", {**body, "reasoning_effort": "none"}))
     assert thinking_off.endswith("<think>\n\n</think>\n\n")
+
+
+def test_tools_and_tokenize_kwargs_resolve_as_vllm_passes_them() -> None:
+    """Issue 35 review F4. vLLM 0.32 ``OnlineRenderer.preprocess_chat``: the defaults
+    ``{"tools": request tools, "tokenize": False}`` under the request's kwargs (None and "auto"
+    dropped), all passed as ``safe_apply_chat_template(**kwargs)``: "tools" and "tokenize" are
+    its own parameters, not template variables (the router refused both with 400)."""
+    tool = {"type": "function", "function": {"name": "f"}}
+    other = {"type": "function", "function": {"name": "g"}}
+    base = {"add_generation_prompt": True, "continue_final_message": False}
+
+    def call(body: dict[str, object], tools: list[object] | None = None) -> object:
+        spec = parse_prompt("chat", {"messages": [{"role": "user", "content": "u"}], **body})
+        return template_call(spec.chat_options or {}, tools)
+
+    assert call({}) == (None, False, base)
+    assert call({}, [other]) == ([other], False, base)
+    assert call({"chat_template_kwargs": {"tools": [tool], "k": 1}}, [other]) == (
+        [tool], False, {**base, "k": 1})
+    assert call({"chat_template_kwargs": {"tools": None, "k": None, "m": "auto"}}, [other]) == (
+        [other], False, base)
+    assert call({"chat_template_kwargs": {"tokenize": True}}) == (None, True, base)
+    # the template's ids are taken as they are: no special tokens added to them
+    spec = parse_prompt("chat", {"messages": [{"role": "user", "content": "u"}],
+                                 "add_special_tokens": True,
+                                 "chat_template_kwargs": {"tokenize": True}})
+    assert spec.add_special_tokens is False
+
+
+@needs_tokenizer
+def test_tools_in_the_kwargs_render_as_the_tools(tok: PromptTokenizer) -> None:
+    """``chat_template_kwargs: {"tools": [...]}`` renders the tools (it failed with "got
+    multiple values for keyword argument 'tools'") and replaces the request's ``tools``."""
+    tool = {"type": "function", "function": {"name": "get_weather", "parameters": {}}}
+    other = {"type": "function", "function": {"name": "search", "parameters": {}}}
+    body = {"messages": [{"role": "user", "content": "u"}]}
+    text = tok.render_chat(parse_prompt("chat", {**body, "chat_template_kwargs": {"tools": [tool]}}))
+    assert "get_weather" in text
+    both = tok.render_chat(parse_prompt("chat", {**body, "tools": [other],
+                                                 "chat_template_kwargs": {"tools": [tool]}}))
+    assert "get_weather" in both and "search" not in both
+    tokenized = parse_prompt("chat", {**body, "chat_template_kwargs": {"tokenize": True}})
+    assert tok.render_chat(tokenized) == tok.render_chat(parse_prompt("chat", body))

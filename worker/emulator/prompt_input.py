@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from router.shared.chat_messages import template_kwargs
+from router.shared.chat_messages import template_call, template_kwargs
 from router.shared.messages_chat import merges_inline_system
 from worker.emulator.config import EmulatorConfig
 from worker.emulator.http_checks import (
@@ -109,16 +109,19 @@ class PromptInput:
         kwargs = data.get("chat_template_kwargs") or {}
         if not isinstance(kwargs, dict):
             raise bad_request("chat_template_kwargs must be an object", "chat_template_kwargs")
-        reserved = {"chat_template", "tokenize"} & kwargs.keys()  # vLLM resolve_chat_template_kwargs
-        if reserved:
-            raise bad_request(f"Found unexpected chat template kwargs from request: {reserved}",
-                              "chat_template_kwargs")
+        if "chat_template" in kwargs:  # vLLM: refused unless --trust-request-chat-template
+            raise bad_request("Found unexpected chat template kwargs from request: "
+                              "{'chat_template'}", "chat_template_kwargs")
+        # "tools" and "tokenize" are the template call's own arguments (vLLM 0.32)
+        tools, tokenize, kwargs = template_call({"chat_template_kwargs": kwargs}, data.get("tools"))
+        for field in ("add_generation_prompt", "continue_final_message"):  # the request's win
+            kwargs.pop(field)
         try:
             ids = await self.tokenizer.apply_chat_template(
                 messages, add_generation_prompt=bool(add_generation_prompt),
-                continue_final_message=bool(continue_final), tools=data.get("tools"),
+                continue_final_message=bool(continue_final), tools=tools,
                 chat_template_kwargs=kwargs,
-                add_special_tokens=bool(data.get("add_special_tokens", False)))
+                add_special_tokens=bool(data.get("add_special_tokens", False)) and not tokenize)
         except TokenizerError as exc:
             raise bad_request(str(exc), "messages") from exc
         if not ids:
