@@ -125,16 +125,29 @@ def load_config(argv: Sequence[str], env: Mapping[str, str] | None = None) -> Wo
     return SETTINGS.build(argv, env, make)
 
 
+_RANK_HINT: Final = " (a data-parallel rank goes in --data-parallel-size, not the URL)"
+
+
+def _check_engine_urls(config: WorkerConfig) -> None:
+    """Raises ``ConfigError`` for an engine or advertised URL that is not an engine's base
+    URL: not http(s), or with a query or fragment (API paths are appended to it)."""
+    for name in ("engine_url", "advertise_url"):
+        value = getattr(config, name)
+        if value and urlsplit(value).scheme not in ("http", "https"):
+            raise ConfigError(f"{name} must be an http(s) URL, got {value!r}", name)
+        for mark, part, hint in (("?", "query", ""), ("#", "fragment", _RANK_HINT)):
+            if mark in value:
+                raise ConfigError(f"{name} {value!r} must not have a {part} ('{mark}...'): "
+                                  f"give the engine's base URL{hint}", name)
+
+
 def _validate(config: WorkerConfig) -> None:
     """Raises ``ConfigError`` naming the bad setting (``Settings.build`` adds its source)."""
     try:
         check_configured_replica_id(config.replica_id)
     except ValueError as exc:
         raise ConfigError(str(exc), "replica_id") from exc
-    for name in ("engine_url", "advertise_url"):
-        value = getattr(config, name)
-        if value and urlsplit(value).scheme not in ("http", "https"):
-            raise ConfigError(f"{name} must be an http(s) URL, got {value!r}", name)
+    _check_engine_urls(config)
     for name in ("kv_events_endpoint", "kv_replay_endpoint"):
         value = getattr(config, name)
         if value and "://" not in value and not (name == "kv_events_endpoint"

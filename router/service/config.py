@@ -318,6 +318,9 @@ class RouterConfig:
                 if not url.startswith(("http://", "https://")):
                     raise ConfigError(f"replica URL must start with http:// or https://, "
                                       f"got {url!r}", name)
+                if "?" in url:  # the proxy appends the API path: a query would end up before it
+                    raise ConfigError(f"replica URL {url!r} must not have a query ('?...'): "
+                                      f"give the engine's base URL", name)
             try:
                 check_replica_urls(getattr(self, name))
             except ValueError as exc:

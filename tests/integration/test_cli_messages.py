@@ -119,7 +119,28 @@ WORKER = ["worker.cli", "report", "--engine-url", "http://127.0.0.1:9", "--kv-ev
     (["router.cli", "serve", "--replica", "http://127.0.0.1:9"], {"ROUTER_API_KEYS": "/keys"},
      None, "prefix-router serve: error: env ROUTER_API_KEYS: api_keys needs "
      "cache_salt_secret_file (every router process must derive the same per-tenant cache salts)"),
-], ids=["env-range", "yaml-mapping", "yaml-syntax", "replica-id-separator", "env-api-keys"])
+    # issue 29 review: a query or fragment in an engine URL (API paths are appended to it)
+    (["router.cli", "serve"], {"ROUTER_REPLICAS": "http://127.0.0.1:9?x=1#1"}, None,
+     "prefix-router serve: error: env ROUTER_REPLICAS: replica URL 'http://127.0.0.1:9?x=1#1' "
+     "must not have a query ('?...'): give the engine's base URL"),
+    (["router.cli", "serve"], {}, "port: 1\nreplicas:\n  - http://127.0.0.1:9/v1?a=b\n",
+     "prefix-router serve: error: config file {yaml}, line 2, key replicas: replica URL "
+     "'http://127.0.0.1:9/v1?a=b' must not have a query ('?...'): give the engine's base URL"),
+    ([*WORKER, "--replica-id", "a"], {"WORKER_ADVERTISE_URL": "http://127.0.0.1:9/#1"}, None,
+     "prefix-worker report: error: env WORKER_ADVERTISE_URL: advertise_url "
+     "'http://127.0.0.1:9/#1' must not have a fragment ('#...'): give the engine's base URL "
+     "(a data-parallel rank goes in --data-parallel-size, not the URL)"),
+    (["worker.cli", "report", "--kv-events-endpoint", "tcp://127.0.0.1:9", "--redis-url",
+      "redis://127.0.0.1:9/0", "--replica-id", "a"], {"WORKER_ENGINE_URL": "http://127.0.0.1:9#"},
+     None, "prefix-worker report: error: env WORKER_ENGINE_URL: engine_url "
+     "'http://127.0.0.1:9#' must not have a fragment ('#...'): give the engine's base URL "
+     "(a data-parallel rank goes in --data-parallel-size, not the URL)"),
+    ([*WORKER, "--replica-id", "a", "--advertise-url", "http://h:8000?token=1"], {}, None,
+     "prefix-worker report: error: --advertise-url: advertise_url 'http://h:8000?token=1' must "
+     "not have a query ('?...'): give the engine's base URL"),
+], ids=["env-range", "yaml-mapping", "yaml-syntax", "replica-id-separator", "env-api-keys",
+        "env-replica-query", "yaml-replica-query", "env-advertise-fragment",
+        "env-engine-fragment", "flag-advertise-query"])
 def test_settings_errors_name_the_source_actually_used(
         tmp_path: Path, args: list[str], env: dict[str, str], yaml: str | None,
         expected: str) -> None:
