@@ -40,6 +40,7 @@ PRODUCTION_EXAMPLE = CHART_DIR / "examples" / "production-16.yaml"
 Rendered = tuple[str, dict[str, Any], list[dict[str, Any]]]
 
 BUNDLED_REDIS_URL = f"redis://{FULLNAME}-redis.{NAMESPACE}.svc:6379/0"
+KV_IPC = "ipc:///run/kv-events/publisher"  # the engine's KV events PUB socket (one rank)
 
 VALUE_SETS: dict[str, dict[str, Any]] = {
     "defaults": {},
@@ -367,13 +368,16 @@ def test_worker_sidecar_follows_its_own_engine(
     wenv = env_of(worker)
     assert worker["command"] == ["prefix-worker", "report"]
 
-    # the engine publishes on pod-local wildcard sockets; the worker connects on loopback
+    # the engine publishes on pod-local sockets (ipc, loopback); the worker connects to them
     kv = json.loads(flag(engine["args"], "--kv-events-config") or "{}")
     assert kv["enable_kv_cache_events"] is True and kv["publisher"] == "zmq"
-    pub_port = int(kv["endpoint"].removeprefix("tcp://*:"))
-    replay_port = int(kv["replay_endpoint"].removeprefix("tcp://*:"))
-    assert wenv["WORKER_KV_EVENTS_ENDPOINT"] == f"tcp://127.0.0.1:{pub_port}"
-    assert wenv["WORKER_KV_REPLAY_ENDPOINT"] == f"tcp://127.0.0.1:{replay_port}"
+    if int(values.get("fleet", {}).get("dataParallelSize", 1)) > 1:  # vLLM offsets tcp only
+        port = int(kv["endpoint"].removeprefix("tcp://*:"))
+        assert wenv["WORKER_KV_EVENTS_ENDPOINT"] == f"tcp://127.0.0.1:{port}"
+    else:
+        assert wenv["WORKER_KV_EVENTS_ENDPOINT"] == kv["endpoint"] == KV_IPC
+    assert wenv["WORKER_KV_REPLAY_ENDPOINT"] == kv["replay_endpoint"]
+    assert kv["replay_endpoint"].startswith("tcp://127.0.0.1:")
     engine_port = int(flag(engine["args"], "--port") or 0)
     assert engine["ports"][0]["containerPort"] == engine_port
     assert wenv["WORKER_ENGINE_URL"] == f"http://127.0.0.1:{engine_port}"
@@ -399,6 +403,40 @@ def test_worker_sidecar_follows_its_own_engine(
         assert cfg["redis_url"] == BUNDLED_REDIS_URL
         redis_svc = one(objects, "Service", "-redis")
         assert redis_svc["spec"]["ports"][0]["port"] == 6379
+
+
+def bound_publicly(endpoint: str) -> bool:
+    """Whether a ZMQ endpoint the engine binds listens beyond the pod (every address)."""
+    return endpoint.startswith("tcp://") and endpoint[len("tcp://"):].rpartition(":")[0] in (
+        "*", "0.0.0.0", "[::]", "::")
+
+
+@pytest.mark.parametrize("dp", [1, 2])
+def test_the_kv_event_sockets_stay_inside_the_pod(chart: helm.Chart, dp: int) -> None:
+    """Issue 29 review: the engine's KV events sockets are reached from its own pod only. One
+    rank: the PUB socket is an ipc socket in a memory volume only the engine and the worker
+    mount, the replay socket binds loopback (vLLM binds a PUB endpoint only for ipc/inproc, "*"
+    or "::"; its replay socket always). Data parallel: the PUBs bind every address (vLLM offsets
+    only tcp ports per rank), and the NetworkPolicy admits no peer to those ports. (Before: both
+    sockets bound tcp://*.)"""
+    values = {"fleet": {"dataParallelSize": dp}, "networkPolicy": {"enabled": True}}
+    objects = render(chart, values)
+    pod = one(objects, "StatefulSet", "-fleet")["spec"]["template"]["spec"]
+    fleet = {c["name"]: c for c in pod["containers"]}
+    kv = json.loads(flag(fleet["engine"]["args"], "--kv-events-config") or "{}")
+    assert kv["replay_endpoint"].startswith("tcp://127.0.0.1:")
+    assert bound_publicly(kv["endpoint"]) is (dp > 1)
+    if dp == 1:
+        assert kv["endpoint"] == KV_IPC == env_of(fleet["worker"])["WORKER_KV_EVENTS_ENDPOINT"]
+        volume = next(v for v in pod["volumes"] if v["name"] == "kv-events")
+        assert volume["emptyDir"]["medium"] == "Memory"
+        mounted = {name for name, c in fleet.items()
+                   if any(m["name"] == "kv-events" and KV_IPC.startswith(
+                       "ipc://" + m["mountPath"] + "/") for m in c["volumeMounts"])}
+        assert mounted == {"engine", "worker"}
+    policy = one(objects, "NetworkPolicy", "-fleet")
+    allowed = {p["port"] for rule in policy["spec"]["ingress"] for p in rule["ports"]}
+    assert allowed <= {"http", "worker-metrics", *(f"worker-dp{r}" for r in range(1, dp))}
 
 
 def test_external_redis_password_and_tls() -> None:
@@ -563,7 +601,7 @@ def test_rendered_emulator_args_are_accepted_by_the_emulator(chart: helm.Chart) 
         block_size, algo, seed = engine_settings(engine)
         assert (cfg.block_size, cfg.hash_algo) == (block_size, algo)
         assert cfg.hash_seed == seed if seed is not None else not cfg.hash_seed_is_random
-        assert cfg.kv_events.enabled and cfg.kv_events.endpoint == "tcp://*:5557"
+        assert cfg.kv_events.enabled and cfg.kv_events.endpoint == KV_IPC
 
 
 # ------------------------------------------------------- operator conventions

@@ -84,7 +84,8 @@ def test_one_rank_renders_as_before(chart: helm.Chart) -> None:
     assert "--data-parallel-size" not in engine["args"]
     assert "WORKER_DATA_PARALLEL_SIZE" not in env_of(worker)
     kv = json.loads(flag(engine["args"], "--kv-events-config") or "{}")
-    assert (kv["endpoint"], kv["replay_endpoint"]) == ("tcp://*:5557", "tcp://*:5558")
+    assert (kv["endpoint"], kv["replay_endpoint"]) == ("ipc:///run/kv-events/publisher",
+                                                       "tcp://127.0.0.1:5558")
     assert engine["resources"]["limits"]["nvidia.com/gpu"] == 2
     assert fleet_ports(objects) == {
         "container": {"worker-metrics": 9100},
@@ -191,7 +192,7 @@ def test_explicit_replay_port_renders_while_the_ranges_are_apart(chart: helm.Cha
                           ({"dataParallelSize": 8, "kvEvents": {"replayPort": 5657}}, 5657)):
         engine = containers(render(chart, {"fleet": fleet}), "StatefulSet", "-fleet")["engine"]
         kv = json.loads(flag(engine["args"], "--kv-events-config") or "{}")
-        assert kv["replay_endpoint"] == f"tcp://*:{replay}"
+        assert kv["replay_endpoint"] == f"tcp://127.0.0.1:{replay}"
 
 
 @pytest.mark.timeout(120)

@@ -195,11 +195,34 @@ model itself for vLLM, else the Qwen3 files the image ships for the emulator
 {{- end }}
 
 {{/* vLLM --kv-events-config JSON: pod-local ZMQ publisher and replay sockets (rank 0's;
-rank r of a data-parallel engine binds each port + r). */}}
+rank r of a data-parallel engine binds each port + r). Nothing outside the pod reaches them:
+the replay ROUTER binds loopback (vLLM always binds it); the PUB socket binds an ipc socket in
+the pod's kv-events volume, since vLLM binds a PUB endpoint only when it is ipc/inproc or has
+"*" or "::" (a tcp://127.0.0.1 endpoint it would connect). With data parallelism vLLM 0.33
+offsets only tcp and inproc endpoints per rank (offset_endpoint_port raises for ipc), so
+there the PUB binds tcp://*:port (the NetworkPolicy admits no peer to it). */}}
 {{- define "prefix-router.kvEventsConfig" -}}
 {{- $kv := .Values.fleet.kvEvents }}
-{{- dict "enable_kv_cache_events" true "publisher" "zmq" "endpoint" (printf "tcp://*:%d" (int $kv.port)) "replay_endpoint" (printf "tcp://*:%s" (include "prefix-router.kvReplayPort" .)) "buffer_steps" (int $kv.bufferSteps) "topic" "" | toJson }}
+{{- dict "enable_kv_cache_events" true "publisher" "zmq" "endpoint" (include "prefix-router.kvEventsBind" .) "replay_endpoint" (printf "tcp://127.0.0.1:%s" (include "prefix-router.kvReplayPort" .)) "buffer_steps" (int $kv.bufferSteps) "topic" "" | toJson }}
 {{- end }}
+
+{{/* The engine's KV events PUB endpoint (rank 0's) as it binds it, and as the worker
+connects to it. */}}
+{{- define "prefix-router.kvEventsBind" -}}
+{{- if gt (int .Values.fleet.dataParallelSize) 1 }}
+{{- printf "tcp://*:%d" (int .Values.fleet.kvEvents.port) }}
+{{- else }}
+{{- include "prefix-router.kvEventsIpc" . }}
+{{- end }}
+{{- end }}
+{{- define "prefix-router.kvEventsConnect" -}}
+{{- if gt (int .Values.fleet.dataParallelSize) 1 }}
+{{- printf "tcp://127.0.0.1:%d" (int .Values.fleet.kvEvents.port) }}
+{{- else }}
+{{- include "prefix-router.kvEventsIpc" . }}
+{{- end }}
+{{- end }}
+{{- define "prefix-router.kvEventsIpc" -}}ipc:///run/kv-events/publisher{{- end }}
 
 {{/* ---------------------------------------------------------------------------
 Data-parallel engines (fleet.dataParallelSize N, vLLM --data-parallel-size): one HTTP
