@@ -5,6 +5,8 @@ observation. No I/O (metrics are in-process; the audit runs on its own thread).
 
 from __future__ import annotations
 
+from typing import Final
+
 from router.decision.load import LoadTracker
 from router.decision.policy import Decision, TtftPrediction
 from router.decision.ttft import PrefillRateLearner
@@ -16,13 +18,21 @@ from router.request.routing import Routed
 from router.request.usage import cached_tokens_from_sse_tail, completion_tokens_from_tail
 from router.service.audit_queue import AuditQueue
 
+# router_ttft_seconds' model label of a LoRA request where adapters are not named (see below)
+ADAPTER_LABEL: Final = "lora-adapter"
+
 
 class RequestLearning:
-    """Learning from answered requests (``observe``), after the answer was relayed."""
+    """Learning from answered requests (``observe``), after the answer was relayed.
+    ``name_adapters`` False (API keys on and ``/metrics`` open): a LoRA request's TTFT is
+    labelled ``ADAPTER_LABEL``, not the adapter's name: with an adapter per tenant, its series
+    would tell anyone without a key when that tenant sends requests."""
 
     def __init__(self, block_size: int, metrics: RouterMetrics, dispatcher: Dispatcher,
-                 tracker: LoadTracker, learner: PrefillRateLearner, audit: AuditQueue) -> None:
+                 tracker: LoadTracker, learner: PrefillRateLearner, audit: AuditQueue,
+                 name_adapters: bool = True) -> None:
         self.block_size = block_size  # tokens
+        self.name_adapters = name_adapters
         self.metrics = metrics
         self.dispatcher = dispatcher
         self.tracker = tracker
@@ -41,7 +51,10 @@ class RequestLearning:
             else:
                 self.dispatcher.observe_first_byte(replica_id, outcome.first_byte_s,
                                                    dispatch.prefill_tokens)
-                self._observe_ttft(spec, decision, outcome)
+                model = spec.model or ""
+                if routed.lora is not None and not self.name_adapters:
+                    model = ADAPTER_LABEL
+                self._observe_ttft(model, decision, outcome)
                 self._observe_first_token(dispatch.prediction(replica_id), replica_id,
                                           since_send_s)
         hit_tokens = decision.hit_blocks * self.block_size
@@ -60,16 +73,17 @@ class RequestLearning:
                 self.tracker.observe_output(generated)
             self.audit.submit(spec, routed.num_tokens, predicted_hit, outcome.tail, tenant)
 
-    def _observe_ttft(self, spec: PromptSpec, decision: Decision, outcome: ProxyOutcome) -> None:
-        """``router_ttft_seconds`` of a streamed answer, split by the engine's own cached_tokens
-        when its last event reported usage, else by the router's prediction."""
+    def _observe_ttft(self, model: str, decision: Decision, outcome: ProxyOutcome) -> None:
+        """``router_ttft_seconds`` of a streamed answer for ``model`` (its label), split by the
+        engine's own cached_tokens when its last event reported usage, else by the router's
+        prediction."""
         cached = cached_tokens_from_sse_tail(outcome.tail)
         if cached is not None:
             cache, source = ("hit" if cached > 0 else "miss"), "engine"
         else:
             cache, source = ("hit" if decision.predicted_hit else "miss"), "predicted"
         assert outcome.first_byte_s is not None
-        self.metrics.child(self.metrics.ttft, spec.model or "", cache, source).observe(
+        self.metrics.child(self.metrics.ttft, model, cache, source).observe(
             outcome.first_byte_s)
 
     def _observe_first_token(self, predicted: TtftPrediction | None, replica_id: str,

@@ -163,7 +163,8 @@ class RouterService:
         self.audit = self._prefix_audit(config, tokenizer)
         self.audit_queue = AuditQueue(self.audit, tokenizer, config.audit_head_tokens)
         self.learning = RequestLearning(config.block_size, self.metrics, self.dispatcher,
-                                        self.tracker, self.learner, self.audit_queue)
+                                        self.tracker, self.learner, self.audit_queue,
+                                        name_adapters=self._metrics_private())
 
     def _prefix_audit(self, config: RouterConfig,
                       tokenizer: PromptTokenizer | None) -> PrefixAudit | None:
@@ -176,9 +177,13 @@ class RouterService:
                             id_key=self.auth.family_id_key if self.auth else b"")
         # families are tenants' prompts: with API keys on, their series only where a key is
         # needed to read them (metrics_access admin)
-        self.metrics.watch_audit(audit, config.audit_top_k, per_family=(
-            self.auth is None or self.auth.restrict_metrics))
+        self.metrics.watch_audit(audit, config.audit_top_k, per_family=self._metrics_private())
         return audit
+
+    def _metrics_private(self) -> bool:
+        """Whether ``/metrics`` may carry what tenants sent (family ids, adapter names): no API
+        keys (no tenants), or reading it needs an admin key (``metrics_access`` admin)."""
+        return self.auth is None or self.auth.restrict_metrics
 
     def _wire_handlers(self, config: RouterConfig) -> None:
         # /v1/responses previous_response_id: which replica holds which stored response

@@ -77,6 +77,8 @@ class StatusHandlers:
     def _replica_state(self, r: Replica, now: float, routed: set[str]) -> dict[str, Any]:
         """One replica's entry in /ready's ``replicas``."""
         rid, fleet = r.replica_id, self.fleet
+        # /ready needs no key: with API keys on, which adapters tenants use now stays unnamed
+        names = self.auth is None
         problem = fleet.routable_problem(r, now)
         affinity_problem = fleet.affinity_problem(r)
         return {
@@ -87,7 +89,9 @@ class StatusHandlers:
             "config_mismatch": fleet.config_mismatch(r), "index_stride": r.index_stride,
             "epoch": r.epoch, "models": sorted(r.models) if r.models is not None else None,
             "lora_adapters": sorted(r.lora_adapters), "lora": None if r.lora is None else {
-                "running": sorted(r.lora.running), "waiting": sorted(r.lora.waiting),
+                "running": sorted(r.lora.running) if names else None,
+                "waiting": sorted(r.lora.waiting) if names else None,
+                "num_running": len(r.lora.running), "num_waiting": len(r.lora.waiting),
                 "max_lora": r.lora.max_lora}, "num_running": r.num_running,
             "num_waiting": r.num_waiting, "kv_usage": r.kv_usage,
             "index_blocks": fleet.index.num_blocks(rid),

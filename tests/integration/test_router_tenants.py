@@ -12,11 +12,14 @@ Issue 29: an outsider without a key finds nothing derived from B's prompt on any
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import hmac
+import http.client as http_client
 import json
 import random
 import subprocess
+import threading
 from array import array
 from collections.abc import Iterator
 from pathlib import Path
@@ -42,6 +45,7 @@ MODEL = "emulated-llm"
 SECRET = b"0123456789abcdef-test-secret"
 KEYS = {"a1": new_key(), "a2": new_key(), "b": new_key(), "ops": new_key()}
 TENANT_OF = {"a1": "tenant-a", "a2": "tenant-a", "b": "tenant-b", "ops": "ops"}
+ADAPTERS = {"a1": "adapter-1", "b": "adapter-2"}  # the LoRA adapter each tenant uses
 
 
 class OneReplica:
@@ -52,7 +56,8 @@ class OneReplica:
         ready = tmp / "emulator.json"
         self.procs: list[subprocess.Popen[bytes]] = [start_process([
             *EMULATE, "--kv-events-config", KV_EVENTS, "--time-scale", "20",
-            "--enable-prompt-tokens-details", "--ready-file", str(ready)],
+            "--enable-prompt-tokens-details", "--ready-file", str(ready),
+            "--lora-modules", *(f"{a}=/models/{a}" for a in ADAPTERS.values())],
             env={"PYTHONHASHSEED": "0"})]
         info = wait_for(lambda: read_json_file(ready) or self.procs[0].poll() is not None, 60,
                         message="emulator ready file")
@@ -264,6 +269,80 @@ def test_an_outsider_finds_nothing_derived_from_a_tenant_prompt(replica: OneRepl
         assert route["hit_blocks"] == 0 and new_id not in json.dumps(route)
     finally:
         router.stop()
+
+
+class HeldStream:
+    """A long streamed completion of ``who`` through the router, read in a thread until
+    ``close`` (so that it runs on the replica meanwhile)."""
+
+    def __init__(self, router: Router, who: str, body: dict[str, Any]) -> None:
+        host, port = router.url.removeprefix("http://").rsplit(":", 1)
+        self.conn = http_client.HTTPConnection(host, int(port), timeout=60)
+        self.conn.request("POST", "/v1/completions", json.dumps(body),
+                          {"Authorization": f"Bearer {KEYS[who]}",
+                           "Content-Type": "application/json"})
+        self.resp = self.conn.getresponse()
+        assert self.resp.status == 200
+        self._thread = threading.Thread(target=self._read, daemon=True)
+        self._thread.start()
+
+    def _read(self) -> None:
+        with contextlib.suppress(OSError, ValueError, AttributeError):  # closed under it
+            while self.resp.readline():
+                pass
+
+    def close(self) -> None:
+        self.conn.close()  # the router closes the upstream: the engine aborts the request
+        self._thread.join(10)
+
+
+def test_open_metrics_and_ready_name_nothing_two_tenants_sent(replica: OneReplica,
+                                                             tmp_path: Path) -> None:
+    """Issue 29 review: after two tenants' traffic (streamed and not, each on its own LoRA
+    adapter, with session ids) an outsider scraping ``/metrics`` (open) and ``/ready`` without a
+    key finds neither tenant's name or salt, no family id of their prompts (computed either
+    way), no session id and no adapter a tenant used: a LoRA request's TTFT is labelled
+    ``lora-adapter``, and ``/ready`` counts the adapters running on a replica without naming
+    them (it still lists the adapters the replica serves, configuration, not traffic). Without
+    the change the TTFT series were labelled with the adapter and ``/ready`` named it while it
+    ran."""
+    router = start_router(replica, tmp_path)
+    held: HeldStream | None = None
+    try:
+        secrets: list[str] = []
+        for seed, who in enumerate(("a1", "b")):
+            prompt = secret_prompt(40 + seed)
+            tenant = TENANT_OF[who]
+            session = f"session-{seed}-{new_key()[3:12]}"
+            secrets += [tenant, tenant_salt(SECRET, tenant), session, ADAPTERS[who],
+                        *family_ids(prompt, tenant)]
+            for model, stream in ((ADAPTERS[who], True), (MODEL, True), (MODEL, False)):
+                status, _, answer = http("POST", router.url + "/v1/completions", {
+                    "model": model, "prompt": prompt, "max_tokens": 2, "stream": stream},
+                    headers={"Authorization": f"Bearer {KEYS[who]}", "x-session-id": session})
+                assert status == 200, answer[:300]
+        audited(router, 6)
+        held = HeldStream(router, "b", {"model": ADAPTERS["b"], "prompt": secret_prompt(42),
+                                        "max_tokens": 30000, "ignore_eos": True, "stream": True})
+
+        def adapter_running() -> bool:
+            lora = router.ready()["replicas"][0]["lora"]  # (named in "running" before the fix)
+            return lora is not None and bool(lora.get("num_running") or lora.get("running"))
+
+        wait_for(adapter_running, 30, message="tenant b's adapter running, as /ready counts it")
+        ready = json.loads(http("GET", router.url + "/ready")[2])
+        metrics = http("GET", router.url + "/metrics")[2].decode()
+    finally:
+        if held is not None:
+            held.close()
+        router.stop()
+    for rep in ready["replicas"]:
+        assert sorted(rep.pop("lora_adapters")) == sorted(ADAPTERS.values())  # served: config
+    shown = json.dumps(ready)
+    assert not [s for s in secrets if s in metrics], [s for s in secrets if s in metrics]
+    assert not [s for s in secrets if s in shown], shown
+    assert ready["replicas"][0]["lora"]["num_running"] == 1
+    assert 'model="lora-adapter"' in metrics and f'model="{MODEL}"' in metrics
 
 
 def cache_lookups(router: Router) -> dict[tuple[str, str], float]:
