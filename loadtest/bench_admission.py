@@ -12,9 +12,9 @@ split the packaged Mooncake slice: ``chat`` (every third request; the tenant fil
 prompts under a token seed of its own (no phase hits another's cache) and starts once the
 replicas are idle; each records the load average before and after.
 
-1. **Capacity**: admission off, offered far above what the fleet serves (``--probe-speedup``);
-   the capacity is the rate of streams answered 200 that ended in the phase's last two thirds,
-   while every replica's queue was full (``admission_figures.served_rps``).
+1. **Capacity**: admission off, a closed loop of ``--probe-in-flight-per-replica`` requests
+   per replica; the capacity is the rate of streams answered 200 that ended in the phase's
+   last two thirds (``admission_figures.served_rps``).
 2. **Calm**: admission off at half the capacity. The TTFT targets: ``interactive`` = its p90
    there x ``--interactive-factor``, ``batch`` = its p90 x ``--batch-factor``.
 3. **Off against on** at 1.5x and 2x the capacity (the speedup ``speedup_for`` gives), the 2x
@@ -26,14 +26,17 @@ replicas are idle; each records the load average before and after.
    (requests that met their class's target per second of offered load), answers by status
    (with Retry-After counted), the longest a refused request waited against the bound, and
    ``/ready``'s admission counts sampled 5 times a second.
-4. **Client disconnects while queued**: a burst to "on", a second later every client hangs up;
-   how long until ``/ready`` shows an empty queue, and the router's cancelled count.
-5. **Fairness**: two equal-weight tenants of one class offering 1x and 3x their half of the
-   capacity (2x in all), through a router off and one on; each tenant's share of the served
-   prefill tokens (prompt minus cached, from usage).
-6. **Rate limit**: two routers on the one Redis, a per-tenant requests-per-minute limit, short
-   requests alternating between them at twice the limit for a minute: the requests served
-   against the limit.
+4. **Client disconnects while queued**: a burst to "on" that fills its limits and queue, a
+   second later 10 more requests (queued behind), whose clients hang up half a second later:
+   how long until the router counted all 10 as cancelled in the queue, ``/ready`` before and
+   after.
+5. **Fairness**: two equal-weight tenants of one class offering 1x and 3x their half of what
+   the fleet serves through an admission router without TTFT targets (measured first, at 2x),
+   through a router off and one on; each tenant's share of the served prefill tokens (prompt
+   minus cached, from usage).
+6. **Rate limit** (alongside the fairness phases): two routers on the one Redis, a per-tenant
+   requests-per-minute limit, short requests alternating between them at twice the limit for
+   two minutes: the requests served in the second minute against the limit.
 7. **SMG** (``--peers smg``, the ``peers`` extra): the 2x load through SMG's
    ``--max-concurrent-requests`` (the in-flight count "on" settled at, pure concurrency:
    ``--rate-limit-tokens-per-second 0``) and queue (the same wait bound), text prompts of the
@@ -84,7 +87,8 @@ METERED = "metered"  # the rate-limited tenant
 TENANT_CLASS = {CHAT: INTERACTIVE, BULK: BATCH}
 CALM_LOAD = 0.5  # x capacity
 LOADS = (1.5, 2.0)  # x capacity, the issue's
-WARMUP_S = 12.0  # calm replay through a new router before it is measured (its learned rate)
+WARMUP_S = 12.0
+DISCONNECTING = 10  # queued clients that hang up in the disconnect phase  # calm replay through a new router before it is measured (its learned rate)
 IDLE_TIMEOUT_S = 120.0  # wait for the replicas to empty between phases, at most
 RATE_LIMIT_PER_MIN = 120  # the rate phase's per-tenant limit, requests per minute
 PROMPT_IDS = list(range(1000, 1016))  # the rate phase's short prompt (token ids)
@@ -364,47 +368,49 @@ def off_against_on(bench: Bench, off_url: str, on_url: str,
     return rounds
 
 
-async def hang_up_while_queued(url: str, bodies: Sequence[bytes], headers: dict[str, str],
-                               queue_s: float) -> dict[str, Any]:
-    """Phase 4: send ``bodies`` at once, ``queue_s`` later every client hangs up; the queue
-    before, and how long until ``/ready`` shows it empty."""
-    async with aiohttp.ClientSession() as probe:
-        async def one(session: aiohttp.ClientSession, body: bytes) -> None:
-            async with session.post(url + "/v1/completions", data=body, headers=headers) as resp:
-                await resp.read()
-
-        session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
-        tasks = [asyncio.create_task(one(session, b)) for b in bodies]
-        await asyncio.sleep(queue_s)
-        before = await read_ready(probe, url)
-        hung_up = time.perf_counter()
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-        await session.close()
-        after = before
-        while time.perf_counter() - hung_up < 5.0:
-            after = await read_ready(probe, url)
-            if after.get("queued", 0) == 0:
-                break
-            await asyncio.sleep(0.01)
-        emptied_s = time.perf_counter() - hung_up
-        await asyncio.sleep(1.0)
-        later = await read_ready(probe, url)
-    return {"sent": len(bodies), "before_hang_up": before,
-            "queue_empty_after_s": round(emptied_s, 3), "at_empty": after, "one_s_later": later}
-
-
-def cancelled_count(url: str) -> float:
+async def cancelled_count(session: aiohttp.ClientSession, url: str) -> float:
     """``router_admission_requests_total{outcome="cancelled"}`` summed, from ``/metrics``."""
-    from loadtest.fleet import http_get
+    async with session.get(url + "/metrics", timeout=aiohttp.ClientTimeout(total=10)) as resp:
+        text = await resp.text()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("router_admission_requests_total{")
+               and 'outcome="cancelled"' in line)
 
-    _, body = http_get(url + "/metrics", timeout_s=10)
-    total = 0.0
-    for line in body.decode().splitlines():
-        if line.startswith("router_admission_requests_total{") and 'outcome="cancelled"' in line:
-            total += float(line.rsplit(" ", 1)[1])
-    return total
+
+async def hang_up_while_queued(url: str, bodies: Sequence[bytes], headers: dict[str, str],
+                               num_leaving: int) -> dict[str, Any]:
+    """Phase 4: all but the last ``num_leaving`` of ``bodies`` at once (they fill the limits
+    and the queue), a second later the last ones (queued behind them), half a second later
+    those clients hang up. The queue before and after; how long until the router counted them
+    all as cancelled in the queue (5 s at most)."""
+    async def one(session: aiohttp.ClientSession, body: bytes) -> None:
+        async with session.post(url + "/v1/completions", data=body, headers=headers) as resp:
+            await resp.read()
+
+    async with aiohttp.ClientSession() as probe, aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(limit=0)) as session:
+        staying = [asyncio.create_task(one(session, b)) for b in bodies[:-num_leaving]]
+        await asyncio.sleep(1.0)
+        leaving = [asyncio.create_task(one(session, b)) for b in bodies[-num_leaving:]]
+        await asyncio.sleep(0.5)
+        before, counted_before = await read_ready(probe, url), await cancelled_count(probe, url)
+        hung_up = time.perf_counter()
+        for task in leaving:
+            task.cancel()
+        await asyncio.gather(*leaving, return_exceptions=True)
+        counted = 0.0
+        while time.perf_counter() - hung_up < 5.0 and counted < num_leaving:
+            counted = await cancelled_count(probe, url) - counted_before
+            if counted < num_leaving:
+                await asyncio.sleep(0.01)
+        counted_s = time.perf_counter() - hung_up
+        after = await read_ready(probe, url)
+        for task in staying:
+            task.cancel()
+        await asyncio.gather(*staying, return_exceptions=True)
+    return {"sent": len(bodies), "hung_up": num_leaving, "before_hang_up": before,
+            "counted_cancelled": counted, "all_counted_after_s": round(counted_s, 3),
+            "after": after}
 
 
 def disconnect_phase(bench: Bench, url: str) -> dict[str, Any]:
@@ -415,13 +421,12 @@ def disconnect_phase(bench: Bench, url: str) -> dict[str, Any]:
     bodies = [json.dumps({"model": bench.fleet.config.model, "prompt": mapper.request_prompt(r),
                           "max_tokens": bench.args.max_tokens, "ignore_eos": True,
                           "stream": True}).encode()
-              for r in bench.requests[:bench.args.disconnect_burst]]
-    before = cancelled_count(url)
+              for r in bench.requests[:bench.args.disconnect_burst + DISCONNECTING]]
     load_before = load_average()
     out = asyncio.run(hang_up_while_queued(url, bodies, {
-        "Authorization": f"Bearer {bench.keys[BULK]}", "content-type": "application/json"}, 1.0))
+        "Authorization": f"Bearer {bench.keys[BULK]}", "content-type": "application/json"},
+        DISCONNECTING))
     out.update(phase="client disconnects while queued", waited_for_idle_s=idle_s,
-               cancelled_counted=cancelled_count(url) - before,
                load_average={"before": load_before, "after": load_average()})
     print(f"  {json.dumps(out)}", flush=True)
     return out
@@ -429,11 +434,16 @@ def disconnect_phase(bench: Bench, url: str) -> dict[str, Any]:
 
 def fairness_phases(bench: Bench, off_url: str, fair_url: str,
                     served_rps: float) -> list[dict[str, Any]]:
-    """Phase 5: tenants A (1x its half of ``served_rps``, what the fleet served with admission
-    on at 2x: shedding the longest prompts, it serves more requests a second than the closed
-    loop) and B (3x its half), off and on."""
+    """Phase 5: tenants A (1x its half) and B (3x its half), off and on. The whole is what the
+    fair router serves: first measured with A and B offering 2x ``served_rps`` (what "on"
+    served at 2x; the fair router, without TTFT targets, serves more), as requests answered
+    200 per second of offered load; then A offers half of that, B three halves."""
+    calibration, _ = run_phase(bench, "fairness calibration (admission on)", fair_url,
+                               bench.split(FAIR_A, FAIR_B, 4),
+                               fig.speedup_for(2.0, served_rps, bench.native_rps))
+    whole_rps = calibration["statuses"].get("200", 0) / bench.args.phase_s
+    speedup = fig.speedup_for(2.0, whole_rps, bench.native_rps)
     out = []
-    speedup = fig.speedup_for(2.0, served_rps, bench.native_rps)
     for label, url in (("off", off_url), ("on", fair_url)):
         phase, by_tenant = run_phase(bench, f"fairness 1x:3x admission {label}", url,
                                      bench.split(FAIR_A, FAIR_B, 4), speedup)
@@ -442,7 +452,7 @@ def fairness_phases(bench: Bench, off_url: str, fair_url: str,
                                                   for t, s in shares.items()},
                      served={t: sum(r.ok for r in rs) for t, rs in by_tenant.items()},
                      sent={t: len(rs) for t, rs in by_tenant.items()},
-                     share_of_rps=round(served_rps, 3))
+                     whole_rps=round(whole_rps, 3))
         out.append(phase)
     return out
 
@@ -565,7 +575,8 @@ def targets_met(results: dict[str, Any]) -> dict[str, Any]:
         "nothing_lost_with_admission_on": all(p["nothing_lost"] for p in on),
         "longest_wait_s_vs_bound": [max(waits, default=0.0), bound],
         "no_wait_past_bound": max(waits, default=0.0) <= bound + WAIT_SLACK_S,
-        "queue_emptied_after_hang_up_s": results.get("disconnect", {}).get("queue_empty_after_s"),
+        "hung_up_counted_cancelled": [results.get("disconnect", {}).get(k) for k in (
+            "counted_cancelled", "hung_up", "all_counted_after_s")],
         "fair_shares": fair["prefill_share"] if fair else None,
         "fair_shares_at_least_45_percent": (all(s is not None and s >= 0.45
                                                 for s in fair["prefill_share"].values())
