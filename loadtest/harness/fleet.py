@@ -267,7 +267,7 @@ class LoopbackFleet:
             self._start_emulator()
         if cfg.router.kind == OURS:
             self._start_workers()
-            self._start_our_router()
+            self.router_url, _ = self.add_router("router", self.config.router_args)
         else:
             self._start_peer_router()
         return self
@@ -401,10 +401,16 @@ class LoopbackFleet:
             args += list(cfg.worker_args)
             self._spawn(f"worker-{rep.index}", args)
 
-    def _start_our_router(self) -> None:
+    def add_router(self, name: str, router_args: Sequence[str]) -> tuple[str, int]:
+        """Start a prefix-router on this fleet's Redis with ``router_args`` (after the fleet's
+        own flags; a later flag overrides), named ``name`` in logs and ``pids``: the fleet's own
+        router, or one more (the second of an active-active pair, or other settings over the
+        same replicas). Returns its URL and pid once it routes to every replica (no
+        hash-verified affinity within ``AFFINITY_TIMEOUT_S`` is only a warning). Stopped with
+        the fleet; raises ``FleetError`` when it does not start."""
         cfg = self.config
         assert self.redis_url is not None
-        ready = self._ready_file("router")
+        ready = self._ready_file(name)
         args = [*python_entry("router.cli"), "serve", "--host", "127.0.0.1", "--port", "0",
                 "--ready-file", str(ready), "--redis-url", self.redis_url,
                 "--redis-prefix", cfg.redis_prefix, "--policy", cfg.router.policy,
@@ -413,38 +419,43 @@ class LoopbackFleet:
                 "--index-stride", str(cfg.index_stride)]
         if cfg.python_hash_seed is not None:
             args += ["--hash-seed", cfg.python_hash_seed]
-        args += list(cfg.router_args)
-        self.progress(f"starting prefix-router (policy {cfg.router.policy})")
-        proc = self._spawn("router", args)
+        args += list(router_args)
+        self.progress(f"starting prefix-router {name} (policy {cfg.router.policy})")
+        proc = self._spawn(name, args)
         watched = [p for p in self._procs]
 
-        self.router_url = str(self._wait("the router's ready file",
-                                         lambda: json.loads(ready.read_text()), [proc])["url"]
-                              ).rstrip("/")
+        url = str(self._wait(f"{name}'s ready file", lambda: json.loads(ready.read_text()),
+                             [proc])["url"]).rstrip("/")
         with contextlib.suppress(OSError):
             ready.unlink()
         want = {r.replica_id for r in self.replicas}
-        self._wait(f"the router to see all {len(want)} replicas",
-                   lambda: want <= self._router_replica_ids(), watched)
+        self._wait(f"{name} to see all {len(want)} replicas",
+                   lambda: want <= self._router_replica_ids(url=url), watched)
         # Affinity needs the worker's hash verification; without it the router still routes, so
         # a replica that never verifies is a warning, not a failure. A real engine's probe
         # request runs on a CPU: it gets the whole start-up bound.
         try:
             self._wait("hash-verified affinity on every replica",
-                       lambda: want <= self._router_replica_ids(require_affinity=True), watched,
+                       lambda: want <= self._router_replica_ids(require_affinity=True, url=url),
+                       watched,
                        timeout_s=cfg.start_timeout_s if cfg.engines else AFFINITY_TIMEOUT_S)
         except FleetError as exc:
             if "exited" in str(exc):
                 raise
+            missing = want - self._router_replica_ids(require_affinity=True, url=url)
             self.progress(f"warning: not every replica has affinity after {AFFINITY_TIMEOUT_S} s: "
-                          f"{sorted(want - self._router_replica_ids(require_affinity=True))}")
+                          f"{sorted(missing)}")
+        return url, proc.popen.pid
 
-    def _router_replica_ids(self, require_affinity: bool = False) -> set[str]:
-        """Replica ids the router reports as routable (and, with ``require_affinity``, usable for
-        prefix affinity) on GET /ready: ``{"replicas": [{"replica_id", "routable", "affinity"}]}``;
-        also accepts a list of ids or a mapping keyed by id."""
-        assert self.router_url is not None
-        status, body = http_get(self.router_url + "/ready")
+    def _router_replica_ids(self, require_affinity: bool = False,
+                            url: str | None = None) -> set[str]:
+        """Replica ids the router at ``url`` (default: the fleet's) reports as routable (and,
+        with ``require_affinity``, usable for prefix affinity) on GET /ready:
+        ``{"replicas": [{"replica_id", "routable", "affinity"}]}``; also accepts a list of ids or
+        a mapping keyed by id."""
+        url = url or self.router_url
+        assert url is not None
+        status, body = http_get(url + "/ready")
         if status != 200:
             return set()
         return ready_replica_ids(json.loads(body or b"{}"), require_affinity)

@@ -108,6 +108,7 @@ class RequestRecord:
     confirmed_hit_tokens: int | None = None  # prefix-router's index prediction on that replica
     status: int = 0
     error: str | None = None
+    retry_after: str | None = None  # a refusal's Retry-After header, as sent
 
     @property
     def ok(self) -> bool:
@@ -175,6 +176,7 @@ async def send_one(session: aiohttp.ClientSession, url: str, body: bytes, record
             hit = resp.headers.get(HIT_HEADER)
             record.confirmed_hit_tokens = int(hit) if hit and hit.isdigit() else None
             if resp.status != 200:
+                record.retry_after = resp.headers.get("Retry-After")
                 text = await resp.text()
                 record.error = f"HTTP {resp.status}: {text[:300]}"
                 record.e2e_s = time.perf_counter() - start
