@@ -82,8 +82,11 @@ RETRY_STATUSES: Final = frozenset({500, 502, 503, 504})
 # a few seconds); a connection it dropped or a 502/503/504 it answered may be about one request
 SUSPECT_CAUSES: Final = frozenset({"connect_error", "connect_refused", "connect_timeout",
                                    "bad_response"})
+# the replica left the fleet (its heartbeat expired) while requests waited there for a first
+# byte: nothing judges its deadlines any more, so the health watcher moves them
+GONE: Final = "replica_gone"
 # causes the health watcher counted when it moved the attempt (``Proxy.abort_waiting``)
-COUNTED_CAUSES: Final = frozenset({"stalled", HUNG, MISSED})
+COUNTED_CAUSES: Final = frozenset({"stalled", HUNG, MISSED, GONE})
 # failures that are timeouts measured on the router's loop: not counted when it ran late
 TIMED_CAUSES: Final = frozenset({"connect_timeout", "first_byte_timeout"})
 # a connect timed out by the router's late loop is tried again on the same replica without using
@@ -381,6 +384,10 @@ class Proxy:
         self.metrics.child(self.metrics.upstream_errors, replica_id, cause).inc()
         if self.health.record_failure(replica_id, time.monotonic(), cause):
             logger.warning("replica %s: circuit opened after %s", replica_id, cause)
+
+    def waiting_replicas(self) -> set[str]:
+        """The replicas that requests are waiting on for a first byte now."""
+        return {rid for rid, _ in self._waiting.values()}
 
     def abort_waiting(self, replica_id: str, cause: str = "stalled") -> int:
         """Make the attempts waiting for a first byte from ``replica_id`` give up now and go to

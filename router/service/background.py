@@ -17,7 +17,7 @@ from aiohttp import web
 from router.decision.fleet import Fleet
 from router.decision.health import HUNG, MISSED, ROUTER_LATE
 from router.edges.client_connections import is_idle
-from router.edges.proxy import Proxy
+from router.edges.proxy import GONE, Proxy
 from router.observability.loop_lag import LoopLag
 from router.observability.metrics import RouterMetrics
 from router.service.config import RouterConfig
@@ -110,6 +110,17 @@ class BackgroundLoops:
                 del entries[gone]
             self._judge_overdue(now)
             self._bench_stalled(now)
+            self._move_from_departed()
+
+    def _move_from_departed(self) -> None:
+        """Move the requests still waiting for a first byte on a replica that left the fleet
+        (its heartbeat expired): its health record is gone, so no deadline of theirs is judged
+        any more, and they would wait for ``first_byte_timeout_s``."""
+        if self.proxy is None:
+            return
+        for rid in self.proxy.waiting_replicas() - self.fleet.replicas.keys():
+            moved = self.proxy.abort_waiting(rid, GONE)
+            logger.warning("replica %s left the fleet: %d waiting requests moved", rid, moved)
 
     def _bench_stalled(self, now: float) -> None:
         """Bench the replicas that sent nothing for ``stall_timeout_s`` while others did."""

@@ -6,9 +6,11 @@ one router.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import random
 import signal
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -90,6 +92,71 @@ def test_killed_replica_leaves_rotation_and_requests_are_retried(redis_url: str,
     finally:
         if router is not None:
             print(router.stop()[-3000:])
+        for proc in reversed(procs):
+            stop_process(proc)
+
+
+def _replica_with_worker(redis_url: str, tmp_path: Path, i: int, time_scale: str,
+                         procs: list[Any]) -> tuple[Any, Any]:
+    """One emulator process (one replica, ``replica-i``) and its worker: (emulator, worker)."""
+    ready = tmp_path / f"emu{i}.json"
+    emu = start_process([*EMULATE, "--kv-events-config", KV_EVENTS, "--time-scale", time_scale,
+                         "--ready-file", str(ready)], env={"PYTHONHASHSEED": "0"})
+    procs.append(emu)
+    rep = wait_for(lambda: read_json_file(ready), 60)["replicas"][0]
+    worker = start_process([
+        PYTHON, "-m", "worker.cli", "report", "--engine-url", rep["url"],
+        "--kv-events-endpoint", rep["kv_events_endpoint"], "--kv-replay-endpoint",
+        rep["kv_replay_endpoint"], "--redis-url", redis_url, "--replica-id", f"replica-{i}",
+        "--advertise-url", rep["url"], "--hash-seed", "0", "--metrics-port", "0"])
+    procs.append(worker)
+    return emu, worker
+
+
+@pytest.mark.timeout(300)
+def test_a_request_waiting_on_a_replica_that_leaves_the_fleet_moves(redis_url: str,
+                                                                      tmp_path: Path) -> None:
+    """A request waiting for its first byte on a replica that then hangs and leaves the fleet
+    (its worker gone, its heartbeat expired) is moved to the next replica: the departed
+    replica's health record, and with it the request's deadline, is forgotten, so before this
+    it waited for ``first_byte_timeout_s`` (600 s). The first-byte deadline floor is set far
+    above the heartbeat's TTL here, so only the departure can move it."""
+    procs: list[Any] = []
+    router = None
+    try:
+        _replica_with_worker(redis_url, tmp_path, 0, "50", procs)
+        slow, worker = _replica_with_worker(redis_url, tmp_path, 1, "1", procs)
+        router = Router(tmp_path, ["--redis-url", redis_url, "--hash-seed", "0",
+                                   "--first-byte-deadline-floor-s", "250"])
+        wait_for(lambda: sum(r["routable"] for r in router.ready()["replicas"]) == 2, 30,
+                 message="both replicas routable")
+        rng = random.Random(5)
+        for _ in range(200):  # a prompt whose first choice is replica-1
+            body = {"prompt": [rng.randrange(1000, 90_000) for _ in range(40)],
+                    "max_tokens": 3000, "ignore_eos": True}
+            if json.loads(router.post("/debug/route", body)[2])["replica"] == "replica-1":
+                break
+        answers: list[tuple[int, dict[str, str]]] = []
+        client = threading.Thread(target=lambda: answers.append(
+            router.post("/v1/completions", body, timeout=200)[:2]))
+        client.start()
+        # the request is decoding on replica-1 (time scale 1: a minute of decode) when it hangs
+        wait_for(lambda: prometheus_value(router.metrics(), "router_inflight_requests") >= 1, 30,
+                 message="the request in flight")
+        slow.send_signal(signal.SIGSTOP)
+        worker.send_signal(signal.SIGKILL)
+        client.join(220)
+        assert answers, "no answer"
+        status, headers = answers[0]
+        assert status == 200
+        assert headers["x-prefix-router-replica"] == "replica-0"
+        assert "replica-1" not in {r["replica_id"] for r in router.ready()["replicas"]}
+    finally:
+        if router is not None:
+            print(router.stop()[-3000:])
+        for proc in procs:
+            with contextlib.suppress(ProcessLookupError):
+                proc.send_signal(signal.SIGCONT)
         for proc in reversed(procs):
             stop_process(proc)
 
