@@ -98,14 +98,14 @@ def responses_turns(rng: random.Random) -> list[tuple[dict[str, Any], Callable[[
     return [(b, lambda u: int(u["input_tokens_details"]["cached_tokens"])) for b in bodies]
 
 
-# Not yet reliable on a busy machine: in 2 of 5 whole runs at load 7-12 one request's predicted
-# hit fell a few blocks short of the engine's cached tokens (e.g. 1184 against 1344): the previous
-# request's new blocks were in neither the router's index nor the test's own KV event tap when the
-# next request went, so the engine's publisher lagged its answer (the tap and the index agreed, the
-# engine had the blocks). Passed in the other 3 (load 1-12). A wait for 1 s without KV events
-# before each request did not cure it. test_vllm_router's chat test of the same claim held in all.
-@pytest.mark.xfail(strict=False, reason="the engine's KV event publisher can lag its answer "
-                   "on a busy machine; see the comment above")
+# Not yet reliable: in 3 of 6 whole runs (load 1-12; one on a quiet machine) one request's
+# predicted hit fell a few blocks short of the engine's cached tokens (e.g. 1184 against 1344):
+# the previous request's new blocks were in neither the router's index nor the test's own KV
+# event tap when the next request went, so the engine's publisher lagged its answer (the tap and
+# the index agreed, the engine had the blocks). A wait for 1 s without KV events before each
+# request did not cure it. test_vllm_router's chat test of the same claim held in every run.
+@pytest.mark.xfail(strict=False, reason="the engine's KV events can reach the router after the "
+                   "answer; see the comment above")
 @pytest.mark.parametrize(("api", "turns", "seed"), [("messages", messages_turns, 41),
                                                     ("responses", responses_turns, 42)])
 def test_predicted_hits_equal_each_apis_cached_tokens(
