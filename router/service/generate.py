@@ -14,7 +14,6 @@ from typing import Final
 
 from aiohttp import web
 
-from router.decision.fleet import Fleet
 from router.edges.auth import TENANT_KEY
 from router.edges.http_errors import REQUEST_ID_KEY
 from router.edges.proxy import REASON_HEADER, REPLICA_HEADER, Forward, Proxy
@@ -48,14 +47,13 @@ class GenerateHandler:
 
     def __init__(self, parser: RequestParser, admission: FleetAdmission, router: RequestRouter,
                  holders: ResponseHolders, dispatcher: Dispatcher, learning: RequestLearning,
-                 fleet: Fleet, metrics: RouterMetrics) -> None:
+                 metrics: RouterMetrics) -> None:
         self.parser = parser
         self.admission = admission
         self.router = router
         self.holders = holders
         self.dispatcher = dispatcher
         self.learning = learning
-        self.fleet = fleet
         self.metrics = metrics
         self.proxy: Proxy | None = None
 

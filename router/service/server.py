@@ -192,7 +192,7 @@ class RouterService:
         holders = ResponseHolders(self.fleet, self.affinity)
         self.generate = GenerateHandler(
             self.parser, self.admission, self.router, holders,
-            self.dispatcher, self.learning, self.fleet, self.metrics)
+            self.dispatcher, self.learning, self.metrics)
         self.passthrough = PassthroughHandler(self.parser, self.aliases, self.router,
                                               self.dispatcher, self.metrics, holders)
         self.status = StatusHandlers(
