@@ -5,10 +5,13 @@
 with the chosen replica, an ordered list of fallbacks (for a retry before the
 first byte) and a ``reason`` label:
 
-* ``prefix_hit``: the replica holding the deepest engine-confirmed prefix;
+* ``prefix_hit``: the replica holding the deepest engine-confirmed prefix (also where every
+  replica holds as much, a shared system prompt or a fleet of one: a reason means the same
+  whatever the fleet's size);
 * ``speculative_hit``: the deepest prefix counts keys this router placed there
   in the last few seconds (the engine's events have not confirmed them yet);
-* ``cold_ring``: no replica holds more of the chain than the others; of the
+* ``cold_ring``: the chosen replica holds none of the chain (or less than another whose
+  lead is too short to pull, see step 2); of the
   replicas whose queued prefill is within ``cold_queue_slack_tokens``
   of the shortest, the request goes to the one that wrote the fewest KV blocks lately,
   ties to the first in ring order of the chain's first un-held block;
@@ -423,6 +426,13 @@ class _Hits:
         return {rid: HitDepth(d, self.conf[rid], self.cpu[rid]) for rid, d in self.depth.items()}
 
 
+def _hit_reason(chosen: str, hits: _Hits) -> str:
+    """``prefix_hit`` when the engine confirmed all of ``chosen``'s hit depth, else
+    ``speculative_hit`` (part of it is blocks this router placed there lately)."""
+    return (REASON_PREFIX_HIT if hits.conf[chosen] >= hits.depth[chosen]
+            else REASON_SPECULATIVE_HIT)
+
+
 def _hit_depths(request: RouteInput, replicas: Sequence[Candidate], ring: HashRing,
                 confirmed: Mapping[str, int], combined: Mapping[str, int],
                 tiered: Mapping[str, int], block_size: int) -> _Hits:
@@ -489,7 +499,7 @@ def _prefix(
     chain = request.chain
     size = params.block_size
     cap_blocks = max_hit_blocks(request.num_tokens, size)
-    order, conf = hits.order, hits.conf
+    order = hits.order
     # A CPU-tier block counts as the share of a GPU hit it saves: its transfer replaces its
     # prefill (``router.decision.ttft.cpu_hit_value``; ~0.93 for an 8B model over a 50 GB/s host link).
     # Every step below weighs hits in these GPU-equivalent blocks.
@@ -552,10 +562,10 @@ def _prefix(
         reason = REASON_LOAD_SPILL
     elif balanced:
         reason = REASON_LOAD_BALANCE
-    elif credit[chosen] > 0 or (depth[chosen] > 0 and depth[chosen] == max(depth.values())
-                                and depth[chosen] > min(depth.values())):
-        reason = (REASON_PREFIX_HIT if conf[chosen] >= hits.depth[chosen]
-                  else REASON_SPECULATIVE_HIT)
+    elif credit[chosen] > 0 or (depth[chosen] > 0 and depth[chosen] == max(depth.values())):
+        # holding the deepest prefix is a hit also where every replica holds as much (a shared
+        # system prompt, a fleet of one): a reason means the same whatever the fleet's size
+        reason = _hit_reason(chosen, hits)
     else:
         reason = REASON_COLD_RING
 
@@ -647,7 +657,9 @@ def _ttft(
         if chosen != min(order, key=cost):
             reason = REASON_LOAD_SPILL
         elif not others:
-            reason = REASON_COLD_RING  # nothing tells them apart: ring order decided
+            # nothing tells them apart: ring order decided; a hit there is still a hit (a
+            # fleet of one, a prefix every replica holds), so the reason reads as in a bigger fleet
+            reason = _hit_reason(chosen, hits) if depth[chosen] > 0 else REASON_COLD_RING
         else:
             runner_up = terms[min(others, key=cost)]
             gains = {term: runner_up[term] - terms[chosen][term] for term in TTFT_COST_TERMS}

@@ -264,7 +264,7 @@ class Proxy:
         attempts = list(fwd.targets[:2])
         stale_retry_used = False
         late_retries = 0
-        last_error = "no replica"
+        failures: list[str] = []  # every attempt's failure, in order: the 502 names them all
         health = self.health
         i = 0
         while i < len(attempts):
@@ -288,7 +288,7 @@ class Proxy:
                                                  retry_status=i + 1 < len(attempts))
             except _Retryable as exc:
                 ticket.finish()
-                last_error = f"replica {rid}: {exc.cause}"
+                failures.append(f"replica {rid}: {exc.cause}")
                 if exc.same_replica and not stale_retry_used:
                     stale_retry_used = True
                     self.metrics.child(self.metrics.retries, "stale_connection").inc()
@@ -308,7 +308,7 @@ class Proxy:
                     self._failed(rid, exc.cause)
                 if i + 1 < len(attempts):
                     self.metrics.child(self.metrics.retries, exc.cause).inc()
-                    logger.info("retrying %s elsewhere after %s", request_id, last_error)
+                    logger.info("retrying %s elsewhere after %s", request_id, failures[-1])
                 i += 1
                 continue
             except (UpstreamError, UpstreamTimeout) as exc:  # first-byte timeout or another client error
@@ -334,7 +334,10 @@ class Proxy:
             else:
                 health.record_success(rid, now, served=200 <= status < 300)
             return result
-        raise UpstreamError(f"upstream failed before the first byte: {last_error}")
+        # the first attempt is the one x-prefix-router-replica names; list every one so the
+        # message never contradicts the header
+        tried = "; then ".join(failures) or "no replica"
+        raise UpstreamError(f"upstream failed before the first byte: {tried}")
 
     async def _traced_attempt(self, fwd: Forward, headers: CIMultiDict[str], target: Target,
                               ticket: ProxyTicket, token: int, attempt: int,

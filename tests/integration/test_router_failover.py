@@ -263,8 +263,14 @@ def test_one_request_dropped_by_every_replica_does_not_bench_the_fleet(tmp_path:
             wait_for(lambda port=port: http("GET", f"http://127.0.0.1:{port}/health")[0] == 200, 20)
         router = Router(tmp_path, [arg for port in ports
                                    for arg in ("--replica", f"http://127.0.0.1:{port}")])
-        status, _, raw = router.post("/v1/completions", {"model": "fixed", "prompt": [13]})
+        status, headers, raw = router.post("/v1/completions", {"model": "fixed", "prompt": [13]})
         assert status == 502 and "error" in json.loads(raw)
+        # the message names every replica tried, the one the header names among them (issue 34:
+        # the header named one replica while the message named only the last one tried)
+        message = json.loads(raw)["error"]["message"]
+        tried = {f"127.0.0.1:{port}" for port in ports}
+        assert all(f"replica {rid}: " in message for rid in tried), message
+        assert headers["x-prefix-router-replica"] in tried
         for i in range(4):
             status, _, raw = router.post("/v1/completions", {"model": "fixed", "prompt": [20 + i]})
             assert status == 200, raw[:300]

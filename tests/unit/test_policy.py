@@ -41,8 +41,8 @@ ROWS = [
     Row("deepest confirmed wins", {"replica-2": 40, "replica-1": 10}, "prefix_hit", "replica-2"),
     Row("speculative depth counts", {"replica-3": 30}, "speculative_hit", "replica-3",
         confirmed={}),
-    Row("shared system prompt on all: ring on first un-held block",
-        {rid: 32 for rid in IDS}, "cold_ring"),
+    Row("shared system prompt on all: ring on first un-held block, a hit all the same",
+        {rid: 32 for rid in IDS}, "prefix_hit"),
     Row("hash not verified: no credit", {"replica-2": 40}, "cold_ring", no_affinity=("replica-2",)),
     Row("over bounded-load cap spills", {"replica-2": 40, "replica-1": 39}, "load_spill",
         "replica-1", loads={"replica-2": 10, "replica-1": 2, "replica-0": 2, "replica-3": 2}),
@@ -108,10 +108,26 @@ def test_mooncake_shape_spreads_new_conversations() -> None:
         depths = {rid: 32 for rid in IDS}
         d = decide("prefix", RouteInput(chain, 52 * 16 + 5, 0), replicas, RING,
                    confirmed=depths, combined=depths, params=PARAMS)
-        assert d.reason == "cold_ring"
+        assert d.reason == "prefix_hit"  # the shared blocks are a hit wherever it goes
         chosen.append(d.replica_id)
     counts = [chosen.count(rid) for rid in IDS]
     assert max(counts) / (400 / 4) < 1.35
+
+
+@pytest.mark.parametrize("policy", ["prefix", "ttft"])
+def test_a_reason_means_the_same_in_a_fleet_of_one(policy: str) -> None:
+    """A repeated prompt on the only replica is a hit, as it would be in a fleet of four; a
+    prompt nobody holds is cold in both (issue 34: ``cold_ring`` for 304 of 320 tokens hit)."""
+    one = HashRing(("replica-0",), vnodes=64)
+    alone = [Candidate("replica-0")]
+    held = {"replica-0": 40}
+    hit = decide(policy, RouteInput(CHAIN, 1030, 0), alone, one, confirmed=held, combined=held,
+                 params=PARAMS)
+    cold = decide(policy, RouteInput(CHAIN, 1030, 0), alone, one, params=PARAMS)
+    assert (hit.reason, cold.reason) == ("prefix_hit", "cold_ring")
+    spec = decide(policy, RouteInput(CHAIN, 1030, 0), alone, one, confirmed={}, combined=held,
+                  params=PARAMS)
+    assert spec.reason == "speculative_hit"
 
 
 def test_bounded_load_never_exceeds_cap() -> None:
