@@ -60,3 +60,20 @@ def test_compare_uses_the_emulators_profile_and_prints_the_floor() -> None:
               "ttft_floor": default}
     text = format_bounds(bounds, {"prefix": {"token_hit_rate": 0.19}})
     assert f"p50 {default['p50_s']:.3f} s" in text and "TTFT floor" in text
+
+
+def test_the_floor_is_taken_as_the_rows_are_so_no_row_beats_it() -> None:
+    """200 requests of distinct sizes, each alone: a run that gave every request exactly its
+    floor must read the floor's quantiles, not lower ones (the floor took a nearest rank and
+    read p99 above such a run's interpolated p99: issue 34's reviewer saw rows under it)."""
+    from loadtest.replay.replayer import percentile
+
+    latency = LatencyModel()
+    requests = [req(i, 600 + 37 * i, (10_000 + i,)) for i in range(200)]
+    floor = ttft_floor(requests, latency, time_scale=1.0, max_num_batched_tokens=4096)
+    each = floor["percentiles_s"]
+    own = [ttft_floor([r], latency, time_scale=1.0, max_num_batched_tokens=4096)["p50_s"]
+           for r in requests]
+    for q, key in ((50, "p50_s"), (90, "p90_s"), (99, "p99_s")):
+        assert floor[key] == pytest.approx(percentile(own, q))
+        assert each[q] == pytest.approx(percentile(own, q))
