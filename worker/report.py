@@ -7,8 +7,10 @@ the metrics endpoint. A data-parallel engine (vLLM ``--data-parallel-size`` N) g
 ``Worker`` per rank in this process (``serve``): each subscribes to its rank's stream, keeps its
 own view and publishes the rank as replica ``{replica_id}#{rank}``
 (``router.shared.kv_event_sources``). On start it reads back what a previous worker of the
-same replica left in Redis (block set, epoch, seq) and continues from the
-last sequence number through the engine's replay socket. When Redis loses the
+same replica left in Redis (block set, epoch, seq: a worker that crashed within the heartbeat's
+TTL) and continues from the last sequence number through the engine's replay socket; a worker
+stopped by SIGTERM or SIGINT deregistered and left nothing, so the next one starts afresh under a
+new epoch. When Redis loses the
 replica's state (outage, restart, failover, FLUSHALL, expired heartbeat) the
 writer republishes the full set under a new epoch (``RedisWriter``).
 """
@@ -227,9 +229,9 @@ class Worker:
             self.view = ReplicaView(epoch=epoch, index_stride=self.config.index_stride)
             self.writer.enqueue(Change(OP_CLEARED, [], epoch, NO_SEQ))
             await self.writer.flush()
-            logger.info("no previous state for replica %s (first start, or its heartbeat "
-                        "expired over %.0f s ago): starting at epoch %d", self.config.replica_id,
-                        HEARTBEAT_TTL_S, epoch)
+            logger.info("no previous state for replica %s (first start, a previous worker "
+                        "deregistered on shutdown, or its heartbeat expired over %.0f s ago): "
+                        "starting at epoch %d", self.config.replica_id, HEARTBEAT_TTL_S, epoch)
         else:
             self.writer.committed_epoch = state.epoch
             self.writer.committed_seq = state.seq

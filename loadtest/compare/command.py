@@ -316,8 +316,8 @@ def _choose_speed(args: argparse.Namespace, requests: Sequence[TraceRequest]) ->
     if not choice.can_trust:
         _progress(f"cannot fit the demo to this machine: {choice.why}{wake}. Every row would be "
                   "untrusted (its latencies would include waits for a core). Stop other work and "
-                  f"run again, or force a speed with --speedup {choice.speedup:g} (fewer "
-                  "--replicas or a smaller --limit also help).")
+                  f"run again, or force a speed with --speedup {choice.speedup:g} (its rows "
+                  "will say whether they can be trusted).")
         return False
     args.speedup = choice.speedup
     _progress(f"replay speed {choice.speedup:g} (emulator time scale "

@@ -128,7 +128,18 @@ def format_cpu_table(policies: dict[str, dict[str, Any]]) -> str:
         rows.append([label, *[_fmt(cpu.get(c), ".1f") for c in comps], _fmt(cpu.get("wall_s"), ".1f"),
                      _fmt(cpu.get("machine_util"), ".1%"),
                      _fmt(m.get("emulator_cpu_s_per_request"), ".1f", 1000.0), lag])
-    return "\n".join(_fixed_width(rows))
+    return "\n".join([*_fixed_width(rows), "", *CPU_TABLE_LEGEND])
+
+
+CPU_TABLE_LEGEND = (  # under the CPU table, so it reads without the docs
+    "  redis .. replayer s: CPU seconds each process used during the replay (workers: all of "
+    "them together; a peer router has no workers or Redis: -)",
+    "  wall s: the replay's duration; machine busy: the share of all cores busy (every process "
+    f"on the machine; over {TRUST_MACHINE_BUSY:.0%} makes a row untrusted)",
+    "  emulator ms/req: emulator CPU per request; emulator lag: how late its engine steps ran "
+    f"behind their own clock (p99 over {TRUST_LAG_P99_S * 1000:.0f} ms or max over "
+    f"{TRUST_LAG_MAX_S:g} s makes a row untrusted)",
+)
 
 
 def write_plots(policies: dict[str, dict[str, Any]], records: dict[str, list[RequestRecord]],

@@ -15,8 +15,10 @@ from loadtest.harness.fleet import (
     RouterSpec,
     peer_available,
 )
+from router.decision.policy import POLICIES
 
-OWN_POLICIES = ("prefix", "ttft", "round_robin", "least_loaded", "consistent_hash")
+# the router's own registry, in its order (the default, prefix, first): a new policy is compared too
+OWN_POLICIES = tuple(POLICIES)
 PEER_SPECS = (RouterSpec(SMG, "cache_aware"), RouterSpec(SMG, "prefix_hash"),
               RouterSpec(VLLM_ROUTER, "cache_aware"), RouterSpec(VLLM_ROUTER, "kv_aware"))
 PEER_KINDS = (SMG, VLLM_ROUTER, SGLANG)
