@@ -21,6 +21,7 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
+import os
 import signal
 import sys
 import time
@@ -52,7 +53,7 @@ from worker.heartbeat import EngineClient, EngineLoad, EngineModels, EngineUnrea
 from worker.metrics import WorkerSnapshot, make_registry, start_metrics_server, worker_snapshot
 from worker.redis_writer import REDIS_ERRORS, RedisWriter, StoredState
 from worker.replica_view import NO_SEQ, Change, ReplicaView
-from worker.report_config import ConfigError, WorkerConfig, load_config
+from worker.report_config import SETTINGS, ConfigError, WorkerConfig, load_config
 from worker.subscriber import KVEventSubscriber, max_message_bytes
 
 logger = logging.getLogger(__name__)
@@ -439,6 +440,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"prefix-worker report: error: {exc}", file=sys.stderr)
         return 2
     configure_logging(config.log_level, config.log_format)
+    for line in SETTINGS.misspelled_env(os.environ):
+        logger.warning("%s", line)
     with asyncio.Runner(loop_factory=loop_factory()) as runner:
         try:
             runner.run(serve(config))

@@ -57,7 +57,7 @@ from router.request.prompts import PromptTokenizer
 from router.request.routing import RequestRouter
 from router.service.audit_queue import AuditQueue
 from router.service.background import BackgroundLoops
-from router.service.config import ConfigError, RouterConfig, load_config
+from router.service.config import SETTINGS, ConfigError, RouterConfig, load_config
 from router.service.fleet_admission import FleetAdmission, traffic_classes
 from router.service.generate import GenerateHandler
 from router.service.heap import HeapTrimmer
@@ -408,6 +408,8 @@ def main(argv: Sequence[str]) -> int:
         print(f"prefix-router serve: error: {exc}", file=sys.stderr, flush=True)
         return 2
     configure_logging(config.log_level, config.log_format)
+    for line in SETTINGS.misspelled_env(os.environ):
+        logger.warning("%s", line)
     try:
         tracing = otlp_tracing(config.otlp_traces_endpoint)
     except TracingUnavailable as exc:

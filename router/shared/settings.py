@@ -225,6 +225,22 @@ class Settings:
         """The environment variable of setting ``name``."""
         return self.env_prefix + name.upper()
 
+    def misspelled_env(self, env: Mapping[str, str]) -> list[str]:
+        """One line per ``<PREFIX>*`` variable in ``env`` that is no setting's but close to one
+        (``ROUTER_POLCY (did you mean ROUTER_POLICY?)``): ignored, so the process says so. A
+        name close to none is not reported: other software sets such names too (Kubernetes
+        service links: ``ROUTER_SERVICE_HOST``)."""
+        known = {self.env_name(name) for name in self.fields} | {self.env_prefix + "CONFIG"}
+        known |= {self.env_prefix + flag.lstrip("-").replace("-", "_").upper()
+                  for flag in self.flags.values()}
+        lines = []
+        for name in sorted(env):
+            if name.startswith(self.env_prefix) and name not in known:
+                hint = did_you_mean(name, sorted(known))
+                if hint:
+                    lines.append(f"ignoring env {name}: no such setting{hint}")
+        return lines
+
     def yaml_names(self) -> dict[str, str]:
         """``{YAML key with underscores: setting}``: each setting's name and the spelling of
         each of its flags (``--replica`` -> ``replica``; ``aliases`` too); a key may also be

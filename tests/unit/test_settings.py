@@ -283,3 +283,14 @@ def test_the_router_yaml_takes_replica_and_replicas(tmp_path: Path) -> None:
         router_config.load_config(["--config", str(path)], {})
     path.write_text("dp: 2\n")  # the emulator's -dp alias, as a YAML key too
     assert emulator_config.from_args(["--config", str(path)], {}).data_parallel_size == 2
+
+
+def test_a_misspelled_environment_variable_is_named_and_others_are_left_alone() -> None:
+    """``ROUTER_POLCY`` was ignored without a word while flags and YAML keys get a hint (issue
+    34's reviewer); names close to no setting (Kubernetes service links) stay quiet."""
+    env = {"ROUTER_POLCY": "ttft", "ROUTER_POLICY": "prefix", "ROUTER_SERVICE_HOST": "10.0.0.1",
+           "ROUTER_REPLICA": "http://a:1", "WORKER_ENGINE_UR": "http://e:8000", "HOME": "/root"}
+    assert router_config.SETTINGS.misspelled_env(env) == [
+        "ignoring env ROUTER_POLCY: no such setting (did you mean ROUTER_POLICY?)"]
+    assert worker_config.SETTINGS.misspelled_env(env) == [
+        "ignoring env WORKER_ENGINE_UR: no such setting (did you mean WORKER_ENGINE_URL?)"]
