@@ -2,7 +2,7 @@
 I/O.
 
     python -m loadtest.bench.admission [--replicas 2] [--time-scale 2] [--phase-s 30]
-        [--repeat 2] [--peers smg|no] [--phases all|rate-limit] [--out DIR]
+        [--repeat 2] [--peers smg|no] [--phases all|rate-limit|fairness] [--out DIR]
 
 One emulated fleet (``loadtest.harness.fleet.LoopbackFleet``: Redis, emulator, workers) with several
 prefix-routers over it (``LoopbackFleet.add_router``), every one with API keys on. Two tenants
@@ -33,7 +33,9 @@ replicas are idle; each records the load average before and after.
 5. **Fairness**: two equal-weight tenants of one class offering 1x and 3x their half of what
    the fleet serves through an admission router without TTFT targets (measured first, at 2x),
    through a router off and one on; each tenant's share of the served prefill tokens (prompt
-   minus cached, from usage).
+   minus cached, from usage), also over the phase's last two thirds, and per tenant the prompt
+   tokens sent and served, the cached share and when its refused requests were sent.
+   ``--phases fairness``: phases 1 and 2, one 2x round through "on", then these.
 6. **Rate limit** (alongside the fairness phases; alone with ``--phases rate-limit``): two
    routers on the one Redis, a per-tenant requests-per-minute limit, short requests
    alternating between them at twice the limit for two minutes from a cold start: the
@@ -369,6 +371,14 @@ def off_against_on(bench: Bench, off_url: str, on_url: str,
     return rounds
 
 
+def one_on_round(bench: Bench, on_url: str, targets: dict[str, float]) -> dict[str, Any]:
+    """``--phases fairness``: the 2x load through "on" once (what the fairness phases' load
+    is set from), without its "off" pair."""
+    phase = classed_phase(bench, f"{LOADS[1]:g}x admission on", on_url, LOADS[1], targets)
+    phase.update(router="on", load=LOADS[1], round=0)
+    return phase
+
+
 async def cancelled_count(session: aiohttp.ClientSession, url: str) -> float:
     """``router_admission_requests_total{outcome="cancelled"}`` summed, from ``/metrics``."""
     async with session.get(url + "/metrics", timeout=aiohttp.ClientTimeout(total=10)) as resp:
@@ -439,18 +449,26 @@ def fairness_phases(bench: Bench, off_url: str, fair_url: str,
     fair router serves: first measured with A and B offering 2x ``served_rps`` (what "on"
     served at 2x; the fair router, without TTFT targets, serves more), as requests answered
     200 per second of offered load; then A offers half of that, B three halves."""
+    args = bench.args
     calibration, _ = run_phase(bench, "fairness calibration (admission on)", fair_url,
                                bench.split(FAIR_A, FAIR_B, 4),
                                fig.speedup_for(2.0, served_rps, bench.native_rps))
-    whole_rps = calibration["statuses"].get("200", 0) / bench.args.phase_s
+    whole_rps = calibration["statuses"].get("200", 0) / args.phase_s
     speedup = fig.speedup_for(2.0, whole_rps, bench.native_rps)
     out = []
     for label, url in (("off", off_url), ("on", fair_url)):
         phase, by_tenant = run_phase(bench, f"fairness 1x:3x admission {label}", url,
                                      bench.split(FAIR_A, FAIR_B, 4), speedup)
         shares = fig.prefill_shares(by_tenant)
+        # the shares of the requests sent in the last two thirds: without the start, when the
+        # replicas filled in arrival order before anything waited
+        late = fig.prefill_shares({t: [r for r in rs if (r.send_s or 0.0) >= args.phase_s / 3]
+                                   for t, rs in by_tenant.items()})
         phase.update(router=label, prefill_share={t: (round(s, 3) if s is not None else None)
                                                   for t, s in shares.items()},
+                     prefill_share_last_two_thirds={t: (round(s, 3) if s is not None else None)
+                                                    for t, s in late.items()},
+                     tenants={t: fig.tenant_figures(rs) for t, rs in by_tenant.items()},
                      served={t: sum(r.ok for r in rs) for t, rs in by_tenant.items()},
                      sent={t: len(rs) for t, rs in by_tenant.items()},
                      whole_rps=round(whole_rps, 3))
@@ -566,9 +584,9 @@ def targets_met(results: dict[str, Any]) -> dict[str, Any]:
     on = [p for p in results["overload"] if p["router"] == "on"]
     ratios: dict[str, list[float | None]] = {}
     for p in on:
-        off = next(o for o in results["overload"]
-                   if o["router"] == "off" and o["round"] == p["round"])
-        ratio = p["goodput_rps"] / off["goodput_rps"] if off["goodput_rps"] else None
+        off = next((o for o in results["overload"]
+                    if o["router"] == "off" and o["round"] == p["round"]), None)
+        ratio = p["goodput_rps"] / off["goodput_rps"] if off and off["goodput_rps"] else None
         ratios.setdefault(f"{p['load']:g}x", []).append(round(ratio, 2) if ratio else None)
     waits = [max(p["longest_refusal_s"] or 0.0, p["ready"]["max_oldest_wait_s"] or 0.0)
              for p in on]
@@ -656,8 +674,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--disconnect-burst", type=int, default=40)
     parser.add_argument("--policy", default="prefix")
     parser.add_argument("--peers", choices=("smg", "no"), default="smg")
-    parser.add_argument("--phases", choices=("all", "rate-limit"), default="all",
-                        help="rate-limit: only the rate-limit phase (no probe, no targets)")
+    parser.add_argument("--phases", choices=("all", "rate-limit", "fairness"), default="all",
+                        help="rate-limit: only the rate-limit phase (no probe, no targets); "
+                             "fairness: the probe, the calm run, one 2x round on, fairness")
     parser.add_argument("--out", type=Path, default=None, help="results directory")
     args = parser.parse_args(argv)
     if args.out is None:
@@ -698,22 +717,26 @@ def run(args: argparse.Namespace, save: Callable[[dict[str, Any]], None]) -> dic
         on_url, _ = fleet.add_router("router-on", [*key_flags, *admission_args(
             bench, targets, files["tenants"])])
         warm_up(bench, on_url)
-        results["overload"] = off_against_on(bench, fleet.router_url, on_url, targets)
+        results["overload"] = (off_against_on(bench, fleet.router_url, on_url, targets)
+                               if args.phases == "all" else [one_on_round(bench, on_url, targets)])
         save(results)
-        results["disconnect"] = disconnect_phase(bench, on_url)
+        if args.phases == "all":
+            results["disconnect"] = disconnect_phase(bench, on_url)
         fair_url, _ = fleet.add_router("router-fair", [*key_flags, *admission_args(
             bench, targets, files["fair"], slo=False)])
         warm_up(bench, fair_url)
-        rate_limit = start_rate_limit_phase(bench, key_flags)  # alongside the fairness phases
+        rate_limit = (start_rate_limit_phase(bench, key_flags)  # alongside the fairness phases
+                      if args.phases == "all" else None)
         served = [p["statuses"].get("200", 0) / args.phase_s for p in results["overload"]
                   if p["router"] == "on" and p["load"] == LOADS[1]]
         results["fairness"] = fairness_phases(bench, fleet.router_url, fair_url,
                                               sum(served) / len(served))
-        results["rate_limit"] = rate_limit()
+        if rate_limit is not None:
+            results["rate_limit"] = rate_limit()
         save(results)
-        if args.peers == "smg" and not peer_available(SMG):
+        if args.phases == "all" and args.peers == "smg" and not peer_available(SMG):
             results["smg_skipped"] = "smg is not installed (pip install -e '.[peers]')"
-        elif args.peers == "smg":
+        elif args.phases == "all" and args.peers == "smg":
             on = [p for p in results["overload"] if p["router"] == "on"]
             results["smg"] = [smg_phase(bench, on, targets)]
     results["targets_met"] = targets_met(results)

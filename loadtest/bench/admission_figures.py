@@ -129,6 +129,21 @@ def longest_refusal_s(records: Sequence[RequestRecord]) -> float | None:
     return _round(max(waits)) if waits else None
 
 
+def tenant_figures(records: Sequence[RequestRecord]) -> dict[str, Any]:
+    """One tenant's requests in a fairness phase: sent, served, prompt tokens sent and served
+    (from the trace), the served ones' cached share (usage), and when (s from the phase's
+    start) the refused ones were sent."""
+    done = sent(records)
+    served = [r for r in done if r.ok]
+    prompt = sum(r.prompt_tokens or 0 for r in served)
+    return {"sent": len(done), "served": len(served),
+            "prompt_tokens_sent": sum(r.input_length for r in done),
+            "prompt_tokens_served": sum(r.input_length for r in served),
+            "cached_share": _round(sum(r.cached_tokens or 0 for r in served) / prompt
+                                   if prompt else None),
+            "refused_sent_at_s": sorted(round(r.send_s or 0.0, 1) for r in done if not r.ok)}
+
+
 Span = tuple[float, float, int]  # (sent at, answered at, amount): one request let through; s
 
 

@@ -80,3 +80,15 @@ def test_most_in_any_window_counts_requests_let_through_inside_one() -> None:
     assert fig.most_in_any_window([], 60.0) == 0
     with pytest.raises(ValueError):
         fig.most_in_any_window(spans, 0.0)
+
+
+def test_tenant_figures_of_a_fairness_phase() -> None:
+    records = [RequestRecord(0, 0, 0.0, send_s=1.0, status=200, input_length=100,
+                             prompt_tokens=100, cached_tokens=20),
+               RequestRecord(1, 1, 0.0, send_s=2.0, status=200, input_length=300,
+                             prompt_tokens=300, cached_tokens=0),
+               refused(503, "2"), RequestRecord(3, 3, 9.0)]  # the last was never sent
+    out = fig.tenant_figures(records)
+    assert (out["sent"], out["served"]) == (3, 2)
+    assert (out["prompt_tokens_sent"], out["prompt_tokens_served"]) == (400, 400)
+    assert out["cached_share"] == 0.05 and out["refused_sent_at_s"] == [0.0]
