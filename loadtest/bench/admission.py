@@ -2,7 +2,7 @@
 I/O.
 
     python -m loadtest.bench.admission [--replicas 2] [--time-scale 2] [--phase-s 30]
-        [--repeat 2] [--peers smg|no] [--out DIR]
+        [--repeat 2] [--peers smg|no] [--phases all|rate-limit|fairness] [--out DIR]
 
 One emulated fleet (``loadtest.harness.fleet.LoopbackFleet``: Redis, emulator, workers) with several
 prefix-routers over it (``LoopbackFleet.add_router``), every one with API keys on. Two tenants
@@ -33,10 +33,13 @@ replicas are idle; each records the load average before and after.
 5. **Fairness**: two equal-weight tenants of one class offering 1x and 3x their half of what
    the fleet serves through an admission router without TTFT targets (measured first, at 2x),
    through a router off and one on; each tenant's share of the served prefill tokens (prompt
-   minus cached, from usage).
-6. **Rate limit** (alongside the fairness phases): two routers on the one Redis, a per-tenant
-   requests-per-minute limit, short requests alternating between them at twice the limit for
-   two minutes: the requests served in the second minute against the limit.
+   minus cached, from usage), also over the phase's last two thirds, and per tenant the prompt
+   tokens sent and served, the cached share and when its refused requests were sent.
+   ``--phases fairness``: phases 1 and 2, one 2x round through "on", then these.
+6. **Rate limit** (alongside the fairness phases; alone with ``--phases rate-limit``): two
+   routers on the one Redis, a per-tenant requests-per-minute limit, short requests
+   alternating between them at twice the limit for two minutes from a cold start: the
+   requests served in each minute and within any 60 s against the limit.
 7. **SMG** (``--peers smg``, the ``peers`` extra): the 2x load through SMG's
    ``--max-concurrent-requests`` (the in-flight count "on" settled at, pure concurrency:
    ``--rate-limit-tokens-per-second 0``) and queue (the same wait bound), text prompts of the
@@ -368,6 +371,14 @@ def off_against_on(bench: Bench, off_url: str, on_url: str,
     return rounds
 
 
+def one_on_round(bench: Bench, on_url: str, targets: dict[str, float]) -> dict[str, Any]:
+    """``--phases fairness``: the 2x load through "on" once (what the fairness phases' load
+    is set from), without its "off" pair."""
+    phase = classed_phase(bench, f"{LOADS[1]:g}x admission on", on_url, LOADS[1], targets)
+    phase.update(router="on", load=LOADS[1], round=0)
+    return phase
+
+
 async def cancelled_count(session: aiohttp.ClientSession, url: str) -> float:
     """``router_admission_requests_total{outcome="cancelled"}`` summed, from ``/metrics``."""
     async with session.get(url + "/metrics", timeout=aiohttp.ClientTimeout(total=10)) as resp:
@@ -438,18 +449,26 @@ def fairness_phases(bench: Bench, off_url: str, fair_url: str,
     fair router serves: first measured with A and B offering 2x ``served_rps`` (what "on"
     served at 2x; the fair router, without TTFT targets, serves more), as requests answered
     200 per second of offered load; then A offers half of that, B three halves."""
+    args = bench.args
     calibration, _ = run_phase(bench, "fairness calibration (admission on)", fair_url,
                                bench.split(FAIR_A, FAIR_B, 4),
                                fig.speedup_for(2.0, served_rps, bench.native_rps))
-    whole_rps = calibration["statuses"].get("200", 0) / bench.args.phase_s
+    whole_rps = calibration["statuses"].get("200", 0) / args.phase_s
     speedup = fig.speedup_for(2.0, whole_rps, bench.native_rps)
     out = []
     for label, url in (("off", off_url), ("on", fair_url)):
         phase, by_tenant = run_phase(bench, f"fairness 1x:3x admission {label}", url,
                                      bench.split(FAIR_A, FAIR_B, 4), speedup)
         shares = fig.prefill_shares(by_tenant)
+        # the shares of the requests sent in the last two thirds: without the start, when the
+        # replicas filled in arrival order before anything waited
+        late = fig.prefill_shares({t: [r for r in rs if (r.send_s or 0.0) >= args.phase_s / 3]
+                                   for t, rs in by_tenant.items()})
         phase.update(router=label, prefill_share={t: (round(s, 3) if s is not None else None)
                                                   for t, s in shares.items()},
+                     prefill_share_last_two_thirds={t: (round(s, 3) if s is not None else None)
+                                                    for t, s in late.items()},
+                     tenants={t: fig.tenant_figures(rs) for t, rs in by_tenant.items()},
                      served={t: sum(r.ok for r in rs) for t, rs in by_tenant.items()},
                      sent={t: len(rs) for t, rs in by_tenant.items()},
                      whole_rps=round(whole_rps, 3))
@@ -457,28 +476,30 @@ def fairness_phases(bench: Bench, off_url: str, fair_url: str,
     return out
 
 
-Answer = tuple[float, int, int, str | None]  # (sent at, s; router index; status; Retry-After)
+Answer = tuple[float, float, int, int, str | None]  # (sent, answered at (s from the start);
+# router index; status (0: no answer); Retry-After)
 
 
 async def alternate(urls: Sequence[str], key: str, model: str, rps: float,
                     seconds: float) -> list[Answer]:
     """Short completions at ``rps`` for ``seconds``, request i to ``urls[i % len(urls)]``; one
-    ``Answer`` each (status 0: no answer)."""
+    ``Answer`` each."""
     body = json.dumps({"model": model, "prompt": PROMPT_IDS, "max_tokens": 1}).encode()
     headers = {"Authorization": f"Bearer {key}", "content-type": "application/json"}
     answers: list[Answer] = []
+    started = time.perf_counter()
 
     async def one(session: aiohttp.ClientSession, i: int) -> None:
-        which = i % len(urls)
+        which, sent = i % len(urls), time.perf_counter() - started
         try:
             async with session.post(urls[which] + "/v1/completions", data=body,
                                     headers=headers) as resp:
                 await resp.read()
-                answers.append((i / rps, which, resp.status, resp.headers.get("Retry-After")))
+                answers.append((sent, time.perf_counter() - started, which, resp.status,
+                                resp.headers.get("Retry-After")))
         except (aiohttp.ClientError, TimeoutError):
-            answers.append((i / rps, which, 0, None))
+            answers.append((sent, time.perf_counter() - started, which, 0, None))
 
-    started = time.perf_counter()
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as session:
         tasks = []
         for i in range(int(rps * seconds)):
@@ -492,10 +513,9 @@ def start_rate_limit_phase(bench: Bench, key_file_flags: list[str]
                            ) -> Callable[[], dict[str, Any]]:
     """Phase 6, started in a thread (its load is small: short prompts, one output token):
     two routers sharing one per-tenant limit through Redis, offered twice the limit for two
-    minutes; the second minute is measured (the first fills the sliding window counter's
-    previous window: over a minute that starts from nothing, the counter lets through up to
-    1.5x the limit, depending on where the minute falls in Redis's window). Returns a function
-    that waits for the end and returns the figures."""
+    minutes from a cold start. Figures: the requests served in each minute, and the most
+    served within any 60 s (``admission_figures.most_in_any_window``), against the limit.
+    Returns a function that waits for the end and returns the figures."""
     limit = RATE_LIMIT_PER_MIN
     urls = [bench.fleet.add_router(f"router-rate-{i}", [
         *key_file_flags, "--rate-limit-requests-per-min", str(limit)])[0] for i in range(2)]
@@ -509,18 +529,21 @@ def start_rate_limit_phase(bench: Bench, key_file_flags: list[str]
     def result() -> dict[str, Any]:
         answers = future.result()
         pool.shutdown()
-        second = [a for a in answers if a[0] >= window_s]
-        served = [a for a in second if a[2] == 200]
-        refused = [a for a in second if a[2] == 429]
-        out = {"phase": "rate limit, two routers on one Redis (second minute)",
-               "limit_per_min": limit, "offered_per_min": len(second),
-               "served_in_the_minute": len(served),
-               "served_in_the_first_minute": sum(1 for a in answers
-                                                 if a[0] < window_s and a[2] == 200),
-               "served_per_router": [sum(1 for a in served if a[1] == i) for i in range(2)],
-               "statuses": fig.statuses_of([a[2] for a in second]),
-               "refused_with_retry_after": sum(1 for a in refused if a[3]),
-               "within_10_percent": abs(len(served) - limit) <= 0.1 * limit,
+        served = [a for a in answers if a[3] == 200]
+        minutes = [[a for a in served if i * window_s <= a[0] < (i + 1) * window_s]
+                   for i in range(2)]
+        most = fig.most_in_any_window([(a[0], a[1], 1) for a in served], window_s)
+        refused = [a for a in answers if a[3] == 429]
+        out = {"phase": "rate limit, two routers on one Redis, two minutes from a cold start",
+               "limit_per_min": limit, "offered": len(answers),
+               "served_in_the_first_minute": len(minutes[0]),
+               "served_in_the_second_minute": len(minutes[1]),
+               "most_served_in_any_60_s": most,
+               "served_per_router": [sum(1 for a in served if a[2] == i) for i in range(2)],
+               "statuses": fig.statuses_of([a[3] for a in answers]),
+               "refused_with_retry_after": sum(1 for a in refused if a[4]),
+               "within_10_percent": all(abs(n - limit) <= 0.1 * limit
+                                        for n in (*map(len, minutes), most)),
                "load_average": {"before": load_before, "after": load_average()}}
         print(f"  {json.dumps(out)}", flush=True)
         return out
@@ -561,9 +584,9 @@ def targets_met(results: dict[str, Any]) -> dict[str, Any]:
     on = [p for p in results["overload"] if p["router"] == "on"]
     ratios: dict[str, list[float | None]] = {}
     for p in on:
-        off = next(o for o in results["overload"]
-                   if o["router"] == "off" and o["round"] == p["round"])
-        ratio = p["goodput_rps"] / off["goodput_rps"] if off["goodput_rps"] else None
+        off = next((o for o in results["overload"]
+                    if o["router"] == "off" and o["round"] == p["round"]), None)
+        ratio = p["goodput_rps"] / off["goodput_rps"] if off and off["goodput_rps"] else None
         ratios.setdefault(f"{p['load']:g}x", []).append(round(ratio, 2) if ratio else None)
     waits = [max(p["longest_refusal_s"] or 0.0, p["ready"]["max_oldest_wait_s"] or 0.0)
              for p in on]
@@ -651,6 +674,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--disconnect-burst", type=int, default=40)
     parser.add_argument("--policy", default="prefix")
     parser.add_argument("--peers", choices=("smg", "no"), default="smg")
+    parser.add_argument("--phases", choices=("all", "rate-limit", "fairness"), default="all",
+                        help="rate-limit: only the rate-limit phase (no probe, no targets); "
+                             "fairness: the probe, the calm run, one 2x round on, fairness")
     parser.add_argument("--out", type=Path, default=None, help="results directory")
     args = parser.parse_args(argv)
     if args.out is None:
@@ -680,28 +706,37 @@ def run(args: argparse.Namespace, save: Callable[[dict[str, Any]], None]) -> dic
         assert fleet.router_url is not None
         bench = Bench(args, fleet, requests, keys, native_rate(requests, 150.0))
         results["native_rps"] = round(bench.native_rps, 3)
+        if args.phases == "rate-limit":
+            results["rate_limit"] = start_rate_limit_phase(bench, key_flags)()
+            results["targets_met"] = {"rate_limit_within_10_percent":
+                                      results["rate_limit"]["within_10_percent"]}
+            return results
         results.update(capacity_and_targets(bench, fleet.router_url))
         save(results)
         targets = results["targets_s"]
         on_url, _ = fleet.add_router("router-on", [*key_flags, *admission_args(
             bench, targets, files["tenants"])])
         warm_up(bench, on_url)
-        results["overload"] = off_against_on(bench, fleet.router_url, on_url, targets)
+        results["overload"] = (off_against_on(bench, fleet.router_url, on_url, targets)
+                               if args.phases == "all" else [one_on_round(bench, on_url, targets)])
         save(results)
-        results["disconnect"] = disconnect_phase(bench, on_url)
+        if args.phases == "all":
+            results["disconnect"] = disconnect_phase(bench, on_url)
         fair_url, _ = fleet.add_router("router-fair", [*key_flags, *admission_args(
             bench, targets, files["fair"], slo=False)])
         warm_up(bench, fair_url)
-        rate_limit = start_rate_limit_phase(bench, key_flags)  # alongside the fairness phases
+        rate_limit = (start_rate_limit_phase(bench, key_flags)  # alongside the fairness phases
+                      if args.phases == "all" else None)
         served = [p["statuses"].get("200", 0) / args.phase_s for p in results["overload"]
                   if p["router"] == "on" and p["load"] == LOADS[1]]
         results["fairness"] = fairness_phases(bench, fleet.router_url, fair_url,
                                               sum(served) / len(served))
-        results["rate_limit"] = rate_limit()
+        if rate_limit is not None:
+            results["rate_limit"] = rate_limit()
         save(results)
-        if args.peers == "smg" and not peer_available(SMG):
+        if args.phases == "all" and args.peers == "smg" and not peer_available(SMG):
             results["smg_skipped"] = "smg is not installed (pip install -e '.[peers]')"
-        elif args.peers == "smg":
+        elif args.phases == "all" and args.peers == "smg":
             on = [p for p in results["overload"] if p["router"] == "on"]
             results["smg"] = [smg_phase(bench, on, targets)]
     results["targets_met"] = targets_met(results)
@@ -719,7 +754,8 @@ def main() -> None:
     results = run(args, save)
     results["wall_s"] = round(time.monotonic() - started, 1)
     save(results)
-    print(format_table(results))
+    if "overload" in results:
+        print(format_table(results))
     print(json.dumps(results["targets_met"], indent=1))
     print(f"results: {args.out / 'results.json'}")
 

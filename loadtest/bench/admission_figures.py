@@ -1,7 +1,8 @@
 """The arithmetic of the admission benchmark (``loadtest.bench.admission``): which replayed
 requests met their class's TTFT target, goodput, answers by status, each tenant's share of the
-served prefill, the capacity a saturated run shows and the replay speed that offers a given
-multiple of it. Pure: no I/O; every function takes ``loadtest.replay.RequestRecord`` lists.
+served prefill, the capacity a saturated run shows, the replay speed that offers a given
+multiple of it, and the most a rate limit let through in any window. Pure: no I/O; most
+functions take ``loadtest.replay.RequestRecord`` lists.
 """
 
 from __future__ import annotations
@@ -126,6 +127,37 @@ def longest_refusal_s(records: Sequence[RequestRecord]) -> float | None:
     """The longest a refused (429/503) request waited for its answer, s; None without one."""
     waits = [r.e2e_s for r in sent(records) if r.status in (429, 503) and r.e2e_s is not None]
     return _round(max(waits)) if waits else None
+
+
+def tenant_figures(records: Sequence[RequestRecord]) -> dict[str, Any]:
+    """One tenant's requests in a fairness phase: sent, served, prompt tokens sent and served
+    (from the trace), the served ones' cached share (usage), and when (s from the phase's
+    start) the refused ones were sent."""
+    done = sent(records)
+    served = [r for r in done if r.ok]
+    prompt = sum(r.prompt_tokens or 0 for r in served)
+    return {"sent": len(done), "served": len(served),
+            "prompt_tokens_sent": sum(r.input_length for r in done),
+            "prompt_tokens_served": sum(r.input_length for r in served),
+            "cached_share": _round(sum(r.cached_tokens or 0 for r in served) / prompt
+                                   if prompt else None),
+            "refused_sent_at_s": sorted(round(r.send_s or 0.0, 1) for r in done if not r.ok)}
+
+
+Span = tuple[float, float, int]  # (sent at, answered at, amount): one request let through; s
+
+
+def most_in_any_window(spans: Sequence[Span], window_s: float) -> int:
+    """The most ``amount`` let through within any ``window_s`` seconds, as a client can tell it
+    (a rate limit's check against its configured rate): a request was let through somewhere
+    between being sent and being answered, so the ones sent at or after a moment and answered
+    before ``window_s`` later were let through within one window. Raises ``ValueError`` for a
+    non-positive window."""
+    if window_s <= 0:
+        raise ValueError("window_s must be positive")
+    return max((sum(n for sent_s, done_s, n in spans
+                     if start <= sent_s and done_s < start + window_s)
+                for start, _, _ in spans), default=0)
 
 
 def _round(value: float | None, digits: int = 3) -> float | None:

@@ -1,21 +1,34 @@
 """Per-tenant rate limits shared by active-active routers through Redis (issue 33). Does I/O.
 
 The limiter is the one the measurement picked (``loadtest.bench.rate_limit``: one Lua script on
-the project's redis-py asyncio client against the ``limits`` library's async Redis storage).
-``TenantRateLimits`` is the request path's gate: a completions or chat request over its
-tenant's limits is a 429 ``RateLimitError`` with ``Retry-After``; when Redis does not answer
-within ``CHECK_TIMEOUT_S`` the request is served (fail open) and counted.
+the project's redis-py asyncio client against the ``limits`` library's moving window and sliding
+window counter). ``TenantRateLimits`` is the request path's gate: a completions or chat request
+over its tenant's limits is a 429 ``RateLimitError`` with ``Retry-After``; when Redis does not
+answer within ``CHECK_TIMEOUT_S`` the request is served (fail open) and counted.
 
-A tenant's limits are requests per minute and tokens per minute (0: none). The rule is a
-sliding window counter, the one ``limits.SlidingWindowCounterRateLimiter`` implements: per
-tenant and limit, a counter for the current minute and one for the previous; a request is let
-through when ``previous x (1 - elapsed / 60 s) + current + cost`` stays within the limit, for
-both limits at once, and only then are both counters increased. One ``EVALSHA`` does the check
-and the increments atomically on Redis's clock (``TIME``: the window keys are named by it), so
-routers with skewed clocks share one window and a request refused on tokens consumes no request. Keys live two windows.
+A tenant's limits are requests per minute and tokens per minute (0: none). The rule is a moving
+window (a sliding log, as ``limits.MovingWindowRateLimiter``): a request is let through when
+what the tenant was let through in the last 60 s plus the request stays within the limit, for
+both limits at once; so over any 60 s no more than the limit is let through, from a cold start
+too (the sliding window counter this replaces let up to 1.5x through in the first minute of a
+steady load, up to 2x in a minute after a burst at the end of its fixed window). Per tenant and limit, one sorted set:
+an entry per request let through, scored by its time (ms on Redis's clock: ``TIME``, so routers
+with skewed clocks share one window) with member ``"<running total>:<amount>"`` (the amount
+counted up to and including it, zero-padded to 15 digits so that entries of one millisecond
+sort in the order they came; and its own: a request's tokens are one entry, not one per token).
+Expired entries are removed as each check begins, so the window's total is the newest running
+total less the oldest entry's base, each entry is added and removed once (amortised O(log n) a
+check), and a refusal finds when enough will have expired from the running totals (the request
+log's entry by its rank, the token log's by a binary search). One ``EVALSHA`` does the check
+and the insertion atomically, for both limits: a request refused on tokens consumes no request.
 
-``RateLimiter.check`` returns a ``RateVerdict``; ``retry_after_s`` of a refused request is
-when the weighted previous window will have decayed enough (or the current window ends).
+Memory: a tenant's request log holds at most ``requests_per_min`` entries, its token log at
+most one entry per request let through in a minute (at most ``tokens_per_min``: an entry is at
+least one token); both keys expire 60 s after the tenant's last request let through.
+
+``RateLimiter.check`` returns a ``RateVerdict``; ``retry_after_s`` of a refused request is when
+enough of the window's oldest entries will have expired for it to fit (the whole window for a
+request larger than its limit, which never fits).
 """
 
 from __future__ import annotations
@@ -40,49 +53,66 @@ WINDOW_S: Final = 60  # the limits are per minute
 CHECK_TIMEOUT_S: Final = 0.5  # a check Redis has not answered by then fails open
 OUTCOMES: Final = ("allowed", "limited", "fail_open")
 
-# KEYS: the tenant's base key (its window keys are built from it on Redis's clock: they share its
-# hash tag, so a Redis Cluster keeps them on its slot). ARGV: window seconds, requests limit, tokens limit (0: none), tokens cost.
+# KEYS: the tenant's request log and token log (sorted sets, one hash tag: a Redis Cluster keeps
+# them on one slot). ARGV: window ms, requests limit, tokens limit (0: none), tokens cost.
 # Returns {allowed (0/1), retry-after in milliseconds}.
-SLIDING_WINDOW_LUA: Final = """
+MOVING_WINDOW_LUA: Final = """
 local w = tonumber(ARGV[1])
+local limits = {tonumber(ARGV[2]), tonumber(ARGV[3])}
+local costs = {1, tonumber(ARGV[4])}
 local t = redis.call('TIME')
-local now = tonumber(t[1]) + tonumber(t[2]) / 1e6
-local elapsed = now % w
-local weight = 1 - elapsed / w
-local win = math.floor(now / w)
-local rcur, rprev = KEYS[1] .. ':req:' .. win, KEYS[1] .. ':req:' .. (win - 1)
-local tcur, tprev = KEYS[1] .. ':tok:' .. win, KEYS[1] .. ':tok:' .. (win - 1)
-local function estimate(cur, prev)
-  local p = tonumber(redis.call('GET', prev) or '0')
-  return p * weight + tonumber(redis.call('GET', cur) or '0'), p
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local function parse(member)  -- "<running total>:<amount>"
+  local total, amount = string.match(member, '^(%d+):(%d+)$')
+  return tonumber(total), tonumber(amount)
 end
-local function wait_ms(est, prev, limit, cost)
-  local excess = est + cost - limit
-  local until_end = w - elapsed
-  if prev > 0 then
-    local x = excess * w / prev
-    if x < until_end then return math.ceil(x * 1000) end
+local newest = {0, 0}  -- each log's running total
+for i = 1, 2 do
+  local last = redis.call('ZRANGE', KEYS[i], -1, -1, 'WITHSCORES')
+  if last[1] then
+    newest[i] = parse(last[1])
+    -- should Redis's clock step back, time stands still: the logs stay in time order
+    now = math.max(now, tonumber(last[2]))
   end
-  return math.ceil(until_end * 1000)
+end
+-- when the oldest entries whose running totals reach `need` will have left the window; `first`:
+-- the oldest entry's running total, `unit`: every amount is 1 (the request log: its rank is known)
+local function wait_ms(key, need, first, unit)
+  local lo, hi = 0, redis.call('ZCARD', key) - 1
+  if unit then lo = need - first; hi = lo end
+  while lo < hi do
+    local mid = math.floor((lo + hi) / 2)
+    if parse(redis.call('ZRANGE', key, mid, mid)[1]) >= need then hi = mid else lo = mid + 1 end
+  end
+  local entry = redis.call('ZRANGE', key, lo, lo, 'WITHSCORES')
+  return math.max(1, tonumber(entry[2]) + w - now)
 end
 local retry = 0
-local rlimit, tlimit, cost = tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[4])
-if rlimit > 0 then
-  local est, prev = estimate(rcur, rprev)
-  if est + 1 > rlimit then retry = math.max(retry, wait_ms(est, prev, rlimit, 1)) end
-end
-if tlimit > 0 then
-  local est, prev = estimate(tcur, tprev)
-  if est + cost > tlimit then retry = math.max(retry, wait_ms(est, prev, tlimit, cost)) end
+for i = 1, 2 do
+  if limits[i] > 0 and costs[i] > 0 then
+    redis.call('ZREMRANGEBYSCORE', KEYS[i], '-inf', now - w)
+    local used, total, amount = 0, 0, 0
+    local first = redis.call('ZRANGE', KEYS[i], 0, 0)[1]
+    if first then
+      total, amount = parse(first)
+      used = newest[i] - total + amount
+    end
+    if used + costs[i] > limits[i] then
+      if costs[i] > limits[i] then
+        retry = math.max(retry, w)  -- never fits
+      else
+        retry = math.max(retry, wait_ms(KEYS[i], newest[i] + costs[i] - limits[i], total, i == 1))
+      end
+    end
+  end
 end
 if retry > 0 then return {0, retry} end
-if rlimit > 0 then
-  redis.call('INCRBY', rcur, 1)
-  redis.call('EXPIRE', rcur, 2 * w)
-end
-if tlimit > 0 and cost > 0 then
-  redis.call('INCRBY', tcur, cost)
-  redis.call('EXPIRE', tcur, 2 * w)
+for i = 1, 2 do
+  if limits[i] > 0 and costs[i] > 0 then
+    -- zero-padded: entries of one millisecond sort by member, so in the order they came
+    redis.call('ZADD', KEYS[i], now, string.format('%015d:%d', newest[i] + costs[i], costs[i]))
+    redis.call('PEXPIRE', KEYS[i], w)
+  end
 end
 return {1, 0}
 """
@@ -97,25 +127,33 @@ class RateVerdict:
 
 
 class RateLimiter:
-    """Checks requests against per-tenant limits in Redis (``SLIDING_WINDOW_LUA``).
+    """Checks requests against per-tenant limits in Redis (``MOVING_WINDOW_LUA``).
 
     ``client``: a redis-py asyncio client (``router.shared.redis_client.redis_client``);
-    ``prefix``: the fleet's key prefix. Raises what redis-py raises when Redis is away
+    ``prefix``: the fleet's key prefix; ``window_s``: the limits' window (seconds > 0; the
+    router's are per minute). Raises what redis-py raises when Redis is away
     (``router.shared.redis_client.redis_errors``): the caller fails open and counts it."""
 
-    def __init__(self, client: Any, prefix: str, window_s: int = WINDOW_S) -> None:
+    def __init__(self, client: Any, prefix: str, window_s: float = WINDOW_S) -> None:
+        if window_s <= 0:
+            raise ValueError("window_s must be positive")
         self.client = client
         self.prefix = prefix
-        self.window_s = window_s
-        self._script = client.register_script(SLIDING_WINDOW_LUA)
+        self.window_ms = round(window_s * 1000)
+        self._script = client.register_script(MOVING_WINDOW_LUA)
+
+    def keys(self, tenant: str) -> list[str]:
+        """The tenant's request log and token log (one hash tag: one Redis Cluster slot)."""
+        base = f"{self.prefix}ratelimit:{{{tenant}}}"
+        return [f"{base}:requests", f"{base}:tokens"]
 
     async def check(self, tenant: str, requests_per_min: int, tokens_per_min: int,
                     tokens: int) -> RateVerdict:
-        """One request of ``tokens`` tokens by ``tenant``: let through (and counted) or not."""
-        # one hash tag per tenant: a Redis Cluster keeps its window keys on one slot
+        """One request of ``tokens`` tokens by ``tenant``: let through (and counted) or not;
+        the limits are per window (0: none)."""
         allowed, retry_ms = await self._script(
-            keys=[f"{self.prefix}ratelimit:{{{tenant}}}"],
-            args=[self.window_s, requests_per_min, tokens_per_min, tokens])
+            keys=self.keys(tenant),
+            args=[self.window_ms, requests_per_min, tokens_per_min, tokens])
         return RateVerdict(bool(allowed), retry_ms / 1000.0)
 
 

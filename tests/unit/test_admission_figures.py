@@ -1,6 +1,6 @@
 """The admission benchmark's arithmetic (``loadtest.bench.admission_figures``): which requests met their
-class's target, goodput, answers by status, prefill shares, capacity and speedup. Exact values
-on hand-made records; nothing timed."""
+class's target, goodput, answers by status, prefill shares, capacity and speedup, the most a
+rate limit let through in any window. Exact values on hand-made records; nothing timed."""
 
 from __future__ import annotations
 
@@ -69,3 +69,26 @@ def test_capacity_from_completions_and_the_speedup_for_a_load() -> None:
     assert fig.speedup_for(2.0, 6.0, 3.0) == pytest.approx(4.0)
     with pytest.raises(ValueError):
         fig.speedup_for(2.0, 0.0, 3.0)
+
+
+def test_most_in_any_window_counts_requests_let_through_inside_one() -> None:
+    spans = [(0.0, 0.1, 5), (0.5, 0.6, 1), (1.0, 1.2, 2), (2.05, 2.1, 3)]
+    # from 0: the first three (answered before 2.0): 8; from 0.5: 1 + 2 + 3 (2.1 < 2.5): 6
+    assert fig.most_in_any_window(spans, 2.0) == 8
+    # a request answered after the window's end may have been let through after it: not counted
+    assert fig.most_in_any_window([(0.0, 0.1, 1), (0.9, 1.05, 1)], 1.0) == 1
+    assert fig.most_in_any_window([], 60.0) == 0
+    with pytest.raises(ValueError):
+        fig.most_in_any_window(spans, 0.0)
+
+
+def test_tenant_figures_of_a_fairness_phase() -> None:
+    records = [RequestRecord(0, 0, 0.0, send_s=1.0, status=200, input_length=100,
+                             prompt_tokens=100, cached_tokens=20),
+               RequestRecord(1, 1, 0.0, send_s=2.0, status=200, input_length=300,
+                             prompt_tokens=300, cached_tokens=0),
+               refused(503, "2"), RequestRecord(3, 3, 9.0)]  # the last was never sent
+    out = fig.tenant_figures(records)
+    assert (out["sent"], out["served"]) == (3, 2)
+    assert (out["prompt_tokens_sent"], out["prompt_tokens_served"]) == (400, 400)
+    assert out["cached_share"] == 0.05 and out["refused_sent_at_s"] == [0.0]
