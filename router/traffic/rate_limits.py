@@ -144,7 +144,7 @@ class RateLimiter:
 
     def keys(self, tenant: str) -> list[str]:
         """The tenant's request log and token log (one hash tag: one Redis Cluster slot)."""
-        base = f"{self.prefix}ratelimit:{{{tenant}}}"
+        base = f"{self.prefix}:ratelimit:{{{tenant}}}"  # "pr:ratelimit:{t}", as "pr:events"
         return [f"{base}:requests", f"{base}:tokens"]
 
     async def check(self, tenant: str, requests_per_min: int, tokens_per_min: int,

@@ -33,12 +33,14 @@ async def _run(url: str) -> None:
 
     clients = [aioredis.Redis.from_url(url) for _ in range(2)]  # two routers' connections
     try:
-        limiters = [RateLimiter(c, "test:") for c in clients]
+        limiters = [RateLimiter(c, "test") for c in clients]
         verdicts = [await limiters[i % 2].check("tenant-a", 100, 0, 7) for i in range(150)]
         assert sum(v.allowed for v in verdicts) == 100  # shared: 100 in all, not 100 each
         refused = [v for v in verdicts if not v.allowed]
         assert all(0 < v.retry_after_s <= WINDOW_S for v in refused)
         assert (await limiters[0].check("tenant-b", 100, 0, 7)).allowed  # another tenant's own
+        # under the fleet's prefix as every other key (was "testratelimit:...": no separator)
+        assert await clients[0].exists("test:ratelimit:{tenant-a}:requests") == 1
 
         # tokens: 1,000 a minute; a 600-token request fits once, the second is refused and
         # leaves the request count untouched (an atomic check of both limits)
@@ -61,7 +63,7 @@ def test_no_limit_lets_everything_through(redis_url: str) -> None:
 
     async def run() -> None:
         client = aioredis.Redis.from_url(redis_url)
-        limiter = RateLimiter(client, "test:")
+        limiter = RateLimiter(client, "test")
         try:
             assert all([(await limiter.check("t", 0, 0, 10**6)).allowed
                         for _ in range(20)])
@@ -94,7 +96,7 @@ def test_no_window_lets_more_than_the_limit_through(redis_url: str) -> None:
 
     async def run() -> tuple[list[Span], list[Span], int]:
         clients = [aioredis.Redis.from_url(redis_url) for _ in range(2)]
-        limiters = [RateLimiter(c, "test:", window_s) for c in clients]
+        limiters = [RateLimiter(c, "test", window_s) for c in clients]
         requests: list[Span] = []
         tokens: list[Span] = []
         refused = 0
@@ -138,7 +140,7 @@ def test_a_refusal_fits_once_its_retry_after_has_passed(redis_url: str) -> None:
 
     async def run() -> None:
         client = aioredis.Redis.from_url(redis_url)
-        limiter = RateLimiter(client, "test:", 1.0)
+        limiter = RateLimiter(client, "test", 1.0)
         try:
             for _ in range(3):
                 assert (await limiter.check("t", 0, 1000, 300)).allowed
@@ -148,7 +150,7 @@ def test_a_refusal_fits_once_its_retry_after_has_passed(redis_url: str) -> None:
             assert (await limiter.check("t", 0, 1000, 500)).allowed
             too_big = await limiter.check("u", 0, 1000, 1001)  # never fits: a whole window
             assert not too_big.allowed and too_big.retry_after_s == 1.0
-            requests = RateLimiter(client, "test:", 2.0)
+            requests = RateLimiter(client, "test", 2.0)
             for _ in range(3):  # 0.6 s apart
                 assert (await requests.check("r", 3, 0, 1)).allowed
                 await asyncio.sleep(0.6)
