@@ -3,9 +3,12 @@ loopback, waits on conditions) and a fake replica script."""
 
 from __future__ import annotations
 
+import contextlib
+import subprocess
 import time
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any, TypeVar
 
 from loadtest.harness.processes import (
     EMULATE,
@@ -19,8 +22,11 @@ from loadtest.harness.processes import (
     wait_ready,
 )
 
-__all__ = ["EMULATE", "PYTHON", "ReplicaFeed", "free_port", "free_port_run", "start_emulator",
-           "start_process", "stop_process", "wait_for", "wait_ready", "wait_routable"]
+__all__ = ["EMULATE", "PYTHON", "ReplicaFeed", "emulator_url", "free_port", "free_port_run",
+           "start_emulator", "start_process", "stop_all", "stop_process", "stopping", "wait_for",
+           "wait_ready", "wait_routable"]
+
+_Stoppable = TypeVar("_Stoppable")
 
 
 class ReplicaFeed:
@@ -54,6 +60,36 @@ def wait_routable(router: Any, count: int, procs: Sequence[Any] = ()) -> None:
     of ``procs`` (the workers, say) exits first."""
     wait_for(lambda: sum(r["routable"] and r["affinity"] for r in router.ready()["replicas"])
              == count, 30, message=f"{count} replicas routable with affinity", procs=procs)
+
+
+@contextlib.contextmanager
+def stopping(owner: _Stoppable) -> Iterator[_Stoppable]:
+    """``owner`` (a ``Router``, a fleet: anything with ``stop()``), stopped when the block ends,
+    as ``contextlib.closing`` closes."""
+    try:
+        yield owner
+    finally:
+        owner.stop()  # type: ignore[attr-defined]
+
+
+def stop_all(router: Any, *procs: subprocess.Popen[bytes]) -> None:
+    """The end of a test: stop its router (a ``Router``; None when it did not start), then
+    ``procs`` in order."""
+    if router is not None:
+        router.stop()
+    for proc in procs:
+        stop_process(proc)
+
+
+@contextlib.contextmanager
+def emulator_url(ready_file: Path, *args: str, timeout_s: float = 60.0) -> Iterator[str]:
+    """The URL of the first replica of an emulator started with ``args`` (``start_emulator``,
+    writing ``ready_file``), stopped when the block ends."""
+    proc, replicas = start_emulator(ready_file, args, timeout_s=timeout_s)
+    try:
+        yield replicas[0]["url"]
+    finally:
+        stop_process(proc)
 
 
 # the rest of a fake replica script after its ``completions`` handler (health, models, serving);

@@ -23,6 +23,7 @@ from tests.helpers import (
     PYTHON,
     ReplicaFeed,
     start_process,
+    stop_all,
     stop_process,
     wait_for,
     wait_routable,
@@ -232,9 +233,7 @@ def test_last_replica_answering_503_is_relayed(tmp_path: Path) -> None:
         assert status == 503 and json.loads(raw)["error"]["message"] == "replica says 503"
         assert headers["x-prefix-router-replica"] == f"127.0.0.1:{port}"
     finally:
-        if router is not None:
-            router.stop()
-        stop_process(server)
+        stop_all(router, server)
 
 
 POISON_SERVER = """
@@ -269,10 +268,7 @@ def test_one_request_dropped_by_every_replica_does_not_bench_the_fleet(tmp_path:
             status, _, raw = router.post("/v1/completions", {"model": "fixed", "prompt": [20 + i]})
             assert status == 200, raw[:300]
     finally:
-        if router is not None:
-            router.stop()
-        for server in servers:
-            stop_process(server)
+        stop_all(router, *servers)
 
 
 GARBLED_SERVER = """
@@ -326,10 +322,7 @@ def test_a_replica_answering_garbage_is_retried_elsewhere_and_benched(tmp_path: 
             status, headers, _ = router.post("/v1/completions", body)
             assert status == 200 and headers["x-prefix-router-replica"] == good_id
     finally:
-        if router is not None:
-            router.stop()
-        for server in servers:
-            stop_process(server)
+        stop_all(router, *servers)
 
 
 def _emulated_fleet(redis_url: str, tmp_path: Path, num: int) -> list[Any]:

@@ -25,6 +25,7 @@ from tests.helpers import (
     free_port,
     start_emulator,
     start_process,
+    stop_all,
     stop_process,
     wait_for,
 )
@@ -170,9 +171,7 @@ def test_stop_turns_ready_503_first_and_lets_requests_finish(tmp_path: Path) -> 
         assert result and result[0][0] == 200  # the request in flight finished
         assert router.proc.wait(10) == 0
     finally:
-        if router is not None:
-            router.stop()
-        stop_process(replica)
+        stop_all(router, replica)
 
 
 def test_a_lone_surrogate_in_the_json_is_a_400_saying_not_unicode(tmp_path: Path) -> None:
@@ -198,9 +197,7 @@ def test_a_lone_surrogate_in_the_json_is_a_400_saying_not_unicode(tmp_path: Path
                                         rb'{"prompt": "\ud83d\ude00", "max_tokens": 1}')
         assert status == 200, answer
     finally:
-        if router is not None:
-            router.stop()
-        stop_process(emulator)
+        stop_all(router, emulator)
 
 
 COOKIE_REPLICA = """
@@ -234,9 +231,7 @@ def test_a_cookie_a_replica_sets_is_not_sent_with_other_clients_requests(tmp_pat
         status, _, answer = router.post("/v1/completions", body, headers={"Cookie": "own=1"})
         assert status == 200 and json.loads(answer)["cookie"] == "own=1", answer
     finally:
-        if router is not None:
-            router.stop()
-        stop_process(replica)
+        stop_all(router, replica)
 
 
 HEADERS_REPLICA = """
@@ -274,6 +269,4 @@ def test_headers_a_connection_header_names_are_not_forwarded_either_way(tmp_path
         assert b"x-reply-end" in names, head
         assert b"x-reply-hop" not in names, head
     finally:
-        if router is not None:
-            router.stop()
-        stop_process(replica)
+        stop_all(router, replica)
