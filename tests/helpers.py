@@ -6,7 +6,8 @@ from __future__ import annotations
 import contextlib
 import subprocess
 import time
-from collections.abc import Iterator, Sequence
+import urllib.request
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -23,8 +24,8 @@ from loadtest.harness.processes import (
 )
 
 __all__ = ["EMULATE", "PYTHON", "ReplicaFeed", "emulator_url", "free_port", "free_port_run",
-           "start_emulator", "start_process", "stop_all", "stop_process", "stopping", "wait_for",
-           "wait_ready", "wait_routable"]
+           "start_emulator", "start_process", "start_script_replica", "stop_all", "stop_process",
+           "stopping", "wait_for", "wait_ready", "wait_routable"]
 
 _Stoppable = TypeVar("_Stoppable")
 
@@ -90,6 +91,27 @@ def emulator_url(ready_file: Path, *args: str, timeout_s: float = 60.0) -> Itera
         yield replicas[0]["url"]
     finally:
         stop_process(proc)
+
+
+def start_script_replica(source: str, *args: str, env: Mapping[str, str] | None = None,
+                         name: str = "script replica") -> tuple[subprocess.Popen[bytes], int]:
+    """Run a fake replica script ``source`` (its ``completions`` handler, then
+    ``FAKE_REPLICA_TAIL``) on a free loopback port, ``args`` after the port: ``(process, port)``
+    once its ``/health`` answers 200. When it does not start, it is stopped and
+    ``ProcessExited`` or ``TimeoutError`` (with its output) raised."""
+    port = free_port()
+    proc = start_process([PYTHON, "-c", source, str(port), *args], env)
+
+    def healthy() -> bool:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as resp:
+            return bool(resp.status == 200)
+
+    try:
+        wait_for(healthy, 30, message=f"{name} up", procs=[proc])
+    except BaseException:
+        stop_process(proc)
+        raise
+    return proc, port
 
 
 # the rest of a fake replica script after its ``completions`` handler (health, models, serving);
