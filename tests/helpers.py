@@ -9,7 +9,7 @@ import time
 import urllib.request
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 from loadtest.harness.processes import (
     EMULATE,
@@ -27,7 +27,12 @@ __all__ = ["EMULATE", "PYTHON", "ReplicaFeed", "emulator_url", "free_port", "fre
            "start_emulator", "start_process", "start_script_replica", "stop_all", "stop_process",
            "stopping", "wait_for", "wait_ready", "wait_routable"]
 
-_Stoppable = TypeVar("_Stoppable")
+
+class _HasStop(Protocol):
+    def stop(self) -> Any: ...
+
+
+_Stoppable = TypeVar("_Stoppable", bound=_HasStop)
 
 
 class ReplicaFeed:
@@ -70,7 +75,7 @@ def stopping(owner: _Stoppable) -> Iterator[_Stoppable]:
     try:
         yield owner
     finally:
-        owner.stop()  # type: ignore[attr-defined]
+        owner.stop()
 
 
 def stop_all(router: Any, *procs: subprocess.Popen[bytes]) -> None:
