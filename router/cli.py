@@ -27,7 +27,7 @@ with exit_on_interrupt():  # Ctrl-C while these load: exit 130, no traceback
         MultiModalItem,
         block_key,
     )
-    from router.shared.process import command_preamble
+    from router.shared.process import run_commands
     from router.shared.settings import usage_error_line
     from router.shared.version import version_line
 
@@ -351,32 +351,23 @@ def run_auth(argv: Sequence[str]) -> int:
     return 0
 
 
+COMMANDS = {"hash": "print vLLM block hashes of a token prompt",
+            "capacity": "KV capacity and prefix-hit arithmetic of a model on a GPU",
+            "audit": "prompt-template audit of a file of requests",
+            "auth": "make or hash API keys for --api-keys",
+            "serve": "run the router"}
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of ``prefix-router``. Ctrl-C before a command takes over the signal (during the
-    imports of seconds on a busy machine) ends it with status 130 and no traceback."""
-    with exit_on_interrupt():  # a command running an event loop sets its graceful stop
-        return _main(argv)
+    """Entry point of ``prefix-router``: ``run_commands`` (status 130 on Ctrl-C while loading)."""
+    return run_commands("prefix-router", argv, COMMANDS, _run)
 
 
-def _main(argv: Sequence[str] | None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    commands = {"hash": "print vLLM block hashes of a token prompt",
-                "capacity": "KV capacity and prefix-hit arithmetic of a model on a GPU",
-                "audit": "prompt-template audit of a file of requests",
-                "auth": "make or hash API keys for --api-keys",
-                "serve": "run the router"}
-    status = command_preamble("prefix-router", argv, commands)
-    if status is not None:
-        return status
-    command, rest = argv[0], argv[1:]
-    if command == "hash":
-        return run_hash(rest)
-    if command == "capacity":
-        return run_capacity(rest)
-    if command == "auth":
-        return run_auth(rest)
-    if command == "audit":
-        return run_audit(rest)
+def _run(command: str, rest: list[str]) -> int:
+    tool = {"hash": run_hash, "capacity": run_capacity, "auth": run_auth,
+            "audit": run_audit}.get(command)
+    if tool is not None:
+        return tool(rest)
     from router.service.server import main as serve_main  # heavy imports only when serving
 
     return serve_main(rest)

@@ -3,9 +3,13 @@ loopback, waits on conditions) and a fake replica script."""
 
 from __future__ import annotations
 
+import contextlib
+import subprocess
 import time
-from collections.abc import Sequence
-from typing import Any
+import urllib.request
+from collections.abc import Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import Any, Protocol, TypeVar
 
 from loadtest.harness.processes import (
     EMULATE,
@@ -19,8 +23,16 @@ from loadtest.harness.processes import (
     wait_ready,
 )
 
-__all__ = ["EMULATE", "PYTHON", "ReplicaFeed", "free_port", "free_port_run", "start_emulator",
-           "start_process", "stop_process", "wait_for", "wait_ready", "wait_routable"]
+__all__ = ["EMULATE", "PYTHON", "ReplicaFeed", "emulator_url", "free_port", "free_port_run",
+           "start_emulator", "start_process", "start_script_replica", "stop_all", "stop_process",
+           "stopping", "wait_for", "wait_ready", "wait_routable"]
+
+
+class _HasStop(Protocol):
+    def stop(self) -> Any: ...
+
+
+_Stoppable = TypeVar("_Stoppable", bound=_HasStop)
 
 
 class ReplicaFeed:
@@ -54,6 +66,57 @@ def wait_routable(router: Any, count: int, procs: Sequence[Any] = ()) -> None:
     of ``procs`` (the workers, say) exits first."""
     wait_for(lambda: sum(r["routable"] and r["affinity"] for r in router.ready()["replicas"])
              == count, 30, message=f"{count} replicas routable with affinity", procs=procs)
+
+
+@contextlib.contextmanager
+def stopping(owner: _Stoppable) -> Iterator[_Stoppable]:
+    """``owner`` (a ``Router``, a fleet: anything with ``stop()``), stopped when the block ends,
+    as ``contextlib.closing`` closes."""
+    try:
+        yield owner
+    finally:
+        owner.stop()
+
+
+def stop_all(router: Any, *procs: subprocess.Popen[bytes]) -> None:
+    """The end of a test: stop its router (a ``Router``; None when it did not start), then
+    ``procs`` in order."""
+    if router is not None:
+        router.stop()
+    for proc in procs:
+        stop_process(proc)
+
+
+@contextlib.contextmanager
+def emulator_url(ready_file: Path, *args: str, timeout_s: float = 60.0) -> Iterator[str]:
+    """The URL of the first replica of an emulator started with ``args`` (``start_emulator``,
+    writing ``ready_file``), stopped when the block ends."""
+    proc, replicas = start_emulator(ready_file, args, timeout_s=timeout_s)
+    try:
+        yield replicas[0]["url"]
+    finally:
+        stop_process(proc)
+
+
+def start_script_replica(source: str, *args: str, env: Mapping[str, str] | None = None,
+                         name: str = "script replica") -> tuple[subprocess.Popen[bytes], int]:
+    """Run a fake replica script ``source`` (its ``completions`` handler, then
+    ``FAKE_REPLICA_TAIL``) on a free loopback port, ``args`` after the port: ``(process, port)``
+    once its ``/health`` answers 200. When it does not start, it is stopped and
+    ``ProcessExited`` or ``TimeoutError`` (with its output) raised."""
+    port = free_port()
+    proc = start_process([PYTHON, "-c", source, str(port), *args], env)
+
+    def healthy() -> bool:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as resp:
+            return bool(resp.status == 200)
+
+    try:
+        wait_for(healthy, 30, message=f"{name} up", procs=[proc])
+    except BaseException:
+        stop_process(proc)
+        raise
+    return proc, port
 
 
 # the rest of a fake replica script after its ``completions`` handler (health, models, serving);

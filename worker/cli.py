@@ -7,10 +7,9 @@ from __future__ import annotations
 from router.shared.interrupt import exit_on_interrupt
 
 with exit_on_interrupt():  # Ctrl-C while these load: exit 130, no traceback
-    import sys
     from collections.abc import Sequence
 
-    from router.shared.process import command_preamble
+    from router.shared.process import run_commands
 COMMANDS = {
     "emulate": "run emulated vLLM replicas on a CPU",
     "report": "publish a replica's KV-cache blocks and load to Redis",
@@ -18,18 +17,11 @@ COMMANDS = {
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of ``prefix-worker``. Ctrl-C before a command takes over the signal (during the
-    imports of seconds on a busy machine) ends it with status 130 and no traceback."""
-    with exit_on_interrupt():  # a command running an event loop sets its graceful stop
-        return _main(argv)
+    """Entry point of ``prefix-worker``: ``run_commands`` (status 130 on Ctrl-C while loading)."""
+    return run_commands("prefix-worker", argv, COMMANDS, _run)
 
 
-def _main(argv: Sequence[str] | None) -> int:
-    args = list(sys.argv[1:] if argv is None else argv)
-    status = command_preamble("prefix-worker", args, COMMANDS)
-    if status is not None:
-        return status
-    command, rest = args[0], args[1:]
+def _run(command: str, rest: list[str]) -> int:
     if command == "emulate":
         from worker.emulator.app import main as emulate_main
 

@@ -58,7 +58,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Final
 
@@ -345,7 +345,7 @@ class RedisWriter:
         """
         async with self._lock:
             ttl_ms = int(ttl_s * 1000)
-            try:
+            with self._write_failures():
                 if self.connected:
                     try:
                         found = await self._beat(fields, ttl_ms, oom_form=False)
@@ -364,12 +364,6 @@ class RedisWriter:
                 mapping: dict[Any, Any] = dict(fields)
                 mapping[contract.F_REDIS_OOM] = "1" if self.oom else ""
                 await self._commit(heartbeat=(mapping, ttl_ms))
-            except REDIS_ERRORS as exc:
-                if is_oom(exc):
-                    self._refused(exc)
-                    raise RedisOutOfMemory(str(exc)) from exc
-                self._disconnect(exc)
-                raise
 
     async def _beat(self, fields: Mapping[str, Any], ttl_ms: int, *, oom_form: bool) -> Any:
         """One heartbeat script call: the fields that changed since the last one written, the
@@ -498,14 +492,22 @@ class RedisWriter:
         the next flush rewrites the set.
         """
         async with self._lock:
-            try:
+            with self._write_failures():
                 await self._commit()
-            except REDIS_ERRORS as exc:
-                if is_oom(exc):
-                    self._refused(exc)
-                    raise RedisOutOfMemory(str(exc)) from exc
-                self._disconnect(exc)
-                raise
+
+    @contextlib.contextmanager
+    def _write_failures(self) -> Iterator[None]:
+        """Around a write (``heartbeat``, ``flush``): Redis refusing it for lack of memory
+        becomes ``RedisOutOfMemory`` (counted, the changes held); any other Redis error
+        disconnects the writer (the next write rewrites the set) and goes on up."""
+        try:
+            yield
+        except REDIS_ERRORS as exc:
+            if is_oom(exc):
+                self._refused(exc)
+                raise RedisOutOfMemory(str(exc)) from exc
+            self._disconnect(exc)
+            raise
 
     async def _commit(self, heartbeat: tuple[dict[Any, Any], int] | None = None) -> None:
         """The script and stream entry of ``flush`` (``heartbeat`` None) or of a rewriting

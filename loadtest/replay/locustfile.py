@@ -50,6 +50,7 @@ from locust import User, between, events, tag, task
 from locust.env import Environment
 from locust.runners import MasterRunner
 
+from loadtest.replay.sse import DONE, sse_payloads
 from loadtest.replay.text import default_vocabulary
 
 MAX_TOKENS = int(os.environ.get("PREFIX_LOADTEST_MAX_TOKENS", "64"))
@@ -131,11 +132,8 @@ class StreamingUser(User):
                 if resp.status_code != 200:
                     raise RuntimeError(f"HTTP {resp.status_code}: {resp.text[:200]}")
                 done = False
-                for line in resp.iter_lines():
-                    if not line.startswith(b"data:"):
-                        continue
-                    payload = line[5:].strip()
-                    if payload == b"[DONE]":
+                for payload in sse_payloads(resp.iter_lines()):
+                    if payload == DONE:
                         done = True
                         break
                     chunk = json.loads(payload)

@@ -34,6 +34,7 @@ import msgspec
 import numpy as np
 
 from loadtest.data import PACKAGED_ARRIVALS, packaged_arrivals_path
+from loadtest.replay.sse import DONE, sse_payloads
 from loadtest.replay.trace import arrival_offsets, read_arrival_times, schedule_offsets
 from router.tools.trace_format import TokenMapper, TraceRequest
 
@@ -125,12 +126,8 @@ SSE_TAIL_BYTES = 8192  # enough for the usage chunk and [DONE]
 def _handle_event(event: bytes, record: RequestRecord, start: float) -> bool:
     """Apply one SSE event to ``record``; True for the ``[DONE]`` marker."""
     found_done = False
-    for line in event.split(b"\n"):
-        line = line.strip()
-        if not line.startswith(b"data:"):
-            continue
-        payload = line[5:].strip()
-        if payload == b"[DONE]":
+    for payload in sse_payloads(line.strip() for line in event.split(b"\n")):
+        if payload == DONE:
             found_done = True
             continue
         try:

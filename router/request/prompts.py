@@ -199,6 +199,15 @@ def _is_token_list(value: Any) -> bool:
         isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in value)
 
 
+def _optional(body: dict[str, Any], name: str, kind: type, what: str) -> Any:
+    """``body[name]``, None when absent or null; raises ``PromptError`` ("'name' must be
+    ``what``") when it is there and not a ``kind``."""
+    value = body.get(name)
+    if value is not None and not isinstance(value, kind):
+        raise PromptError(f"'{name}' must be {what}")
+    return value
+
+
 def parse_prompt(kind: str, body: Any) -> PromptSpec:
     """Validate the fields the router reads from a completions or chat body.
 
@@ -206,18 +215,12 @@ def parse_prompt(kind: str, body: Any) -> PromptSpec:
     """
     if not isinstance(body, dict):
         raise PromptError("request body must be a JSON object")
-    model = body.get("model")
-    if model is not None and not isinstance(model, str):
-        raise PromptError("'model' must be a string")
+    model = _optional(body, "model", str, "a string")
     salt = body.get("cache_salt")
     if salt is not None and (not isinstance(salt, str) or not 0 < len(salt) <= CACHE_SALT_MAX_CHARS):
         raise PromptError(f"'cache_salt' must be a string of 1..{CACHE_SALT_MAX_CHARS} characters")
-    stream = body.get("stream", False)
-    if not isinstance(stream, bool) and stream is not None:
-        raise PromptError("'stream' must be a boolean")
-    session = body.get("prompt_cache_key")
-    if session is not None and not isinstance(session, str):
-        raise PromptError("'prompt_cache_key' must be a string")
+    stream = _optional(body, "stream", bool, "a boolean")
+    session = _optional(body, "prompt_cache_key", str, "a string")
     common: dict[str, Any] = {"model": model, "cache_salt": salt, "stream": bool(stream),
                               "session_key": session, "priority": body.get("priority")}
     if kind == "completion":
@@ -252,23 +255,17 @@ def parse_prompt(kind: str, body: Any) -> PromptSpec:
         if continue_final:
             add_generation_prompt = False
         kwargs = body.get("chat_template_kwargs") or {}
-        tools = body.get("tools")
         if not isinstance(kwargs, dict):
             raise PromptError("'chat_template_kwargs' must be an object")
         if "chat_template" in kwargs:  # vLLM: refused unless --trust-request-chat-template
             raise PromptError("Found unexpected chat template kwargs from request: "
                               "{'chat_template'}")
-        if tools is not None and not isinstance(tools, list):
-            raise PromptError("'tools' must be a list")
+        tools = _optional(body, "tools", list, "a list")
         add_special = body.get("add_special_tokens", False)
         if not isinstance(add_special, bool):
             raise PromptError("'add_special_tokens' must be a boolean")
-        effort = body.get("reasoning_effort")
-        if effort is not None and not isinstance(effort, str):
-            raise PromptError("'reasoning_effort' must be a string")
-        documents = body.get("documents")
-        if documents is not None and not isinstance(documents, list):
-            raise PromptError("'documents' must be a list")
+        effort = _optional(body, "reasoning_effort", str, "a string")
+        documents = _optional(body, "documents", list, "a list")
         options = {"tools": tools, "add_generation_prompt": add_generation_prompt,
                    "continue_final_message": continue_final, "chat_template_kwargs": kwargs,
                    "chat_template": body.get("chat_template"), "reasoning_effort": effort,

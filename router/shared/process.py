@@ -1,6 +1,6 @@
 """What the project's process entry points share: the event loop they run on, the atomic JSON file
 they announce themselves with, and the subcommand preamble of a command line. No I/O beyond the
-file written and the lines printed.
+file written, the lines printed and the SIGINT handler a command line starts under.
 
 One copy each for ``prefix-router`` (``router.cli``, ``router.service.server``), ``prefix-worker``
 (``worker.cli``, ``worker.report``) and the emulator (``worker.emulator.app``).
@@ -16,6 +16,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from router.shared.interrupt import exit_on_interrupt
 from router.shared.settings import unknown_command_line
 from router.shared.version import version_line
 
@@ -40,6 +41,18 @@ def write_json_atomic(path: str | Path, data: Any) -> None:
     tmp = target.with_name(f"{target.name}.tmp.{os.getpid()}")
     tmp.write_text(json.dumps(data), encoding="utf-8")
     os.replace(tmp, target)
+
+
+def run_commands(prog: str, argv: Sequence[str] | None, commands: Mapping[str, str],
+                 run: Callable[[str, list[str]], int]) -> int:
+    """The entry point of a command line with subcommands: ``argv`` (None: ``sys.argv[1:]``)
+    through ``command_preamble``, then ``run(command, rest of argv)``. Returns the exit status.
+    Ctrl-C before the command takes over the signal (during the imports of seconds on a busy
+    machine) ends it with status 130 and no traceback."""
+    with exit_on_interrupt():  # a command running an event loop sets its graceful stop
+        args = list(sys.argv[1:] if argv is None else argv)
+        status = command_preamble(prog, args, commands)
+        return status if status is not None else run(args[0], args[1:])
 
 
 def command_preamble(prog: str, argv: Sequence[str], commands: Mapping[str, str]) -> int | None:

@@ -19,14 +19,7 @@ from typing import Any
 
 import pytest
 
-from tests.helpers import (
-    FAKE_REPLICA_TAIL,
-    PYTHON,
-    free_port,
-    start_process,
-    stop_process,
-    wait_for,
-)
+from tests.helpers import FAKE_REPLICA_TAIL, start_script_replica, stop_process, wait_for
 from tests.integration.test_router_fleet import Router, http
 
 pytestmark = pytest.mark.timeout(180)
@@ -62,12 +55,9 @@ class HoldingReplica:
     def __init__(self, tmp: Path, name: str) -> None:
         self.hold_flag = tmp / f"{name}.hold"
         self.hold_flag.touch()
-        port = free_port()
+        self.proc, port = start_script_replica(
+            HOLDING_REPLICA, env={"HOLD_FLAG": str(self.hold_flag)}, name=f"replica {name}")
         self.url = f"http://127.0.0.1:{port}"
-        self.proc = start_process([PYTHON, "-c", HOLDING_REPLICA, str(port)],
-                                  {"HOLD_FLAG": str(self.hold_flag)})
-        wait_for(lambda: self.prompts() == [], 30, message=f"replica {name} up",
-                 procs=[self.proc])
 
     def prompts(self) -> list[str]:
         return list(json.loads(http("GET", self.url + "/stats", timeout=2)[2])["arrived"])

@@ -21,6 +21,7 @@ from typing import Any
 import pytest
 
 from router.shared.contract import DEFAULT_REDIS_PREFIX
+from tests.helpers import stopping
 from tests.integration.test_router_fleet import TOKENIZER, Fleet, Router, http, start_router
 
 anthropic = pytest.importorskip("anthropic")
@@ -52,11 +53,8 @@ def fleet(redis_server: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterat
 
 @pytest.fixture(scope="module")
 def router(fleet: Fleet, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Router]:
-    r = start_router(fleet, tmp_path_factory.mktemp("apis-router"))
-    try:
+    with stopping(start_router(fleet, tmp_path_factory.mktemp("apis-router"))) as r:
         yield r
-    finally:
-        r.stop()
 
 
 def document(seed: int, words: int = 900) -> str:

@@ -16,8 +16,8 @@ from typing import Any
 import pytest
 
 from router.request.chat_render import UNTRUSTED_TEMPLATE_MESSAGE
-from tests.helpers import EMULATE, start_process, stop_process, wait_for
-from tests.integration.test_router_fleet import TOKENIZER, Router, read_json_file
+from tests.helpers import emulator_url, wait_for
+from tests.integration.test_router_fleet import TOKENIZER, Router
 
 pytestmark = [pytest.mark.timeout(180),
               pytest.mark.skipif(TOKENIZER is None, reason="needs the Qwen3 tokenizer files")]
@@ -32,12 +32,8 @@ RENDER_BOUND_S = 5  # --chat-template-timeout-s of the stall test: two kills hol
 
 @pytest.fixture(scope="module")
 def replica_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    ready = tmp_path_factory.mktemp("emu") / "emu.json"
-    proc = start_process([*EMULATE, "--time-scale", "50", "--ready-file", str(ready)])
-    try:
-        yield wait_for(lambda: read_json_file(ready), 60, message="emulator")["replicas"][0]["url"]
-    finally:
-        stop_process(proc)
+    with emulator_url(tmp_path_factory.mktemp("emu") / "emu.json", "--time-scale", "50") as url:
+        yield url
 
 
 def router_for(url: str, tmp: Path, *extra: str) -> Router:

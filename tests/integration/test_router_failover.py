@@ -23,6 +23,8 @@ from tests.helpers import (
     PYTHON,
     ReplicaFeed,
     start_process,
+    start_script_replica,
+    stop_all,
     stop_process,
     wait_for,
     wait_routable,
@@ -183,19 +185,12 @@ def prompt_routed_to(router: Router, replica_id: str, rng: random.Random) -> dic
 
 
 def test_502_and_504_before_any_byte_are_retried_on_the_next_replica(tmp_path: Path) -> None:
-    from tests.helpers import free_port
-
-    script = tmp_path / "status_server.py"
-    script.write_text(STATUS_SERVER)
     servers = {}
     routers: list[Router] = []
     try:
         for status in (200, 502, 504):
-            port = free_port()
-            servers[status] = (start_process([PYTHON, str(script), str(port), str(status)]),
-                               f"127.0.0.1:{port}")
-        for _, rid in servers.values():
-            wait_for(lambda rid=rid: http("GET", f"http://{rid}/health")[0] == 200, 20)
+            proc, port = start_script_replica(STATUS_SERVER, str(status), name=f"{status} replica")
+            servers[status] = (proc, f"127.0.0.1:{port}")
         rng = random.Random(4)
         for bad in (502, 504):  # one failing and one good replica behind each router
             bad_id, good_id = servers[bad][1], servers[200][1]
@@ -218,23 +213,15 @@ def test_502_and_504_before_any_byte_are_retried_on_the_next_replica(tmp_path: P
 
 
 def test_last_replica_answering_503_is_relayed(tmp_path: Path) -> None:
-    from tests.helpers import free_port
-
-    script = tmp_path / "status_server.py"
-    script.write_text(STATUS_SERVER)
-    port = free_port()
-    server = start_process([PYTHON, str(script), str(port), "503"])
+    server, port = start_script_replica(STATUS_SERVER, "503", name="503 replica")
     router = None
     try:
-        wait_for(lambda: http("GET", f"http://127.0.0.1:{port}/health")[0] == 200, 20)
         router = Router(tmp_path, ["--replica", f"http://127.0.0.1:{port}"])
         status, headers, raw = router.post("/v1/completions", {"model": "fixed", "prompt": [1, 2]})
         assert status == 503 and json.loads(raw)["error"]["message"] == "replica says 503"
         assert headers["x-prefix-router-replica"] == f"127.0.0.1:{port}"
     finally:
-        if router is not None:
-            router.stop()
-        stop_process(server)
+        stop_all(router, server)
 
 
 POISON_SERVER = """
@@ -251,16 +238,14 @@ async def completions(request):
 def test_one_request_dropped_by_every_replica_does_not_bench_the_fleet(tmp_path: Path) -> None:
     """A dropped connection may be about the request, not the replica: only refused or timed-out
     connections bench a replica, so the next requests are served at once."""
-    from tests.helpers import free_port
-
-    script = tmp_path / "poison_server.py"
-    script.write_text(POISON_SERVER)
-    ports = [free_port(), free_port()]
-    servers = [start_process([PYTHON, str(script), str(port)]) for port in ports]
+    servers: list[Any] = []
+    ports: list[int] = []
     router = None
     try:
-        for port in ports:
-            wait_for(lambda port=port: http("GET", f"http://127.0.0.1:{port}/health")[0] == 200, 20)
+        for _ in range(2):
+            server, port = start_script_replica(POISON_SERVER, name="poison replica")
+            servers.append(server)
+            ports.append(port)
         router = Router(tmp_path, [arg for port in ports
                                    for arg in ("--replica", f"http://127.0.0.1:{port}")])
         status, headers, raw = router.post("/v1/completions", {"model": "fixed", "prompt": [13]})
@@ -275,10 +260,7 @@ def test_one_request_dropped_by_every_replica_does_not_bench_the_fleet(tmp_path:
             status, _, raw = router.post("/v1/completions", {"model": "fixed", "prompt": [20 + i]})
             assert status == 200, raw[:300]
     finally:
-        if router is not None:
-            router.stop()
-        for server in servers:
-            stop_process(server)
+        stop_all(router, *servers)
 
 
 GARBLED_SERVER = """
@@ -312,14 +294,13 @@ def test_a_replica_answering_garbage_is_retried_elsewhere_and_benched(tmp_path: 
     from tests.helpers import free_port
 
     (tmp_path / "garbled.py").write_text(GARBLED_SERVER)
-    (tmp_path / "status_server.py").write_text(STATUS_SERVER)
-    bad_port, good_port = free_port(), free_port()
-    servers = [start_process([PYTHON, str(tmp_path / "garbled.py"), str(bad_port)]),
-               start_process([PYTHON, str(tmp_path / "status_server.py"), str(good_port), "200"])]
+    bad_port = free_port()
+    servers = [start_process([PYTHON, str(tmp_path / "garbled.py"), str(bad_port)])]
     router = None
     try:
-        for port in (bad_port, good_port):
-            wait_for(lambda port=port: http("GET", f"http://127.0.0.1:{port}/health")[0] == 200, 20)
+        wait_for(lambda: http("GET", f"http://127.0.0.1:{bad_port}/health")[0] == 200, 20)
+        good, good_port = start_script_replica(STATUS_SERVER, "200", name="good replica")
+        servers.append(good)
         bad_id, good_id = f"127.0.0.1:{bad_port}", f"127.0.0.1:{good_port}"
         router = Router(tmp_path, ["--replica", f"http://{bad_id}", "--replica", f"http://{good_id}"])
         rng = random.Random(8)
@@ -332,10 +313,7 @@ def test_a_replica_answering_garbage_is_retried_elsewhere_and_benched(tmp_path: 
             status, headers, _ = router.post("/v1/completions", body)
             assert status == 200 and headers["x-prefix-router-replica"] == good_id
     finally:
-        if router is not None:
-            router.stop()
-        for server in servers:
-            stop_process(server)
+        stop_all(router, *servers)
 
 
 def _emulated_fleet(redis_url: str, tmp_path: Path, num: int) -> list[Any]:

@@ -24,7 +24,15 @@ import aiohttp
 import pytest
 
 from router.request.prompts import default_tokenizer_dir
-from tests.helpers import EMULATE, FAKE_REPLICA_TAIL, PYTHON, start_process, stop_process, wait_for
+from tests.helpers import (
+    EMULATE,
+    FAKE_REPLICA_TAIL,
+    PYTHON,
+    start_process,
+    start_script_replica,
+    stop_process,
+    wait_for,
+)
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -371,25 +379,18 @@ async def completions(request):
 
 
 @contextlib.contextmanager
-def scripted_replica(tmp: Path, source: str) -> Iterator[str]:
-    """A replica process running ``source`` (a ``completions`` handler + ``FAKE_REPLICA_TAIL``)
-    on a free loopback port; yields its URL once it answers ``/health``."""
-    from tests.helpers import free_port
-
-    port = free_port()
-    script = tmp / f"replica-{port}.py"
-    script.write_text(source)
-    upstream = start_process([PYTHON, str(script), str(port)])
+def scripted_replica(source: str) -> Iterator[str]:
+    """A replica process running ``source`` (``start_script_replica``); yields its URL once it
+    answers ``/health``, stops it after the block."""
+    upstream, port = start_script_replica(source)
     try:
-        url = f"http://127.0.0.1:{port}"
-        wait_for(lambda: http("GET", url + "/health")[0] == 200, 20, message="scripted replica")
-        yield url
+        yield f"http://127.0.0.1:{port}"
     finally:
         stop_process(upstream)
 
 
 def test_sse_relay_is_byte_identical(tmp_path: Path) -> None:
-    with scripted_replica(tmp_path, FIXED_SSE_SERVER) as url:
+    with scripted_replica(FIXED_SSE_SERVER) as url:
         router = Router(tmp_path, ["--replica", url])
         try:
             body = {"model": "fixed", "prompt": [1, 2, 3], "stream": True}

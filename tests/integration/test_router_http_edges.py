@@ -21,11 +21,9 @@ import pytest
 from router.shared import contract as c
 from tests.helpers import (
     FAKE_REPLICA_TAIL,
-    PYTHON,
-    free_port,
     start_emulator,
-    start_process,
-    stop_process,
+    start_script_replica,
+    stop_all,
     wait_for,
 )
 from tests.integration.test_router_fleet import Router, http
@@ -131,23 +129,8 @@ async def completions(request):
     return web.json_response({"id": "slow", "object": "text_completion", "choices": []})""" + FAKE_REPLICA_TAIL
 
 
-def start_script_replica(tmp_path: Path, name: str, source: str) -> tuple[Any, int]:
-    """Run the fake replica ``source`` (a script ending in ``FAKE_REPLICA_TAIL``) on a free
-    port: ``(process, port)`` once its /health answers."""
-    script = tmp_path / f"{name}.py"
-    script.write_text(source)
-    port = free_port()
-    replica = start_process([PYTHON, str(script), str(port)])
-    try:
-        wait_for(lambda: http("GET", f"http://127.0.0.1:{port}/health")[0] == 200, 20)
-    except BaseException:
-        stop_process(replica)
-        raise
-    return replica, port
-
-
 def test_stop_turns_ready_503_first_and_lets_requests_finish(tmp_path: Path) -> None:
-    replica, port = start_script_replica(tmp_path, "slow", SLOW_REPLICA)
+    replica, port = start_script_replica(SLOW_REPLICA, name="slow replica")
     router = None
     try:
         router = Router(tmp_path, ["--replica", f"http://127.0.0.1:{port}", "--drain-delay-s", "1.5"])
@@ -170,9 +153,7 @@ def test_stop_turns_ready_503_first_and_lets_requests_finish(tmp_path: Path) -> 
         assert result and result[0][0] == 200  # the request in flight finished
         assert router.proc.wait(10) == 0
     finally:
-        if router is not None:
-            router.stop()
-        stop_process(replica)
+        stop_all(router, replica)
 
 
 def test_a_lone_surrogate_in_the_json_is_a_400_saying_not_unicode(tmp_path: Path) -> None:
@@ -198,9 +179,7 @@ def test_a_lone_surrogate_in_the_json_is_a_400_saying_not_unicode(tmp_path: Path
                                         rb'{"prompt": "\ud83d\ude00", "max_tokens": 1}')
         assert status == 200, answer
     finally:
-        if router is not None:
-            router.stop()
-        stop_process(emulator)
+        stop_all(router, emulator)
 
 
 COOKIE_REPLICA = """
@@ -219,7 +198,7 @@ def test_a_cookie_a_replica_sets_is_not_sent_with_other_clients_requests(tmp_pat
     must reach that client only, never ride along on the next client's request to the replica
     (aiohttp's default cookie jar kept it and sent it with every later request to that host).
     A client's own Cookie header still passes."""
-    replica, port = start_script_replica(tmp_path, "cookie", COOKIE_REPLICA)
+    replica, port = start_script_replica(COOKIE_REPLICA, name="cookie replica")
     router = None
     try:
         # a host name: aiohttp's default jar ignores cookies from IP addresses, not from the
@@ -234,9 +213,7 @@ def test_a_cookie_a_replica_sets_is_not_sent_with_other_clients_requests(tmp_pat
         status, _, answer = router.post("/v1/completions", body, headers={"Cookie": "own=1"})
         assert status == 200 and json.loads(answer)["cookie"] == "own=1", answer
     finally:
-        if router is not None:
-            router.stop()
-        stop_process(replica)
+        stop_all(router, replica)
 
 
 HEADERS_REPLICA = """
@@ -255,7 +232,7 @@ async def completions(request):
 def test_headers_a_connection_header_names_are_not_forwarded_either_way(tmp_path: Path) -> None:
     """RFC 9110 section 7.6.1: a header named in ``Connection`` is for the next hop only; the
     router drops it from the client's request and from the replica's answer (it forwarded both)."""
-    replica, port = start_script_replica(tmp_path, "headers", HEADERS_REPLICA)
+    replica, port = start_script_replica(HEADERS_REPLICA, name="headers replica")
     router = None
     try:
         router = Router(tmp_path, ["--replica", f"http://127.0.0.1:{port}"])
@@ -274,6 +251,4 @@ def test_headers_a_connection_header_names_are_not_forwarded_either_way(tmp_path
         assert b"x-reply-end" in names, head
         assert b"x-reply-hop" not in names, head
     finally:
-        if router is not None:
-            router.stop()
-        stop_process(replica)
+        stop_all(router, replica)

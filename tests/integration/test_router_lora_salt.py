@@ -21,7 +21,7 @@ from typing import Any, cast
 import pytest
 
 from router.shared.contract import DEFAULT_REDIS_PREFIX, blocks_key, unpack_key
-from tests.helpers import EMULATE, PYTHON, start_process, stop_process, wait_for
+from tests.helpers import EMULATE, PYTHON, start_process, stop_process, stopping, wait_for
 from tests.integration.test_router_fleet import KV_EVENTS, Router, read_json_file
 
 pytestmark = pytest.mark.timeout(120)
@@ -108,11 +108,8 @@ def start_router(fleet: LoraFleet, tmp: Path, policy: str = "prefix") -> Router:
 
 @pytest.fixture(scope="module")
 def prefix_router(fleet: LoraFleet, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Router]:
-    r = start_router(fleet, tmp_path_factory.mktemp("prefix-router"))
-    try:
+    with stopping(start_router(fleet, tmp_path_factory.mktemp("prefix-router"))) as r:
         yield r
-    finally:
-        r.stop()
 
 
 def tokens(rng: random.Random, n: int) -> list[int]:

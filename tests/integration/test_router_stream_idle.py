@@ -43,7 +43,7 @@ async def completions(request):
 
 @pytest.fixture
 def relay(tmp_path: Path) -> Iterator[Router]:
-    with scripted_replica(tmp_path, PACED_SSE_SERVER) as url:
+    with scripted_replica(PACED_SSE_SERVER) as url:
         router = Router(tmp_path, ["--replica", url, "--stream-idle-timeout-s", str(IDLE_S)])
         try:
             yield router

@@ -14,7 +14,7 @@ from typing import Any
 import aiohttp
 import pytest
 
-from tests.helpers import EMULATE, start_process, stop_process, wait_for
+from tests.helpers import EMULATE, start_process, stop_all, stop_process, wait_for
 from tests.integration.test_router_fleet import Router, http, prometheus_value, read_json_file
 
 pytestmark = pytest.mark.timeout(180)
@@ -38,26 +38,32 @@ class Emulator:
         self.replica_id = self.url.removeprefix("http://")  # static replica ids are host:port
 
 
-@pytest.fixture
-def two_speeds(tmp_path: Path) -> Iterator[tuple[Emulator, Emulator, Router]]:
-    fast = Emulator(tmp_path, "fast", 400.0, LEARNING_TIME_SCALE)
+def behind_a_ttft_router(tmp: Path, first: tuple[str, float], second: tuple[str, float],
+                         time_scale: float = TIME_SCALE,
+                         ) -> Iterator[tuple[Emulator, Emulator, Router]]:
+    """Two emulators, ``(name, gpu_tflops)`` each, behind a router on the ttft policy (static
+    replica URLs); yields them once both are routable, then stops all three."""
+    one = Emulator(tmp, *first, time_scale)
     try:
-        slow = Emulator(tmp_path, "slow", 100.0, LEARNING_TIME_SCALE)
+        two = Emulator(tmp, *second, time_scale)
     except BaseException:
-        stop_process(fast.proc)
+        stop_process(one.proc)
         raise
     router = None
     try:
-        router = Router(tmp_path, ["--replica", fast.url, "--replica", slow.url, "--policy", "ttft",
-                                   "--hash-seed", "0"])
+        router = Router(tmp, ["--replica", one.url, "--replica", two.url, "--policy", "ttft",
+                              "--hash-seed", "0"])
         wait_for(lambda: sum(r["routable"] for r in router.ready()["replicas"]) == 2, 30,
                  message="both replicas routable")
-        yield fast, slow, router
+        yield one, two, router
     finally:
-        if router is not None:
-            router.stop()
-        stop_process(slow.proc)
-        stop_process(fast.proc)
+        stop_all(router, two.proc, one.proc)
+
+
+@pytest.fixture
+def two_speeds(tmp_path: Path) -> Iterator[tuple[Emulator, Emulator, Router]]:
+    yield from behind_a_ttft_router(tmp_path, ("fast", 400.0), ("slow", 100.0),
+                                    LEARNING_TIME_SCALE)
 
 
 async def _send(url: str, prompts: list[list[int]], concurrency: int) -> list[str]:
@@ -148,24 +154,7 @@ def test_learned_rates_separate_and_the_slow_replica_gets_less_cold_work(
 
 @pytest.fixture
 def two_alike(tmp_path: Path) -> Iterator[tuple[Emulator, Emulator, Router]]:
-    first = Emulator(tmp_path, "a", 400.0)
-    try:
-        second = Emulator(tmp_path, "b", 400.0)
-    except BaseException:
-        stop_process(first.proc)
-        raise
-    router = None
-    try:
-        router = Router(tmp_path, ["--replica", first.url, "--replica", second.url, "--policy",
-                                   "ttft", "--hash-seed", "0"])
-        wait_for(lambda: sum(r["routable"] for r in router.ready()["replicas"]) == 2, 30,
-                 message="both replicas routable")
-        yield first, second, router
-    finally:
-        if router is not None:
-            router.stop()
-        stop_process(second.proc)
-        stop_process(first.proc)
+    yield from behind_a_ttft_router(tmp_path, ("a", 400.0), ("b", 400.0))
 
 
 def test_decoding_requests_count_as_decode_cost_until_they_end(

@@ -24,8 +24,8 @@ from aiohttp import web
 from router.observability.tracing import Tracing
 from router.service.config import load_config
 from router.service.server import RouterService
-from tests.helpers import EMULATE, start_process, stop_process, wait_for
-from tests.integration.test_router_fleet import Router, read_json_file
+from tests.helpers import emulator_url
+from tests.integration.test_router_fleet import Router
 
 otel_sdk = pytest.importorskip("opentelemetry.sdk.trace")
 from opentelemetry.sdk.trace import TracerProvider  # noqa: E402
@@ -40,12 +40,8 @@ CLIENT_PARENT = f"00-{CLIENT_TRACE_ID}-00f067aa0ba902b7-01"
 
 @pytest.fixture(scope="module")
 def emulator(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    ready = tmp_path_factory.mktemp("emu") / "emu.json"
-    proc = start_process([*EMULATE, "--time-scale", "50", "--ready-file", str(ready)])
-    try:
-        yield wait_for(lambda: read_json_file(ready), 60, message="emulator")["replicas"][0]["url"]
-    finally:
-        stop_process(proc)
+    with emulator_url(tmp_path_factory.mktemp("emu") / "emu.json", "--time-scale", "50") as url:
+        yield url
 
 
 class RecordingReplica:

@@ -205,7 +205,7 @@ def test_a_stream_broken_mid_body_ends_with_an_sse_error(client: str, tmp_path: 
     """Either upstream client: a replica's connection lost in the middle of a chunked SSE body
     ends the client's stream with the events relayed so far and a 502 error event, counted as
     ``stream_broken``."""
-    with scripted_replica(tmp_path, BROKEN_SSE_SERVER) as url:
+    with scripted_replica(BROKEN_SSE_SERVER) as url:
         router = Router(tmp_path, ["--replica", url], env={"ROUTER_UPSTREAM_CLIENT": client})
         try:
             status, _, body = router.post("/v1/completions",

@@ -171,20 +171,21 @@ class Fleet:
         return [ReplicaLoad("a", self.inflight)] if self.routable else None
 
 
-def _gate(fleet: Fleet, events: list[AdmissionEvent], **limits: float) -> AdmissionGate:
-    return AdmissionGate(AdmissionLimits(**limits), fleet.loads_of, events.append)  # type: ignore[arg-type]
+def _gate(**limits: float) -> tuple[AdmissionGate, Fleet, list[AdmissionEvent]]:
+    """A gate with ``limits`` on a ``Fleet``, and the list of the events it reports."""
+    fleet, events = Fleet(), list[AdmissionEvent]()
+    gate = AdmissionGate(AdmissionLimits(**limits), fleet.loads_of, events.append)  # type: ignore[arg-type]
+    return gate, fleet, events
 
 
 async def test_gate_off_admits_everything() -> None:
-    fleet, events = Fleet(), list[AdmissionEvent]()
-    gate = AdmissionGate(AdmissionLimits(), fleet.loads_of, events.append)
+    gate, _, _ = _gate()
     slots = [await gate.admit(f"r{i}", None) for i in range(100)]
     assert len(slots) == 100 and len(gate.queue) == 0
 
 
 async def test_gate_queues_until_a_slot_is_released_in_order() -> None:
-    fleet, events = Fleet(), list[AdmissionEvent]()
-    gate = _gate(fleet, events, max_inflight=2)
+    gate, _fleet, events = _gate(max_inflight=2)
     first = [await gate.admit(f"r{i}", None) for i in range(2)]
     waiters = [asyncio.create_task(gate.admit(f"w{i}", None)) for i in range(3)]
     await asyncio.sleep(0)
@@ -203,8 +204,7 @@ async def test_gate_queues_until_a_slot_is_released_in_order() -> None:
 
 
 async def test_gate_per_replica_room_follows_dispatch() -> None:
-    fleet, events = Fleet(), list[AdmissionEvent]()
-    gate = _gate(fleet, events, max_inflight_per_replica=1)
+    gate, fleet, _events = _gate(max_inflight_per_replica=1)
     slot = await gate.admit("r0", None)
     waiter = asyncio.create_task(gate.admit("r1", None))
     await asyncio.sleep(0.01)
@@ -220,8 +220,7 @@ async def test_gate_per_replica_room_follows_dispatch() -> None:
 
 
 async def test_gate_cancelled_waiter_leaves_the_queue_at_once() -> None:
-    fleet, events = Fleet(), list[AdmissionEvent]()
-    gate = _gate(fleet, events, max_inflight=1)
+    gate, _fleet, events = _gate(max_inflight=1)
     slot = await gate.admit("r0", None)
     waiter = asyncio.create_task(gate.admit("gone", None))
     later = asyncio.create_task(gate.admit("later", None))
@@ -237,8 +236,7 @@ async def test_gate_cancelled_waiter_leaves_the_queue_at_once() -> None:
 
 
 async def test_gate_admitted_as_the_client_left_gives_the_slot_back() -> None:
-    fleet, events = Fleet(), list[AdmissionEvent]()
-    gate = _gate(fleet, events, max_inflight=1)
+    gate, _fleet, _events = _gate(max_inflight=1)
     slot = await gate.admit("r0", None)
     waiter = asyncio.create_task(gate.admit("r1", None))
     await asyncio.sleep(0)
@@ -251,8 +249,7 @@ async def test_gate_admitted_as_the_client_left_gives_the_slot_back() -> None:
 
 
 async def test_gate_sheds_past_the_wait_bound_with_retry_after() -> None:
-    fleet, events = Fleet(), list[AdmissionEvent]()
-    gate = _gate(fleet, events, max_inflight=1, max_queue_wait_s=0.05)
+    gate, _fleet, events = _gate(max_inflight=1, max_queue_wait_s=0.05)
     slot = await gate.admit("r0", None)
     with pytest.raises(Overloaded) as info:
         await asyncio.wait_for(gate.admit("r1", None), 10)
@@ -265,8 +262,7 @@ async def test_gate_sheds_past_the_wait_bound_with_retry_after() -> None:
 
 
 async def test_gate_sheds_when_the_queue_is_full() -> None:
-    fleet, events = Fleet(), list[AdmissionEvent]()
-    gate = _gate(fleet, events, max_inflight=1, max_queue_length=1)
+    gate, _fleet, _events = _gate(max_inflight=1, max_queue_length=1)
     await gate.admit("r0", None)
     waiter = asyncio.create_task(gate.admit("r1", None))
     await asyncio.sleep(0)
@@ -279,16 +275,14 @@ async def test_gate_sheds_when_the_queue_is_full() -> None:
 
 async def test_gate_admits_an_unroutable_model_at_once() -> None:
     # routing answers its 404/503; waiting for room that cannot come would only delay it
-    fleet, events = Fleet(), list[AdmissionEvent]()
-    gate = _gate(fleet, events, max_inflight_per_replica=1)
+    gate, fleet, _events = _gate(max_inflight_per_replica=1)
     await gate.admit("r0", None)
     fleet.routable = False
     await asyncio.wait_for(gate.admit("r1", None), 5)
 
 
 async def test_gate_explains_why_a_request_would_wait() -> None:
-    fleet, events = Fleet(), list[AdmissionEvent]()
-    gate = _gate(fleet, events, max_inflight_per_replica=1)
+    gate, fleet, _events = _gate(max_inflight_per_replica=1)
     assert gate.explain(None) == {"admit": True, "wait_reason": None, "replicas": {"a": {
         "inflight_requests": 0, "queued_prefill_s": 0.0, "room": True}}, "ttft_target_s": None,
         "predicted_ttft_s": None, "slo": None, "slo_reason": None}
@@ -303,8 +297,7 @@ async def test_gate_explains_why_a_request_would_wait() -> None:
 
 
 async def test_gate_polls_for_room_it_is_not_told_of() -> None:
-    fleet, events = Fleet(), list[AdmissionEvent]()
-    gate = _gate(fleet, events, max_inflight_per_replica=1)
+    gate, fleet, _events = _gate(max_inflight_per_replica=1)
     fleet.inflight = 1  # another path's load (the replica was full when it came)
     waiter = asyncio.create_task(gate.admit("r0", None))
     await asyncio.sleep(0.01)

@@ -9,17 +9,10 @@ import pytest
 
 from router.decision.load import LoadTracker
 from router.decision.policy import NO_HIT, Candidate, HitDepth, PolicyParams, RouteInput, decide
-from router.decision.ring import HashRing
+from tests.unit.policy_fleet import CHAIN, IDS, RING, home_of
 
-IDS = ("replica-0", "replica-1", "replica-2", "replica-3")
-RING = HashRing(IDS, vnodes=64)
-CHAIN = list(range(1000, 1064))  # 64 blocks = 1024 tokens at block size 16
 PARAMS = PolicyParams(block_size=16, load_factor=1.25, load_headroom=1, queue_slack_tokens=256,
                       recompute_penalty=1.0)
-
-
-def home_of(key: int) -> str:
-    return RING.order(key)[0]
 
 
 @dataclass

@@ -14,13 +14,11 @@ from router.decision.policy import (
     keep_session,
     session_replica,
 )
-from router.decision.ring import HashRing
 from router.request.prompts import PromptError, parse_prompt, parse_request
 from router.shared.contract import BlockKey
 from router.traffic.sessions import SessionTable, session_key
+from tests.unit.policy_fleet import IDS, RING
 
-IDS = ("replica-0", "replica-1", "replica-2", "replica-3")
-RING = HashRing(IDS, vnodes=64)
 CHAIN = [BlockKey(k) for k in range(2000, 2032)]  # 32 blocks
 REQUEST = RouteInput(CHAIN, 32 * 16 + 1, CHAIN[0])
 PARAMS = PolicyParams(block_size=16, load_factor=1.25, load_headroom=1)

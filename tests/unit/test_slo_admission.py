@@ -84,9 +84,15 @@ class Fleet:
         return self.now
 
 
-def _gate(fleet: Fleet, events: list[AdmissionEvent]) -> AdmissionGate:
-    return AdmissionGate(AdmissionLimits(max_inflight=100), fleet.loads_of, events.append,
+def _gate(queued_s: tuple[float, float] = (0.0, 0.0),
+          ) -> tuple[AdmissionGate, Fleet, list[AdmissionEvent]]:
+    """A gate on a ``Fleet`` whose replicas have ``queued_s`` of prefill queued, and the list of
+    the events it reports."""
+    fleet, events = Fleet(), list[AdmissionEvent]()
+    fleet.queued_s = list(queued_s)
+    gate = AdmissionGate(AdmissionLimits(max_inflight=100), fleet.loads_of, events.append,
                          clock=fleet.clock)
+    return gate, fleet, events
 
 
 async def _settle() -> None:
@@ -95,9 +101,7 @@ async def _settle() -> None:
 
 
 async def test_gate_holds_a_request_for_its_target_then_admits_it() -> None:
-    fleet, events = Fleet(), list[AdmissionEvent]()
-    fleet.queued_s = [3.0, 4.0]
-    gate = _gate(fleet, events)
+    gate, fleet, events = _gate((3.0, 4.0))
     waiter = asyncio.create_task(gate.admit("r0", None, 1.0, 0, "", 1000, 2.0))
     await _settle()
     assert not waiter.done() and len(gate.queue) == 1  # predicted 4.1 s > 2 s: it waits
@@ -120,8 +124,7 @@ async def test_gate_holds_a_request_for_its_target_then_admits_it() -> None:
 
 
 async def test_gate_counts_prefill_admitted_but_not_dispatched() -> None:
-    fleet, events = Fleet(), list[AdmissionEvent]()
-    gate = _gate(fleet, events)
+    gate, _fleet, events = _gate()
     # each request predicts 0.6 s on an idle replica; those admitted before it and not yet
     # dispatched add their 0.6 s spread over the two replicas: the k-th (from 0) sees
     # 0.6 + 0.3 k, within 2 s for k <= 4
@@ -137,9 +140,7 @@ async def test_gate_counts_prefill_admitted_but_not_dispatched() -> None:
 
 
 async def test_a_held_request_holds_back_lower_classes_not_higher() -> None:
-    fleet, events = Fleet(), list[AdmissionEvent]()
-    fleet.queued_s = [3.0, 3.0]
-    gate = _gate(fleet, events)
+    gate, fleet, events = _gate((3.0, 3.0))
     held = asyncio.create_task(gate.admit("mid", None, 1.0, 1, "", 1000, 2.0))
     await _settle()
     lower = asyncio.create_task(gate.admit("low", None, 1.0, 2, ""))  # no target
@@ -158,9 +159,7 @@ async def test_a_held_request_holds_back_lower_classes_not_higher() -> None:
 
 
 async def test_gate_sheds_once_the_target_cannot_be_met() -> None:
-    fleet, events = Fleet(), list[AdmissionEvent]()
-    fleet.queued_s = [3.0, 3.0]
-    gate = _gate(fleet, events)
+    gate, fleet, events = _gate((3.0, 3.0))
     waiter = asyncio.create_task(gate.admit("r0", None, 1.0, 0, "t", 1000, 2.0))
     await _settle()
     fleet.now += 0.8  # waited 0.8 + idle 1.1 <= 2: still waits
@@ -180,16 +179,13 @@ async def test_gate_sheds_once_the_target_cannot_be_met() -> None:
 
 
 async def test_a_request_its_own_prefill_misses_is_judged_by_the_limits_alone() -> None:
-    fleet, events = Fleet(), list[AdmissionEvent]()
-    gate = _gate(fleet, events)
+    gate, _fleet, events = _gate()
     await asyncio.wait_for(gate.admit("big", None, 5.0, 0, "", 5000, 2.0), 5)
     assert events[-1].slo == SLO_UNMEETABLE
 
 
 async def test_no_target_no_slo() -> None:
-    fleet, events = Fleet(), list[AdmissionEvent]()
-    fleet.queued_s = [30.0, 30.0]
-    gate = _gate(fleet, events)
+    gate, _fleet, events = _gate((30.0, 30.0))
     await asyncio.wait_for(gate.admit("r0", None, 1.0, 0, "", 1000), 5)
     assert (events[-1].slo, events[-1].predicted_ttft_s) == ("", None)
 

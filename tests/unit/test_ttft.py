@@ -9,7 +9,6 @@ from typing import Any
 import pytest
 
 from router.decision.policy import Candidate, PolicyParams, RouteInput, decide
-from router.decision.ring import HashRing
 from router.decision.ttft import (
     MIN_SAMPLES,
     SAME_RATE_BAND,
@@ -18,17 +17,11 @@ from router.decision.ttft import (
     RateEstimate,
     prefill_work_tokens,
 )
+from tests.unit.policy_fleet import CHAIN, IDS, RING, home_of
 from worker.emulator.profiles import LatencyModel
 
-IDS = ("replica-0", "replica-1", "replica-2", "replica-3")
-RING = HashRing(IDS, vnodes=64)
-CHAIN = list(range(1000, 1064))  # 64 blocks = 1024 tokens at block size 16
 PARAMS = PolicyParams(block_size=16, ttft_prior_tokens_per_s=100_000.0)
 SPT = 1.0 / 100_000.0  # the prior, seconds per work token
-
-
-def home_of(key: int) -> str:
-    return RING.order(key)[0]
 
 
 HOME = home_of(CHAIN[0])  # ring home of a cold prompt

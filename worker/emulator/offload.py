@@ -33,7 +33,7 @@ Times are engine seconds; transfer times come from ``host_link_bytes_per_s``.
 from __future__ import annotations
 
 from collections import OrderedDict, deque
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -263,9 +263,7 @@ class CpuOffload:
         now_s += TIME_EPS_S
         blocks = self._blocks
         stats = self.stats
-        stores = self._stores
-        while stores and stores[0].done_s <= now_s:
-            job = stores.popleft()
+        for job in _ended(self._stores, now_s):
             stats.store_bytes += len(job.block_hashes) * self.block_bytes
             stats.store_s += job.duration_s
             ready = []
@@ -276,10 +274,8 @@ class CpuOffload:
             if ready and self.enable_events:
                 self._events.append(OffloadStored(ready))
         done: list[Any] = []
-        loads = self._loads
         being = self._being_loaded
-        while loads and loads[0].done_s <= now_s:
-            job = loads.popleft()
+        for job in _ended(self._loads, now_s):
             stats.load_bytes += len(job.block_hashes) * self.block_bytes
             stats.load_s += job.duration_s
             for block_hash in job.block_hashes:
@@ -295,6 +291,13 @@ class CpuOffload:
     def take_events(self) -> list[OffloadEvent]:
         events, self._events = self._events, []
         return events
+
+
+def _ended(transfers: deque[_Transfer], now_s: float) -> Iterator[_Transfer]:
+    """Take the transfers that ended by ``now_s`` off the front of ``transfers`` (``done_s``
+    ascending: one link, one transfer at a time), in order."""
+    while transfers and transfers[0].done_s <= now_s:
+        yield transfers.popleft()
 
 
 def num_cpu_blocks(size_gib: float, block_bytes: int) -> int:
