@@ -9,6 +9,7 @@ import pytest
 
 from router.decision.load import LoadTracker
 from router.decision.policy import NO_HIT, Candidate, HitDepth, PolicyParams, RouteInput, decide
+from router.decision.ring import HashRing
 from tests.unit.policy_fleet import CHAIN, IDS, RING, home_of
 
 PARAMS = PolicyParams(block_size=16, load_factor=1.25, load_headroom=1, queue_slack_tokens=256,
