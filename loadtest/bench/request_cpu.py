@@ -9,7 +9,8 @@ write and TCP segment) and the real router in front of it (static replica, the Q
 tokenizer), then sends the demo's request shape through the router: new 8k token-id prompts
 (a ~50 KB JSON body), ``stream: true`` with usage, ``--concurrency`` at once. Reported: the
 router process's CPU milliseconds per request (user + system from /proc over the measured
-requests, after a warm-up) and wall requests per second.
+requests, after a warm-up), the part of it on the event loop's thread, wall requests per second,
+and how many requests the template audit observed and dropped.
 
 ``--profile`` also samples the router's Python stacks with py-spy (``pip install py-spy``;
 ``--rate`` samples per second, idle samples excluded) while the requests run, and splits the
@@ -61,16 +62,15 @@ CHUNK_GAP_S: Final = 0.0005  # between two SSE events: each one is its own read 
 # (phase, the frames that put a sample in it: "file:function", or "file:" for any function of
 # a module). A sample goes to the phase of its innermost frame that matches, phases tried in
 # this order for each frame: so the prefill-rate fit a finished request teaches
-# (``ttft.py``, matching nothing) counts under ``server.py:_observe``, and a metric observed
+# (``ttft.py``, matching nothing) counts under ``learning.py``, and a metric observed
 # anywhere counts as metrics. Samples in an idle thread-pool worker (waiting for work: py-spy
 # can take that wait for activity) are left out; the event loop's own C code shows as "other".
 PHASES: Final[tuple[tuple[str, tuple[str, ...]], ...]] = (
     ("metrics", ("prometheus_client/",)),
     # aiohttp's writes to the client's and the replica's sockets (send syscalls)
     ("socket writes", ("http_writer.py:",)),
-    ("completion bookkeeping", ("server.py:_observe", "server.py:_observe_ttft",
-                                "server.py:_observe_first_token", "server.py:_audit_request",
-                                "server.py:observe", "audit.py:", "usage.py:cached_tokens",
+    ("completion bookkeeping", ("learning.py:", "audit_queue.py:", "audit.py:",
+                                "usage.py:cached_tokens",
                                 "usage.py:completion_tokens", "routing.py:served",
                                 "server.py:_remember_response")),
     ("relay", ("proxy.py:_relay", "usage.py:joined_tail", "usage.py:trim_tail",
@@ -207,14 +207,22 @@ async def run(args: argparse.Namespace) -> None:
                     "--rate", str(args.rate), "--nonblocking", "--output", str(tmp / "spy.txt"),
                     stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
                 await asyncio.sleep(1.0)  # py-spy attaches
-            cpu0 = cpu_seconds(router.pid)
+            cpu0, loop0 = cpu_seconds(router.pid), thread_cpu_seconds(router.pid, router.pid)
             wall = await _send(session, router_url, bodies, args.concurrency)
             cpu_ms = (cpu_seconds(router.pid) - cpu0) * 1e3 / len(bodies)
+            loop_ms = (thread_cpu_seconds(router.pid, router.pid) - loop0) * 1e3 / len(bodies)
+            async with session.get(router_url + "/debug/prefixes?top=0") as resp:
+                audit = await resp.json()
         load = os.getloadavg()[0]
         print(f"router CPU {cpu_ms:.3f} ms/request over {len(bodies)} requests "
               f"(8k token ids, SSE {args.chunks} events, concurrency {args.concurrency}); "
               f"{len(bodies) / wall:.0f} req/s wall; load average {load:.1f}"
               + (" (under py-spy)" if spy is not None else ""), flush=True)
+        print(f"  of which on the event loop's thread {loop_ms:.3f} ms, on the others (tokenizer, "
+              f"rest hashing, template audit) {cpu_ms - loop_ms:.3f} ms", flush=True)
+        if audit.get("enabled"):  # a dropped observation is audit work not done: compare alike
+            print(f"template audit: {audit['observed_requests']} requests observed, "
+                  f"{audit['dropped_requests']} dropped (warm-up included)", flush=True)
         if spy is not None:
             spy.send_signal(2)  # SIGINT: py-spy writes its samples and exits
             _, err = await asyncio.wait_for(spy.communicate(), 60)
@@ -231,6 +239,13 @@ async def run(args: argparse.Namespace) -> None:
                 shutil.copy(tmp / "spy.txt", args.keep_profile)
     finally:
         stop_processes([p for p in (upstream, router) if p is not None])
+
+
+def thread_cpu_seconds(pid: int, tid: int) -> float:
+    """User + system CPU seconds thread ``tid`` of process ``pid`` has used (Linux
+    ``/proc/PID/task/TID/stat``; the main thread's ``tid`` is ``pid``)."""
+    fields = Path(f"/proc/{pid}/task/{tid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def _py_spy() -> str:

@@ -1,9 +1,10 @@
 """A small pooled HTTP/1.1 client for the proxy's requests to replicas, on httptools. HTTP edge.
 
-The proxy's alternative to ``aiohttp.ClientSession`` (``upstream_client: httptools``): per
-request it writes the request head and body in one write on a kept-alive connection and hands
-the parsed body chunks to the relay, without aiohttp's request and response objects,
-tracing hooks, cookie and redirect handling (``docs/benchmarks.md``, router CPU per request).
+The proxy's client for ``http://`` replicas by default (``upstream_client: httptools``;
+``aiohttp`` sends over ``aiohttp.ClientSession`` instead): per request it writes the request
+head and body in one write on a kept-alive connection and hands the parsed body chunks to the
+relay, without aiohttp's request and response objects, tracing hooks, cookie and redirect
+handling (``docs/benchmarks.md``, router CPU per request).
 
 Scope, what the proxy needs and no more:
 

@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import itertools
 import re
 import threading
 from array import array
@@ -79,9 +80,9 @@ _KINDS: Final = (  # (kind, pattern over the differing text with its context), f
 
 
 def anchors(tokens: Sequence[int]) -> dict[int, int]:
-    """``{anchor hash: first position}`` of a token sequence: windows of ``ANCHOR_WINDOW`` tokens
-    whose mixed polynomial hash is 0 modulo ``ANCHOR_EVERY`` (content-defined, so the same
-    content yields the same anchors at any offset)."""
+    """``{anchor hash: first position}`` of a token sequence, in order of position: windows of
+    ``ANCHOR_WINDOW`` tokens whose mixed polynomial hash is 0 modulo ``ANCHOR_EVERY``
+    (content-defined, so the same content yields the same anchors at any offset)."""
     n = len(tokens) - ANCHOR_WINDOW + 1
     if n <= 0:
         return {}
@@ -93,8 +94,10 @@ def anchors(tokens: Sequence[int]) -> dict[int, int]:
     h *= _MIX
     h ^= h >> np.uint64(33)
     out: dict[int, int] = {}
-    for pos in np.nonzero((h & np.uint64(ANCHOR_EVERY - 1)) == 0)[0].tolist():
-        out.setdefault(int(h[pos]), int(pos))
+    positions = np.nonzero((h & np.uint64(ANCHOR_EVERY - 1)) == 0)[0]
+    # (converted in bulk: an element read per position cost as much as the hashing)
+    for anchor, pos in zip(h[positions].tolist(), positions.tolist(), strict=True):
+        out.setdefault(anchor, pos)
     return out
 
 
@@ -180,7 +183,7 @@ class PrefixAudit:
         self.min_shared_after_tokens = min_shared_after_tokens
         self._id_key = id_key
         self._families: OrderedDict[str, _Family] = OrderedDict()  # LRU: last seen at the end
-        self._by_anchor: dict[tuple[str | None, int], str] = {}  # {(tenant, anchor): family id}
+        self._by_anchor: dict[str | None, dict[int, str]] = {}  # {tenant: {anchor: family id}}
         self._lock = threading.Lock()
         self.observed = 0
         self.near_misses = 0
@@ -232,8 +235,9 @@ class PrefixAudit:
     def _best_match(self, head: list[int], found: dict[int, int],
                     tenant: str | None) -> _Match | None:
         candidates: list[str] = []
-        for anchor, _ in sorted(found.items(), key=lambda item: item[1]):
-            fid = self._by_anchor.get((tenant, anchor))
+        by_anchor = self._by_anchor.get(tenant, {})
+        for anchor in found:  # (in order of position: ``anchors``)
+            fid = by_anchor.get(anchor)
             if fid is not None and fid not in candidates:
                 candidates.append(fid)
                 if len(candidates) == MAX_CANDIDATES:
@@ -259,7 +263,7 @@ class PrefixAudit:
         # "1f3a-41d2" has short equal pieces inside it)
         best = _Match(family, p, 0, p, p)
         tried = 0
-        for anchor, pos in sorted(found.items(), key=lambda item: item[1]):
+        for anchor, pos in found.items():  # (in order of position: ``anchors``)
             epos = family.exemplar_anchors.get(anchor)
             if pos <= p or epos is None or epos <= p or pos < best.member_end + best.shared_after:
                 continue
@@ -278,18 +282,20 @@ class PrefixAudit:
     def _found(self, head: list[int], found: dict[int, int], tenant: str | None) -> _Family:
         while len(self._families) >= self.max_families:
             _, old = self._families.popitem(last=False)
+            by_anchor = self._by_anchor.get(old.tenant, {})
             for anchor in old.exemplar_anchors:
-                if self._by_anchor.get((old.tenant, anchor)) == old.family_id:
-                    del self._by_anchor[(old.tenant, anchor)]
+                if by_anchor.get(anchor) == old.family_id:
+                    del by_anchor[anchor]
         fid = self._family_id((tenant or "").encode() + b"\x00"
                               + array("q", head[:self.block_size]).tobytes())
         while fid in self._families:  # same first block, another family (e.g. a short header)
             fid = self._family_id(fid.encode())
-        kept = dict(sorted(found.items(), key=lambda item: item[1])[:MAX_ANCHORS])
+        kept = dict(itertools.islice(found.items(), MAX_ANCHORS))  # the first, by position
         family = _Family(fid, tenant, array("q", head), kept)
         self._families[fid] = family
+        by_anchor = self._by_anchor.setdefault(tenant, {})
         for anchor in kept:
-            self._by_anchor.setdefault((tenant, anchor), fid)
+            by_anchor.setdefault(anchor, fid)
         return family
 
     def _family_id(self, data: bytes) -> str:

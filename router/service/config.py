@@ -121,8 +121,9 @@ DEFAULT_CHAT_TEMPLATE_MAX_BYTES: Final = 4 * 1024 * 1024  # and its rendered tex
 DEFAULT_RESPONSE_AFFINITY_TTL_S: Final = 86_400.0
 
 
-# the proxy's client to replicas: aiohttp's ClientSession, or the httptools pool for http://
-# replicas (router/edges/upstream_pool.py; docs/benchmarks.md, router CPU per request)
+# the proxy's client to replicas: the httptools pool for http:// replicas (the default: cheaper per
+# request, router/edges/upstream_pool.py; docs/benchmarks.md, router CPU per request), or
+# aiohttp's ClientSession for every replica; https:// replicas use the session either way
 UPSTREAM_CLIENTS: Final = ("aiohttp", "httptools")
 
 
@@ -198,7 +199,7 @@ class RouterConfig:
     connect_timeout_s: float = DEFAULT_CONNECT_TIMEOUT_S
     first_byte_timeout_s: float = DEFAULT_FIRST_BYTE_TIMEOUT_S
     stream_idle_timeout_s: float = DEFAULT_STREAM_IDLE_TIMEOUT_S
-    upstream_client: str = "aiohttp"  # aiohttp | httptools (the pool, http:// replicas)
+    upstream_client: str = "httptools"  # httptools (the pool, http:// replicas) | aiohttp
     tokenizer_threads: int = DEFAULT_TOKENIZER_THREADS
     token_cache_chunks: int = DEFAULT_TOKEN_CACHE_CHUNKS
     prompt_cache_mib: int = DEFAULT_PROMPT_CACHE_MIB
@@ -436,8 +437,8 @@ _HELP: Final = {
                           "worth, summed over the requests sharing a replica's steps (0: off)",
     "speculative_ttl_s": "seconds this router's own placements count as hits",
     "max_body_bytes": "request body limit (413 beyond)",
-    "upstream_client": "the proxy's client to replicas: aiohttp (ClientSession) | httptools "
-                       "(a small pooled client, http:// replicas; https:// stay on aiohttp)",
+    "upstream_client": "the proxy's client to replicas: httptools (a small pooled client, http:// "
+                       "replicas; https:// stay on aiohttp) | aiohttp (ClientSession)",
     "prompt_cache_mib": "memory bound of the prompt caches (MiB, estimated): 3/4 block-key "
                         "chains, 1/8 chunk tokens, 1/8 rendered chats; 0 turns them off",
     "tokenizer": "tokenizer dir or hub id; without it text prompts are routed by hashing the text",

@@ -1,8 +1,9 @@
 """The proxy's httptools upstream client (``router.edges.upstream_pool``) against real servers on
 127.0.0.1, port 0: an aiohttp server for well-formed answers, raw asyncio servers for the
 malformed and the broken ones; and a router process with either client in front of a replica
-whose stream breaks. The router's other tests run it end to end with
-``ROUTER_UPSTREAM_CLIENT=httptools`` (docs/router.md)."""
+whose stream breaks. The router's other tests run it end to end (the default
+``upstream_client``; ``ROUTER_UPSTREAM_CLIENT=aiohttp`` runs them over ``ClientSession``,
+docs/router.md)."""
 
 from __future__ import annotations
 

@@ -142,6 +142,10 @@ def test_anchors_follow_content_not_position() -> None:
     here, shifted = anchors(body), anchors([7, 8, 9, 10, 11, *body])
     assert here and {h: p + 5 for h, p in here.items()} == {
         h: p for h, p in shifted.items() if h in here}
+    # in order of position, each at its first occurrence (the audit reads them in that order)
+    repeated = anchors(body + body)
+    assert list(repeated.values()) == sorted(repeated.values())
+    assert {h: repeated[h] for h in here} == here
     assert classify("id 3f9a1c2e-7b4d-4e1a") == "request id"
     assert classify(" Alice ") == "name" and classify("at 21:13:05") == "timestamp"
 

@@ -1,0 +1,94 @@
+"""The template audit's hand-off (``router.service.audit_queue``): every observation submitted is
+audited once, in order, on the audit's thread; beyond ``AUDIT_QUEUE`` waiting they are dropped and
+counted; after ``shutdown`` nothing more is audited (what the thread holds may end). A real
+``PrefixAudit`` on a real thread."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from typing import Any
+
+from router.observability.audit import PrefixAudit
+from router.request.prompts import PromptSpec
+from router.service.audit_queue import AUDIT_QUEUE, AuditQueue
+
+TAIL = (b'data: {"usage":{"prompt_tokens":64,"prompt_tokens_details":{"cached_tokens":16}}}\n\n'
+        b"data: [DONE]\n\n")
+
+
+class _Recording(PrefixAudit):
+    """A ``PrefixAudit`` that records what it is asked to observe, and can be held."""
+
+    def __init__(self) -> None:
+        super().__init__(16)
+        self.seen: list[tuple[int, int | None, str | None]] = []
+        self.hold = threading.Event()
+        self.hold.set()
+
+    def observe(self, tokens: Any, prompt_tokens: int | None = None,
+                predicted_hit_tokens: int = 0, cached_tokens: int | None = None,
+                tenant: str | None = None) -> str | None:
+        self.hold.wait(10)
+        self.seen.append((tokens[0], cached_tokens, tenant))
+        return super().observe(tokens, prompt_tokens, predicted_hit_tokens, cached_tokens, tenant)
+
+
+def _spec(first: int) -> PromptSpec:
+    return PromptSpec(kind="completion", model=None, token_ids=[first, *range(1, 64)])
+
+
+async def _wait(condition: Any) -> None:
+    deadline = time.monotonic() + 10
+    while not condition():
+        assert time.monotonic() < deadline, "the audit thread did not catch up"
+        await asyncio.sleep(0.01)
+
+
+async def test_every_observation_is_audited_once_in_order() -> None:
+    audit = _Recording()
+    queue = AuditQueue(audit, None, 1024)
+    try:
+        for i in range(200):
+            queue.submit(_spec(1000 + i), 64, 0, TAIL, "t" if i % 2 else None)
+            if i % 7 == 0:
+                await asyncio.sleep(0.001)  # some observations alone, some in a burst
+        await _wait(lambda: queue.num_queued == 0)
+        assert audit.seen == [(1000 + i, 16, "t" if i % 2 else None) for i in range(200)]
+        assert audit.observed == 200 and audit.dropped == 0
+    finally:
+        queue.shutdown()
+
+
+async def test_beyond_the_queue_observations_are_dropped_and_counted() -> None:
+    audit = _Recording()
+    audit.hold.clear()  # the thread holds the first observation
+    queue = AuditQueue(audit, None, 1024)
+    try:
+        for i in range(AUDIT_QUEUE + 5):
+            queue.submit(_spec(1000 + i), 64, 0, TAIL, "t")
+        assert audit.dropped == 5 and audit.report(tenant="t", all_tenants=False)[
+            "dropped_requests"] == 5
+        audit.hold.set()
+        await _wait(lambda: queue.num_queued == 0)
+        assert [seen[0] for seen in audit.seen] == [1000 + i for i in range(AUDIT_QUEUE)]
+        queue.submit(_spec(5000), 64, 0, TAIL, None)  # room again
+        await _wait(lambda: queue.num_queued == 0)
+        assert audit.seen[-1][0] == 5000
+    finally:
+        queue.shutdown()
+
+
+async def test_nothing_is_audited_after_shutdown() -> None:
+    audit = _Recording()
+    audit.hold.clear()
+    queue = AuditQueue(audit, None, 1024)
+    for i in range(10):
+        queue.submit(_spec(1000 + i), 64, 0, TAIL, None)
+    queue.shutdown()
+    audit.hold.set()
+    queue.executor.shutdown(wait=True)
+    assert len(audit.seen) <= 1  # at most the one the thread held
+    queue.submit(_spec(2000), 64, 0, TAIL, None)  # after shutdown: not audited, no error
+    assert len(audit.seen) <= 1
