@@ -109,6 +109,9 @@ class PromptSpec:
     cache_salt: str | None = None
     stream: bool = False
     batch_size: int = 1
+    # the other prompts of a batch, in tokens (token ids counted, text at 4 characters a token):
+    # admission's cost and the rate limits count the whole batch, not only the routed first
+    rest_tokens: int = 0
     session_key: str | None = None  # the body's prompt_cache_key (router.traffic.sessions)
     priority: Any = None  # the body's priority (vLLM's field), checked by admission if on
 
@@ -236,9 +239,12 @@ def parse_prompt(kind: str, body: Any) -> PromptSpec:
             first = prompt[0]
             if isinstance(first, str) and all(isinstance(p, str) for p in prompt):
                 return PromptSpec("completion", text=first, add_special_tokens=add_special,
-                                  batch_size=len(prompt), **common)
+                                  batch_size=len(prompt),
+                                  rest_tokens=sum(max(1, len(p) // 4) for p in prompt[1:]),
+                                  **common)
             if all(_is_token_list(p) and p for p in prompt):
-                return PromptSpec("completion", token_ids=first, batch_size=len(prompt), **common)
+                return PromptSpec("completion", token_ids=first, batch_size=len(prompt),
+                                  rest_tokens=sum(len(p) for p in prompt[1:]), **common)
         raise PromptError("'prompt' must be a non-empty string, list of strings, list of token ids "
                           "(integers >= 0) or list of token-id lists")
     if kind == "chat":

@@ -506,7 +506,8 @@ _HELP: Final = {
                                   "so no class starves (0: strict order)",
     "admission_forward_priority": "admission: send each request's class rank (0 = highest) to "
                                   "the engine as the body's priority, for vLLM started with "
-                                  "--scheduling-policy priority (lower first); admission on only",
+                                  "--scheduling-policy priority (lower first); with API keys "
+                                  "and this off, a client's own priority is sent as 0",
     "admission_ttft_targets": "admission: a TTFT target per priority class, CLASS=SECONDS "
                               "(repeatable or comma-separated): a request predicted to miss its "
                               "class's target waits while it can still meet it, then is shed "

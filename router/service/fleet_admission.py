@@ -47,9 +47,11 @@ def traffic_classes(config: RouterConfig) -> PriorityClasses:
 
 def prompt_tokens(spec: PromptSpec) -> int:
     """The prompt's length in tokens before tokenizing: its token ids', else its text's length
-    / 4 (admission's fair-share cost, the rate limits' tokens)."""
-    return (len(spec.token_ids) if spec.token_ids is not None
-            else max(1, len(spec.fallback_text()) // 4))
+    / 4, plus a batch's other prompts (``PromptSpec.rest_tokens``): admission's fair-share
+    cost, the rate limits' tokens."""
+    first = (len(spec.token_ids) if spec.token_ids is not None
+             else max(1, len(spec.fallback_text()) // 4))
+    return first + spec.rest_tokens
 
 
 class FleetAdmission:
@@ -91,16 +93,33 @@ class FleetAdmission:
         num_tokens = prompt_tokens(spec) if self.rate_limits.enabled or gate.enabled else 1
         await self.rate_limits.check(tenant or "", num_tokens)
         if not gate.enabled:
+            self._engine_priority(parsed, request, None)
             return await gate.admit(request[REQUEST_ID_KEY], spec.model)
         rank, work, target_s = self.terms(spec, request, num_tokens)
         cost_s = work * self.learner.estimate("").s_per_token
         slot = await gate.admit(request[REQUEST_ID_KEY], spec.model, cost_s, rank, tenant or "",
                                 work, target_s)
-        if self.config.admission_forward_priority:
-            # vLLM's priority scheduler serves lower values first (--scheduling-policy
-            # priority), as ranks go
-            parsed.body.set("priority", slot.priority)
+        self._engine_priority(parsed, request, slot.priority)
         return slot
+
+    def _engine_priority(self, parsed: ParsedRequest, request: web.Request,
+                         rank: int | None) -> None:
+        """What reaches the engine as the body's ``priority``. With ``admission_forward_priority``
+        the request's class rank (``rank``, or worked out here with the gate off): vLLM's
+        priority scheduler (``--scheduling-policy priority``) serves lower values first, as
+        ranks go. With API keys on and no forwarding, vLLM's default 0 in place of a client's
+        own value, so no tenant jumps the engine's queue (a batch tenant's ``-5`` reached it).
+        Otherwise (one trust domain) the body as sent. Raises ``BadRequest`` for an unknown
+        class or a priority that is not an integer, as admission does."""
+        spec = parsed.spec
+        if self.config.admission_forward_priority:
+            if rank is None:
+                rank = self.classes.request_rank(request.headers.get(PRIORITY_HEADER),
+                                                 spec.priority, request.get(TENANT_KEY),
+                                                 self.authenticated)
+            parsed.body.set("priority", rank)
+        elif self.authenticated and spec.priority not in (None, 0):
+            parsed.body.set("priority", 0)
 
     def terms(self, spec: PromptSpec, request: web.Request, num_tokens: int | None = None,
               ) -> tuple[int, float, float | None]:

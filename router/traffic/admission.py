@@ -260,7 +260,9 @@ class AdmissionQueue:
 
     def __init__(self, limits: AdmissionLimits, order: FairOrder | None = None) -> None:
         self.limits = limits
-        self.order = order or FairOrder()
+        # not ``order or ...``: an empty FairOrder has len 0, so the configured one (its aging
+        # and weights) was replaced by the default and never used
+        self.order = order if order is not None else FairOrder()
         self._waiting: dict[int, Waiting] = {}  # {seq: entry}, arrival order
         self._models: Counter[str | None] = Counter()  # {model: entries waiting for it}
         self._deadlines: list[tuple[float, int]] = []  # heap of (deadline, seq); stale ones skipped

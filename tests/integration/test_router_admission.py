@@ -277,6 +277,32 @@ def test_the_class_reaches_the_engine_as_vllm_priority(
         router.stop()
 
 
+def test_no_tenant_sets_the_engines_priority_itself(
+        tmp_path: Path, replicas: list[HoldingReplica]) -> None:
+    """With API keys, a client's own body ``priority`` never reaches the engine: without
+    forwarding it goes as vLLM's default 0, with forwarding (admission gate off) as the class
+    rank (a reviewer's batch tenant sent -5 and it reached the engine as sent)."""
+    from router.edges.auth import hash_key
+
+    (tmp_path / "keys").write_text(f"tenant-b {hash_key('sk-b-key')}\n")
+    (tmp_path / "secret").write_text("0123456789abcdef-test-secret\n")
+    (tmp_path / "tenants.yaml").write_text("tenants:\n  tenant-b: {priority_class: batch}\n")
+    keyed = ("--api-keys", str(tmp_path / "keys"), "--cache-salt-secret-file",
+             str(tmp_path / "secret"), "--admission-tenants-file", str(tmp_path / "tenants.yaml"))
+    auth = {"Authorization": "Bearer sk-b-key"}
+    replica = replicas[0]
+    replica.release()
+    for flags, expected in (((), [0, None]), (("--admission-forward-priority",), [2, 2])):
+        before = len(replica.priorities())
+        router = start_router(tmp_path, replicas[:1], *keyed, *flags)
+        try:
+            assert router.post("/v1/completions", {**BODY, "priority": -5}, headers=auth)[0] == 200
+            assert router.post("/v1/completions", BODY, headers=auth)[0] == 200
+            assert replica.priorities()[before:] == expected
+        finally:
+            router.stop()
+
+
 def test_tenants_of_one_class_take_turns_by_weight(
         tmp_path: Path, replicas: list[HoldingReplica]) -> None:
     """Deficit round robin between API-key tenants: a tenant that queued one request behind

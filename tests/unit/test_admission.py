@@ -20,6 +20,7 @@ from router.traffic.admission import (
     ReplicaLoad,
 )
 from router.traffic.gate import AdmissionEvent, AdmissionGate
+from router.traffic.scheduling import FairOrder
 
 # -- limits -------------------------------------------------------------------------------------
 
@@ -96,6 +97,31 @@ def test_why_no_room_names_the_limit() -> None:
 def _queue(length: int = 3, wait_s: float = 10.0) -> AdmissionQueue:
     return AdmissionQueue(AdmissionLimits(max_inflight=1, max_queue_length=length,
                                           max_queue_wait_s=wait_s))
+
+
+def test_the_queue_keeps_the_configured_order_its_aging_and_weights() -> None:
+    """An empty ``FairOrder`` is falsy (``__len__``): the queue once replaced the configured one
+    with the default, so aging never lifted a starved class and tenant weights did nothing (a
+    reviewer's live finding: batch waited 44 s of a 45 s flood, weights 3:1 served 50/50)."""
+    order = FairOrder(aging_s=1.0, weight_of=lambda tenant: 3.0 if tenant == "a" else 1.0)
+    q = AdmissionQueue(AdmissionLimits(max_inflight=1, max_queue_length=10,
+                                       max_queue_wait_s=100.0), order)
+    assert q.order is order
+    # aging: a batch request (rank 2) waiting 2.5 s goes before a standard one (rank 1) just come
+    assert q.offer(q.new_entry("batch", None, 0.0, cost_s=1.0, priority=2))
+    assert q.offer(q.new_entry("standard", None, 2.4, cost_s=1.0, priority=1))
+    first = q.pop_next(lambda entry: True, now=2.5)
+    assert first is not None and first.request_id == "batch"
+    # weights 3:1 between two tenants of one class, both always waiting: about 3 to 1 served
+    q = AdmissionQueue(AdmissionLimits(max_inflight=1, max_queue_length=100,
+                                       max_queue_wait_s=100.0),
+                       FairOrder(weight_of=lambda tenant: 3.0 if tenant == "a" else 1.0))
+    for i in range(40):
+        for tenant in ("a", "b"):
+            assert q.offer(q.new_entry(f"{tenant}{i}", None, 0.0, cost_s=0.01, tenant=tenant))
+    served = [q.pop_next(lambda entry: True, now=0.0) for _ in range(40)]
+    share_a = sum(1 for e in served if e is not None and e.tenant == "a") / len(served)
+    assert 0.7 <= share_a <= 0.8, share_a
 
 
 def test_queue_bounded_in_length() -> None:

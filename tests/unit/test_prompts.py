@@ -210,6 +210,19 @@ def test_completion_forms(tok: PromptTokenizer) -> None:
     assert ids.token_ids == [5, 6] and ids.batch_size == 2
 
 
+def test_a_batch_of_prompts_counts_whole_against_admission_and_rate_limits() -> None:
+    """Twenty prompts in one completions request once counted as their first alone, so a tenant
+    sent 25,040 tokens past a 1,000-a-minute limit (a reviewer's finding); token ids count
+    exactly, text at 4 characters a token, as for one prompt."""
+    from router.service.fleet_admission import prompt_tokens
+
+    text = parse_prompt("completion", {"prompt": ["x" * 400] * 20})
+    assert prompt_tokens(text) == 20 * 100
+    ids = parse_prompt("completion", {"prompt": [[5] * 30, [6] * 10, [7]]})
+    assert prompt_tokens(ids) == 41 and ids.token_ids == [5] * 30  # routed by the first
+    assert prompt_tokens(parse_prompt("completion", {"prompt": [1, 2, 3]})) == 3
+
+
 @pytest.mark.parametrize("kind, body, message", [
     ("completion", [], "JSON object"),
     ("completion", {"prompt": 5}, "prompt"),
