@@ -14,6 +14,7 @@ callers handle it unchanged; they pass no ``sock_connect`` of their own.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, Final
 
 import aiohttp
@@ -38,8 +39,10 @@ class LagTolerantConnector(aiohttp.TCPConnector):
     ``connect_timeout_s`` of loop time that ran on time (at most ``MAX_CONNECT_TIMEOUTS`` x
     ``connect_timeout_s`` in all)."""
 
-    def __init__(self, loop_lag: LoopLag, connect_timeout_s: float, **kwargs: Any) -> None:
+    def __init__(self, loop_lag: LoopLag, connect_timeout_s: float,
+                 on_give_back: Callable[[], None] | None = None, **kwargs: Any) -> None:
         super().__init__(**kwargs)
+        self._on_give_back = on_give_back  # called once per connect whose timer gave time back
         self._loop_lag = loop_lag
         self._connect_timeout_s = connect_timeout_s
         self._max_connect_s = MAX_CONNECT_TIMEOUTS * connect_timeout_s
@@ -57,3 +60,6 @@ class LagTolerantConnector(aiohttp.TCPConnector):
                 raise
             raise aiohttp.ConnectionTimeoutError(
                 f"Connection timeout to host {req.url.host}:{req.url.port}") from exc
+        finally:
+            if deadline.num_extended and self._on_give_back is not None:
+                self._on_give_back()

@@ -458,8 +458,8 @@ _HELP: Final = {
                        "route to all of them as if healthy (Envoy's panic mode; 0 = off)",
     "overload_shed_min_inflight": "answer new generate requests 503 router_overloaded at once "
                                   "while the router's event loop ran late for most of the last "
-                                  "second and at least this many requests are in flight (this "
-                                  "one included); 0: never",
+                                  "second, its timers fall due late and at least this many "
+                                  "requests are in flight (this one included); 0: never",
     "stall_timeout_s": "a replica sending no byte on its streamed requests this long, while "
                        "others do, is benched and its waiting requests move",
     "first_byte_deadline_factor": "a request's first-byte deadline is this x the time its replica "

@@ -53,10 +53,11 @@ class GenerateHandler:
     """``handle_generate(kind, request)`` for the four generate APIs; ``proxy`` is set when
     the router starts (it needs the running loop's client session).
 
-    Shedding: while ``loop_lag`` shows the router's loop late for most of the last second
-    (``LoopLag.overloaded``) and at least ``shed_min_inflight`` requests are in flight here (the
-    new one included; 0: never), a new request is answered 503 ``router_overloaded`` with
-    ``Retry-After`` before its body is read: its connects would only time out on the late loop."""
+    Shedding: while ``loop_lag`` shows the router's loop late for most of the last second with
+    its timers falling due late (``LoopLag.overloaded``) and at least ``shed_min_inflight``
+    requests are in flight here (the new one included; 0: never), a new request is answered 503
+    ``router_overloaded`` with ``Retry-After`` before its body is read: its connects would only
+    time out on the late loop."""
 
     def __init__(self, parser: RequestParser, admission: FleetAdmission, router: RequestRouter,
                  holders: ResponseHolders, dispatcher: Dispatcher, learning: RequestLearning,

@@ -249,9 +249,10 @@ class RouterService:
 
     async def _on_startup(self, app: web.Application) -> None:
         # its connect timeout gives back the time this router's own loop ran late
-        connector = LagTolerantConnector(self.loop_lag, self.config.connect_timeout_s, limit=0,
-                                         keepalive_timeout=UPSTREAM_IDLE_S,
-                                         enable_cleanup_closed=True)
+        connector = LagTolerantConnector(
+            self.loop_lag, self.config.connect_timeout_s, lambda: self.metrics.child(
+                self.metrics.loop_late, "connect_give_back").inc(),
+            limit=0, keepalive_timeout=UPSTREAM_IDLE_S, enable_cleanup_closed=True)
         # no cookie jar: the session is every client's, and a cookie one answer set (a sticky
         # load balancer in front of a replica) would ride along on every later request there
         self.session = aiohttp.ClientSession(connector=connector, auto_decompress=False,

@@ -11,6 +11,7 @@ of its event loop: every await of a reply then ends seconds late, as under 1,000
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -458,6 +459,19 @@ def late_verdicts(router: Router) -> float:
 STALL_CONNECT_TIMEOUT_S = 3.0
 
 
+@contextlib.contextmanager
+def stopped_over_a_pending_connect(router: Router, proxy: NoAcceptProxy) -> Iterator[None]:
+    """Once a connect of ``router`` to ``proxy`` pends, the router stopped (SIGSTOP) for the
+    block and continued after it."""
+    wait_for(lambda: pending_connects(proxy.port) >= 1, 60, message="a connect pending",
+             procs=[router.proc])
+    os.kill(router.proc.pid, signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        os.kill(router.proc.pid, signal.SIGCONT)
+
+
 def post_in_thread(router: Router, timeout_s: float,
                    ) -> tuple[threading.Thread, list[tuple[int, dict[str, str], bytes]]]:
     """A completion posted on a started thread, and the list its answer lands in."""
@@ -568,16 +582,11 @@ def test_a_connect_the_kernel_completed_on_a_stopped_router_is_used_not_redone(
     try:
         proxy.mode("no-accept")
         client, answers = post_in_thread(router, timeout_s=120)
-        wait_for(lambda: pending_connects(proxy.port) >= 1, 60, message="a connect pending",
-                 procs=[router.proc])
-        os.kill(router.proc.pid, signal.SIGSTOP)
-        try:
+        with stopped_over_a_pending_connect(router, proxy):
             proxy.mode("pass")  # the next SYN (retransmitted by the kernel) is answered
             wait_for(lambda: pending_connects(proxy.port) == 0, 30,
                      message="the kernel completed the connect")
             time.sleep(3 * STALL_CONNECT_TIMEOUT_S)  # the connect timer long due
-        finally:
-            os.kill(router.proc.pid, signal.SIGCONT)
         client.join(120)
         metrics = router.metrics()
     finally:
@@ -586,45 +595,51 @@ def test_a_connect_the_kernel_completed_on_a_stopped_router_is_used_not_redone(
     assert [a[0] for a in answers] == [200], (answers, output)
     # (the stop does make the attempt's first-byte deadline a late verdict: the router's, right)
     assert 'router_loop_late_verdicts_total{kind="connect_timeout"}' not in metrics, metrics
+    assert prometheus_value(
+        metrics, 'router_loop_late_verdicts_total{kind="connect_give_back"}') == 1, metrics
     assert "router_upstream_retries_total{" not in metrics, metrics
     assert "router_upstream_errors_total{" not in metrics, metrics
 
 
+@pytest.mark.timeout(240)
 def test_a_router_whose_loop_runs_late_sheds_new_requests_at_once(
         tmp_path: Path, replicas: list[FakeReplica]) -> None:
     """Issue 29 (third pass): a starved router held each request for up to four connect
-    timeouts before its 503. Now, while its loop ran late for most of the last second (here:
-    blocked 2 s every turn) and enough requests are in flight (``--overload-shed-min-inflight
-    1``: any), a new request is answered 503 ``router_overloaded`` with ``Retry-After`` before
-    it is read, counted in ``router_requests_total{reason="router_overloaded"}``, and nothing is
-    sent upstream; once the loop is on time again requests are served (without the change the
-    request was forwarded on the late loop and answered 200)."""
-    flag = tmp_path / "busy"
+    timeouts before its 503. Now, while its loop ran late for most of the last second and its
+    timers fall due late (here: stopped with SIGSTOP for three connect timeouts while a request's
+    connect pends, so its connect timer gives time back when it continues) and enough requests
+    are in flight (``--overload-shed-min-inflight 1``: any), a new request, sent during the
+    stop, is answered 503 ``router_overloaded`` with ``Retry-After`` at once, counted in
+    ``router_requests_total{reason="router_overloaded"}``; the pending request is served once
+    the replica accepts, and nothing is counted against it (without the change the new request
+    was forwarded and answered 200 too)."""
+    proxy = NoAcceptProxy(tmp_path, replicas[0])
     router = Router(tmp_path, [
-        "--replica", replicas[0].url, "--model", "m", "--panic-threshold", "0",
-        "--overload-shed-min-inflight", "1"],
-        entry=("-c", BUSY_ROUTER), env={"BUSY_FLAG": str(flag), "BUSY_BLOCK_S": str(BUSY_BLOCK_S)})
-    body = {"model": "m", "prompt": [1, 2, 3], "max_tokens": 1}
+        "--replica", proxy.url, "--model", "m", "--panic-threshold", "0",
+        "--connect-timeout-s", str(STALL_CONNECT_TIMEOUT_S), "--static-probe-interval-s", "600",
+        "--overload-shed-min-inflight", "1"])
     try:
         wait_for(lambda: routable(router) == 1, 30, message="the replica routable")
-        assert router.post("/v1/completions", body)[0] == 200  # a loop on time: served
-        flag.touch()
-        time.sleep(BUSY_BLOCK_S)  # the busy turns under way (the flag is polled every 50 ms)
-        shed = router.post("/v1/completions", body, timeout=120)
-        flag.unlink()
-        wait_for(lambda: router.post("/v1/completions", body, timeout=60)[0] == 200, 60,
-                 message="served again once the loop is on time")
+        proxy.mode("no-accept")
+        pending, pending_answer = post_in_thread(router, timeout_s=120)
+        with stopped_over_a_pending_connect(router, proxy):
+            shed_client, shed_answer = post_in_thread(router, timeout_s=120)
+            time.sleep(3 * STALL_CONNECT_TIMEOUT_S)  # the pending connect's timer long due
+        shed_client.join(120)
+        proxy.mode("pass")
+        pending.join(120)
         metrics = router.metrics()
     finally:
-        flag.unlink(missing_ok=True)
         output = router.stop()
-    status, headers, payload = shed
-    assert status == 503, (shed, output)
+        proxy.stop()
+    assert [a[0] for a in pending_answer] == [200], (pending_answer, output)
+    assert len(shed_answer) == 1, output
+    status, headers, payload = shed_answer[0]
+    assert status == 503, (shed_answer, output)
     assert headers["retry-after"] == "1" and headers["x-prefix-router-reason"] == "router_overloaded"
     error = json.loads(payload)["error"]
     assert error["type"] == "ServiceUnavailableError"
     assert error["message"].startswith("router overloaded: its event loop ran late"), error
     assert prometheus_value(metrics, 'router_requests_total{endpoint="/v1/completions",'
-                            'reason="router_overloaded",replica="",status="503"}') >= 1, metrics
-    # nothing went upstream for it: every request the replica got was answered 200
-    assert 'status="502"' not in metrics and "router_upstream_retries_total{" not in metrics
+                            'reason="router_overloaded",replica="",status="503"}') == 1, metrics
+    assert "router_upstream_errors_total{" not in metrics, metrics
