@@ -15,18 +15,15 @@ callers handle it unchanged; they pass no ``sock_connect`` of their own.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, Final
+from typing import Any
 
 import aiohttp
 from aiohttp.client_proto import ResponseHandler
 from aiohttp.client_reqrep import ClientRequest
 from aiohttp.tracing import Trace
 
-from router.observability.loop_lag import LagTolerantTimeout, LoopLag
+from router.observability.loop_lag import MAX_CONNECT_TIMEOUTS, LagTolerantTimeout, LoopLag
 
-# a connect waits at most this many connect timeouts in all, however late the loop ran (the
-# late retries it replaces allowed 1 + 3)
-MAX_CONNECT_TIMEOUTS: Final = 4
 # the method wrapped below: aiohttp 3.x's one place where a new connection is made (pooled ones
 # skip it); checked at import, so that an aiohttp without it fails loudly instead of unbounded
 if not callable(getattr(aiohttp.TCPConnector, "_create_connection", None)):

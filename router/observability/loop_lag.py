@@ -35,6 +35,9 @@ SAMPLE_S: Final = 0.05  # one wake-up every 50 ms: 20 cheap callbacks a second
 LATE_SHARE: Final = 0.25  # a span whose loop lateness is this share of it was the router's fault
 MIN_LATE_S: Final = 0.002  # a wake-up later than this is recorded (below it: scheduling noise)
 MAX_POINTS: Final = 32_768  # late wake-ups kept (27 min of a loop late on every wake-up)
+# a connect timer (LagTolerantTimeout) waits at most this many connect timeouts in all, however
+# late the loop ran (the late retries it replaces allowed 1 + 3)
+MAX_CONNECT_TIMEOUTS: Final = 4
 SHED_WINDOW_S: Final = 1.0  # ``overloaded``: the loop late for most (SHED_SHARE) of this window
 SHED_SHARE: Final = 0.5
 SHED_EVIDENCE_S: Final = 5.0  # ... and a timer fell due on the late loop this recently (a connect

@@ -248,17 +248,20 @@ class RouterService:
         self._tasks.append(asyncio.create_task(loop))
 
     async def _on_startup(self, app: web.Application) -> None:
+        def count_give_back() -> None:  # a connect timer gave back the loop's lateness
+            self.metrics.child(self.metrics.loop_late, "connect_give_back").inc()
+
         # its connect timeout gives back the time this router's own loop ran late
         connector = LagTolerantConnector(
-            self.loop_lag, self.config.connect_timeout_s, lambda: self.metrics.child(
-                self.metrics.loop_late, "connect_give_back").inc(),
+            self.loop_lag, self.config.connect_timeout_s, count_give_back,
             limit=0, keepalive_timeout=UPSTREAM_IDLE_S, enable_cleanup_closed=True)
         # no cookie jar: the session is every client's, and a cookie one answer set (a sticky
         # load balancer in front of a replica) would ride along on every later request there
         self.session = aiohttp.ClientSession(connector=connector, auto_decompress=False,
                                              cookie_jar=aiohttp.DummyCookieJar())
         if self.config.upstream_client == "httptools":
-            self.pool = UpstreamPool(self.config.connect_timeout_s, UPSTREAM_IDLE_S)
+            self.pool = UpstreamPool(self.config.connect_timeout_s, UPSTREAM_IDLE_S,
+                                     self.loop_lag, count_give_back)
             logger.info("upstream client: httptools pool for http:// replicas")
         self.proxy = Proxy(self.session, self.config, self.metrics, self.fleet.health,
                            self.tracing, self.loop_lag, self.pool)

@@ -483,10 +483,11 @@ def post_in_thread(router: Router, timeout_s: float,
     return client, answers
 
 
-def stalled_router(tmp_path: Path, proxy: NoAcceptProxy) -> Router:
+def stalled_router(tmp_path: Path, proxy: NoAcceptProxy, *extra: str) -> Router:
     router = Router(tmp_path, [
         "--replica", proxy.url, "--model", "m", "--panic-threshold", "0",
-        "--connect-timeout-s", str(STALL_CONNECT_TIMEOUT_S), "--static-probe-interval-s", "600"])
+        "--connect-timeout-s", str(STALL_CONNECT_TIMEOUT_S), "--static-probe-interval-s", "600",
+        *extra])
     wait_for(lambda: routable(router) == 1, 30, message="the replica routable")
     return router
 
@@ -567,8 +568,9 @@ def test_a_router_whose_connects_keep_timing_out_late_answers_503_overloaded(
 
 
 @pytest.mark.timeout(240)
+@pytest.mark.parametrize("upstream_client", ["aiohttp", "httptools"])
 def test_a_connect_the_kernel_completed_on_a_stopped_router_is_used_not_redone(
-        tmp_path: Path, replicas: list[FakeReplica]) -> None:
+        tmp_path: Path, replicas: list[FakeReplica], upstream_client: str) -> None:
     """Issue 29 (third pass, still open): a connect timer that falls due while the router's
     loop is late ran in the same turn as the connect's completion, before the task it wakes,
     and cancelled a connection the kernel had made long before. Here the replica's fault proxy
@@ -576,9 +578,10 @@ def test_a_connect_the_kernel_completed_on_a_stopped_router_is_used_not_redone(
     pending connect during the stop; the router continues after three connect timeouts. The
     connect timer gives back the time the loop lost (``LagTolerantTimeout``): the completed
     connect is used, with no late verdict and no late retry (before: a ``connect_timeout``
-    verdict and a retry on a new connection)."""
+    verdict and a retry on a new connection). Both upstream clients: aiohttp's connector and
+    the httptools pool (``--upstream-client httptools``) time their connects the same way."""
     proxy = NoAcceptProxy(tmp_path, replicas[0])
-    router = stalled_router(tmp_path, proxy)
+    router = stalled_router(tmp_path, proxy, "--upstream-client", upstream_client)
     try:
         proxy.mode("no-accept")
         client, answers = post_in_thread(router, timeout_s=120)
