@@ -18,10 +18,11 @@ Sequence rules applied here (the sink does the state changes):
   Live batches that merely repeat what a replay already applied are skipped.
 * Malformed messages are logged (one line per ``BAD_MESSAGE_LOG_INTERVAL_S`` with a count),
   counted and dropped; the loop never dies on one and lets ``CancelledError`` through.
-* Input bounds against a rogue or broken publisher: a message part larger than
-  ``max_message_bytes`` is refused by libzmq before it is buffered (``zmq.MAXMSGSIZE``: the
-  connection is dropped and re-made, counted from the socket monitor's disconnects), and a
-  batch the sink refuses (``BatchRefused``: more blocks than the engine's KV cache holds) is
+* Input bounds against a rogue or broken publisher: a message of more than 3 frames or
+  ``max_message_bytes`` bytes in all is refused as it arrives, at most that much of it held
+  (``worker.zmtp_sub``: libzmq's SUB buffers a whole multipart message before handing it over,
+  and its ``MAXMSGSIZE`` bounds each frame only): the connection is dropped and re-made,
+  counted in ``num_disconnects``; and a batch the sink refuses (``BatchRefused``: more blocks than the engine's KV cache holds) is
   counted once and dropped, its sequence number used up: the next batch follows it without a
   gap, so no replay fetches (and refuses) the buffer again. ``precheck`` (the sink's) sees the
   payload before it is decoded, so a batch of impossibly many blocks is refused the same way
@@ -44,7 +45,6 @@ from typing import Final, Protocol
 
 import zmq
 import zmq.asyncio
-from zmq.utils.monitor import parse_monitor_message
 
 from router.shared.kv_events import (
     REPLAY_END_SEQ,
@@ -56,11 +56,13 @@ from router.shared.kv_events import (
 )
 from router.shared.logs import IntervalLog
 from worker.replica_view import NO_SEQ
+from worker.zmtp_sub import BoundedSubscriber
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_REPLAY_TIMEOUT_S: Final = 2.0  # max wait for the next replay reply frame
 SUB_RCVHWM: Final = 100_000  # messages; as vLLM's default publisher hwm
+MESSAGE_FRAMES: Final = 3  # a live message: [topic, seq, payload]; more is refused as it arrives
 _YIELD_EVERY: Final = 8  # live messages between forced yields, so the writer task can run
 _DRAIN_MAX: Final = 256  # queued messages handled per yield with an event window
 BAD_MESSAGE_LOG_INTERVAL_S: Final = 10.0  # one warning line per this many seconds of bad input
@@ -75,7 +77,7 @@ _BATCH_OVERHEAD_BYTES: Final = 1024 * 1024  # the batch's own framing and small 
 
 
 def max_message_bytes(num_gpu_blocks: int | None, block_size: int | None) -> int:
-    """The ``zmq.MAXMSGSIZE`` of the event socket: the largest batch a legitimate engine can
+    """The bound on one event message (all its frames): the largest batch a legitimate engine can
     send, from its KV capacity. One engine step cannot store more blocks than the cache holds
     (vLLM's ``BlockPool`` has ``num_gpu_blocks``), and it evicts at most as many to make room,
     so a batch is bounded by ``num_gpu_blocks`` blocks of ``block_size`` token ids (5 bytes
@@ -156,7 +158,6 @@ class KVEventSubscriber:
         self._bad_log = IntervalLog(logger, BAD_MESSAGE_LOG_INTERVAL_S)
         self._refused_log = IntervalLog(logger, BAD_MESSAGE_LOG_INTERVAL_S)
         self._disconnect_log = IntervalLog(logger, BAD_MESSAGE_LOG_INTERVAL_S)
-        self._monitor_task: asyncio.Task[None] | None = None
         self.connected = asyncio.Event()  # set once the SUB socket is connected
         self._ctx = context or zmq.asyncio.Context.instance()
         self._dealer: zmq.asyncio.Socket | None = None
@@ -168,14 +169,9 @@ class KVEventSubscriber:
 
     async def run(self) -> None:
         """Receive batches until cancelled. Never returns otherwise."""
-        sub = self._ctx.socket(zmq.SUB)
-        sub.setsockopt(zmq.RCVHWM, SUB_RCVHWM)
-        sub.setsockopt(zmq.LINGER, 0)
-        sub.setsockopt(zmq.SUBSCRIBE, self.topic)
-        sub.setsockopt(zmq.MAXMSGSIZE, self.max_message_bytes)
-        self._monitor_task = asyncio.create_task(
-            self._watch(sub, sub.get_monitor_socket(zmq.EVENT_DISCONNECTED)))
-        sub.connect(self.endpoint)
+        sub = BoundedSubscriber(self.endpoint, self.topic, MESSAGE_FRAMES,
+                                self.max_message_bytes, self._publisher_dropped, SUB_RCVHWM)
+        sub.start()
         self.connected.set()
         logger.info("subscribed to KV events at %s (replay %s, messages up to %d bytes)",
                     self.endpoint, self.replay_endpoint or "off", self.max_message_bytes)
@@ -211,42 +207,25 @@ class KVEventSubscriber:
                 if received % _YIELD_EVERY == 0:
                     await asyncio.sleep(0)
         finally:
-            if self._monitor_task is not None:
-                self._monitor_task.cancel()
-                await asyncio.gather(self._monitor_task, return_exceptions=True)
-            sub.disable_monitor()
-            sub.close(linger=0)
+            await sub.close()
             self._close_dealer()
 
-    async def _watch(self, sub: zmq.asyncio.Socket, monitor: zmq.asyncio.Socket) -> None:
-        """Count the event socket's disconnects and connect again: libzmq drops a connection
-        whose message exceeds ``MAXMSGSIZE`` as a protocol error and, unlike after a lost
-        connection, never re-makes it (libzmq 4.3 ``session_base_t::engine_error``), so the
-        endpoint is disconnected and connected anew (a gap that follows is replayed)."""
-        try:
-            while True:
-                event = parse_monitor_message(await monitor.recv_multipart())
-                if event["event"] == zmq.EVENT_DISCONNECTED:
-                    self.stats.num_disconnects += 1
-                    with contextlib.suppress(zmq.ZMQError):  # already gone: nothing to undo
-                        sub.disconnect(self.endpoint)
-                    sub.connect(self.endpoint)
-                    self._disconnect_log.warning(
-                        "KV event publisher at %s disconnected: a message over %d bytes "
-                        "(MAXMSGSIZE, refused unread) or the publisher went away",
-                        self.endpoint, self.max_message_bytes)
-        finally:
-            monitor.close(linger=0)
+    def _publisher_dropped(self, reason: str) -> None:
+        """The event socket's connection dropped (``BoundedSubscriber`` connects again; a gap
+        that follows is replayed)."""
+        self.stats.num_disconnects += 1
+        self._disconnect_log.warning(
+            "KV event publisher at %s disconnected (%s): a message over %d bytes or %d frames "
+            "(refused as it arrived) or the publisher went away", self.endpoint, reason,
+            self.max_message_bytes, MESSAGE_FRAMES)
 
-    async def _handle_queued(self, sub: zmq.asyncio.Socket, limit: int) -> int:
+    async def _handle_queued(self, sub: BoundedSubscriber, limit: int) -> int:
         """Handle up to ``limit`` messages already queued on ``sub`` without waiting; returns
         how many. A malformed one is counted and dropped by ``handle_live`` like any other."""
         handled = 0
         while handled < limit:
-            try:
-                # NOBLOCK: the future is already done (or raised Again), so no loop round trip
-                frames = await sub.recv_multipart(flags=zmq.NOBLOCK)
-            except zmq.Again:
+            frames = sub.recv_nowait()
+            if frames is None:
                 return handled
             await self.handle_live(frames)
             handled += 1

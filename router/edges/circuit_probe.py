@@ -99,8 +99,8 @@ class CircuitProber:
             url, body, headers = self.request(replica_id)
         except KeyError:
             return  # it left the fleet (its breaker went with it)
-        timeout = aiohttp.ClientTimeout(total=cfg.first_byte_deadline_floor_s,
-                                        sock_connect=cfg.connect_timeout_s)
+        # (the connect timeout is the session's connector's: router.edges.upstream_connector)
+        timeout = aiohttp.ClientTimeout(total=cfg.first_byte_deadline_floor_s)
         try:
             async with self.session.post(url, json=body, headers=headers,
                                          timeout=timeout) as resp:

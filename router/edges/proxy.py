@@ -209,6 +209,15 @@ class Forward:
     observe_overhead: bool = False
 
 
+def overloaded(why: str) -> RouterOverloaded:
+    """The 503 a router sheds a request with: "router overloaded: ``why``; retry after 1 s",
+    with ``Retry-After`` and the reason header ``router_overloaded``."""
+    exc = RouterOverloaded(f"router overloaded: {why}; retry after {OVERLOADED_RETRY_AFTER_S} s")
+    exc.headers["Retry-After"] = str(OVERLOADED_RETRY_AFTER_S)
+    exc.headers[REASON_HEADER] = OVERLOADED_REASON
+    return exc
+
+
 class _Retryable(Exception):
     def __init__(self, cause: str, same_replica: bool = False) -> None:
         super().__init__(cause)
@@ -237,8 +246,9 @@ class Proxy:
         # retried, not 504
         self._waiting: dict[int, tuple[str, asyncio.Timeout]] = {}
         self._aborted: dict[int, str] = {}  # {id of an aborted timeout: cause}
-        self._timeout = aiohttp.ClientTimeout(total=None, connect=None,
-                                              sock_connect=config.connect_timeout_s, sock_read=None)
+        # the connect timeout is the session's connector's (router.edges.upstream_connector)
+        self._timeout = aiohttp.ClientTimeout(total=None, connect=None, sock_connect=None,
+                                              sock_read=None)
 
     async def forward(self, fwd: Forward) -> tuple[web.StreamResponse, ProxyOutcome]:
         """Send ``fwd.body`` to ``fwd.targets[0]`` (then at most one fallback) and relay the
@@ -375,13 +385,8 @@ class Proxy:
             logger.info("retrying %s on %s: the router's loop ran late over its connect",
                         request_id, replica_id)
             return
-        exc = RouterOverloaded(
-            f"router overloaded: its event loop ran too late to connect to replica {replica_id} "
-            f"({late_retries} connects timed out on it); retry after "
-            f"{OVERLOADED_RETRY_AFTER_S} s")
-        exc.headers["Retry-After"] = str(OVERLOADED_RETRY_AFTER_S)
-        exc.headers[REASON_HEADER] = OVERLOADED_REASON
-        raise exc
+        raise overloaded(f"its event loop ran too late to connect to replica {replica_id} "
+                         f"({late_retries} connects timed out on it)")
 
     def _failed(self, replica_id: str, cause: str) -> None:
         self.metrics.child(self.metrics.upstream_errors, replica_id, cause).inc()

@@ -14,7 +14,10 @@ Scope, what the proxy needs and no more:
   chunking); 1xx interim answers are skipped;
 * idle connections are pooled per host and port, most recent first, and closed after
   ``idle_s`` (below the engine's keep-alive: uvicorn closes idle connections after 5 s);
-* a connect that takes over ``connect_timeout_s`` fails with ``UpstreamConnectTimeout``;
+* a connect that takes over ``connect_timeout_s`` fails with ``UpstreamConnectTimeout``; with a
+  ``loop_lag`` its timer first gives back the time the router's loop ran late
+  (``router.observability.loop_lag.LagTolerantTimeout``, as ``router.edges.upstream_connector``
+  does for aiohttp's connects), at most ``MAX_CONNECT_TIMEOUTS`` connect timeouts in all;
 * a response not read to its end when released, or closed (a cancelled request), closes its
   connection, so that the engine sees the disconnect and aborts the request;
 * a body arriving faster than it is read pauses the socket's reading above
@@ -28,11 +31,15 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import deque
+from collections.abc import Callable
+from contextlib import AbstractAsyncContextManager
 from typing import Final, cast
 from urllib.parse import urlsplit
 
 import httptools
 from multidict import CIMultiDict, CIMultiDictProxy
+
+from router.observability.loop_lag import MAX_CONNECT_TIMEOUTS, LagTolerantTimeout, LoopLag
 
 HIGH_WATER_BYTES: Final = 256 * 1024  # buffered body bytes that pause reading the socket
 SWEEP_S: Final = 1.0  # how often idle pooled connections are checked for expiry
@@ -256,11 +263,15 @@ class PooledResponse(asyncio.Protocol):
 
 class UpstreamPool:
     """Kept-alive connections to replicas, per ``(host, port)``, and ``request`` over them.
-    Not thread-safe: use on one event loop."""
+    Not thread-safe: use on one event loop. ``loop_lag``: the connect timer gives back the
+    loop's lateness (module docstring), ``on_give_back()`` called once per connect it did so."""
 
-    def __init__(self, connect_timeout_s: float, idle_s: float) -> None:
+    def __init__(self, connect_timeout_s: float, idle_s: float, loop_lag: LoopLag | None = None,
+                 on_give_back: Callable[[], None] | None = None) -> None:
         self.connect_timeout_s = connect_timeout_s
         self.idle_s = idle_s
+        self._loop_lag = loop_lag
+        self._on_give_back = on_give_back
         self._idle: dict[tuple[str, int], list[PooledResponse]] = {}  # {(host, port): idle, oldest first}
         self._bases: dict[str, tuple[tuple[str, int], str, str]] = {}  # {base URL: (key, Host, path)}
         self._sweeper: asyncio.TimerHandle | None = None
@@ -339,15 +350,24 @@ class UpstreamPool:
 
     async def _connect(self, key: tuple[str, int]) -> PooledResponse:
         loop = asyncio.get_running_loop()
+        timeout_s = self.connect_timeout_s
+        deadline: AbstractAsyncContextManager[object] = (
+            asyncio.timeout(timeout_s) if self._loop_lag is None else
+            LagTolerantTimeout(self._loop_lag, timeout_s, MAX_CONNECT_TIMEOUTS * timeout_s))
         try:
-            async with asyncio.timeout(self.connect_timeout_s):
+            async with deadline:
                 _, conn = await loop.create_connection(lambda: PooledResponse(self, key), *key)
         except TimeoutError as exc:
             raise UpstreamConnectTimeout(
-                f"connect to {key[0]}:{key[1]} took over {self.connect_timeout_s:g} s") from exc
+                f"connect to {key[0]}:{key[1]} took over {timeout_s:g} s of the router's "
+                "loop running on time") from exc
         except OSError as exc:
             raise UpstreamConnectError(f"cannot connect to {key[0]}:{key[1]}: {exc}",
                                        refused=isinstance(exc, ConnectionRefusedError)) from exc
+        finally:
+            if (isinstance(deadline, LagTolerantTimeout) and deadline.num_extended
+                    and self._on_give_back is not None):
+                self._on_give_back()
         return conn
 
     def _sweep(self) -> None:

@@ -108,6 +108,9 @@ DEFAULT_FIRST_BYTE_DEADLINE_FACTOR: Final = 4.0  # a request's first-byte deadli
 # docs/benchmarks.md), a queue can double it
 DEFAULT_FIRST_BYTE_DEADLINE_FLOOR_S: Final = 5.0  # ... and at least this: a hung replica fed
 # non-streamed prompts every few seconds is benched after at most a few of them (issue 29)
+DEFAULT_OVERLOAD_SHED_MIN_INFLIGHT: Final = 64  # shed new requests while the loop runs late only
+# with at least this many in flight: a handful cannot make the loop late, so the lateness is the
+# machine's and shedding them would relieve nothing (issue 29: 1,000 streams starved it)
 DEFAULT_CLIENT_IDLE_TIMEOUT_S: Final = 15.0  # a client connection idle or sending its request head
 # this long is closed (uvicorn closes idle connections after 5 s, nginx's header timeout is 60 s)
 DEFAULT_CLIENT_BODY_TIMEOUT_S: Final = 30.0  # a request body must arrive within this (408 beyond)
@@ -143,7 +146,8 @@ _AT_LEAST: Final = {
                      "max_idle_client_connections", "admission_max_inflight",
                      "admission_max_inflight_per_replica", "admission_max_queued_prefill_s",
                      "admission_priority_aging_s", "session_affinity_max_sessions",
-                     "rate_limit_requests_per_min", "rate_limit_tokens_per_min"), 0),
+                     "rate_limit_requests_per_min", "rate_limit_tokens_per_min",
+                     "overload_shed_min_inflight"), 0),
     "admission_max_queue_length": 1}
 _POSITIVE: Final = ("ttft_prior_tokens_per_s", "cpu_load_tokens_per_s", "cold_write_window",
                     "speculative_ttl_s", "connect_timeout_s", "first_byte_timeout_s", "stream_idle_timeout_s",
@@ -224,6 +228,7 @@ class RouterConfig:
     first_byte_deadline_factor: float = DEFAULT_FIRST_BYTE_DEADLINE_FACTOR
     first_byte_deadline_floor_s: float = DEFAULT_FIRST_BYTE_DEADLINE_FLOOR_S
     panic_threshold: float = DEFAULT_PANIC_THRESHOLD
+    overload_shed_min_inflight: int = DEFAULT_OVERLOAD_SHED_MIN_INFLIGHT  # 0: never shed
     client_idle_timeout_s: float = DEFAULT_CLIENT_IDLE_TIMEOUT_S
     client_body_timeout_s: float = DEFAULT_CLIENT_BODY_TIMEOUT_S
     max_idle_client_connections: int = DEFAULT_MAX_IDLE_CLIENT_CONNECTIONS
@@ -452,6 +457,10 @@ _HELP: Final = {
                               "fewer reads (router CPU) against more index lag",
     "panic_threshold": "when fewer than this share (0-1) of a model's replicas are routable, "
                        "route to all of them as if healthy (Envoy's panic mode; 0 = off)",
+    "overload_shed_min_inflight": "answer new generate requests 503 router_overloaded at once "
+                                  "while the router's event loop ran late for most of the last "
+                                  "second, its timers fall due late and at least this many "
+                                  "requests are in flight (this one included); 0: never",
     "stall_timeout_s": "a replica sending no byte on its streamed requests this long, while "
                        "others do, is benched and its waiting requests move",
     "first_byte_deadline_factor": "a request's first-byte deadline is this x the time its replica "

@@ -16,7 +16,15 @@ from aiohttp import web
 
 from router.edges.auth import TENANT_KEY
 from router.edges.http_errors import REQUEST_ID_KEY
-from router.edges.proxy import REASON_HEADER, REPLICA_HEADER, Forward, Proxy
+from router.edges.proxy import (
+    OVERLOADED_REASON,
+    REASON_HEADER,
+    REPLICA_HEADER,
+    Forward,
+    Proxy,
+    overloaded,
+)
+from router.observability.loop_lag import LoopLag
 from router.observability.metrics import RouterMetrics
 from router.request.dispatch import Dispatcher
 from router.request.errors import STATUS_CLIENT_CLOSED, RouterError
@@ -43,11 +51,18 @@ class _Counted:
 
 class GenerateHandler:
     """``handle_generate(kind, request)`` for the four generate APIs; ``proxy`` is set when
-    the router starts (it needs the running loop's client session)."""
+    the router starts (it needs the running loop's client session).
+
+    Shedding: while ``loop_lag`` shows the router's loop late for most of the last second with
+    its timers falling due late (``LoopLag.overloaded``) and at least ``shed_min_inflight``
+    requests are in flight here (the new one included; 0: never), a new request is answered 503
+    ``router_overloaded`` with ``Retry-After`` before its body is read: its connects would only
+    time out on the late loop."""
 
     def __init__(self, parser: RequestParser, admission: FleetAdmission, router: RequestRouter,
                  holders: ResponseHolders, dispatcher: Dispatcher, learning: RequestLearning,
-                 metrics: RouterMetrics) -> None:
+                 metrics: RouterMetrics, loop_lag: LoopLag | None = None,
+                 shed_min_inflight: int = 0) -> None:
         self.parser = parser
         self.admission = admission
         self.router = router
@@ -55,6 +70,9 @@ class GenerateHandler:
         self.dispatcher = dispatcher
         self.learning = learning
         self.metrics = metrics
+        self.loop_lag = loop_lag
+        self.shed_min_inflight = shed_min_inflight
+        self.num_inflight = 0  # generate requests in this handler now
         self.proxy: Proxy | None = None
 
     async def handle_generate(self, kind: str, request: web.Request) -> web.StreamResponse:
@@ -62,7 +80,9 @@ class GenerateHandler:
         outcome, the router's own errors included, is counted in ``router_requests_total``;
         errors after a decision carry the routing headers."""
         counted = _Counted(request.path)
+        self.num_inflight += 1
         try:
+            self._shed_if_late(counted)
             return await self._generate(kind, request, counted)
         except RouterError as exc:
             counted.status = exc.status
@@ -77,8 +97,19 @@ class GenerateHandler:
             counted.status = STATUS_CLIENT_CLOSED
             raise
         finally:
+            self.num_inflight -= 1
             self.metrics.child(self.metrics.requests, counted.replica_id, counted.reason,
                                counted.endpoint, str(counted.status)).inc()
+
+    def _shed_if_late(self, counted: _Counted) -> None:
+        """Raise the 503 ``router_overloaded`` (counted with that reason) when the class
+        docstring's shedding rule holds."""
+        floor, lag = self.shed_min_inflight, self.loop_lag
+        if floor and lag is not None and self.num_inflight >= floor and lag.overloaded(
+                time.monotonic()):
+            counted.reason = OVERLOADED_REASON
+            raise overloaded("its event loop ran late for most of the last second with "
+                             f"{self.num_inflight} requests in flight")
 
     def refused_unread(self, request: web.Request, status: int) -> None:
         """A generate request refused before its handler ran (a declared body over

@@ -43,6 +43,7 @@ from router.edges.client_connections import (
 from router.edges.fleet_sync import FleetReader, StaticProber, read_fleet_cache
 from router.edges.http_errors import REQUEST_ID_KEY, body_limit_middleware, error_middleware
 from router.edges.proxy import Proxy
+from router.edges.upstream_connector import LagTolerantConnector
 from router.edges.upstream_pool import UpstreamPool
 from router.observability.audit import PrefixAudit
 from router.observability.loop_lag import LoopLag
@@ -192,7 +193,8 @@ class RouterService:
         holders = ResponseHolders(self.fleet, self.affinity)
         self.generate = GenerateHandler(
             self.parser, self.admission, self.router, holders,
-            self.dispatcher, self.learning, self.metrics)
+            self.dispatcher, self.learning, self.metrics, self.loop_lag,
+            config.overload_shed_min_inflight)
         self.passthrough = PassthroughHandler(self.parser, self.aliases, self.router,
                                               self.dispatcher, self.metrics, holders)
         self.status = StatusHandlers(
@@ -246,14 +248,20 @@ class RouterService:
         self._tasks.append(asyncio.create_task(loop))
 
     async def _on_startup(self, app: web.Application) -> None:
-        connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=UPSTREAM_IDLE_S,
-                                         enable_cleanup_closed=True)
+        def count_give_back() -> None:  # a connect timer gave back the loop's lateness
+            self.metrics.child(self.metrics.loop_late, "connect_give_back").inc()
+
+        # its connect timeout gives back the time this router's own loop ran late
+        connector = LagTolerantConnector(
+            self.loop_lag, self.config.connect_timeout_s, count_give_back,
+            limit=0, keepalive_timeout=UPSTREAM_IDLE_S, enable_cleanup_closed=True)
         # no cookie jar: the session is every client's, and a cookie one answer set (a sticky
         # load balancer in front of a replica) would ride along on every later request there
         self.session = aiohttp.ClientSession(connector=connector, auto_decompress=False,
                                              cookie_jar=aiohttp.DummyCookieJar())
         if self.config.upstream_client == "httptools":
-            self.pool = UpstreamPool(self.config.connect_timeout_s, UPSTREAM_IDLE_S)
+            self.pool = UpstreamPool(self.config.connect_timeout_s, UPSTREAM_IDLE_S,
+                                     self.loop_lag, count_give_back)
             logger.info("upstream client: httptools pool for http:// replicas")
         self.proxy = Proxy(self.session, self.config, self.metrics, self.fleet.health,
                            self.tracing, self.loop_lag, self.pool)

@@ -8,6 +8,7 @@ same hash stored twice then removed once, and changes made during a Redis outage
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import signal
 import subprocess
 import tempfile
@@ -409,6 +410,40 @@ async def test_rogue_publisher_is_bounded(emulator: Emulator, publisher: KVEvent
         output = stop_process(worker)
     assert "refusing KV event batch" in output
     assert output.count("KV event publisher at") <= 2, output
+
+
+async def test_a_message_of_many_small_parts_is_bounded_in_total(
+        emulator: Emulator, publisher: KVEventPublisher, redis_url: str) -> None:
+    """Issue 29 review: libzmq's ``MAXMSGSIZE`` bounds each frame, and its SUB socket buffers a
+    multipart message whole before handing it over, so ``[topic, seq, 300 x 1 MB]`` (each part
+    under the worker's 2.4 MB limit) took the worker from 70 to 365 MB. The worker now reads the
+    message frame by frame (``worker.zmtp_sub``) and drops the connection once it passes 3
+    frames or the byte limit: its peak RSS stays under 200 MB, the refusal is counted once as a
+    publisher disconnect, nothing of it reaches Redis, and the real events go on."""
+    client = redis.Redis.from_url(redis_url)
+    metrics_port = free_port()
+    worker = start_worker(emulator, publisher, redis_url, metrics_port)
+    try:
+        await store_first(client, publisher, 1)
+        part = b"\x00" * 1_000_000  # one object sent 300 times: the test's own memory stays small
+        await publisher.send_raw([publisher.topic, seq_bytes(publisher.next_seq), *[part] * 300])
+        await until(lambda: counter(worker_metrics(metrics_port),
+                                    "worker_publisher_disconnects_total") >= 1,
+                    message="the 300-part message refused")
+        for key in range(2, 40):  # the dropped connection loses what was sent before it is back
+            await publisher.publish(stored(key))
+            with contextlib.suppress(TimeoutError):
+                await until(lambda: key in blocks(client), timeout_s=1.0,  # noqa: B023
+                            message="stored")
+                break
+        assert blocks(client) - {1} and blocks(client) <= set(range(1, 40))
+        text = await asyncio.to_thread(worker_metrics, metrics_port)
+        assert counter(text, "worker_publisher_disconnects_total") == 1
+        peak_kb = peak_rss_kb(worker.pid)
+        assert peak_kb < RSS_LIMIT_KB, f"worker peak RSS {peak_kb} kB"
+    finally:
+        output = stop_process(worker)
+    assert output.count("KV event publisher at") == 1, output
 
 
 async def test_consecutive_refused_batches_use_their_seqs_up(
