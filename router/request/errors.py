@@ -1,7 +1,7 @@
 """Router error types, each with its HTTP status and OpenAI error type. Pure.
 
 ``router.edges.http_errors`` is the one place that turns them (and aiohttp's own errors) into
-responses: the body ``{"error": {"message", "type", "code"}}`` (vLLM's ``ErrorResponse``
+responses: the body ``{"error": {"message", "type", "param", "code"}}`` (vLLM's ``ErrorResponse``
 shape, ``code`` = HTTP status) with the request's ``X-Request-Id``. Pure modules raise
 these (``router.request.prompts.PromptError`` is a ``BadRequest``) without importing aiohttp.
 """
@@ -71,4 +71,6 @@ HTTP_ERROR_TYPES = {400: "BadRequestError", 404: "NotFoundError", 405: "MethodNo
 
 
 def error_body(message: str, error_type: str, status: int) -> bytes:
-    return msgspec.json.encode({"error": {"message": message, "type": error_type, "code": status}})
+    # vLLM's ErrorInfo (and OpenAI's error object) carry "param", null where no field is named
+    return msgspec.json.encode({"error": {"message": message, "type": error_type, "param": None,
+                                          "code": status}})

@@ -165,6 +165,7 @@ def test_keys_are_required_and_checked(replica: OneReplica, tmp_path: Path) -> N
                                      {"model": MODEL, "prompt": [1, 2, 3]})
         assert status == 401 and headers.get("www-authenticate") == "Bearer"
         assert body["error"]["type"] == "AuthenticationError" and body["error"]["code"] == 401
+        assert "param" in body["error"] and body["error"]["param"] is None  # vLLM's ErrorInfo
         status, _, raw = http("POST", router.url + "/v1/completions", {"model": MODEL},
                               headers={"Authorization": "Bearer sk-wrong"})
         assert status == 401 and b"Incorrect API key" in raw
