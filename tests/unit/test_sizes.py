@@ -22,7 +22,6 @@ PACKAGES: Final = ("router", "worker", "loadtest")
 # why each is declarative, or whose it is and when it is split
 _DECLARATIVE = "declarative table: one metric declaration after another, no logic"
 _RELAY = "the proxy's per-attempt object is another helper's work (relay) this session"
-_DEMO = "the emulated engine is another helper's work (demo) this session"
 _DECISION = ("decision core on the request path: not split in phase 2 (issue 31 keeps it to "
              "owners outside the request path); its policy functions are next")
 _REQUEST = "request path: not split in phase 2 (issue 31 keeps it to owners outside it)"
@@ -37,9 +36,6 @@ ALLOWED: Final[dict[str, str]] = {
     "router/edges/proxy.py::Proxy": _RELAY,
     "router/edges/proxy.py::Proxy.forward": _RELAY,
     "router/edges/proxy.py::Proxy._attempt": _RELAY,
-    "worker/emulator/engine.py::EmulatedEngine": _DEMO,
-    "worker/emulator/engine.py::EmulatedEngine.__init__": _DEMO,
-    "worker/emulator/engine.py::EmulatedEngine._engine_loop": _DEMO,
     "router/decision/capacity.py::plan": _DECISION,
     "router/decision/fleet.py::Fleet": _DECISION,
     "router/decision/index.py::BlockIndex": _DECISION,
