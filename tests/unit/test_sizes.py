@@ -39,7 +39,6 @@ ALLOWED: Final[dict[str, str]] = {
     "router/decision/capacity.py::plan": _DECISION,
     "router/decision/policy.py::_prefix": _DECISION,
     "router/decision/policy.py::_ttft": _DECISION,
-    "router/edges/fleet_sync.py::FleetReader": _DECISION,
     "router/request/chain_cache.py::ChainCache.chain": _REQUEST,
     "router/request/prompts.py::parse_prompt": _REQUEST,
     "worker/emulator/config.py::_resolve": _CONFIG,
