@@ -36,7 +36,6 @@ ALLOWED: Final[dict[str, str]] = {
     "router/edges/proxy.py::Proxy": _RELAY,
     "router/edges/proxy.py::Proxy.forward": _RELAY,
     "router/edges/proxy.py::Proxy._attempt": _RELAY,
-    "router/decision/capacity.py::plan": _DECISION,
     "router/decision/policy.py::_prefix": _DECISION,
     "router/decision/policy.py::_ttft": _DECISION,
     "router/request/chain_cache.py::ChainCache.chain": _REQUEST,
