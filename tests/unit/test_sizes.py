@@ -27,7 +27,6 @@ _DECISION = ("decision core on the request path: not split in phase 2 (issue 31 
 _REQUEST = "request path: not split in phase 2 (issue 31 keeps it to owners outside it)"
 _WORKER_IO = ("the worker's Redis and ZMQ edges: retry and replay state machines, not split "
               "yet (issue 31, after the Worker split)")
-_CONFIG = "one setting checked after another; splitting it scatters the emulator's flag rules"
 
 # {"path::Qualified.name": why it may exceed the limit}
 ALLOWED: Final[dict[str, str]] = {
@@ -40,7 +39,6 @@ ALLOWED: Final[dict[str, str]] = {
     "router/decision/policy.py::_ttft": _DECISION,
     "router/request/chain_cache.py::ChainCache.chain": _REQUEST,
     "router/request/prompts.py::parse_prompt": _REQUEST,
-    "worker/emulator/config.py::_resolve": _CONFIG,
     "worker/redis_writer.py::RedisWriter": _WORKER_IO,
     "worker/redis_writer.py::RedisWriter._commit": _WORKER_IO,
     "worker/subscriber.py::KVEventSubscriber": _WORKER_IO,
