@@ -29,10 +29,17 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Iterable, Sequence
 
-from router.decision.slot_sweep import SlotSweep, mask_bits
+from router.decision.slot_sweep import SlotSweep
 from router.shared.contract import TIER_CPU, TIER_GPU, BlockKey, anchor_positions
 
 _MAX_INTERNED_MASKS = 1 << 16
+
+
+def _bits(mask: int) -> Iterable[int]:
+    while mask:
+        low = mask & -mask
+        yield low.bit_length() - 1
+        mask ^= low
 
 
 class BlockIndex:
@@ -223,8 +230,8 @@ class BlockIndex:
         when it is through, its slots become free for reuse and are returned (the caller drops
         them from ``SpeculativePlacements`` too).
         """
-        freed = self._sweep.step(max_keys, self._key_to_mask, self._cpu_key_to_mask,
-                                 self._intern)
+        freed = list(_bits(self._sweep.step(max_keys, self._key_to_mask,
+                                             self._cpu_key_to_mask, self._intern)))
         self._free_bits.extend(freed)
         return freed
 
@@ -269,7 +276,7 @@ class BlockIndex:
             if conf_alive:
                 kept = mask & conf_alive
                 if kept != conf_alive:
-                    for b in mask_bits(conf_alive ^ kept):
+                    for b in _bits(conf_alive ^ kept):
                         confirmed[b] = depth
                     conf_alive = kept
             if spec_get is not None:
@@ -278,15 +285,15 @@ class BlockIndex:
                     mask |= entry[0]
             kept = mask & comb_alive
             if kept != comb_alive:
-                for b in mask_bits(comb_alive ^ kept):
+                for b in _bits(comb_alive ^ kept):
                     combined[b] = depth
                 comb_alive = kept
                 if not comb_alive:
                     break
             depth = pos + 1
-        for b in mask_bits(conf_alive):
+        for b in _bits(conf_alive):
             confirmed[b] = depth
-        for b in mask_bits(comb_alive):
+        for b in _bits(comb_alive):
             combined[b] = depth
         names = self._bit_to_id
         return ({names[b]: d for b, d in confirmed.items()},
@@ -320,13 +327,13 @@ class BlockIndex:
             if alive:
                 kept = get(chain[pos], 0) & alive
                 if kept != alive:
-                    for b in mask_bits(alive ^ kept):
+                    for b in _bits(alive ^ kept):
                         reached[b] = depth
                     alive = kept
             elif nxt == len(joins):
                 break
             depth = pos + 1
-        for b in mask_bits(alive):
+        for b in _bits(alive):
             reached[b] = depth
         names = self._bit_to_id
         for b, d in reached.items():

@@ -7,15 +7,7 @@ event loop is never blocked for long, and hands the slots back for reuse when it
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
-
-
-def mask_bits(mask: int) -> Iterable[int]:
-    """The slot indexes set in ``mask``, lowest first."""
-    while mask:
-        low = mask & -mask
-        yield low.bit_length() - 1
-        mask ^= low
+from collections.abc import Callable
 
 
 class SlotSweep:
@@ -23,7 +15,7 @@ class SlotSweep:
 
     Invariants: a slot is in ``retired`` (waiting for the next pass) or in the running pass's
     mask until that pass has removed it from every key it snapshotted; only then does ``step``
-    return it (free for reuse). Keys added after a pass's snapshot never carry a retired slot.
+    return it (free for reuse) in the mask of freed slots. Keys added after a pass's snapshot never carry a retired slot.
     """
 
     __slots__ = ("_cpu_keys", "_keys", "_mask", "_pos", "_retired")
@@ -49,10 +41,10 @@ class SlotSweep:
         return bool(self._retired or self._mask)
 
     def step(self, max_keys: int, gpu: dict[int, int], cpu: dict[int, int],
-             intern: Callable[[int], int]) -> list[int]:
+             intern: Callable[[int], int]) -> int:
         """Remove retired slots from at most ``max_keys`` keys of ``gpu`` and ``cpu`` (the
         index's ``{block_key: slot bitmask}`` tables; ``intern`` shares equal masks); returns
-        the slots freed now.
+        the bitmask of the slots freed now (0: none).
 
         A sweep pass first snapshots the tables' keys (that call does nothing else; keys added
         later can never carry a retired slot), then walks them over further calls; when it is
@@ -60,12 +52,12 @@ class SlotSweep:
         """
         if not self._mask:
             if not self._retired:
-                return []
+                return 0
             self._mask, self._retired = self._retired, 0
             self._keys = list(gpu)  # C speed (docs/benchmarks.md)
             self._cpu_keys = list(cpu)
             self._pos = 0
-            return []
+            return 0
         dead, keep = self._mask, ~self._mask
         # one position over both snapshots: the GPU table's keys, then the CPU table's
         num_gpu = len(self._keys)
@@ -84,8 +76,8 @@ class SlotSweep:
                         del table[key]
         self._pos = end
         if end < total:
-            return []
+            return 0
         self._mask = 0
         self._keys = []
         self._cpu_keys = []
-        return list(mask_bits(dead))
+        return dead
