@@ -185,15 +185,10 @@ class CapacityPlan:
         return asdict(self)
 
 
-def plan(shape: ModelShape, gpu: GpuBudget, prefix_tokens: int = DEFAULT_PREFIX_TOKENS,
-         suffix_tokens: int = DEFAULT_SUFFIX_TOKENS) -> CapacityPlan:
-    """Capacity of one replica and what a hit on a ``prefix_tokens`` shared prefix followed by
-    ``suffix_tokens`` new tokens saves. Raises ``CapacityError`` for negative token counts."""
-    if prefix_tokens < 0 or suffix_tokens < 1:
-        raise CapacityError("prefix tokens must be >= 0 and suffix tokens >= 1")
+def _kv_formula(shape: ModelShape) -> tuple[str, list[str]]:
+    """How ``shape``'s KV bytes per token are made up, and the notes its attention needs (MLA's
+    latent, sliding-window layers)."""
     notes: list[str] = []
-    b = gpu.block_size
-    per_token = shape.kv_bytes_per_token
     if shape.mla_latent_dim is not None:
         formula = (f"layers {shape.num_layers} x MLA latent {shape.mla_latent_dim} "
                    f"(kv_lora_rank + qk_rope_head_dim) x {shape.kv_dtype_bytes} bytes")
@@ -210,6 +205,18 @@ def plan(shape: ModelShape, gpu: GpuBudget, prefix_tokens: int = DEFAULT_PREFIX_
             f"no per-token figure, block count or prefix size from it would be right; the "
             f"{full_layers} full-attention layers alone take "
             f"{full_layers * shape.kv_bytes_per_layer_token:,} bytes per token")
+    return formula, notes
+
+
+def plan(shape: ModelShape, gpu: GpuBudget, prefix_tokens: int = DEFAULT_PREFIX_TOKENS,
+         suffix_tokens: int = DEFAULT_SUFFIX_TOKENS) -> CapacityPlan:
+    """Capacity of one replica and what a hit on a ``prefix_tokens`` shared prefix followed by
+    ``suffix_tokens`` new tokens saves. Raises ``CapacityError`` for negative token counts."""
+    if prefix_tokens < 0 or suffix_tokens < 1:
+        raise CapacityError("prefix tokens must be >= 0 and suffix tokens >= 1")
+    formula, notes = _kv_formula(shape)
+    b = gpu.block_size
+    per_token = shape.kv_bytes_per_token
     weights = shape.total_weight_bytes
     budget = gpu.memory_gb * 1e9 * gpu.gpu_memory_utilization * gpu.tensor_parallel_size - weights
     if budget <= 0:

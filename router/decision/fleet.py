@@ -13,23 +13,18 @@ master and a Redis Cluster (every command it sends stays in one hash slot). ``St
 
 from __future__ import annotations
 
-import json
-import logging
 from collections.abc import Mapping
-from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
 
 from router.decision.health import HealthParams, ReplicaHealth
 from router.decision.index import BlockIndex, SpeculativePlacements
+from router.decision.replica import Replica, config_mismatch, int_field, model_cards
 from router.decision.ring import HashRing
 from router.request.errors import ModelNotFound, NoRoutableReplica
 from router.service.config import RouterConfig, split_replica_url, static_replica_id
 from router.shared import contract as c
 from router.shared.hashing import BlockHasher
-from router.shared.lora_state import LoraLoad, split_names
-
-logger = logging.getLogger(__name__)
 
 SUSPECT_S = 5.0  # seconds a replica is skipped after a connection failure
 
@@ -44,53 +39,6 @@ class Dropped(StrEnum):
     DUPLICATE = "duplicate"  # already in the loaded set: not an error
     GAP = "gap"  # an entry is missing: the replica's set must be reloaded
     BAD_OP = "bad_op"  # a contract-version-1 entry of an unknown op
-
-
-@dataclass(slots=True)
-class Replica:
-    """One replica as the router sees it (mutable; owned by ``Fleet``)."""
-
-    replica_id: str
-    url: str
-    static: bool = False
-    # the engine's data-parallel rank this replica is (heartbeat F_DP_RANK): requests go to
-    # ``url`` with vLLM's X-data-parallel-rank header; None: no data parallelism, no header
-    dp_rank: int | None = None
-    models: frozenset[str] | None = None  # served base models; None = unknown, accept any
-    lora_adapters: dict[str, str] = field(default_factory=dict)  # {lora_name: lora_path}
-    block_size: int | None = None
-    hash_algo: str | None = None
-    seed_fingerprint: str | None = None
-    hash_verified: c.HashVerified = c.HashVerified.UNKNOWN
-    key_mode: str = ""  # "engine" (event hashes) or "recomputed" (the router's own hashes)
-    contract: int = c.CONTRACT_VERSION  # the worker's Redis contract version (absent: 3, untagged key: 1)
-    entry_seq: int = -1  # E_ENTRY_SEQ of the last stream entry applied (loaded set: its F_ENTRY_SEQ)
-    index_stride: int = 1  # the worker's coarse-index stride (absent field: 1, the exact index)
-    kv_tiers: tuple[str, ...] = (c.TIER_GPU,)  # tiers the worker indexes (heartbeat kv_tiers)
-    epoch: int = 0
-    num_running: int = 0
-    num_waiting: int = 0
-    kv_usage: float = 0.0
-    num_gpu_blocks: int = 0  # KV capacity in blocks from the heartbeat; 0 = not reported
-    redis_oom: bool = False  # its worker reports Redis refusing its writes (out of memory)
-    healthy: bool = True
-    heartbeat_ts: float = 0.0
-    suspect_until: float = 0.0  # monotonic time until which connection failures bench it
-    # known only from fallback_replicas or the fleet cache file (Redis gave no fleet yet): probed
-    # like a static replica, no affinity, replaced by its worker's report once Redis answers
-    fallback: bool = False
-    probe_failures: int = 0  # consecutive failed /health probes (static and fallback replicas)
-    probed_ok: bool = False  # a /health probe has succeeded once
-    # a static URL#RANK target whose engine does not list that rank (router.tools.rank_check): why it
-    # takes no traffic (every request would be the engine's 400), or None
-    rank_problem: str | None = None
-    model_cards: list[dict[str, Any]] = field(default_factory=list)  # from /v1/models (static)
-    lora: LoraLoad | None = None  # the engine's LoRA state (heartbeat F_LORA_*); None: unknown
-
-    def serves(self, model: str | None) -> bool:
-        if model is None or self.models is None:
-            return True
-        return model in self.models or model in self.lora_adapters
 
 
 class Fleet:
@@ -126,23 +74,7 @@ class Fleet:
         are read at the wrong positions or are hashes of other blocks, so they can never
         match this router's. Such a replica takes traffic only when no replica without a
         mismatch serves the model (``eligible``)."""
-        if replica.static:
-            return None
-        if replica.contract != c.CONTRACT_VERSION:
-            # versions 1 and 2 keep their keys untagged: read only to report the replica here
-            age = "newer" if replica.contract > c.CONTRACT_VERSION else "older"
-            return (f"Redis contract version {replica.contract} is {age} than router's "
-                    f"{c.CONTRACT_VERSION}")
-        if replica.index_stride != self.index.stride:
-            return (f"index_stride {replica.index_stride} != router's {self.index.stride} "
-                    "(set one value for workers and routers)")
-        if replica.block_size is not None and replica.block_size != self.hasher.block_size:
-            return f"block_size {replica.block_size} != router's {self.hasher.block_size}"
-        if replica.hash_algo and replica.hash_algo != self.hasher.hash_algo:
-            return f"hash_algo {replica.hash_algo} != router's {self.hasher.hash_algo}"
-        if replica.seed_fingerprint and replica.seed_fingerprint != self.hasher.seed_fingerprint:
-            return "seed fingerprint differs (PYTHONHASHSEED / --hash-seed mismatch)"
-        return None
+        return config_mismatch(replica, self.hasher, self.index.stride)
 
     def affinity_problem(self, replica: Replica) -> str | None:
         """Why a replica gets no prefix-hit credit, or ``None`` if it does.
@@ -165,17 +97,7 @@ class Fleet:
 
     def routable_problem(self, replica: Replica, now: float) -> str | None:
         """Why a replica takes no traffic now, or ``None``."""
-        return self._down_problem(replica, now) or self.health.problem(replica.replica_id, now)
-
-    def _down_problem(self, replica: Replica, now: float) -> str | None:
-        """Why a replica is down (probes, heartbeat, connection failures), or ``None``."""
-        if not replica.healthy:
-            return "unhealthy (health probe failed or heartbeat stale)"
-        if replica.rank_problem is not None:
-            return replica.rank_problem
-        if replica.suspect_until > now:
-            return "recent connection failure"
-        return None
+        return replica.down_problem(now) or self.health.problem(replica.replica_id, now)
 
     def routable(self, now: float) -> list[Replica]:
         return [r for r in self.replicas.values() if self.routable_problem(r, now) is None]
@@ -212,7 +134,7 @@ class Fleet:
             # (panic_threshold 0) every replica that is up has its circuit open: route to them
             # anyway rather than refuse everything on request errors alone
             ready = self._answering(
-                [r for r in serving if self._down_problem(r, now) is None], now)
+                [r for r in serving if r.down_problem(now) is None], now)
         if not ready:
             raise NoRoutableReplica(f"no routable replica serves model {model!r}")
         # a config-mismatched replica's keys never match this router's: no traffic while a
@@ -240,15 +162,8 @@ class Fleet:
         return num_routable < self.config.panic_threshold * num_replicas
 
     def eligible_in_panic(self, replica: Replica, now: float) -> bool:
-        """Whether panic mode routes to ``replica``. Panic ignores the health signals, which
-        many replicas can show at once without being down (a stale heartbeat, failed
-        ``/health`` probes, an open circuit, a failed or timed-out connection: an overloaded
-        router or network, a burst of connects), as Envoy's does; not a data-parallel rank the
-        engine lacks (a configuration error) or a static replica never seen up (nothing says
-        it ever was). A request sent to a replica that is down is retried on the next one."""
-        if replica.rank_problem is not None:
-            return False
-        return replica.probed_ok or not (replica.static or replica.fallback)
+        """Whether panic mode routes to ``replica`` (``Replica.routed_in_panic``)."""
+        return replica.routed_in_panic()
 
     def _answering(self, replicas: list[Replica], now: float) -> list[Replica]:
         """``replicas`` less those that refused their last connection (``ReplicaHealth.refused``:
@@ -290,20 +205,7 @@ class Fleet:
     def model_cards(self, now: float) -> list[dict[str, Any]]:
         """Union of model cards over the replicas routed to (``routed``), by id
         (``GET /v1/models``)."""
-        cards: dict[str, dict[str, Any]] = {}
-        for r in self.routed(now):
-            if r.model_cards:
-                for card in r.model_cards:
-                    cards.setdefault(str(card.get("id")), card)
-                continue
-            for name in sorted(r.models or ()):
-                cards.setdefault(name, {"id": name, "object": "model", "created": 0,
-                                        "owned_by": "vllm", "root": name, "parent": None})
-            for name, path in sorted(r.lora_adapters.items()):
-                base = sorted(r.models)[0] if r.models else None
-                cards.setdefault(name, {"id": name, "object": "model", "created": 0,
-                                        "owned_by": "vllm", "root": path, "parent": base})
-        return [cards[k] for k in sorted(cards)]
+        return model_cards(self.routed(now))
 
     def add_fallbacks(self, cached: list[dict[str, Any]], urls: tuple[str, ...]) -> int:
         """Replicas to route to until Redis gives the fleet: the last fleet seen (``cached``,
@@ -313,26 +215,16 @@ class Fleet:
         entries = [*cached, *({"replica_id": static_replica_id(u), "url": split_replica_url(u)[0],
                                "dp_rank": split_replica_url(u)[1]} for u in urls)]
         for entry in entries:
-            rid, url = str(entry.get("replica_id") or ""), str(entry.get("url") or "")
-            if not rid or not url.startswith(("http://", "https://")) or rid in self.replicas:
-                continue
-            models = entry.get("models")
-            adapters = entry.get("lora_adapters")
-            dp_rank = entry.get("dp_rank")
-            self.replicas[rid] = Replica(
-                rid, url.rstrip("/"), fallback=True,
-                dp_rank=dp_rank if type(dp_rank) is int and dp_rank >= 0 else None,
-                models=frozenset(map(str, models)) if isinstance(models, list) else None,
-                lora_adapters=dict(adapters) if isinstance(adapters, dict) else {})
-            added += 1
+            replica = Replica.from_snapshot(entry)
+            if replica is not None and replica.replica_id not in self.replicas:
+                self.replicas[replica.replica_id] = replica
+                added += 1
         return added
 
     def fleet_snapshot(self) -> list[dict[str, Any]]:
         """The worker-reported replicas, as ``add_fallbacks`` reads them back (fleet cache)."""
-        return [{"replica_id": r.replica_id, "url": r.url, "dp_rank": r.dp_rank,
-                 "models": sorted(r.models) if r.models is not None else None,
-                 "lora_adapters": dict(sorted(r.lora_adapters.items()))}
-                for rid, r in sorted(self.replicas.items()) if not r.static and not r.fallback]
+        return [r.snapshot() for _, r in sorted(self.replicas.items())
+                if not r.static and not r.fallback]
 
     # -- updates from Redis -----------------------------------------------------
 
@@ -354,40 +246,7 @@ class Fleet:
         if replica is None:
             replica = self.replicas[replica_id] = Replica(replica_id, fields.get(c.F_URL, ""))
             self.left.discard(replica_id)
-        replica.url = fields.get(c.F_URL, replica.url).rstrip("/")
-        dp_rank = int_field(fields.get(c.F_DP_RANK), None)
-        replica.dp_rank = dp_rank if dp_rank is not None and dp_rank >= 0 else None
-        replica.fallback = False
-        try:
-            models = json.loads(fields.get(c.F_MODELS) or "null")
-            replica.models = frozenset(models) if isinstance(models, list) else None
-            adapters = json.loads(fields.get(c.F_LORA_ADAPTERS) or "{}")
-            replica.lora_adapters = dict(adapters) if isinstance(adapters, dict) else {}
-        except json.JSONDecodeError:
-            logger.warning("replica %s: malformed models/lora_adapters in heartbeat", replica_id)
-        replica.block_size = int_field(fields.get(c.F_BLOCK_SIZE), None)
-        replica.hash_algo = fields.get(c.F_HASH_ALGO) or None
-        replica.seed_fingerprint = fields.get(c.F_SEED_FINGERPRINT) or None
-        replica.hash_verified = c.HashVerified.parse(fields.get(c.F_HASH_VERIFIED, ""))
-        replica.key_mode = fields.get(c.F_KEY_MODE, "")
-        replica.contract = int_field(fields.get(c.F_CONTRACT), contract) or contract
-        replica.index_stride = int_field(fields.get(c.F_INDEX_STRIDE), 1) or 1
-        tiers = fields.get(c.F_KV_TIERS)
-        if tiers is not None:
-            replica.kv_tiers = tuple(t for t in c.TIERS if t in tiers.split(","))
-        replica.num_running = int_field(fields.get(c.F_NUM_RUNNING), 0) or 0
-        replica.num_waiting = int_field(fields.get(c.F_NUM_WAITING), 0) or 0
-        replica.kv_usage = float_field(fields.get(c.F_KV_USAGE), 0.0)
-        replica.num_gpu_blocks = max(int_field(fields.get(c.F_NUM_GPU_BLOCKS), 0) or 0, 0)
-        replica.redis_oom = fields.get(c.F_REDIS_OOM) == "1"
-        replica.lora = lora_from_fields(fields)
-        replica.heartbeat_ts = float_field(fields.get(c.F_HEARTBEAT_TS), wall_now)
-        age_s = wall_now - replica.heartbeat_ts
-        healthy = ttl_ms >= 0 or age_s <= c.HEARTBEAT_TTL_S + 0.5
-        if replica.healthy and not healthy:
-            logger.warning("replica %s: heartbeat %.1f s old and its key has no expiry; out of "
-                           "rotation", replica_id, age_s)
-        replica.healthy = healthy
+        replica.apply_heartbeat(fields, wall_now, contract, ttl_ms)
         epoch = int_field(fields.get(c.F_EPOCH), 0) or 0
         reload = is_new or epoch > replica.epoch
         replica.epoch = max(epoch, replica.epoch)
@@ -473,30 +332,3 @@ class Fleet:
         if op == c.OP_CLEARED:
             return self.apply_changes(replica_id, epoch, True, (), ())
         return Dropped.BAD_OP
-
-
-def lora_from_fields(fields: Mapping[str, str]) -> LoraLoad | None:
-    """A heartbeat's LoRA state (``F_LORA_RUNNING``, ``F_LORA_WAITING``, ``F_MAX_LORA``), or
-    ``None`` when it reports none (all absent or empty)."""
-    running = fields.get(c.F_LORA_RUNNING) or ""
-    waiting = fields.get(c.F_LORA_WAITING) or ""
-    max_lora = int_field(fields.get(c.F_MAX_LORA), None)
-    if not running and not waiting and max_lora is None:
-        return None
-    return LoraLoad(split_names(running), split_names(waiting), max_lora)
-
-
-def int_field(value: str | None, default: int | None) -> int | None:
-    """A heartbeat field as an int; ``default`` when it is absent or malformed."""
-    try:
-        return int(value) if value not in (None, "") else default
-    except ValueError:
-        return default
-
-
-def float_field(value: str | None, default: float) -> float:
-    """A heartbeat field as a float; ``default`` when it is absent or malformed."""
-    try:
-        return float(value) if value not in (None, "") else default
-    except ValueError:
-        return default

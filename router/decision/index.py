@@ -29,6 +29,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Iterable, Sequence
 
+from router.decision.slot_sweep import SlotSweep
 from router.shared.contract import TIER_CPU, TIER_GPU, BlockKey, anchor_positions
 
 _MAX_INTERNED_MASKS = 1 << 16
@@ -49,8 +50,9 @@ class BlockIndex:
     expiry) is O(1): the replica moves to a fresh slot and the old slot is
     retired. Lookups only look at the candidates' current slots, so retired
     bits are invisible at once; ``sweep_step`` removes them from the table
-    incrementally (a bounded number of keys per call, so the event loop is
-    never blocked for long) and then frees the slots for reuse.
+    incrementally (``router.decision.slot_sweep``: a bounded number of keys per
+    call, so the event loop is never blocked for long) and then frees the slots
+    for reuse.
 
     With ``stride`` N > 1 the table holds only the keys at the anchor positions of
     their chains (``router.shared.contract.is_anchor``), as workers publish them.
@@ -61,9 +63,8 @@ class BlockIndex:
     by retired slots until they are swept.
     """
 
-    __slots__ = ("_bit_to_id", "_cpu_key_to_mask", "_cpu_sweep_keys", "_free_bits", "_id_to_bit",
-                 "_interned", "_key_to_mask", "_num_blocks", "_num_cpu_blocks", "_retired",
-                 "_sweep_keys", "_sweep_mask", "_sweep_pos", "epochs", "stride")
+    __slots__ = ("_bit_to_id", "_cpu_key_to_mask", "_free_bits", "_id_to_bit", "_interned",
+                 "_key_to_mask", "_num_blocks", "_num_cpu_blocks", "_sweep", "epochs", "stride")
 
     def __init__(self, stride: int = 1) -> None:
         if stride < 1:
@@ -74,11 +75,7 @@ class BlockIndex:
         self._id_to_bit: dict[str, int] = {}  # {replica_id: current slot index}
         self._bit_to_id: dict[int, str] = {}  # {current slot index: replica_id}
         self._free_bits: list[int] = []  # swept slot indexes, reused lowest first
-        self._retired = 0  # bitmask of retired slots not yet being swept
-        self._sweep_mask = 0  # bitmask of retired slots the running sweep removes
-        self._sweep_keys: list[int] = []  # snapshot of the table's keys for the running sweep
-        self._cpu_sweep_keys: list[int] = []  # the CPU tier table's, swept after it
-        self._sweep_pos = 0
+        self._sweep = SlotSweep()  # retired slots, and the sweep that frees them
         self._num_blocks: dict[str, int] = {}  # {replica_id: resident keys}, GPU tier
         self._num_cpu_blocks: dict[str, int] = {}  # {replica_id: resident keys}, CPU tier
         self._interned: dict[int, int] = {}  # {mask: the shared int object for it}
@@ -91,7 +88,7 @@ class BlockIndex:
             self._free_bits.sort()
             return self._free_bits.pop(0)
         # no free slot: every slot below the highest is current, retired or being swept
-        return max((*self._bit_to_id, (self._retired | self._sweep_mask).bit_length() - 1),
+        return max((*self._bit_to_id, self._sweep.busy.bit_length() - 1),
                    default=-1) + 1
 
     def slot_of(self, replica_id: str) -> int | None:
@@ -186,7 +183,7 @@ class BlockIndex:
     def _retire(self, replica_id: str) -> None:
         slot = self._id_to_bit.pop(replica_id)
         del self._bit_to_id[slot]
-        self._retired |= 1 << slot
+        self._sweep.retire(slot)
 
     def clear(self, replica_id: str) -> None:
         """Forget every key of the replica, every tier (vLLM AllBlocksCleared, epoch reset). O(1).
@@ -224,50 +221,18 @@ class BlockIndex:
     @property
     def sweep_pending(self) -> bool:
         """True while retired slots still have to be removed from the table."""
-        return bool(self._retired or self._sweep_mask)
+        return self._sweep.pending
 
     def sweep_step(self, max_keys: int = 20_000) -> list[int]:
         """Remove retired slots from at most ``max_keys`` keys; returns the slots freed now.
 
-        A sweep pass first snapshots the table's keys (that call does nothing
-        else; keys added later can never carry a retired slot), then walks them
-        over further calls; when it is through,
-        its slots become free for reuse and are returned (the caller drops them
-        from ``SpeculativePlacements`` too).
+        A pass walks a snapshot of the table's keys over several calls (``SlotSweep.step``);
+        when it is through, its slots become free for reuse and are returned (the caller drops
+        them from ``SpeculativePlacements`` too).
         """
-        if not self._sweep_mask:
-            if not self._retired:
-                return []
-            self._sweep_mask, self._retired = self._retired, 0
-            self._sweep_keys = list(self._key_to_mask)  # C speed (docs/benchmarks.md)
-            self._cpu_sweep_keys = list(self._cpu_key_to_mask)
-            self._sweep_pos = 0
-            return []
-        dead, keep = self._sweep_mask, ~self._sweep_mask
-        intern = self._intern
-        # one position over both snapshots: the GPU table's keys, then the CPU table's
-        num_gpu = len(self._sweep_keys)
-        total = num_gpu + len(self._cpu_sweep_keys)
-        end = min(self._sweep_pos + max_keys, total)
-        for table, keys in ((self._key_to_mask, self._sweep_keys[self._sweep_pos:end]),
-                            (self._cpu_key_to_mask, self._cpu_sweep_keys[
-                                max(self._sweep_pos - num_gpu, 0):max(end - num_gpu, 0)])):
-            for key in keys:
-                mask = table.get(key, 0)
-                if mask & dead:
-                    mask &= keep
-                    if mask:
-                        table[key] = intern(mask)
-                    else:
-                        del table[key]
-        self._sweep_pos = end
-        if end < total:
-            return []
-        freed = list(_bits(dead))
+        freed = list(_bits(self._sweep.step(max_keys, self._key_to_mask,
+                                             self._cpu_key_to_mask, self._intern)))
         self._free_bits.extend(freed)
-        self._sweep_mask = 0
-        self._sweep_keys = []
-        self._cpu_sweep_keys = []
         return freed
 
     def sweep_all(self) -> list[int]:
@@ -333,7 +298,6 @@ class BlockIndex:
         names = self._bit_to_id
         return ({names[b]: d for b, d in confirmed.items()},
                 {names[b]: d for b, d in combined.items()})
-
 
     def tier_depths(self, chain: Sequence[int], gpu_depths: dict[str, int]) -> dict[str, int]:
         """Each replica's hit depth in blocks when its CPU tier continues its GPU hit.

@@ -1,5 +1,6 @@
 """Keeping ``router.decision.fleet.Fleet`` current: the Redis edge (``FleetReader``) and the HTTP edge
-for static replicas (``StaticProber``), plus the local fleet cache file. Does I/O.
+for static replicas (``StaticProber``), plus the local fleet cache file. Does I/O. A replica's
+block set is read by ``router.edges.block_sets``.
 
 ``FleetReader`` follows the worker-written contract in ``router.shared.contract``; ``StaticProber``
 probes ``/health`` and reads ``/v1/models`` of static ``--replica`` URLs.
@@ -15,9 +16,11 @@ import time
 import urllib.request
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
-from router.decision.fleet import Dropped, Fleet, Replica, int_field
+from router.decision.fleet import Dropped, Fleet
+from router.decision.replica import Replica
+from router.edges.block_sets import OOM_READ_HOLD_S, BlockSetLoader, RedisOom
 from router.observability.metrics import RouterMetrics
 from router.service.config import DEFAULT_STREAM_READ_INTERVAL_S, RouterConfig
 from router.shared import contract as c
@@ -25,9 +28,6 @@ from router.shared.logs import IntervalLog
 from router.shared.process import write_json_atomic
 
 logger = logging.getLogger(__name__)
-
-OOM_READ_HOLD_S = 10.0  # a read refused for lack of memory keeps ``FleetReader.oom`` this long
-LOAD_ATTEMPTS = 5  # unchecked (non-MULTI) reads of a replica's set before giving up for now
 
 # minimum gap between two stream reads that returned entries: a busy stream's entries gather
 # into fewer reads, for at most this much more index lag (``RouterConfig.stream_read_interval_s``)
@@ -93,9 +93,8 @@ class FleetReader:
         # after a reconnect, replicas whose heartbeat is missing stay until then (monotonic):
         # a Redis that restarted empty gets one heartbeat TTL for the workers to re-register
         self._keep_missing_until = 0.0
-        self.oom = False  # Redis refuses writes for lack of memory (a worker says so, or a read)
-        self._oom_read_until = 0.0  # monotonic: a read of this router was refused until then
-        self._oom_log = IntervalLog(logger, OOM_READ_HOLD_S)
+        self.redis_oom = RedisOom(fleet, metrics)
+        self.block_sets = BlockSetLoader(fleet, self.prefix, self.redis_oom)
         self._bad_log = IntervalLog(logger, OOM_READ_HOLD_S)  # malformed stream entries
         self._unreachable = IntervalLog(logger)  # connection lost / still unreachable
 
@@ -196,7 +195,7 @@ class FleetReader:
             reload = self.fleet.apply_heartbeat(rid, fields, wall_now,
                                                 c.CONTRACT_VERSION if tagged else 1, int(ttl_ms))
             if (reload or force_reload) and tagged:
-                await self._load_blocks(client, rid)
+                await self.block_sets.load(client, rid)
         keep_missing = time.monotonic() < self._keep_missing_until
         for rid, replica in list(self.fleet.replicas.items()):
             if not replica.static and rid not in seen and not keep_missing:
@@ -207,19 +206,12 @@ class FleetReader:
                 self.metrics.forget_replica(rid)
         self._update_gauges()
         self._write_fleet_cache()
-        self._update_oom()
+        self.redis_oom.update()
 
-    def _update_oom(self) -> None:
-        """``oom`` and its gauge: a worker reports Redis refusing its writes, or a read of this
-        router was refused in the last ``OOM_READ_HOLD_S``."""
-        oom = (time.monotonic() < self._oom_read_until
-               or any(r.redis_oom for r in self.fleet.replicas.values()))
-        if oom != self.oom:
-            logger.warning("Redis %s", "is out of memory (maxmemory reached): the workers hold "
-                           "their changes, the index lags until it ends" if oom else
-                           "accepts writes again: the index follows the stream")
-        self.oom = oom
-        self.metrics.redis_oom.set(1 if oom else 0)
+    @property
+    def oom(self) -> bool:
+        """Redis refuses writes for lack of memory (a worker says so, or a read)."""
+        return self.redis_oom.oom
 
     def _write_fleet_cache(self) -> None:
         """Keep the fleet seen in Redis in ``fleet_cache_file`` (rewritten when it changes), so
@@ -233,66 +225,6 @@ class FleetReader:
             self._cached_fleet = snapshot
         except OSError as exc:
             logger.warning("cannot write fleet cache %s: %s", path, exc)
-
-    async def _load_blocks(self, client: Any, replica_id: str) -> None:
-        """Load a replica's sets (GPU and CPU tier) with the ``epoch``/``entry_seq`` they are at
-        (one transaction in the replica's hash slot): entries up to that ``entry_seq`` are in
-        them."""
-        from redis.exceptions import OutOfMemoryError
-
-        try:
-            read = await self._read_blocks(client, replica_id, transaction=True)
-        except OutOfMemoryError:
-            # Redis refuses every command queued in a MULTI once out of memory (even reads,
-            # ``processCommand``), but not the reads themselves: read without MULTI, the sets
-            # between two reads of epoch/entry_seq that agree (the worker changes sets and
-            # hash in one script, so equal values before and after mean the sets match them)
-            self._oom_read_until = time.monotonic() + OOM_READ_HOLD_S
-            self._update_oom()
-            self._oom_log.warning("Redis is out of memory (maxmemory reached): reading "
-                                  "replica %s's block set without MULTI", replica_id)
-            for _ in range(LOAD_ATTEMPTS):
-                read = await self._read_blocks(client, replica_id, transaction=False)
-                if read is not None:
-                    break
-            else:
-                logger.warning("replica %s: its block set kept changing while read; index "
-                               "kept as it is until the next reload", replica_id)
-                return
-        assert read is not None
-        (epoch_raw, entry_seq_raw), members, cpu_members = read
-        keys = cast(list[c.BlockKey], [int.from_bytes(m, "big") for m in members if len(m) == 8])
-        cpu_keys = cast(list[c.BlockKey],
-                        [int.from_bytes(m, "big") for m in cpu_members if len(m) == 8])
-        replica = self.fleet.replicas.get(replica_id)
-        if replica is None:
-            return
-        epoch = int_field(_text(epoch_raw), None) if epoch_raw else None
-        entry_seq = int_field(_text(entry_seq_raw), None) if entry_seq_raw else None
-        replica.epoch = max(replica.epoch, epoch or 0)
-        replica.entry_seq = -1 if entry_seq is None else entry_seq
-        self.fleet.index.replace(replica_id, keys, epoch=replica.epoch, cpu_keys=cpu_keys)
-        logger.info("replica %s: loaded %d block keys, %d on the CPU tier (epoch %d, entry %d)",
-                    replica_id, len(keys), len(cpu_keys), replica.epoch, replica.entry_seq)
-
-    async def _read_blocks(self, client: Any, replica_id: str, *, transaction: bool,
-                           ) -> tuple[Any, Any, Any] | None:
-        """``((epoch, entry_seq), GPU members, CPU members)`` of a replica, in one MULTI
-        (``transaction``), or in a plain pipeline that reads epoch/entry_seq before and after
-        the sets: None when they differ (the sets changed meanwhile). Raises ``RedisError``."""
-        hmget = ("HMGET", c.replica_key(self.prefix, replica_id), c.F_EPOCH, c.F_ENTRY_SEQ)
-        async with client.pipeline(transaction=transaction) as pipe:
-            # raw commands: redis-py 8.1's cluster MULTI passes the ``keys`` keyword of
-            # ``hmget``/``smembers`` to their reply callbacks, which raise TypeError
-            pipe.execute_command(*hmget)
-            pipe.execute_command("SMEMBERS", c.blocks_key(self.prefix, replica_id))
-            pipe.execute_command("SMEMBERS", c.blocks_key(self.prefix, replica_id, c.TIER_CPU))
-            if not transaction:
-                pipe.execute_command(*hmget)
-            replies = await pipe.execute()
-        if not transaction and replies[0] != replies[3]:
-            return None
-        return replies[0], replies[1], replies[2]
 
     async def _follow(self, client: Any) -> None:
         stream = c.events_key(self.prefix)
@@ -318,7 +250,7 @@ class FleetReader:
                     logger.warning("replica %s: stream entry missing (entry_seq gap); reloading "
                                    "its block set", rid)
                     self.metrics.stream_gaps.inc()
-                    await self._load_blocks(client, rid)
+                    await self.block_sets.load(client, rid)
                 if entries:
                     ms = int(self.last_id.split("-", 1)[0])
                     self.metrics.event_lag.set(max(0.0, time.time() - ms / 1000.0))

@@ -137,7 +137,7 @@ def test_the_worker_reads_the_newest_lora_series_whatever_the_dp_rank() -> None:
 
 
 def test_the_router_keeps_the_heartbeats_lora_state() -> None:
-    from router.decision.fleet import lora_from_fields
+    from router.decision.replica import lora_from_fields
     from router.shared import contract
 
     assert lora_from_fields({}) is None

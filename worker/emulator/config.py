@@ -332,26 +332,20 @@ def from_args(argv: Sequence[str], env: Mapping[str, str] | None = None) -> Emul
     return SETTINGS.build(argv, env, lambda values: _resolve(EmulatorArgs(**values), env))
 
 
-def _resolve(a: EmulatorArgs, env: Mapping[str, str]) -> EmulatorConfig:
-    """``a`` checked and resolved; raises ``ConfigError`` naming the bad setting."""
-    model = a.model or a.model_tag or DEFAULT_MODEL
-    served = a.served_model_name or (model,)
-    if not 0 <= a.port <= 65535:
-        raise ConfigError(f"port must be 0..65535, got {a.port}", "port")
-    for name in _AT_LEAST_ONE:
-        if getattr(a, name) < 1:
-            raise ConfigError(f"{name} must be >= 1, got {getattr(a, name)}", name)
-    for name in _POSITIVE:
-        if getattr(a, name) <= 0:
-            raise ConfigError(f"{name} must be > 0, got {getattr(a, name)}", name)
+def _hash_seed(a: EmulatorArgs, env: Mapping[str, str]) -> tuple[str, bool]:
+    """The engine's hash seed and whether it is random: ``PYTHONHASHSEED``, else a random one
+    for the xxhash variants (vLLM ``resolve_none_hash_seed``), else vLLM's fixed seed."""
     seed_env = env.get("PYTHONHASHSEED")
-    random_seed = False
     if seed_env is not None:
-        seed = seed_env
-    elif a.prefix_caching_hash_algo.startswith("xxhash"):
-        seed, random_seed = os.urandom(32).hex(), True  # vLLM resolve_none_hash_seed
-    else:
-        seed = DEFAULT_NONE_HASH_SEED
+        return seed_env, False
+    if a.prefix_caching_hash_algo.startswith("xxhash"):
+        return os.urandom(32).hex(), True  # vLLM resolve_none_hash_seed
+    return DEFAULT_NONE_HASH_SEED, False
+
+
+def _gpu_pool(a: EmulatorArgs) -> tuple[ModelProfile, GpuProfile, int]:
+    """The model and GPU profiles and the KV blocks they leave (or the override); raises
+    ``ConfigError`` for a bad profile or fewer than 2 blocks."""
     try:
         model_profile = ModelProfile(
             params=a.model_params, num_layers=a.model_layers, num_q_heads=a.model_q_heads,
@@ -370,6 +364,23 @@ def _resolve(a: EmulatorArgs, env: Mapping[str, str]) -> EmulatorConfig:
                               "num_gpu_blocks_override")
         raise ConfigError(f"the model and GPU profiles leave room for {num_blocks} KV block(s); "
                           "at least 2 are needed")
+    return model_profile, gpu, num_blocks
+
+
+def _resolve(a: EmulatorArgs, env: Mapping[str, str]) -> EmulatorConfig:
+    """``a`` checked and resolved; raises ``ConfigError`` naming the bad setting."""
+    model = a.model or a.model_tag or DEFAULT_MODEL
+    served = a.served_model_name or (model,)
+    if not 0 <= a.port <= 65535:
+        raise ConfigError(f"port must be 0..65535, got {a.port}", "port")
+    for name in _AT_LEAST_ONE:
+        if getattr(a, name) < 1:
+            raise ConfigError(f"{name} must be >= 1, got {getattr(a, name)}", name)
+    for name in _POSITIVE:
+        if getattr(a, name) <= 0:
+            raise ConfigError(f"{name} must be > 0, got {getattr(a, name)}", name)
+    seed, random_seed = _hash_seed(a, env)
+    model_profile, gpu, num_blocks = _gpu_pool(a)
     num_cpu_blocks = _num_cpu_blocks(a, model_profile)
     pool_tokens = (num_blocks - 1) * a.block_size
     max_model_len = a.max_model_len or min(DEFAULT_MAX_MODEL_LEN, pool_tokens)

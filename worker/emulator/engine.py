@@ -3,9 +3,9 @@ and the engine loop on its own clock. Does no HTTP; ``worker.emulator.openai_ser
 OpenAI front end, as vLLM's ``AsyncLLM`` is behind its API server.
 
 The engine loop runs scheduler steps and sleeps for each step's duration (engine seconds divided
-by ``--time-scale``); an idle engine waits on a future, so an idle fleet costs no CPU. Outputs go
-to each request's :class:`OutputCollector` (vLLM ``RequestOutputCollector``), which merges the
-tokens a slow reader has not taken yet.
+by ``--time-scale``); an idle engine waits on a future, so an idle fleet costs no CPU. Its
+collaborators: ``outputs`` hands each step's outputs to the requests, ``step_events`` publishes
+each step's KV events.
 """
 
 from __future__ import annotations
@@ -14,57 +14,30 @@ import asyncio
 import bisect
 import contextlib
 import logging
-import math
 from collections import deque
-from dataclasses import dataclass, field
-from typing import Any, Final
+from dataclasses import dataclass
+from typing import Any
 
 import zmq
 
 from router.shared.hashing import BlockHasher
-from worker.emulator.config import (
-    DEFAULT_STREAM_INTERVAL_S,
-    EmulatorConfig,
-    replica_endpoint,
-)
+from worker.emulator.config import DEFAULT_STREAM_INTERVAL_S, EmulatorConfig
 from worker.emulator.kv_cache import BlockPool, KVCacheManager
 from worker.emulator.metrics import ReplicaMetrics
 from worker.emulator.offload import CpuOffload
+from worker.emulator.outputs import OutputCollector, OutputDelivery, Sink
 from worker.emulator.profiles import LatencyModel
-from worker.emulator.publisher import PublisherConfig, ZmqEventPublisher
 from worker.emulator.scheduler import (
     FinishReason,
     Request,
     RequestOutput,
     Scheduler,
     SchedulerConfig,
+    Step,
 )
+from worker.emulator.step_events import StepEvents, engine_publisher
 
 logger = logging.getLogger(__name__)
-
-STREAM_INTERVAL_S: Final = DEFAULT_STREAM_INTERVAL_S  # wall seconds between a stream's writes
-
-@dataclass(slots=True)
-class OutputCollector:
-    """One HTTP request's outputs, shared by its sequences (vLLM ``RequestOutputCollector``):
-    ``queue`` items are ``(choice index, new tokens, finish reason or None)``; ``arrival`` and
-    ``first_token_at`` are loop-time seconds (engine clock)."""
-
-    arrival: float
-    queue: asyncio.Queue[tuple[int, int, FinishReason | None]] = field(
-        default_factory=asyncio.Queue)
-    first_token_at: dict[int, float] = field(default_factory=dict)
-
-
-@dataclass(slots=True)
-class Sink:
-    """Where one sequence's outputs go: its request's collector and its choice index, with
-    the tokens generated but not yet handed over (``pending``) and when it last got some."""
-
-    collector: OutputCollector
-    index: int
-    pending: int = 0
-    delivered_at: float = -math.inf  # loop time
 
 
 @dataclass(frozen=True, slots=True)
@@ -126,30 +99,18 @@ class EmulatedEngine:
         if config.lora_modules:  # vLLM exports it with LoRA on
             self.metrics.enable_lora_info(config.max_loras, self.lora_adapters)
         offload = self.offload
-        self.offload_metrics = (self.metrics.enable_offload(lambda: offload.usage)
-                                if offload is not None else None)
-        self.publisher: ZmqEventPublisher | None = None
-        if config.kv_events.enabled:
-            ev = config.kv_events
-            dp_size = config.data_parallel_size
-            pub = replica_endpoint(ev.endpoint, index, config.host, dp_rank, dp_size)
-            replay = (replica_endpoint(ev.replay_endpoint, index, config.host, dp_rank, dp_size)
-                      if ev.replay_endpoint else None)
-            self.publisher = ZmqEventPublisher(PublisherConfig(
-                endpoint=pub.address, bind=pub.bind,
-                replay_endpoint=replay.address if replay else None,
-                topic=ev.topic, buffer_steps=ev.buffer_steps, hwm=ev.hwm,
-                int_block_hashes=config.int_block_hashes, block_size=config.block_size,
-                data_parallel_rank=dp_rank),
-                zmq_ctx)
+        self.publisher = engine_publisher(config, index, dp_rank, zmq_ctx)
+        self.step_events = StepEvents(
+            self.pool, offload,
+            self.metrics.enable_offload(lambda: offload.usage) if offload is not None else None,
+            self.publisher)
+        self.outputs = OutputDelivery(self.kv, self.metrics, config.time_scale)
         self._waiter: asyncio.Future[None] | None = None
         # Requests that arrived (loop time) but are not yet the scheduler's, because the engine
         # clock has not reached their arrival (see _engine_loop).
         self._arrivals: deque[tuple[float, Request]] = deque()
         self.clock = 0.0  # engine time in loop-time seconds; set when the engine starts
         self._engine_task: asyncio.Task[None] | None = None
-        self._last_queries = 0
-        self._last_hits = 0
 
     # ---------------------------------------------------------------- engine
 
@@ -254,49 +215,50 @@ class EmulatedEngine:
                     # Nothing fits even in an empty pool (cannot happen within max_model_len).
                     request = scheduler.waiting.popleft()
                     request.finished = FinishReason.ABORT
-                    self._deliver([RequestOutput(request, 0, FinishReason.ABORT)], self.clock)
+                    self.outputs.deliver([RequestOutput(request, 0, FinishReason.ABORT)],
+                                         self.clock)
                     continue
-                start = self.clock
-                self.metrics.observe_lag(loop.time() - start)
-                repeats = 1
-                if step.max_repeat == 1:
-                    end = start + step.durations_s[0] / scale
-                    await self._sleep_until(end, interruptible=False)
-                else:
-                    ends: list[float] = []
-                    t = start
-                    for d in step.durations_s:
-                        t += d / scale
-                        ends.append(t)
-                    if not self._arrivals:  # only an arrival (``submit``) wakes the sleep
-                        await self._sleep_until(ends[-1], interruptible=True)
-                    repeats = len(ends)
-                    if self._arrivals:
-                        # A request arrived (it woke the burst, or it came after the burst's
-                        # start in engine time but before the loop got to sleep, when its
-                        # wake-up found no waiter): vLLM takes new requests between any two
-                        # steps, so the burst ends with the step under way when it arrived
-                        # and the newcomer joins the next one. Ending it at the steps done by
-                        # the wake-up instead left the arrival after the engine clock; the
-                        # next burst then kept it waiting a whole stream interval.
-                        repeats = min(bisect.bisect_left(ends, self._arrivals[0][0]) + 1,
-                                      repeats)
-                        await self._sleep_until(ends[repeats - 1], interruptible=False)
-                    end = ends[repeats - 1]
+                self.metrics.observe_lag(loop.time() - self.clock)
+                end, repeats = await self._run_step(step)
                 self.clock = end
                 outputs = scheduler.complete(step, repeats)
-                if self.offload is not None:
-                    self._publish_offload()
-                elif self.publisher is not None:
-                    self.publisher.publish(self.pool.take_events())
+                self.step_events.publish()
                 if step.num_preempted:
                     self.metrics.num_preemptions.inc(step.num_preempted)
-                self._deliver(outputs, end)
+                self.outputs.deliver(outputs, end)
             except asyncio.CancelledError:
                 raise
             except Exception:
                 logger.exception("replica %d: engine step failed", self.index)
                 await asyncio.sleep(0.01)
+
+    async def _run_step(self, step: Step) -> tuple[float, int]:
+        """Sleep through ``step`` from the engine clock on; returns the engine time it ends at
+        and how many of its repeats (a decode burst) ran."""
+        scale = self.config.time_scale
+        start = self.clock
+        if step.max_repeat == 1:
+            end = start + step.durations_s[0] / scale
+            await self._sleep_until(end, interruptible=False)
+            return end, 1
+        ends: list[float] = []
+        t = start
+        for d in step.durations_s:
+            t += d / scale
+            ends.append(t)
+        if not self._arrivals:  # only an arrival (``submit``) wakes the sleep
+            await self._sleep_until(ends[-1], interruptible=True)
+        repeats = len(ends)
+        if self._arrivals:
+            # A request arrived (it woke the burst, or it came after the burst's start in
+            # engine time but before the loop got to sleep, when its wake-up found no waiter):
+            # vLLM takes new requests between any two steps, so the burst ends with the step
+            # under way when it arrived and the newcomer joins the next one. Ending it at the
+            # steps done by the wake-up instead left the arrival after the engine clock; the
+            # next burst then kept it waiting a whole stream interval.
+            repeats = min(bisect.bisect_left(ends, self._arrivals[0][0]) + 1, repeats)
+            await self._sleep_until(ends[repeats - 1], interruptible=False)
+        return ends[repeats - 1], repeats
 
     async def _await_transfer(self) -> None:
         """Idle until the CPU tier's next transfer ends (engine time skips there, as it skips
@@ -310,56 +272,7 @@ class EmulatedEngine:
         self.clock = max(self.clock, min(target, asyncio.get_running_loop().time()))
         if not self.offload.has_pending_loads():  # only stores: schedule() would not run
             self.offload.advance(self.clock * scale)
-            self._publish_offload()
-
-    def _publish_offload(self) -> None:
-        """Publish the GPU pool's and the CPU tier's events as one batch (vLLM: the cache
-        manager's events, then the connector's) and bring the tier's counters up to date."""
-        assert self.offload is not None and self.offload_metrics is not None
-        if self.publisher is not None:
-            self.publisher.publish([*self.pool.take_events(), *self.offload.take_events()])
-        self.offload_metrics.sync(self.offload.stats)
-
-    def _deliver(self, outputs: list[RequestOutput], now: float) -> None:
-        """Hand each request its new tokens; ``now`` is the engine time (clock) of the step's
-        end, so the engine's own latency metrics say what the emulated GPU would report."""
-        stats = self.kv.stats
-        metrics = self.metrics
-        if stats.queries != self._last_queries:
-            metrics.prefix_cache_queries.inc(stats.queries - self._last_queries)
-            metrics.prefix_cache_hits.inc(stats.hits - self._last_hits)
-            self._last_queries, self._last_hits = stats.queries, stats.hits
-        scale = self.config.time_scale
-        wall = asyncio.get_running_loop().time()
-        generated = 0
-        for out in outputs:
-            sink: Sink = out.request.sink
-            collector = sink.collector
-            first = False
-            if out.num_new_tokens:
-                generated += out.num_new_tokens
-                sink.pending += out.num_new_tokens
-                if sink.index not in collector.first_token_at:
-                    first = True
-                    collector.first_token_at[sink.index] = now
-                    metrics.ttft.observe((now - collector.arrival) * scale)
-                    metrics.prompt_tokens.inc(out.request.num_prompt_tokens)
-                    metrics.prompt_tokens_cached.inc(max(out.request.num_cached_tokens, 0))
-            if out.finished is not None:
-                metrics.request_success[out.finished.value].inc()
-                metrics.e2e_latency.observe((now - collector.arrival) * scale)
-            # The first token and the end go out at once; tokens in between at most once per
-            # stream interval (wall time), several in one SSE write, as vLLM's output collector
-            # merges the outputs a slow reader has not taken yet. 8 emulated GPUs at 10x speed
-            # make 80x one GPU's steps per second: one write per step per request would cost
-            # this process more than everything else it does.
-            if first or out.finished is not None or (
-                    sink.pending and wall - sink.delivered_at >= STREAM_INTERVAL_S):
-                collector.queue.put_nowait((sink.index, sink.pending, out.finished))
-                sink.pending = 0
-                sink.delivered_at = wall
-        if generated:
-            metrics.generation_tokens.inc(generated)
+            self.step_events.publish()
 
     # ---------------------------------------------------------------- requests
 

@@ -21,8 +21,9 @@ from worker.emulator.api_formats import (
     responses_usage,
 )
 from worker.emulator.config import EmulatorConfig
-from worker.emulator.engine import EmulatedEngine, OutputCollector, SubmittedPrompt
+from worker.emulator.engine import EmulatedEngine, SubmittedPrompt
 from worker.emulator.http_checks import GenerationParams, bad_request, check_length
+from worker.emulator.outputs import OutputCollector
 from worker.emulator.scheduler import FinishReason, Request
 
 OUTPUT_WORDS: Final = (" the", " quick", " brown", " fox", " jumps", " over", " a", " lazy",
