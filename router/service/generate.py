@@ -148,8 +148,10 @@ class GenerateHandler:
                 observe_overhead=True))
             status, replica_id = outcome.status, outcome.replica_id
             counted.status, counted.replica_id = status, replica_id
+            # nothing awaited from here on: the answer is delivered, and a client that hangs up
+            # now cancels this handler at its next await (it counted 499 and skipped these)
             if continued is not None and continued.store and status == 200:
-                await self.holders.remember(outcome, request.get(TENANT_KEY))
+                self.holders.remember(outcome, request.get(TENANT_KEY))
             if status == 200:
                 self.router.served(routed, replica_id)
             self.learning.observe(spec, routed, dispatch, outcome, arrival,

@@ -6,6 +6,7 @@ process's memory and Redis, shared by the routers). Redis I/O through the affini
 
 from __future__ import annotations
 
+import asyncio
 import time
 
 from router.apis.affinity import ResponseAffinity, holder_target, response_id_from_head
@@ -21,6 +22,7 @@ class ResponseHolders:
     def __init__(self, fleet: Fleet, affinity: ResponseAffinity) -> None:
         self.fleet = fleet
         self.affinity = affinity
+        self._writes: set[asyncio.Task[None]] = set()
 
     async def route(self, response_id: str, spec: PromptSpec, tenant: str | None) -> Routed:
         """``tenant``'s Responses request continuing ``response_id``: to the replica holding
@@ -40,9 +42,19 @@ class ResponseHolders:
         _, targets, _ = holder_target(self.fleet, response_id, holder, None, time.monotonic())
         return targets[0]
 
-    async def remember(self, outcome: ProxyOutcome, tenant: str | None) -> None:
+    def remember(self, outcome: ProxyOutcome, tenant: str | None) -> None:
         """Record which replica answered ``tenant``'s stored Responses request (its id from the
-        answer's head)."""
+        answer's head): in this process at once, in Redis on a task of its own. Not awaited by
+        the handler: a client that hangs up right after the answer cancels the handler (aiohttp's
+        handler cancellation), which lost the Redis record and counted a delivered answer 499."""
         response_id = response_id_from_head(outcome.head)
-        if response_id is not None:
-            await self.affinity.remember(response_id, outcome.replica_id, tenant)
+        if response_id is None:
+            return
+        task = asyncio.create_task(self.affinity.remember(response_id, outcome.replica_id, tenant))
+        self._writes.add(task)  # a strong reference until done (the loop keeps only weak ones)
+        task.add_done_callback(self._writes.discard)
+
+    async def drain(self) -> None:
+        """Wait for the holders' Redis writes still under way (shutdown)."""
+        if self._writes:
+            await asyncio.gather(*self._writes, return_exceptions=True)

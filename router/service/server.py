@@ -190,7 +190,7 @@ class RouterService:
         # /v1/responses previous_response_id: which replica holds which stored response
         self.affinity = ResponseAffinity(self._affinity_redis if config.redis_url else None,
                                          config.redis_prefix, config.response_affinity_ttl_s)
-        holders = ResponseHolders(self.fleet, self.affinity)
+        self.holders = holders = ResponseHolders(self.fleet, self.affinity)
         self.generate = GenerateHandler(
             self.parser, self.admission, self.router, holders,
             self.dispatcher, self.learning, self.metrics, self.loop_lag,
@@ -320,6 +320,7 @@ class RouterService:
         self.render_executor.shutdown(wait=False, cancel_futures=True)
         if self.renderer is not None:
             self.renderer.close()
+        await self.holders.drain()  # the last answers' holder records reach Redis first
         await self.affinity.close()
 
     def _affinity_redis(self) -> Any:

@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 
 from router.shared.contract import DEFAULT_REDIS_PREFIX
-from tests.helpers import stopping
+from tests.helpers import stopping, wait_for
 from tests.integration.test_router_fleet import TOKENIZER, Fleet, Router, http, start_router
 
 anthropic = pytest.importorskip("anthropic")
@@ -158,6 +158,48 @@ def test_previous_response_id_goes_to_the_replica_holding_it(
         assert list(raw.parse())[-1].type == "response.completed"
     finally:
         other.stop()
+
+
+def test_a_stored_response_is_recorded_when_its_client_hangs_up_after_the_answer(
+        router: Router, fleet: Fleet) -> None:
+    """A client that closes its connection as soon as it has the answer (curl does) once
+    cancelled the handler while it wrote the holder record to Redis: the record was lost (2 of 8
+    in a reviewer's run) and a delivered answer counted 499 (5 of 8). Each of 12 such requests
+    is now recorded in Redis and counted 200."""
+    import socket
+    import urllib.parse
+
+    import redis
+
+    from tests.integration.test_router_admission import sample
+
+    url = urllib.parse.urlsplit(router.url)
+    before = sample(router.metrics(), "router_requests_total", endpoint="/v1/responses",
+                    status="499")
+    ids = []
+    for i in range(12):
+        body = json.dumps({"model": MODEL, "input": f"hang up {i} {random.random()}",
+                           "max_output_tokens": 2}).encode()
+        with socket.create_connection((url.hostname, url.port), timeout=60) as conn:
+            conn.sendall(b"POST /v1/responses HTTP/1.1\r\nHost: x\r\nContent-Type: "
+                         b"application/json\r\nContent-Length: " + str(len(body)).encode()
+                         + b"\r\n\r\n" + body)
+            raw = b""
+            while b"\r\n\r\n" not in raw or not raw.rstrip().endswith(b"}"):
+                chunk = conn.recv(65536)
+                assert chunk, raw
+                raw += chunk
+        # closed at once, as curl does after the last byte
+        ids.append(json.loads(raw.split(b"\r\n\r\n", 1)[1])["id"])
+    client = redis.Redis.from_url(fleet.redis_url)
+    try:
+        wait_for(lambda: all(client.exists(f"{DEFAULT_REDIS_PREFIX}:response:{rid}")
+                             for rid in ids), 10, message="every holder record in Redis")
+    finally:
+        client.close()
+    after = sample(router.metrics(), "router_requests_total", endpoint="/v1/responses",
+                   status="499")
+    assert after == before
 
 
 def test_previous_response_id_refused_when_unknown_or_its_replica_gone(
