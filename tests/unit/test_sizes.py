@@ -38,8 +38,6 @@ ALLOWED: Final[dict[str, str]] = {
     "router/edges/proxy.py::Proxy._attempt": _RELAY,
     "router/decision/policy.py::_prefix": _ONE_PASS,
     "router/request/chain_cache.py::ChainCache.chain": _SIGNATURE,
-    "worker/redis_writer.py::RedisWriter": _WORKER_IO,
-    "worker/redis_writer.py::RedisWriter._commit": _WORKER_IO,
     "worker/subscriber.py::KVEventSubscriber": _WORKER_IO,
 }
 
