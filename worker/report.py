@@ -51,7 +51,8 @@ from worker.event_filter import EventFilter, parse_kv_tiers
 from worker.hash_check import HashCheck
 from worker.heartbeat import EngineClient, EngineLoad, EngineModels, EngineUnreachable, Heartbeat
 from worker.metrics import WorkerSnapshot, make_registry, start_metrics_server, worker_snapshot
-from worker.redis_writer import REDIS_ERRORS, RedisWriter, StoredState
+from worker.redis_writer import REDIS_ERRORS, RedisWriter
+from worker.replica_store import StoredState
 from worker.replica_view import NO_SEQ, Change, ReplicaView
 from worker.report_config import SETTINGS, ConfigError, WorkerConfig, load_config
 from worker.subscriber import KVEventSubscriber, max_message_bytes

@@ -159,8 +159,9 @@ class KVEventSubscriber:
         self._refused_log = IntervalLog(logger, BAD_MESSAGE_LOG_INTERVAL_S)
         self._disconnect_log = IntervalLog(logger, BAD_MESSAGE_LOG_INTERVAL_S)
         self.connected = asyncio.Event()  # set once the SUB socket is connected
-        self._ctx = context or zmq.asyncio.Context.instance()
-        self._dealer: zmq.asyncio.Socket | None = None
+        self._replay_socket = ReplaySocket(
+            replay_endpoint, context or zmq.asyncio.Context.instance(), max_message_bytes,
+            replay_timeout_s) if replay_endpoint else None
         self._dup_floor: int | None = None  # live seqs in [floor, last] were applied by a replay
         # live handling and a rebuild never interleave: a rebuild swaps the sink and the seq
         self._lock = asyncio.Lock()
@@ -208,7 +209,8 @@ class KVEventSubscriber:
                     await asyncio.sleep(0)
         finally:
             await sub.close()
-            self._close_dealer()
+            if self._replay_socket is not None:
+                self._replay_socket.close()
 
     def _publisher_dropped(self, reason: str) -> None:
         """The event socket's connection dropped (``BoundedSubscriber`` connects again; a gap
@@ -330,17 +332,16 @@ class KVEventSubscriber:
     async def _fetch_replay(self, start: int, reason: str, refused: int | None = None) -> bool:
         """Request and apply ``start..``; True when the replay ended normally. ``refused``: the
         seq of a batch already refused (and counted), used up unread when the replay has it."""
-        dealer = self._get_dealer()
+        replay = self._replay_socket
+        assert replay is not None
         logger.info("requesting KV event replay from seq %d (%s)", start, reason)
-        await dealer.send_multipart([b"", seq_bytes(start)])
-        timeout_ms = int(self.replay_timeout_s * 1000)
+        await replay.request(start)
         while True:
-            if not await dealer.poll(timeout_ms):
+            frames = await replay.recv()
+            if frames is None:
                 logger.warning("KV event replay from %d timed out after %.1fs", start,
                                self.replay_timeout_s)
-                self._close_dealer()  # late replies must not leak into the next replay
                 return False
-            frames = await dealer.recv_multipart()
             if len(frames) == 4 and frames[2] and parse_seq_safe(frames[2]) == REPLAY_END_SEQ:
                 return True
             expected = self.last_seq + 1
@@ -406,17 +407,42 @@ class KVEventSubscriber:
             return seq, None
         return seq, batch
 
-    def _get_dealer(self) -> zmq.asyncio.Socket:
+
+class ReplaySocket:
+    """DEALER client of the engine's replay ROUTER socket at ``endpoint``: connected on first
+    use, closed when a reply is late (late replies must not leak into the next replay) and
+    connected again by the next request."""
+
+    def __init__(self, endpoint: str, context: zmq.asyncio.Context, max_message_bytes: int,
+                 timeout_s: float) -> None:
+        self.endpoint = endpoint
+        self.max_message_bytes = max_message_bytes
+        self.timeout_s = timeout_s  # longest wait for the next reply frame
+        self._ctx = context
+        self._dealer: zmq.asyncio.Socket | None = None
+
+    async def request(self, start: int) -> None:
+        """Ask for every buffered batch with ``seq >= start``."""
+        await self._socket().send_multipart([b"", seq_bytes(start)])
+
+    async def recv(self) -> list[bytes] | None:
+        """The next reply's frames, or None (and the socket closed) after ``timeout_s``."""
+        dealer = self._socket()
+        if not await dealer.poll(int(self.timeout_s * 1000)):
+            self.close()
+            return None
+        return await dealer.recv_multipart()
+
+    def _socket(self) -> zmq.asyncio.Socket:
         if self._dealer is None:
             dealer = self._ctx.socket(zmq.DEALER)
             dealer.setsockopt(zmq.LINGER, 0)
             dealer.setsockopt(zmq.MAXMSGSIZE, self.max_message_bytes)
-            assert self.replay_endpoint is not None
-            dealer.connect(self.replay_endpoint)
+            dealer.connect(self.endpoint)
             self._dealer = dealer
         return self._dealer
 
-    def _close_dealer(self) -> None:
+    def close(self) -> None:
         if self._dealer is not None:
             with contextlib.suppress(zmq.ZMQError):
                 self._dealer.close(linger=0)

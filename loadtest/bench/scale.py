@@ -5,7 +5,7 @@ requests per second one router core routes on top of that, for large fleets. Doe
 
 No engines and no workers: a writer process plays the whole fleet's workers, pouring synthetic
 KV-change traffic shaped like the Mooncake conversation trace into a real Redis, in real time,
-through the workers' own flush script (``worker.redis_writer._FLUSH``: the set updates, then one
+through the workers' own flush script (``worker.replica_store._FLUSH``: the set updates, then one
 stream entry per flush, exactly what ``prefix-worker report`` writes). Per request, one replica
 (uniformly at random) stores ``--blocks-per-request`` new 16-token blocks at chain depths
 ``[h, h + blocks)`` (``h`` uniform below ``--max-hit-blocks``, the prefix it already held) and
@@ -54,7 +54,7 @@ from loadtest.harness.processes import cpu_seconds as _cpu_seconds
 from loadtest.harness.processes import stop_process, wait_ready
 from loadtest.harness.redis_server import RedisServer
 from router.shared import contract as c
-from worker.redis_writer import _FLUSH
+from worker.replica_store import _FLUSH
 
 MODEL = "emulated-llm"
 TICK_S = 0.01  # the writer sends each 10 ms of traffic as one pipeline

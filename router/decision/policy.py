@@ -604,11 +604,48 @@ def _ttft(
     ``cpu_load_tokens_per_s``, is part of its prefill (and TTFT); ``evict_s`` counts only the
     new KV blocks (past both hits).
     """
-    size = params.block_size
     depth, order = hits.depth, hits.order
     rank = {rid: i for i, rid in enumerate(order)}
     by_id = {r.replica_id: r for r in replicas}
     over = _over_load_cap(replicas, params.load_factor, TTFT_LOAD_HEADROOM)
+    terms = _ttft_terms(request, replicas, hits, params, avg_prompt_tokens, avg_output_tokens)
+
+    def cost(rid: str) -> tuple[float, int]:
+        return (terms[rid]["total_s"], rank[rid])
+
+    allowed = [rid for rid in order if not over[rid]] or list(order)
+    if not request.tokenized:
+        # no chain, so no hit to weigh: the ring on the text is the only affinity there is
+        chosen = allowed[0]
+        reason = REASON_NO_TOKENIZER_RING if chosen == order[0] else REASON_LOAD_SPILL
+    else:
+        chosen = min(allowed, key=cost)
+        reason = _ttft_reason(chosen, order, terms, hits, cost)
+
+    rest = sorted((rid for rid in order if rid != chosen), key=lambda rid: (over[rid], cost(rid)))
+    details: dict[str, CandidateDetails] = {
+        rid: {**_view_details(by_id[rid], hits, rid, over[rid]), **terms[rid]}
+        for rid in order
+    }
+    predictions = {rid: TtftPrediction(terms[rid]["work_tokens"], terms[rid]["ttft_s"])
+                   for rid in order}
+    return Decision(chosen, reason, tuple(rest), depth[chosen], len(request.chain), details,
+                    hits.hit_depths(), predictions)
+
+
+def _ttft_terms(
+    request: RouteInput,
+    replicas: Sequence[Candidate],
+    hits: _Hits,
+    params: PolicyParams,
+    avg_prompt_tokens: float,
+    avg_output_tokens: float,
+) -> dict[str, TtftTerms]:
+    """{replica_id: its cost terms in seconds} for ``_ttft``, in ``hits.order`` (the terms are
+    listed in ``_ttft``'s docstring)."""
+    size = params.block_size
+    depth, order = hits.depth, hits.order
+    by_id = {r.replica_id: r for r in replicas}
     prior_s_per_token = 1.0 / params.ttft_prior_tokens_per_s
     total_writes = sum(r.recent_write_blocks for r in replicas)
     waiting_behind = sum(r.queued_requests for r in replicas) / len(replicas)  # L
@@ -640,44 +677,29 @@ def _ttft(
                       "work_tokens": queued + own, "queued_prefill_tokens": queued,
                       "write_share": share, "tokens_per_s": 1.0 / s_per_token,
                       "load_s": load_s}
+    return terms
 
-    def cost(rid: str) -> tuple[float, int]:
-        return (terms[rid]["total_s"], rank[rid])
 
-    allowed = [rid for rid in order if not over[rid]] or list(order)
-    if not request.tokenized:
-        # no chain, so no hit to weigh: the ring on the text is the only affinity there is
-        chosen = allowed[0]
-        reason = REASON_NO_TOKENIZER_RING if chosen == order[0] else REASON_LOAD_SPILL
-    else:
-        chosen = min(allowed, key=cost)
-        # the runner-up is the best replica that costs more (replicas costing the same differ
-        # only in ring order, which broke the tie)
-        others = [rid for rid in order if terms[rid]["total_s"] != terms[chosen]["total_s"]]
-        if chosen != min(order, key=cost):
-            reason = REASON_LOAD_SPILL
-        elif not others:
-            # nothing tells them apart: ring order decided; a hit there is still a hit (a
-            # fleet of one, a prefix every replica holds), so the reason reads as in a bigger fleet
-            reason = _hit_reason(chosen, hits) if depth[chosen] > 0 else REASON_COLD_RING
-        else:
-            runner_up = terms[min(others, key=cost)]
-            gains = {term: runner_up[term] - terms[chosen][term] for term in TTFT_COST_TERMS}
-            # the delay others suffer is the same work as the own prefill, weighted by the queue
-            gains["prefill_s"] += gains.pop("delay_s")
-            reason = {"wait_s": REASON_TTFT_WAIT, "prefill_s": REASON_TTFT_PREFILL,
-                      "evict_s": REASON_TTFT_EVICT, "decode_s": REASON_TTFT_DECODE}[
-                max(gains, key=lambda t: gains[t])]
-
-    rest = sorted((rid for rid in order if rid != chosen), key=lambda rid: (over[rid], cost(rid)))
-    details: dict[str, CandidateDetails] = {
-        rid: {**_view_details(by_id[rid], hits, rid, over[rid]), **terms[rid]}
-        for rid in order
-    }
-    predictions = {rid: TtftPrediction(terms[rid]["work_tokens"], terms[rid]["ttft_s"])
-                   for rid in order}
-    return Decision(chosen, reason, tuple(rest), depth[chosen], len(request.chain), details,
-                    hits.hit_depths(), predictions)
+def _ttft_reason(chosen: str, order: Sequence[str], terms: dict[str, TtftTerms], hits: _Hits,
+                 cost: Callable[[str], tuple[float, int]]) -> str:
+    """Why ``_ttft`` chose ``chosen``, the cheapest of the replicas under the load cap: the cost
+    term that gains most against the runner-up, a load spill, or ring order."""
+    # the runner-up is the best replica that costs more (replicas costing the same differ
+    # only in ring order, which broke the tie)
+    others = [rid for rid in order if terms[rid]["total_s"] != terms[chosen]["total_s"]]
+    if chosen != min(order, key=cost):
+        return REASON_LOAD_SPILL
+    if not others:
+        # nothing tells them apart: ring order decided; a hit there is still a hit (a
+        # fleet of one, a prefix every replica holds), so the reason reads as in a bigger fleet
+        return _hit_reason(chosen, hits) if hits.depth[chosen] > 0 else REASON_COLD_RING
+    runner_up = terms[min(others, key=cost)]
+    gains = {term: runner_up[term] - terms[chosen][term] for term in TTFT_COST_TERMS}
+    # the delay others suffer is the same work as the own prefill, weighted by the queue
+    gains["prefill_s"] += gains.pop("delay_s")
+    return {"wait_s": REASON_TTFT_WAIT, "prefill_s": REASON_TTFT_PREFILL,
+            "evict_s": REASON_TTFT_EVICT, "decode_s": REASON_TTFT_DECODE}[
+        max(gains, key=lambda t: gains[t])]
 
 
 @dataclass(frozen=True, slots=True)

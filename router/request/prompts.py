@@ -227,60 +227,72 @@ def parse_prompt(kind: str, body: Any) -> PromptSpec:
     common: dict[str, Any] = {"model": model, "cache_salt": salt, "stream": bool(stream),
                               "session_key": session, "priority": body.get("priority")}
     if kind == "completion":
-        add_special = body.get("add_special_tokens", True)
-        if not isinstance(add_special, bool):
-            raise PromptError("'add_special_tokens' must be a boolean")
-        prompt = body.get("prompt")
-        if isinstance(prompt, str):
-            return PromptSpec("completion", text=prompt, add_special_tokens=add_special, **common)
-        if isinstance(prompt, list) and prompt:
-            if _is_token_list(prompt):
-                return PromptSpec("completion", token_ids=prompt, **common)
-            first = prompt[0]
-            if isinstance(first, str) and all(isinstance(p, str) for p in prompt):
-                return PromptSpec("completion", text=first, add_special_tokens=add_special,
-                                  batch_size=len(prompt),
-                                  rest_tokens=sum(max(1, len(p) // 4) for p in prompt[1:]),
-                                  **common)
-            if all(_is_token_list(p) and p for p in prompt):
-                return PromptSpec("completion", token_ids=first, batch_size=len(prompt),
-                                  rest_tokens=sum(len(p) for p in prompt[1:]), **common)
-        raise PromptError("'prompt' must be a non-empty string, list of strings, list of token ids "
-                          "(integers >= 0) or list of token-id lists")
+        return _completion_spec(body, common)
     if kind == "chat":
-        messages = body.get("messages")
-        if not isinstance(messages, list) or not messages or not all(
-                isinstance(m, dict) and isinstance(m.get("role"), str) for m in messages):
-            raise PromptError("'messages' must be a non-empty list of objects with a 'role'")
-        add_generation_prompt = body.get("add_generation_prompt", True)
-        continue_final = body.get("continue_final_message", False)
-        if not isinstance(add_generation_prompt, bool) or not isinstance(continue_final, bool):
-            raise PromptError("'add_generation_prompt' and 'continue_final_message' must be booleans")
-        if add_generation_prompt and continue_final and "add_generation_prompt" in body:
-            raise PromptError("cannot set both 'continue_final_message' and 'add_generation_prompt'")
-        if continue_final:
-            add_generation_prompt = False
-        kwargs = body.get("chat_template_kwargs") or {}
-        if not isinstance(kwargs, dict):
-            raise PromptError("'chat_template_kwargs' must be an object")
-        if "chat_template" in kwargs:  # vLLM: refused unless --trust-request-chat-template
-            raise PromptError("Found unexpected chat template kwargs from request: "
-                              "{'chat_template'}")
-        tools = _optional(body, "tools", list, "a list")
-        add_special = body.get("add_special_tokens", False)
-        if not isinstance(add_special, bool):
-            raise PromptError("'add_special_tokens' must be a boolean")
-        effort = _optional(body, "reasoning_effort", str, "a string")
-        documents = _optional(body, "documents", list, "a list")
-        options = {"tools": tools, "add_generation_prompt": add_generation_prompt,
-                   "continue_final_message": continue_final, "chat_template_kwargs": kwargs,
-                   "chat_template": body.get("chat_template"), "reasoning_effort": effort,
-                   "documents": documents}
-        if template_call(options, tools)[1]:  # vLLM takes the template's own ids as they are
-            add_special = False
-        return PromptSpec("chat", messages=messages, add_special_tokens=add_special,
-                          chat_options=options, **common)
+        return _chat_spec(body, common)
     raise ValueError(f"unknown prompt kind {kind!r}")
+
+
+def _completion_spec(body: dict[str, Any], common: dict[str, Any]) -> PromptSpec:
+    """The completion half of ``parse_prompt``: ``prompt`` as text, token ids or a batch of
+    either; ``common`` holds the fields both kinds share."""
+    add_special = body.get("add_special_tokens", True)
+    if not isinstance(add_special, bool):
+        raise PromptError("'add_special_tokens' must be a boolean")
+    prompt = body.get("prompt")
+    if isinstance(prompt, str):
+        return PromptSpec("completion", text=prompt, add_special_tokens=add_special, **common)
+    if isinstance(prompt, list) and prompt:
+        if _is_token_list(prompt):
+            return PromptSpec("completion", token_ids=prompt, **common)
+        first = prompt[0]
+        if isinstance(first, str) and all(isinstance(p, str) for p in prompt):
+            return PromptSpec("completion", text=first, add_special_tokens=add_special,
+                              batch_size=len(prompt),
+                              rest_tokens=sum(max(1, len(p) // 4) for p in prompt[1:]),
+                              **common)
+        if all(_is_token_list(p) and p for p in prompt):
+            return PromptSpec("completion", token_ids=first, batch_size=len(prompt),
+                              rest_tokens=sum(len(p) for p in prompt[1:]), **common)
+    raise PromptError("'prompt' must be a non-empty string, list of strings, list of token ids "
+                      "(integers >= 0) or list of token-id lists")
+
+
+def _chat_spec(body: dict[str, Any], common: dict[str, Any]) -> PromptSpec:
+    """The chat half of ``parse_prompt``: ``messages`` and the chat-template options vLLM
+    reads; ``common`` holds the fields both kinds share."""
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages or not all(
+            isinstance(m, dict) and isinstance(m.get("role"), str) for m in messages):
+        raise PromptError("'messages' must be a non-empty list of objects with a 'role'")
+    add_generation_prompt = body.get("add_generation_prompt", True)
+    continue_final = body.get("continue_final_message", False)
+    if not isinstance(add_generation_prompt, bool) or not isinstance(continue_final, bool):
+        raise PromptError("'add_generation_prompt' and 'continue_final_message' must be booleans")
+    if add_generation_prompt and continue_final and "add_generation_prompt" in body:
+        raise PromptError("cannot set both 'continue_final_message' and 'add_generation_prompt'")
+    if continue_final:
+        add_generation_prompt = False
+    kwargs = body.get("chat_template_kwargs") or {}
+    if not isinstance(kwargs, dict):
+        raise PromptError("'chat_template_kwargs' must be an object")
+    if "chat_template" in kwargs:  # vLLM: refused unless --trust-request-chat-template
+        raise PromptError("Found unexpected chat template kwargs from request: "
+                          "{'chat_template'}")
+    tools = _optional(body, "tools", list, "a list")
+    add_special = body.get("add_special_tokens", False)
+    if not isinstance(add_special, bool):
+        raise PromptError("'add_special_tokens' must be a boolean")
+    effort = _optional(body, "reasoning_effort", str, "a string")
+    documents = _optional(body, "documents", list, "a list")
+    options = {"tools": tools, "add_generation_prompt": add_generation_prompt,
+               "continue_final_message": continue_final, "chat_template_kwargs": kwargs,
+               "chat_template": body.get("chat_template"), "reasoning_effort": effort,
+               "documents": documents}
+    if template_call(options, tools)[1]:  # vLLM takes the template's own ids as they are
+        add_special = False
+    return PromptSpec("chat", messages=messages, add_special_tokens=add_special,
+                      chat_options=options, **common)
 
 
 def text_chunks(text: str) -> list[str]:

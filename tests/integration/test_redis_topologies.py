@@ -33,7 +33,8 @@ from router.shared.redis_client import redis_client
 from tests.helpers import stop_process, wait_for, wait_routable
 from tests.integration.test_router_failover import _emulated_fleet
 from tests.integration.test_router_fleet import Router, prometheus_value
-from worker.redis_writer import _FLUSH, RedisWriter
+from worker.redis_writer import RedisWriter
+from worker.replica_store import _FLUSH
 from worker.replica_view import Change
 
 pytestmark = pytest.mark.timeout(180)

@@ -13,7 +13,7 @@ from router.service.config import load_config
 from router.shared import contract as c
 from router.shared.hashing import BlockHasher
 from tests.unit.test_block_set import batch, removed, stored
-from worker.redis_writer import net_changes
+from worker.flush_batch import net_changes
 from worker.replica_view import Change, ReplicaView
 
 

@@ -22,9 +22,6 @@ PACKAGES: Final = ("router", "worker", "loadtest")
 # why each is one piece; where there is no such reason yet, the text says so plainly
 _DECLARATIVE = "declarative table: one metric declaration after another, no logic"
 _RELAY = "no reason: its attempts, retries and callbacks are separable jobs, not split yet"
-_DECISION = "no reason: its per-candidate cost terms could be their own function; not split yet"
-_REQUEST = "no reason: its completion and chat halves are separable; not split yet"
-_WORKER_IO = "no reason: it holds separable jobs (connection, replay, out-of-memory handling)"
 _ONE_PASS = ("one decision read top to bottom: its steps (affinity credit, cold competition, "
              "load cap, move gain, reason) share the per-candidate tables (hit depth, credit, "
              "queued prefill, ring rank)")
@@ -39,12 +36,7 @@ ALLOWED: Final[dict[str, str]] = {
     "router/edges/proxy.py::Proxy.forward": _RELAY,
     "router/edges/proxy.py::Proxy._attempt": _RELAY,
     "router/decision/policy.py::_prefix": _ONE_PASS,
-    "router/decision/policy.py::_ttft": _DECISION,
     "router/request/chain_cache.py::ChainCache.chain": _SIGNATURE,
-    "router/request/prompts.py::parse_prompt": _REQUEST,
-    "worker/redis_writer.py::RedisWriter": _WORKER_IO,
-    "worker/redis_writer.py::RedisWriter._commit": _WORKER_IO,
-    "worker/subscriber.py::KVEventSubscriber": _WORKER_IO,
 }
 
 
