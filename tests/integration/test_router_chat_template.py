@@ -57,7 +57,7 @@ def test_request_chat_template_is_refused_by_default(replica_url: str, tmp_path:
         status, body, _ = chat(router, chat_template=NESTED_LOOPS)
         assert status == 400
         assert body["error"] == {"message": UNTRUSTED_TEMPLATE_MESSAGE, "type": "BadRequestError",
-                                 "code": 400}
+                                 "param": None, "code": 400}
         assert chat(router)[0] == 200
     finally:
         router.stop()
