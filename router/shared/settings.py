@@ -231,8 +231,7 @@ class Settings:
         name close to none is not reported: other software sets such names too (Kubernetes
         service links: ``ROUTER_SERVICE_HOST``)."""
         known = {self.env_name(name) for name in self.fields} | {self.env_prefix + "CONFIG"}
-        known |= {self.env_prefix + flag.lstrip("-").replace("-", "_").upper()
-                  for flag in self.flags.values()}
+        known |= {self.flag_env_name(name) for name in self.flags}
         lines = []
         for name in sorted(env):
             if name.startswith(self.env_prefix) and name not in known:
@@ -240,6 +239,11 @@ class Settings:
                 if hint:
                     lines.append(f"ignoring env {name}: no such setting{hint}")
         return lines
+
+    def flag_env_name(self, name: str) -> str:
+        """The environment variable spelled after setting ``name``'s own flag (``replicas``:
+        ``ROUTER_REPLICA``), read when ``env_name(name)`` is not set."""
+        return self.env_prefix + self.flag(name).lstrip("-").replace("-", "_").upper()
 
     def yaml_names(self) -> dict[str, str]:
         """``{YAML key with underscores: setting}``: each setting's name and the spelling of
@@ -337,7 +341,7 @@ class Settings:
             env_name = self.env_name(name)
             raw = env.get(env_name)
             if raw is None and name in self.flags:  # the flag is singular: --replica
-                env_name = self.env_prefix + self.flags[name].lstrip("-").replace("-", "_").upper()
+                env_name = self.flag_env_name(name)
                 raw = env.get(env_name)
             if raw is not None:
                 values[name] = self.convert(name, raw, f"env {env_name}")

@@ -617,12 +617,8 @@ def test_a_router_whose_loop_runs_late_sheds_new_requests_at_once(
     the replica accepts, and nothing is counted against it (without the change the new request
     was forwarded and answered 200 too)."""
     proxy = NoAcceptProxy(tmp_path, replicas[0])
-    router = Router(tmp_path, [
-        "--replica", proxy.url, "--model", "m", "--panic-threshold", "0",
-        "--connect-timeout-s", str(STALL_CONNECT_TIMEOUT_S), "--static-probe-interval-s", "600",
-        "--overload-shed-min-inflight", "1"])
+    router = stalled_router(tmp_path, proxy, "--overload-shed-min-inflight", "1")
     try:
-        wait_for(lambda: routable(router) == 1, 30, message="the replica routable")
         proxy.mode("no-accept")
         pending, pending_answer = post_in_thread(router, timeout_s=120)
         with stopped_over_a_pending_connect(router, proxy):
