@@ -95,6 +95,7 @@ async def _warm_up(router_url: str, replicas: list[str]) -> None:
                              *(one(router_url, False) for _ in range(4)))
 
 
+@pytest.mark.timeout(360)  # 112-154 s at load 10-13 (two CPU hogs beside the test)
 def test_learned_rates_separate_and_the_slow_replica_gets_less_cold_work(
         two_speeds: tuple[Emulator, Emulator, Router]) -> None:
     fast, slow, router = two_speeds
@@ -102,7 +103,11 @@ def test_learned_rates_separate_and_the_slow_replica_gets_less_cold_work(
     prompts = [[rng.randrange(1000, 100_000) for _ in range(rng.randrange(1500, 4500))]
                for _ in range(48)]  # all cold: no prompt shares a block with another
     asyncio.run(_warm_up(router.url, [fast.url, slow.url]))
-    served = asyncio.run(_send(router.url, prompts, concurrency=3))
+    # two halves: the first teaches the learner, the second's prediction errors are judged
+    learning, judged = prompts[:24], prompts[24:]
+    served = asyncio.run(_send(router.url, learning, concurrency=3))
+    after_learning = router.metrics()
+    served += asyncio.run(_send(router.url, judged, concurrency=3))
 
     # a prompt not sent before: no replica holds any of it (static replicas count this router's
     # own placements as hits), so the two predictions differ only in the learned rates
@@ -112,18 +117,23 @@ def test_learned_rates_separate_and_the_slow_replica_gets_less_cold_work(
     debug: dict[str, Any] = json.loads(body)
     rates = debug["prefill_rates"]
     assert rates[fast.replica_id]["samples"] >= 4 and rates[slow.replica_id]["samples"] >= 4
-    ratio = rates[fast.replica_id]["tokens_per_s"] / rates[slow.replica_id]["tokens_per_s"]
-    # the emulators differ 4x in TFLOP/s. The upper bound is loose: at load 15 with two CPU hogs
-    # host delays of ~0.4 s in the fast replica's samples made it 9.0 (its rate 2.2x high) in 1
-    # run of 4; the prediction errors below hold the magnitude. A learner that does not learn
-    # gives 1 (or no samples), one that ignores the work 0.01-100.
-    assert 2.0 < ratio < 12.0, rates
+    # The emulators differ 4x in TFLOP/s; the predicted prefill of a fresh 3k-token prompt must
+    # show it. Judged on the prediction (overhead + work x seconds per token), not on the slope
+    # alone: with the slow replica's few samples (4 in CI) the split between intercept and slope
+    # is ill-determined. In CI (load of a whole suite) the slow replica's 4 samples fitted
+    # 8,842 tokens/s + 0.80 s against the fast one's 11,970 + 0 (slopes 1.35x apart), while
+    # their predictions for this prompt, computed from those fits, were 1.17 s against 0.28 s
+    # (4.3x). The upper bound is loose: at load 15 with two CPU hogs, host delays of ~0.4 s in
+    # the fast replica's samples made the slopes 9.0x apart in 1 run of 4. A learner that does
+    # not learn gives 1 (or no samples).
+    predicted = {rid: debug["replicas"][rid]["prefill_s"]
+                 for rid in (fast.replica_id, slow.replica_id)}
+    ratio = predicted[slow.replica_id] / predicted[fast.replica_id]
+    assert 2.0 < ratio < 12.0, (predicted, rates)
     # every candidate's prediction is shown in seconds
     for rid in (fast.replica_id, slow.replica_id):
         shown = debug["replicas"][rid]
         assert shown["ttft_s"] == pytest.approx(shown["wait_s"] + shown["prefill_s"], abs=1e-5)
-    assert debug["replicas"][slow.replica_id]["prefill_s"] > debug["replicas"][fast.replica_id][
-        "prefill_s"]
 
     num_slow = served.count(slow.replica_id)
     assert served.count(fast.replica_id) + num_slow == len(prompts)
@@ -133,22 +143,27 @@ def test_learned_rates_separate_and_the_slow_replica_gets_less_cold_work(
     metrics = router.metrics()
     observed = prometheus_value(metrics, "router_ttft_prediction_error_seconds_count")
     assert observed == len(prompts)
-    # after learning, the predictions were close: most errors within a quarter of the mean
-    # TTFT (the largest bucket edge under it). Relative, because a busy host adds its
-    # delays to every TTFT; the prior alone (2x too fast for the fast replica) misses by half.
-    mean_ttft_s = (prometheus_value(metrics, "router_ttft_seconds_sum")
-                   / prometheus_value(metrics, "router_ttft_seconds_count"))
+    # after learning, the predictions were close: most errors of the second half within a
+    # quarter of its mean TTFT (the largest bucket edge under it). Relative, because a busy host
+    # adds its delays to every TTFT; the prior alone (2x too fast for the fast replica) misses by
+    # half. The first half is left out: judged over all 48, 22 were within at load 7-8 (two CPU
+    # hogs beside the test), most of the misses before the slow replica had its 4 samples.
+    def grown(name: str) -> float:
+        return prometheus_value(metrics, name) - prometheus_value(after_learning, name)
+
+    mean_ttft_s = grown("router_ttft_seconds_sum") / grown("router_ttft_seconds_count")
     edges = {float(line.split('le="', 1)[1].split('"', 1)[0]) for line in metrics.splitlines()
              if line.startswith("router_ttft_prediction_error_seconds_bucket")}
     edge = max(e for e in edges if 0 < e <= mean_ttft_s / 4)
 
-    def at_most(le: float) -> float:
-        return sum(float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines()
+    def at_most(text: str, le: float) -> float:
+        return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
                    if line.startswith("router_ttft_prediction_error_seconds_bucket")
                    and f'le="{le}"' in line)
 
-    within = at_most(edge) - at_most(-edge)
-    assert within >= len(prompts) // 2, (edge, mean_ttft_s, within)
+    within = (at_most(metrics, edge) - at_most(metrics, -edge)
+              - at_most(after_learning, edge) + at_most(after_learning, -edge))
+    assert within >= len(judged) // 2, (edge, mean_ttft_s, within)
     assert http("GET", router.url + "/health")[0] == 200
 
 
