@@ -52,6 +52,33 @@ STORED_RESPONSE_PATHS: Final = {
 }
 
 
+# the body fields that carry a pooling or scoring request's inputs (vLLM 0.32's embed, pooling,
+# classify, score and rerank request types; Cohere's embed v2 "texts"); the rest are options
+INPUT_FIELDS: Final = ("input", "texts", "text_1", "text_2", "queries", "documents", "items",
+                       "data_1", "data_2", "query", "messages")
+
+
+def input_tokens(data: dict[str, Any]) -> int:
+    """A pooling or scoring body's inputs in tokens, estimated before any tokenizer (the router
+    renders none of them): each token id list by its length, each text at 4 characters a token
+    (the admission step's estimate, ``router.service.fleet_admission.prompt_tokens``), through
+    the lists and objects of ``INPUT_FIELDS``; at least 1. What the rate limits' tokens per
+    minute count for these paths."""
+    total = 0
+    pending: list[Any] = [data.get(field) for field in INPUT_FIELDS]
+    while pending:
+        item = pending.pop()
+        if isinstance(item, str):
+            total += max(1, len(item) // 4)
+        elif isinstance(item, int) and not isinstance(item, bool):
+            total += 1  # a token id
+        elif isinstance(item, list):
+            pending.extend(item)
+        elif isinstance(item, dict):
+            pending.extend(item.values())
+    return max(1, total)
+
+
 def request_model(data: Any) -> str | None:
     """The ``model`` a pooling, scoring or tokenizer body names, or ``None`` (vLLM then uses its
     first served model: any replica will do). Raises ``BadRequest`` for a body that is not a

@@ -12,7 +12,7 @@ import time
 from aiohttp import web
 
 from router.apis.aliases import AliasTable
-from router.apis.pooling import SALTED_PATHS, request_model
+from router.apis.pooling import POOLING_PATHS, SALTED_PATHS, input_tokens, request_model
 from router.edges.auth import TENANT_KEY
 from router.edges.http_errors import REQUEST_ID_KEY
 from router.edges.proxy import Forward, Proxy
@@ -23,6 +23,7 @@ from router.request.errors import RouterError
 from router.request.routing import RequestRouter, Target
 from router.service.request_parse import RequestParser
 from router.service.response_holders import ResponseHolders
+from router.traffic.rate_limits import TenantRateLimits
 
 STORED_RESPONSE_REASON = "stored_response"  # retrieve / cancel: the holder, nothing chosen
 
@@ -31,12 +32,15 @@ class PassthroughHandler:
     """``handle_passthrough(request)`` and ``handle_stored_response(request)``; ``proxy`` is
     set when the router starts. Each attempt's load ticket, first-byte deadline and connect
     failure go through ``dispatcher.passthrough()``; an answer's time teaches the deadline of
-    the next."""
+    the next. The pooling and scoring paths count against their tenant's rate limits
+    (``rate_limits``) as generation does, their tokens estimated (``input_tokens``); the
+    tokenizer paths do not (no engine work beyond a tokenizer call)."""
 
     def __init__(self, parser: RequestParser, aliases: AliasTable, router: RequestRouter,
                  dispatcher: Dispatcher, metrics: RouterMetrics,
-                 holders: ResponseHolders) -> None:
+                 holders: ResponseHolders, rate_limits: TenantRateLimits) -> None:
         self.parser = parser
+        self.rate_limits = rate_limits
         self.aliases = aliases
         self.router = router
         self.dispatcher = dispatcher
@@ -47,11 +51,15 @@ class PassthroughHandler:
     async def handle_passthrough(self, request: web.Request) -> web.StreamResponse:
         """Forward the request to the least-loaded replica serving its model; counted in
         ``router_requests_total``. Raises ``BadRequest`` for a body that is not JSON (or a
-        client's own ``cache_salt`` on a pooling path under the ``reject`` policy)."""
+        client's own ``cache_salt`` on a pooling path under the ``reject`` policy),
+        ``RateLimited`` (429) for a pooling or scoring request over its tenant's limits."""
         arrival = time.perf_counter()
         body = await self.parser.read(request)
-        model = request_model(body.data())
+        data = body.data()
+        model = request_model(data)
         self._salt(request, body)
+        if request.path in POOLING_PATHS and self.rate_limits.enabled:
+            await self.rate_limits.check(request.get(TENANT_KEY) or "", input_tokens(data))
         target = self.aliases.resolve(model) if model is not None else None
         if target is not None:
             body.set("model", target)

@@ -196,7 +196,8 @@ class RouterService:
             self.dispatcher, self.learning, self.metrics, self.loop_lag,
             config.overload_shed_min_inflight)
         self.passthrough = PassthroughHandler(self.parser, self.aliases, self.router,
-                                              self.dispatcher, self.metrics, holders)
+                                              self.dispatcher, self.metrics, holders,
+                                              self.admission.rate_limits)
         self.status = StatusHandlers(
             config, self.fleet, self.tracker, self.router, self.learner, self.aliases,
             self.parser, self.admission, self.warm_up, self.metrics, self._update_inflight,

@@ -2,9 +2,9 @@
 
 The limiter is the one the measurement picked (``loadtest.bench.rate_limit``: one Lua script on
 the project's redis-py asyncio client against the ``limits`` library's moving window and sliding
-window counter). ``TenantRateLimits`` is the request path's gate: a completions or chat request
-over its tenant's limits is a 429 ``RateLimitError`` with ``Retry-After``; when Redis does not
-answer within ``CHECK_TIMEOUT_S`` the request is served (fail open) and counted.
+window counter). ``TenantRateLimits`` is the request path's gate: a generation, pooling or
+scoring request over its tenant's limits is a 429 ``RateLimitError`` with ``Retry-After``; when
+Redis does not answer within ``CHECK_TIMEOUT_S`` the request is served (fail open) and counted.
 
 A tenant's limits are requests per minute and tokens per minute (0: none). The rule is a moving
 window (a sliding log, as ``limits.MovingWindowRateLimiter``): a request is let through when
@@ -172,11 +172,21 @@ class RateLimited(RouterError):
         self.headers[RETRY_AFTER_HEADER] = str(retry_after_s)
 
 
+class RequestTooLarge(RouterError):
+    """429 without ``Retry-After``: the request alone is over its tenant's tokens per minute,
+    so it never fits (OpenAI answers such a request 429 "Request too large" too)."""
+
+    status, error_type = 429, "RateLimitError"
+
+
 class TenantRateLimits:
     """Per-tenant rate limits on the request path: ``default_*`` for every tenant, replaced per
     tenant by the tenant file's ``requests_per_min`` / ``tokens_per_min`` (``tenants``). Off
     (``enabled`` False) without ``redis_url`` or without any limit. The Redis client is made on
-    first use (``make_client``: ``router.shared.redis_client.redis_client``)."""
+    first use (``make_client``: ``router.shared.redis_client.redis_client``). A request of more tokens than its tenant's
+    tokens per minute can never be let through: it is refused at once (``RequestTooLarge``,
+    429 without ``Retry-After``, as OpenAI answers "Request too large"), counted ``limited``,
+    without a round trip to Redis."""
 
     def __init__(self, default_requests_per_min: int, default_tokens_per_min: int,
                  tenants: Mapping[str, TenantTraffic], make_client: Any, prefix: str,
@@ -191,7 +201,7 @@ class TenantRateLimits:
         self._limiter: RateLimiter | None = None
         self._errors: tuple[type[Exception], ...] = (TimeoutError, *redis_errors())
         self.checks = Counter(
-            "router_rate_limit_requests_total", "Completions and chat requests checked against "
+            "router_rate_limit_requests_total", "Generation, pooling and scoring requests checked against "
             "their tenant's rate limits, by outcome (allowed, limited: answered 429, fail_open: "
             "Redis did not answer and the request was served)", ["outcome"], registry=registry)
         for outcome in OUTCOMES:
@@ -207,13 +217,19 @@ class TenantRateLimits:
 
     async def check(self, tenant: str, tokens: int) -> None:
         """Count one request of ``tokens`` prompt tokens against ``tenant``'s limits. Raises
-        ``RateLimited`` when over them; serves (fails open, counted) when Redis does not
-        answer in ``CHECK_TIMEOUT_S``."""
+        ``RateLimited`` when over them, ``RequestTooLarge`` when ``tokens`` alone exceed the
+        tokens per minute; serves (fails open, counted) when Redis does not answer in
+        ``CHECK_TIMEOUT_S``."""
         if not self.enabled:
             return
         requests_per_min, tokens_per_min = self.limits_of(tenant)
         if not (requests_per_min or tokens_per_min):
             return
+        if tokens_per_min and tokens > tokens_per_min:
+            # no wait makes it fit: a Retry-After would only invite the same refusal again
+            self.checks.labels("limited").inc()
+            raise RequestTooLarge(f"request too large: {tokens} prompt tokens against a limit "
+                                  f"of {tokens_per_min} tokens per minute; shorten the request")
         if self._limiter is None:
             self._limiter = RateLimiter(self._make_client(), self._prefix)
         try:

@@ -270,3 +270,56 @@ def test_redis_away_the_request_is_served_and_counted(replicas: list[HoldingRepl
                           outcome="fail_open") == 3
         finally:
             router.stop()
+
+
+def test_pooling_paths_count_against_the_tenants_limits(replicas: list[HoldingReplica],
+                                                        redis_url: str, tmp_path: Path) -> None:
+    """Embeddings and scoring share the tenant's requests a minute with completions (a tenant
+    held to 3 a minute got every embeddings request through before); the tokenizer paths are
+    not counted."""
+    replica = replicas[0]
+    replica.release()
+    router = _limited_router(tmp_path, replica, redis_url, "router",
+                             "--rate-limit-requests-per-min", "3")
+    try:
+        assert router.post("/v1/completions", BODY)[0] == 200
+        for path, body in (("/v1/embeddings", {"model": "fixed", "input": "a text"}),
+                           ("/rerank", {"model": "fixed", "query": "q", "documents": ["d"]})):
+            status, _, answer = router.post(path, body)
+            assert status != 429, (path, answer)  # forwarded (this replica serves neither)
+        for path in ("/v1/embeddings", "/score", "/v1/completions"):
+            status, headers, answer = router.post(
+                path, BODY if path == "/v1/completions" else {"model": "fixed", "input": "x"})
+            assert status == 429, (path, answer)
+            assert json.loads(answer)["error"]["type"] == "RateLimitError"
+            assert 1 <= int(headers["retry-after"]) <= WINDOW_S
+        status, _, answer = router.post("/tokenize", {"model": "fixed", "prompt": "x"})
+        assert status != 429, answer
+        assert sample(router.metrics(), "router_rate_limit_requests_total",
+                      outcome="limited") == 3
+    finally:
+        router.stop()
+
+
+def test_a_request_over_the_whole_token_limit_is_refused_without_retry_after(
+        replicas: list[HoldingReplica], redis_url: str, tmp_path: Path) -> None:
+    """A prompt larger than its tenant's tokens a minute never fits: 429 "request too large"
+    at once, no Retry-After (it was told to retry after 60 s, to be refused again), nothing
+    counted against the window (the next request that fits is served)."""
+    replica = replicas[0]
+    replica.release()
+    router = _limited_router(tmp_path, replica, redis_url, "router",
+                             "--rate-limit-tokens-per-min", "100")
+    try:
+        status, headers, answer = router.post(
+            "/v1/completions", {**BODY, "prompt": list(range(1, 202))})
+        assert status == 429, answer
+        assert "retry-after" not in headers
+        error = json.loads(answer)["error"]
+        assert error["type"] == "RateLimitError" and "too large" in error["message"]
+        status, headers, answer = router.post(
+            "/v1/embeddings", {"model": "fixed", "input": [list(range(1, 150))]})
+        assert status == 429 and "retry-after" not in headers, answer
+        assert router.post("/v1/completions", {**BODY, "prompt": list(range(1, 90))})[0] == 200
+    finally:
+        router.stop()
