@@ -2,23 +2,24 @@
 
 Rules:
 
-* the response is relayed chunk by chunk as it arrives (no buffering); the
-  client's headers are sent only when the replica's first body byte arrives,
+* the client's headers are sent only when the replica's first body byte arrives,
   so anything failing before that (connection refused or reset, a pooled
   connection the engine had closed, the replica answering 502, 503 or 504) is
   retried on the next-best replica, once (with no replica left, the replica's
   own 502/503/504 answer is relayed); a stale pooled connection is retried once more on
   the same replica first, transparently;
-* after bytes went to the client nothing is retried: an SSE stream gets an
+* from the first byte on, ``router.edges.relay`` relays the answer chunk by chunk (no
+  buffering) and nothing is retried: an SSE stream that breaks gets an
   ``data: {"error": {...}}`` event and closes, other bodies are cut short and
   the connection closed (the client sees a short body, never a silent success);
 * connect, first-byte and stream-idle timeouts (``RouterConfig``);
 * every attempt's outcome feeds the replica's circuit breaker (``router.decision.health``): a 5xx, a
   failed, timed-out or non-HTTP connection and a broken stream count against it, any other
   answer for it; every attempt is registered with its expected first-byte time (its
-  deadline) and reports its bytes, and ``abort_waiting`` / ``abort_attempt`` move attempts
-  still waiting for a first byte from a replica found stalled or hung, or past their deadline,
-  to the next replica;
+  deadline) and reports its bytes, and waits in ``Proxy.waits``
+  (``router.edges.first_byte_waits``) for its first byte, from where the stall watch moves
+  attempts waiting on a replica found stalled or hung, or past their deadline, to the next
+  replica;
 * the client disconnecting (the aiohttp handler is cancelled) closes the
   upstream connection, which makes vLLM abort the request; it counts against the replica only
   when it waited for a first byte far past the replica's expected time
@@ -33,20 +34,20 @@ from __future__ import annotations
 import asyncio
 import errno
 import logging
-import math
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import Any, Final, Protocol
+from dataclasses import dataclass, field
+from typing import Final, Protocol
 
 import aiohttp
 from aiohttp import web
 from multidict import CIMultiDict, CIMultiDictProxy
 
-from router.apis.error_shapes import SSE_ERROR_EVENTS, UPSTREAM_ERROR_BODIES
 from router.decision.health import HUNG, MISSED, ReplicaHealth
 from router.edges.auth import TENANT_KEY, X_API_KEY_HEADER
-from router.edges.upstream_pool import PooledResponse, UpstreamClientError, UpstreamPool
+from router.edges.first_byte_waits import GONE, FirstByteWaits
+from router.edges.relay import ProxyOutcome, Relay, UpstreamResponse
+from router.edges.upstream_pool import UpstreamClientError, UpstreamPool
 from router.observability.loop_lag import LoopLag
 from router.observability.metrics import RouterMetrics
 from router.observability.tracing import Tracing
@@ -56,10 +57,8 @@ from router.request.errors import (
     RouterOverloaded,
     UpstreamError,
     UpstreamTimeout,
-    error_body,
 )
 from router.request.routing import Target
-from router.request.usage import TAIL_BYTES, TAIL_CHUNKS, joined_tail, trim_tail
 from router.service.config import RouterConfig
 from router.shared.contract import DP_RANK_HEADER
 
@@ -82,10 +81,8 @@ RETRY_STATUSES: Final = frozenset({500, 502, 503, 504})
 # a few seconds); a connection it dropped or a 502/503/504 it answered may be about one request
 SUSPECT_CAUSES: Final = frozenset({"connect_error", "connect_refused", "connect_timeout",
                                    "bad_response"})
-# the replica left the fleet (its heartbeat expired) while requests waited there for a first
-# byte: nothing judges its deadlines any more, so the health watcher moves them
-GONE: Final = "replica_gone"
-# causes the health watcher counted when it moved the attempt (``Proxy.abort_waiting``)
+# causes the health watcher counted when it moved the attempt (``FirstByteWaits.abort_waiting``;
+# ``GONE``: the replica left the fleet)
 COUNTED_CAUSES: Final = frozenset({"stalled", HUNG, MISSED, GONE})
 # failures that are timeouts measured on the router's loop: not counted when it ran late
 TIMED_CAUSES: Final = frozenset({"connect_timeout", "first_byte_timeout"})
@@ -95,9 +92,6 @@ TIMED_CAUSES: Final = frozenset({"connect_timeout", "first_byte_timeout"})
 LATE_CONNECT_RETRIES: Final = 3
 OVERLOADED_REASON: Final = "router_overloaded"
 OVERLOADED_RETRY_AFTER_S: Final = 1
-# a relayed stream's progress (``ReplicaHealth.progress``) is recorded at most this often: the
-# stall detector judges over seconds (its deadline floor), and a record per chunk cost a call
-PROGRESS_SAMPLE_S: Final = 0.05
 
 
 class ProxyTicket(Protocol):
@@ -106,17 +100,6 @@ class ProxyTicket(Protocol):
     def first_token(self) -> None: ...
 
     def finish(self) -> None: ...
-
-
-@dataclass(slots=True)
-class ProxyOutcome:
-    """What happened, for metrics: final replica, HTTP status sent, first-byte time."""
-
-    replica_id: str
-    status: int
-    first_byte_s: float | None = None
-    tail: bytes = b""  # the answer's last ``router.request.usage.TAIL_BYTES`` (SSE, or a one-read body)
-    head: bytes = b""  # the answer's first ``HEAD_BYTES`` (a Responses answer's id is there)
 
 
 _DP_RANK: Final = DP_RANK_HEADER.lower()
@@ -162,6 +145,23 @@ def upstream_headers(request: web.Request, request_id: str) -> CIMultiDict[str]:
         if lower not in dropped and lower != "content-encoding" and lower != _DP_RANK and not (
                 authenticated and lower in ("authorization", X_API_KEY_HEADER)):
             headers.add(name, value)
+    headers[REQUEST_ID_HEADER] = request_id
+    return headers
+
+
+def answer_headers(upstream: UpstreamResponse, target: Target, reason: str,
+                   request_id: str) -> CIMultiDict[str]:
+    """The answer's headers to the client: the replica's minus hop-by-hop ones (``hop_by_hop``),
+    with the replica that answered, the decision's ``reason``, the index's confirmed hit there
+    (``HIT_HEADER``) and the request id set."""
+    headers: CIMultiDict[str] = CIMultiDict()
+    dropped = hop_by_hop(upstream.headers)
+    for name, value in upstream.headers.items():
+        if name.lower() not in dropped:
+            headers.add(name, value)
+    headers[REPLICA_HEADER] = target.replica_id
+    headers[REASON_HEADER] = reason
+    headers[HIT_HEADER] = str(target.confirmed_hit_tokens)
     headers[REQUEST_ID_HEADER] = request_id
     return headers
 
@@ -225,10 +225,22 @@ class _Retryable(Exception):
         self.same_replica = same_replica
 
 
+@dataclass(slots=True)
+class _Retries:
+    """A request's retries so far (made at its first failure): every failed attempt's
+    ``failures``, in order (the 502 names them all), whether the one retry of a stale pooled
+    connection is used, and the connects the router's late loop timed out."""
+
+    failures: list[str] = field(default_factory=list)
+    stale_retry_used: bool = False
+    late_retries: int = 0
+
+
 class Proxy:
     """Forwards requests to replicas over one pooled ``aiohttp.ClientSession``, or over
     ``pool`` (``router.edges.upstream_pool``, ``upstream_client: httptools``) for the replicas
-    it serves (plain HTTP)."""
+    it serves (plain HTTP). ``waits``: its attempts waiting for a first byte (the stall watch
+    moves them); ``relay``: what writes an answer to the client once its first byte came."""
 
     def __init__(self, session: aiohttp.ClientSession, config: RouterConfig,
                  metrics: RouterMetrics, health: ReplicaHealth,
@@ -241,11 +253,8 @@ class Proxy:
         self.metrics = metrics
         self.health = health
         self.tracing = tracing or Tracing(None)
-        # {attempt token: (replica_id, first-byte timeout)} of the attempts waiting for a first
-        # byte; ``abort_*`` expire them now and record them in ``_aborted`` so they are
-        # retried, not 504
-        self._waiting: dict[int, tuple[str, asyncio.Timeout]] = {}
-        self._aborted: dict[int, str] = {}  # {id of an aborted timeout: cause}
+        self.waits = FirstByteWaits()
+        self.relay = Relay(config, metrics, health)
         # the connect timeout is the session's connector's (router.edges.upstream_connector)
         self._timeout = aiohttp.ClientTimeout(total=None, connect=None, sock_connect=None,
                                               sock_read=None)
@@ -258,96 +267,110 @@ class Proxy:
         at the first byte and at the end on every path), gives the replica's expected first-byte
         time (``expected_first_byte_s``, after ``start_ticket``; ``math.inf``: no deadline),
         records the send (``sent``) and hears of a replica that refused or timed out a
-        connection (``connect_failed``).
-        A connect timed out while the router's own loop ran late (``router_late``) is retried on
-        the same replica without using up the attempt, within the request's first-byte deadline
-        (``first_byte_timeout_s`` from ``fwd.arrival``) and ``LATE_CONNECT_RETRIES``.
+        connection (``connect_failed``). What is retried, and where: ``_retry_same``.
         Raises ``UpstreamError`` (502) / ``UpstreamTimeout`` (504) when nothing
         was sent to the client, ``RouterOverloaded`` (503, ``Retry-After``) when late connects
         used up the late retries or the deadline.
         """
-        request, path, body, reason = fwd.request, fwd.path, fwd.body, fwd.reason
-        request_id, arrival, dispatch = fwd.request_id, fwd.arrival, fwd.dispatch
-        overhead = (self.metrics.child(self.metrics.overhead, path) if fwd.observe_overhead
+        dispatch, health = fwd.dispatch, self.health
+        overhead = (self.metrics.child(self.metrics.overhead, fwd.path) if fwd.observe_overhead
                     else None)
-        headers = upstream_headers(request, request_id)
+        headers = upstream_headers(fwd.request, fwd.request_id)
         attempts = list(fwd.targets[:2])
-        stale_retry_used = False
-        late_retries = 0
-        failures: list[str] = []  # every attempt's failure, in order: the 502 names them all
-        health = self.health
+        retries: _Retries | None = None
         i = 0
         while i < len(attempts):
             target = attempts[i]
             rid = target.replica_id
+            fallback = i + 1 < len(attempts)
             ticket = dispatch.start_ticket(rid)
             now = time.monotonic()
             token = health.attempt_started(rid, now, fwd.streamed,
-                                           dispatch.expected_first_byte_s(rid),
-                                           fallback=i + 1 < len(attempts))
+                                           dispatch.expected_first_byte_s(rid), fallback=fallback)
             try:
                 if overhead is not None:
-                    overhead.observe(time.perf_counter() - arrival)
+                    overhead.observe(time.perf_counter() - fwd.arrival)
                 dispatch.sent(rid)
                 if self.tracing.enabled:  # (off: no span, no attributes built)
                     result = await self._traced_attempt(fwd, headers, target, ticket, token,
-                                                        i + 1, i + 1 < len(attempts))
+                                                        i + 1, fallback)
                 else:
-                    result = await self._attempt(request, path, body, headers, target, reason,
-                                                 request_id, ticket, arrival, token,
-                                                 retry_status=i + 1 < len(attempts))
+                    result = await self._attempt(fwd, headers, target, ticket, token, fallback)
             except _Retryable as exc:
                 ticket.finish()
-                failures.append(f"replica {rid}: {exc.cause}")
-                if exc.same_replica and not stale_retry_used:
-                    stale_retry_used = True
-                    self.metrics.child(self.metrics.retries, "stale_connection").inc()
-                    continue
-                if self.router_late(exc.cause, now):
-                    # the replica may well have answered: nothing against it; a connect that
-                    # never had its time is not the replica's attempt either
-                    if exc.cause == "connect_timeout":
-                        late_retries += 1
-                        self._late_connect(late_retries, arrival, request_id, rid)
-                        continue
-                elif exc.cause not in COUNTED_CAUSES:  # counted once, when found
-                    if exc.cause in SUSPECT_CAUSES:
-                        dispatch.connect_failed(rid)
-                    if exc.cause == "connect_refused":
-                        health.record_refused(rid, time.monotonic())
-                    self._failed(rid, exc.cause)
-                if i + 1 < len(attempts):
-                    self.metrics.child(self.metrics.retries, exc.cause).inc()
-                    logger.info("retrying %s elsewhere after %s", request_id, failures[-1])
-                i += 1
+                retries = retries or _Retries()
+                if not self._retry_same(exc, retries, fwd, rid, now, fallback):
+                    i += 1
                 continue
-            except (UpstreamError, UpstreamTimeout) as exc:  # first-byte timeout or another client error
-                ticket.finish()
-                cause = "first_byte_timeout" if isinstance(exc, UpstreamTimeout) else "client_error"
-                if not self.router_late(cause, now):
-                    self._failed(rid, cause)
-                raise
             except BaseException as exc:
                 ticket.finish()
-                if isinstance(exc, asyncio.CancelledError) and health.gave_up(
-                        rid, token, time.monotonic()):
-                    self._failed(rid, "client_gave_up")
+                self._gave_up(exc, rid, token, now)
                 raise
             finally:
                 health.attempt_ended(rid, token)
             ticket.finish()
-            status = result[1].status
-            if status == STATUS_CLIENT_CLOSED:
-                pass  # the client went away: nothing said about the replica
-            elif status >= 500:  # a relayed 5xx, or the stream failed after its first byte
-                health.record_failure(rid, time.monotonic(), f"http_{status}")
-            else:
-                health.record_success(rid, now, served=200 <= status < 300)
+            self._answered(rid, now, result[1].status)
             return result
         # the first attempt is the one x-prefix-router-replica names; list every one so the
         # message never contradicts the header
-        tried = "; then ".join(failures) or "no replica"
+        tried = "; then ".join(retries.failures) if retries else "no replica"
         raise UpstreamError(f"upstream failed before the first byte: {tried}")
+
+    def _retry_same(self, exc: _Retryable, retries: _Retries, fwd: Forward, rid: str,
+                    now: float, fallback: bool) -> bool:
+        """After the attempt at ``rid`` sent at ``now`` (monotonic) failed with ``exc`` before
+        its first byte: True to try ``rid`` again, without using up the attempt (a stale pooled
+        connection, once a request; a connect timed out while the router's own loop ran late
+        (``router_late``), within the request's first-byte deadline (``first_byte_timeout_s``
+        from ``fwd.arrival``) and ``LATE_CONNECT_RETRIES``); else False, the failure counted
+        against the replica unless the router was late or the stall watch counted it, and the
+        next target (``fallback``) is tried. Raises ``RouterOverloaded`` when late connects used
+        up the late retries or the deadline."""
+        retries.failures.append(f"replica {rid}: {exc.cause}")
+        if exc.same_replica and not retries.stale_retry_used:
+            retries.stale_retry_used = True
+            self.metrics.child(self.metrics.retries, "stale_connection").inc()
+            return True
+        if self.router_late(exc.cause, now):
+            # the replica may well have answered: nothing against it; a connect that
+            # never had its time is not the replica's attempt either
+            if exc.cause == "connect_timeout":
+                retries.late_retries += 1
+                self._late_connect(retries.late_retries, fwd.arrival, fwd.request_id, rid)
+                return True
+        elif exc.cause not in COUNTED_CAUSES:  # counted once, when found
+            if exc.cause in SUSPECT_CAUSES:
+                fwd.dispatch.connect_failed(rid)
+            if exc.cause == "connect_refused":
+                self.health.record_refused(rid, time.monotonic())
+            self._failed(rid, exc.cause)
+        if fallback:
+            self.metrics.child(self.metrics.retries, exc.cause).inc()
+            logger.info("retrying %s elsewhere after %s", fwd.request_id, retries.failures[-1])
+        return False
+
+    def _gave_up(self, exc: BaseException, rid: str, token: int, now: float) -> None:
+        """The attempt at ``rid`` sent at ``now`` ended in ``exc``, not to be retried: a
+        first-byte timeout or another client error counts against the replica (unless the
+        router's loop ran late), and so does a client that gave up waiting far past the
+        replica's expected time (``ReplicaHealth.gave_up``)."""
+        if isinstance(exc, UpstreamError | UpstreamTimeout):
+            cause = "first_byte_timeout" if isinstance(exc, UpstreamTimeout) else "client_error"
+            if not self.router_late(cause, now):
+                self._failed(rid, cause)
+        elif isinstance(exc, asyncio.CancelledError) and self.health.gave_up(
+                rid, token, time.monotonic()):
+            self._failed(rid, "client_gave_up")
+
+    def _answered(self, rid: str, now: float, status: int) -> None:
+        """The attempt at ``rid`` sent at ``now`` was answered with ``status`` (or the client
+        left, ``STATUS_CLIENT_CLOSED``): its circuit breaker hears of it."""
+        if status == STATUS_CLIENT_CLOSED:
+            pass  # the client went away: nothing said about the replica
+        elif status >= 500:  # a relayed 5xx, or the stream failed after its first byte
+            self.health.record_failure(rid, time.monotonic(), f"http_{status}")
+        else:
+            self.health.record_success(rid, now, served=200 <= status < 300)
 
     async def _traced_attempt(self, fwd: Forward, headers: CIMultiDict[str], target: Target,
                               ticket: ProxyTicket, token: int, attempt: int,
@@ -356,9 +379,7 @@ class Proxy:
         with self.tracing.client_span("upstream", headers, {
                 "prefix_router.replica": target.replica_id, "server.address": target.url,
                 "url.path": fwd.path, "prefix_router.attempt": attempt}) as span:
-            result = await self._attempt(fwd.request, fwd.path, fwd.body, headers, target,
-                                         fwd.reason, fwd.request_id, ticket, fwd.arrival, token,
-                                         retry_status=retry_status)
+            result = await self._attempt(fwd, headers, target, ticket, token, retry_status)
             span.set_attribute("http.response.status_code", result[1].status)
             return result
 
@@ -393,137 +414,48 @@ class Proxy:
         if self.health.record_failure(replica_id, time.monotonic(), cause):
             logger.warning("replica %s: circuit opened after %s", replica_id, cause)
 
-    def waiting_replicas(self) -> set[str]:
-        """The replicas that requests are waiting on for a first byte now."""
-        return {rid for rid, _ in self._waiting.values()}
-
-    def abort_waiting(self, replica_id: str, cause: str = "stalled") -> int:
-        """Make the attempts waiting for a first byte from ``replica_id`` give up now and go to
-        their next replica (a stalled or hung replica). Returns how many there were."""
-        tokens = [t for t, (rid, _) in self._waiting.items() if rid == replica_id]
-        for token in tokens:
-            self.abort_attempt(token, cause)
-        return len(tokens)
-
-    def abort_attempt(self, token: int, cause: str) -> bool:
-        """Make the attempt ``token`` (``ReplicaHealth.attempt_started``) give up waiting for its
-        first byte now and go to its next replica. False if it no longer waits."""
-        waiting = self._waiting.get(token)
-        if waiting is None:
-            return False
-        cm = waiting[1]
-        self._aborted[id(cm)] = cause
-        cm.reschedule(asyncio.get_running_loop().time())
-        return True
-
-    async def _attempt(
-        self,
-        request: web.Request,
-        path: str,
-        body: bytes,
-        headers: CIMultiDict[str],
-        target: Target,
-        reason: str,
-        request_id: str,
-        ticket: ProxyTicket,
-        arrival: float,
-        token: int,
-        retry_status: bool = True,
-    ) -> tuple[web.StreamResponse, ProxyOutcome]:
-        """One attempt (``token``: its ``ReplicaHealth`` registration); ``retry_status`` False
-        relays a 502/503/504 answer instead of retrying."""
-        cfg = self.config
-        timeout = self._timeout
-        upstream: aiohttp.ClientResponse | PooledResponse | None = None
-        first_byte = asyncio.timeout(cfg.first_byte_timeout_s)
-        pool = self.pool
+    async def _attempt(self, fwd: Forward, headers: CIMultiDict[str], target: Target,
+                       ticket: ProxyTicket, token: int,
+                       retry_status: bool) -> tuple[web.StreamResponse, ProxyOutcome]:
+        """One attempt (``token``: its ``ReplicaHealth`` registration): the request sent and its
+        first byte awaited (registered in ``waits`` meanwhile), then the answer relayed
+        (``relay``). ``retry_status`` False relays a 500/502/503/504 answer instead of
+        retrying. Raises ``_Retryable`` for a failure before the first byte that another
+        attempt may not share (``_failure``)."""
+        upstream: UpstreamResponse | None = None
+        first_byte = asyncio.timeout(self.config.first_byte_timeout_s)
+        pool, waits = self.pool, self.waits
         try:
             try:
                 async with first_byte:
-                    self._waiting[token] = (target.replica_id, first_byte)
+                    waits.start(token, target.replica_id, first_byte)
                     if pool is not None and pool.handles(target.url):
-                        upstream = await pool.request(request.method, target.url, path, body,
-                                                      target_headers(headers, target))
+                        upstream = await pool.request(fwd.request.method, target.url, fwd.path,
+                                                      fwd.body, target_headers(headers, target))
                     else:
                         upstream = await self.session.request(
-                            request.method, f"{target.url}{path}", data=body or None,
-                            headers=target_headers(headers, target), timeout=timeout,
+                            fwd.request.method, f"{target.url}{fwd.path}", data=fwd.body or None,
+                            headers=target_headers(headers, target), timeout=self._timeout,
                             auto_decompress=False, allow_redirects=False)
                     if retry_status and upstream.status in RETRY_STATUSES:
                         raise _Retryable(f"http_{upstream.status}")
                     first = await upstream.content.readany()
-            except UpstreamClientError as exc:  # the httptools pool's, named by their cause
-                raise _Retryable(exc.cause, same_replica=exc.cause == "disconnected") from exc
-            except aiohttp.ClientConnectorError as exc:
-                # refused (nothing listens: the replica is down) apart from the other connect
-                # errors (unreachable host, DNS), which a busy network can cause
-                raise _Retryable("connect_refused" if connect_refused(exc)
-                                 else "connect_error") from exc
-            except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as exc:
-                raise _Retryable("disconnected", same_replica=True) from exc
-            except aiohttp.ServerTimeoutError as exc:
-                raise _Retryable("connect_timeout") from exc
-            except aiohttp.ClientPayloadError as exc:
-                raise _Retryable("payload_error") from exc
-            except aiohttp.ClientResponseError as exc:  # not HTTP: a bad status line or headers
-                raise _Retryable("bad_response") from exc
-            except TimeoutError as exc:
-                if id(first_byte) in self._aborted:
-                    raise _Retryable(self._aborted[id(first_byte)]) from exc
-                raise UpstreamTimeout(
-                    f"replica {target.replica_id} sent no byte within "
-                    f"{cfg.first_byte_timeout_s:g} s") from exc
-            except aiohttp.ClientError as exc:
-                raise UpstreamError(f"replica {target.replica_id}: {exc}") from exc
+            except (aiohttp.ClientError, UpstreamClientError, TimeoutError) as exc:
+                raise self._failure(exc, target, waits.aborted(token)) from exc
             finally:
-                self._waiting.pop(token, None)
-                self._aborted.pop(id(first_byte), None)
+                waits.end(token)
             self.health.first_byte(target.replica_id, token, time.monotonic())
-            first_byte_s = time.perf_counter() - arrival
+            first_byte_s = time.perf_counter() - fwd.arrival
             ticket.first_token()
-            out_headers: CIMultiDict[str] = CIMultiDict()
-            dropped = hop_by_hop(upstream.headers)
-            for name, value in upstream.headers.items():
-                if name.lower() not in dropped:
-                    out_headers.add(name, value)
-            out_headers[REPLICA_HEADER] = target.replica_id
-            out_headers[REASON_HEADER] = reason
-            out_headers[HIT_HEADER] = str(target.confirmed_hit_tokens)
-            out_headers[REQUEST_ID_HEADER] = request_id
             outcome = ProxyOutcome(target.replica_id, upstream.status, first_byte_s,
                                    head=first[:HEAD_BYTES])
-            whole = upstream.content_length is not None and len(first) == upstream.content_length
-            response: web.StreamResponse
-            try:
-                if whole:
-                    # the whole (non-streamed) body came in the first read: one write, headers
-                    # and body together
-                    outcome.tail = first[-TAIL_BYTES:]  # the usage, for the template audit
-                    reshape = UPSTREAM_ERROR_BODIES.get(path)
-                    if reshape is not None and upstream.status >= 400 and (
-                            "content-encoding" not in upstream.headers):
-                        first = reshape(first, upstream.status)  # the API's own error shape
-                    response = web.Response(status=upstream.status, reason=upstream.reason,
-                                            body=first, headers=out_headers)
-                    await response.prepare(request)
-                    await response.write_eof()
-                else:
-                    response = web.StreamResponse(status=upstream.status, reason=upstream.reason,
-                                                  headers=out_headers)
-                    if upstream.content_length is not None:
-                        response.content_length = upstream.content_length
-                    await response.prepare(request)
-                    if first:
-                        await response.write(first)
-                    await self._relay(upstream, response, target, outcome, path, first)
-            except ConnectionResetError:
-                # the client went away between two chunks (aiohttp raises on the write rather
-                # than cancelling the handler): same outcome as a cancelled request
-                logger.info("client closed %s mid-response from %s", request_id, target.replica_id)
-                outcome.status = STATUS_CLIENT_CLOSED
+            response = await self.relay.answer(
+                fwd.request, upstream, answer_headers(upstream, target, fwd.reason, fwd.request_id),
+                outcome, fwd.path, first, fwd.request_id)
             return response, outcome
         except asyncio.CancelledError:
-            logger.info("client closed %s; cancelling upstream on %s", request_id, target.replica_id)
+            logger.info("client closed %s; cancelling upstream on %s", fwd.request_id,
+                        target.replica_id)
             raise
         finally:
             if upstream is not None:
@@ -532,108 +464,28 @@ class Proxy:
                 else:
                     upstream.close()  # drop the connection so the engine aborts the request
 
-    async def _relay(self, upstream: aiohttp.ClientResponse | PooledResponse, response: web.StreamResponse,
-                     target: Target, outcome: ProxyOutcome, path: str = "",
-                     first: bytes = b"") -> None:
-        """Relay the rest of the body (after ``first``) chunk by chunk, doing little per chunk:
-
-        * the stream-idle timeout covers the reads only (a slow client is not the replica's
-          fault); it is one watchdog per response whose timer is re-armed only when it fires, a
-          chunk just moving its deadline (``asyncio.timeout`` per read created and cancelled a
-          timer per chunk; ``loadtest.bench.relay``);
-        * the replica's progress (``ReplicaHealth.progress``, for the stall detector, which
-          judges over seconds) is recorded at most every ``PROGRESS_SAMPLE_S``;
-        * an SSE answer's tail (``outcome.tail``: the usage event) is found by keeping the last
-          chunks and joining them once at the end (``router.request.usage.joined_tail``).
-        """
-        idle = self.config.stream_idle_timeout_s
-        is_sse = upstream.content_type == "text/event-stream"
-        rid = target.replica_id
-        read, write, progress = upstream.content.readany, response.write, self.health.progress
-        loop = asyncio.get_running_loop()
-        clock = time.monotonic  # the clock ``ReplicaHealth`` and the loop's deadlines share
-        chunks = [first]
-        keep = chunks.append
-        next_progress = 0.0  # a chunk arriving at or after it is recorded as progress
-        reading = False
-        try:
-            async with _IdleWatch(loop, idle) as watch:
-                while True:
-                    reading = True
-                    watch.deadline = loop.time() + idle
-                    chunk = await read()
-                    watch.deadline = math.inf
-                    reading = False
-                    if not chunk:
-                        break
-                    if is_sse:
-                        keep(chunk)
-                        if len(chunks) >= TAIL_CHUNKS:
-                            trim_tail(chunks)
-                    now = clock()
-                    if now >= next_progress:
-                        progress(rid, now)
-                        next_progress = now + PROGRESS_SAMPLE_S
-                    await write(chunk)
-        except (TimeoutError, aiohttp.ClientError, UpstreamClientError) as exc:
-            if not reading:  # the client's side failed (aiohttp raises a ClientError subclass)
-                raise
-            await self._stream_failed(isinstance(exc, TimeoutError), response, rid, outcome,
-                                      path, is_sse)
-            return
-        finally:
-            if is_sse:
-                outcome.tail = joined_tail(chunks)
-        await response.write_eof()
-
-    async def _stream_failed(self, idle: bool, response: web.StreamResponse, rid: str,
-                             outcome: ProxyOutcome, path: str, is_sse: bool) -> None:
-        """The replica's stream broke (or went ``idle`` past the timeout) after the client got
-        bytes: counted, and an SSE answer ends with the API's error event, another is cut."""
-        kind = "stream_idle_timeout" if idle else "stream_broken"
-        self.metrics.upstream_errors.labels(rid, kind).inc()
-        outcome.status = 504 if idle else 502
-        logger.warning("upstream %s failed mid-response: %s", rid, kind)
-        if not is_sse:
-            response.force_close()
-            return
-        message = f"replica {rid} stream failed: {kind}"
-        error_type = "BadGatewayError" if outcome.status == 502 else "GatewayTimeoutError"
-        event = SSE_ERROR_EVENTS.get(path)  # the API's own error event (router.apis)
-        await response.write(event(message, error_type, outcome.status) if event else
-                             b"data: " + error_body(message, error_type, outcome.status) + b"\n\n")
-        await response.write_eof()
-
-
-class _IdleWatch:
-    """An ``asyncio.timeout`` that expires once the loop time passes ``deadline`` (``math.inf``:
-    not while it is), checked by one timer re-armed only when it fires: moving the deadline
-    costs an assignment, where ``asyncio.timeout`` per read created and cancelled a timer."""
-
-    __slots__ = ("_handle", "_idle_s", "_loop", "_timeout", "deadline")
-
-    def __init__(self, loop: asyncio.AbstractEventLoop, idle_s: float) -> None:
-        self._loop = loop
-        self._idle_s = idle_s
-        self._timeout = asyncio.timeout(None)
-        self._handle: asyncio.TimerHandle | None = None
-        self.deadline = math.inf
-
-    async def __aenter__(self) -> _IdleWatch:
-        await self._timeout.__aenter__()
-        self._handle = self._loop.call_at(self._loop.time() + self._idle_s, self._check)
-        return self
-
-    async def __aexit__(self, *exc_info: Any) -> None:
-        if self._handle is not None:
-            self._handle.cancel()
-        await self._timeout.__aexit__(*exc_info)  # (raises TimeoutError if it expired)
-
-    def _check(self) -> None:
-        now = self._loop.time()
-        if now >= self.deadline:
-            self._handle = None
-            self._timeout.reschedule(now)  # expires: the read raises TimeoutError
-        else:
-            when = self.deadline if self.deadline != math.inf else now + self._idle_s
-            self._handle = self._loop.call_at(when, self._check)
+    def _failure(self, exc: Exception, target: Target, aborted: str | None) -> Exception:
+        """What a client error or timeout ``exc`` of an attempt at ``target`` before its first
+        byte raises: ``_Retryable`` named by its cause (``aborted``: the cause the stall watch
+        gave when it moved the attempt), ``UpstreamTimeout`` for a first-byte timeout, or
+        ``UpstreamError``."""
+        if isinstance(exc, UpstreamClientError):  # the httptools pool's, named by their cause
+            return _Retryable(exc.cause, same_replica=exc.cause == "disconnected")
+        if isinstance(exc, aiohttp.ClientConnectorError):
+            # refused (nothing listens: the replica is down) apart from the other connect
+            # errors (unreachable host, DNS), which a busy network can cause
+            return _Retryable("connect_refused" if connect_refused(exc) else "connect_error")
+        if isinstance(exc, aiohttp.ServerDisconnectedError | aiohttp.ClientOSError):
+            return _Retryable("disconnected", same_replica=True)
+        if isinstance(exc, aiohttp.ServerTimeoutError):
+            return _Retryable("connect_timeout")
+        if isinstance(exc, aiohttp.ClientPayloadError):
+            return _Retryable("payload_error")
+        if isinstance(exc, aiohttp.ClientResponseError):  # not HTTP: a bad status line or headers
+            return _Retryable("bad_response")
+        if isinstance(exc, TimeoutError):
+            if aborted is not None:
+                return _Retryable(aborted)
+            return UpstreamTimeout(f"replica {target.replica_id} sent no byte within "
+                                   f"{self.config.first_byte_timeout_s:g} s")
+        return UpstreamError(f"replica {target.replica_id}: {exc}")

@@ -17,7 +17,7 @@ from aiohttp import web
 from router.decision.fleet import Fleet
 from router.decision.health import HUNG, MISSED, ROUTER_LATE
 from router.edges.client_connections import is_idle
-from router.edges.proxy import GONE, Proxy
+from router.edges.first_byte_waits import GONE, FirstByteWaits
 from router.observability.loop_lag import LoopLag
 from router.observability.metrics import RouterMetrics
 from router.service.config import RouterConfig
@@ -30,8 +30,8 @@ SWEEP_KEYS_PER_STEP = 5_000  # index keys swept per event-loop turn (a short tur
 
 class BackgroundLoops:
     """``housekeeping``, ``stall_watch`` and ``sweeper``: coroutines to run as tasks.
-    ``proxy`` and ``web_server`` are set when the router starts (None until then: nothing of
-    theirs to act on)."""
+    ``waits`` (the proxy's attempts waiting for a first byte) and ``web_server`` are set when the
+    router starts (None until then: nothing of theirs to act on)."""
 
     def __init__(self, config: RouterConfig, fleet: Fleet, metrics: RouterMetrics,
                  loop_lag: LoopLag, heap: HeapTrimmer,
@@ -42,7 +42,7 @@ class BackgroundLoops:
         self.loop_lag = loop_lag
         self.heap = heap
         self.prompt_caches = prompt_caches  # [(name, cache with num_bytes and len)]
-        self.proxy: Proxy | None = None
+        self.waits: FirstByteWaits | None = None
         self.web_server: web.Server | None = None  # the listening server (client connections)
 
     def close_idle_connections(self) -> int:
@@ -116,10 +116,10 @@ class BackgroundLoops:
         """Move the requests still waiting for a first byte on a replica that left the fleet
         (its heartbeat expired): its health record is gone, so no deadline of theirs is judged
         any more, and they would wait for ``first_byte_timeout_s``."""
-        if self.proxy is None:
+        if self.waits is None:
             return
-        for rid in self.proxy.waiting_replicas() - self.fleet.replicas.keys():
-            moved = self.proxy.abort_waiting(rid, GONE)
+        for rid in self.waits.waiting_replicas() - self.fleet.replicas.keys():
+            moved = self.waits.abort_waiting(rid, GONE)
             logger.warning("replica %s left the fleet: %d waiting requests moved", rid, moved)
 
     def _bench_stalled(self, now: float) -> None:
@@ -132,7 +132,7 @@ class BackgroundLoops:
                 continue
             health.trip(rid, now, "stalled")
             metrics.child(metrics.upstream_errors, rid, "stalled").inc()
-            moved = self.proxy.abort_waiting(rid) if self.proxy is not None else 0
+            moved = self.waits.abort_waiting(rid) if self.waits is not None else 0
             logger.warning("replica %s sent nothing for %.0f s while others did: benched; "
                            "%d waiting requests moved", rid, self.config.stall_timeout_s, moved)
 
@@ -147,14 +147,14 @@ class BackgroundLoops:
             metrics.child(metrics.upstream_errors, rid, overdue.verdict).inc()
             if overdue.verdict == HUNG:
                 health.trip(rid, now, HUNG)
-                moved = self.proxy.abort_waiting(rid, HUNG) if self.proxy is not None else 0
+                moved = self.waits.abort_waiting(rid, HUNG) if self.waits is not None else 0
                 logger.warning("replica %s sent nothing past a first-byte deadline while others "
                                "progressed: benched; %d waiting requests moved", rid, moved)
                 continue
             if health.record_failure(rid, now, MISSED):
                 logger.warning("replica %s: circuit opened after %s", rid, MISSED)
-            if overdue.fallback and self.proxy is not None:
-                self.proxy.abort_attempt(overdue.token, MISSED)
+            if overdue.fallback and self.waits is not None:
+                self.waits.abort_attempt(overdue.token, MISSED)
 
     async def sweeper(self) -> None:
         """Sweep retired index slots (replica cleared or dropped) in steps that yield to the

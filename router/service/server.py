@@ -266,7 +266,8 @@ class RouterService:
             logger.info("upstream client: httptools pool for http:// replicas")
         self.proxy = Proxy(self.session, self.config, self.metrics, self.fleet.health,
                            self.tracing, self.loop_lag, self.pool)
-        self.generate.proxy = self.passthrough.proxy = self.background.proxy = self.proxy
+        self.generate.proxy = self.passthrough.proxy = self.proxy
+        self.background.waits = self.proxy.waits
         self._start(self.loop_lag.run())
         self._start(CircuitProber(self.fleet, self.session, self.config, self.metrics,
                                   self.loop_lag).run())

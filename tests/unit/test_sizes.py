@@ -21,7 +21,6 @@ PACKAGES: Final = ("router", "worker", "loadtest")
 
 # why each is one piece; where there is no such reason yet, the text says so plainly
 _DECLARATIVE = "declarative table: one metric declaration after another, no logic"
-_RELAY = "no reason: its attempts, retries and callbacks are separable jobs, not split yet"
 _ONE_PASS = ("one decision read top to bottom: its steps (affinity credit, cold competition, "
              "load cap, move gain, reason) share the per-candidate tables (hit depth, credit, "
              "queued prefill, ring rank)")
@@ -32,9 +31,6 @@ _SIGNATURE = ("a 37-line body; the rest is its ten parameters and the lazy-mode 
 ALLOWED: Final[dict[str, str]] = {
     "router/observability/metrics.py::RouterMetrics.__init__": _DECLARATIVE,
     "worker/emulator/metrics.py::ReplicaMetrics.__init__": _DECLARATIVE,
-    "router/edges/proxy.py::Proxy": _RELAY,
-    "router/edges/proxy.py::Proxy.forward": _RELAY,
-    "router/edges/proxy.py::Proxy._attempt": _RELAY,
     "router/decision/policy.py::_prefix": _ONE_PASS,
     "router/request/chain_cache.py::ChainCache.chain": _SIGNATURE,
 }
