@@ -5,8 +5,8 @@ requests per second one router core routes on top of that, for large fleets. Doe
 
 No engines and no workers: a writer process plays the whole fleet's workers, pouring synthetic
 KV-change traffic shaped like the Mooncake conversation trace into a real Redis, in real time,
-through the workers' own flush script (``worker.replica_store._FLUSH``: the set updates, then one
-stream entry per flush, exactly what ``prefix-worker report`` writes). Per request, one replica
+through the workers' own flush (``worker.flush_batch`` into ``worker.replica_store._FLUSH``: the
+set updates, then one stream entry per flush, exactly what ``prefix-worker report`` writes). Per request, one replica
 (uniformly at random) stores ``--blocks-per-request`` new 16-token blocks at chain depths
 ``[h, h + blocks)`` (``h`` uniform below ``--max-hit-blocks``, the prefix it already held) and
 evicts as many, namely the blocks it stored ``--resident-requests`` requests earlier (before
@@ -38,7 +38,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import multiprocessing as mp
-import os
 import random
 import tempfile
 import time
@@ -54,7 +53,10 @@ from loadtest.harness.processes import cpu_seconds as _cpu_seconds
 from loadtest.harness.processes import stop_process, wait_ready
 from loadtest.harness.redis_server import RedisServer
 from router.shared import contract as c
+from router.shared.contract import OP_REMOVED, OP_STORED, BlockKey
+from worker.flush_batch import flush_batch
 from worker.replica_store import _FLUSH
+from worker.replica_view import Change
 
 MODEL = "emulated-llm"
 TICK_S = 0.01  # the writer sends each 10 ms of traffic as one pipeline
@@ -90,10 +92,15 @@ def pour(redis_url: str, replica_ids: list[str], url: str, rate: float, seconds:
     client = redis.Redis.from_url(redis_url)
     script = client.register_script(_FLUSH)
     rng = random.Random(seed)
-    history: dict[str, deque[bytes]] = {rid: deque() for rid in replica_ids}
+    history: dict[str, deque[list[BlockKey]]] = {rid: deque() for rid in replica_ids}
     entry_seq = dict.fromkeys(replica_ids, 0)  # {replica_id: last E_ENTRY_SEQ written}
     anchors_at = [sum(1 for d in range(h, h + blocks) if c.is_anchor(d, stride))
                   for h in range(max_hit)]
+    state_ttl_ms = int(c.DEFAULT_STATE_TTL_S * 1000)
+
+    def new_keys(num: int) -> list[BlockKey]:
+        return [BlockKey(rng.getrandbits(64)) for _ in range(num)]
+
     keys_written = requests = 0
     start = time.monotonic()
     next_beat = start
@@ -111,19 +118,23 @@ def pour(redis_url: str, replica_ids: list[str], url: str, rate: float, seconds:
         for _ in range(due):
             rid = replica_ids[rng.randrange(len(replica_ids))]
             num = anchors_at[rng.randrange(max_hit)]
-            stored = os.urandom(8 * num)
+            stored = new_keys(num)
             past = history[rid]
             past.append(stored)
-            removed = past.popleft() if len(past) > resident else os.urandom(8 * num)
-            entry_seq[rid] += 1
+            removed = past.popleft() if len(past) > resident else new_keys(num)
+            # the worker's own flush (ARGV and stream entry): one change of each kind, no
+            # heartbeat re-created (the heartbeats above keep the hash)
+            batch = flush_batch([Change(OP_REMOVED, removed, 1, 0), Change(OP_STORED, stored, 1, 0)],
+                                (1, 0), entry_seq[rid], rid, state_ttl_ms, None)
+            entry_seq[rid] = batch.entry_seq
             script(keys=[c.blocks_key(c.DEFAULT_REDIS_PREFIX, rid),
-                         c.replica_key(c.DEFAULT_REDIS_PREFIX, rid)],
-                   args=[1, 0, "0", stored, removed, entry_seq[rid], ""], client=pipe)
-            pipe.xadd(c.events_key(c.DEFAULT_REDIS_PREFIX), {
-                c.E_REPLICA: rid, c.E_EPOCH: 1, c.E_ENTRY_SEQ: entry_seq[rid], c.E_CLEARED: "0",
-                c.E_STORED: stored, c.E_REMOVED: removed},
-                maxlen=c.EVENTS_STREAM_MAXLEN, approximate=True)
-            keys_written += len(stored) // 8 + len(removed) // 8
+                         c.replica_key(c.DEFAULT_REDIS_PREFIX, rid),
+                         c.blocks_key(c.DEFAULT_REDIS_PREFIX, rid, c.TIER_CPU)],
+                   args=batch.args, client=pipe)
+            if batch.entry is not None:
+                pipe.xadd(c.events_key(c.DEFAULT_REDIS_PREFIX), batch.entry,
+                          maxlen=c.EVENTS_STREAM_MAXLEN, approximate=True)
+            keys_written += batch.num_keys
         requests += due
         if due:
             pipe.execute()
@@ -188,6 +199,20 @@ def _phase(args: argparse.Namespace, redis_url: str, ids: list[str], null_url: s
         args.max_hit_blocks, args.resident_requests, seed, queue))
     proc.start()
     return proc, queue
+
+
+def _writer_result(proc: Any, queue: Any) -> tuple[int, int, float]:
+    """What the writer process put on ``queue``. Raises ``RuntimeError`` when it exited without
+    (its traceback is on stderr): the bench used to wait for it forever."""
+    import queue as queues
+
+    while True:
+        try:
+            return queue.get(timeout=1.0)
+        except queues.Empty:
+            if not proc.is_alive():
+                raise RuntimeError(f"the KV-change writer exited with status {proc.exitcode} "
+                                   "before reporting (its error is above)") from None
 
 
 @dataclass
@@ -268,7 +293,7 @@ async def _measure_phase(phase: str, target: _Target, args: argparse.Namespace, 
         await asyncio.sleep(0.3)  # the writer is up
         routed = await _closed_loop(target.router_url, prompts, args.seconds - 0.5,
                                     args.concurrency)
-    requests, keys, wall = await asyncio.to_thread(queue.get)
+    requests, keys, wall = await asyncio.to_thread(_writer_result, proc, queue)
     proc.join()
     end = await _stream_end(target.client)
     caught_up = time.monotonic() + 5.0
