@@ -16,12 +16,10 @@ errors and on Ctrl-C. On Linux every child also gets SIGTERM if this process die
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import json
 import logging
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import time
@@ -33,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from loadtest.harness import processes
+from loadtest.harness.orphans import die_with_parent
 from loadtest.harness.redis_server import RedisServer, free_port
 from router.shared.contract import DEFAULT_INDEX_STRIDE
 
@@ -56,7 +55,6 @@ SMG = "smg"  # the SGLang model gateway's successor (PyPI ``smg``, Shepherd Mode
 # and the replayer (all at the default 0), the same for every run. Lowering a nice value needs
 # CAP_SYS_NICE (root has it); without it the emulator stays at 0 and LoopbackFleet.priority says so.
 EMULATOR_NICE = -10
-_PR_SET_PDEATHSIG = 1
 
 
 class FleetError(RuntimeError):
@@ -133,14 +131,8 @@ class _Proc:
     popen: subprocess.Popen[bytes]  # started by loadtest.harness.processes.start_process
 
 
-def _set_pdeathsig() -> None:  # runs in the child between fork and exec
-    with contextlib.suppress(Exception):
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
-
-
 def _set_pdeathsig_and_priority() -> None:  # the emulator's child, between fork and exec
-    _set_pdeathsig()
+    die_with_parent()
     # Before exec, so every thread the emulator starts inherits it. The child already has a
     # session (and so, with CONFIG_SCHED_AUTOGROUP, a scheduling group) of its own: nice alone
     # only ranks threads inside one group, the group's own nice ranks it against the others.
@@ -315,7 +307,7 @@ class LoopbackFleet:
             args, self._env, log_dir / f"{name}.log" if log_dir is not None else None,
             stdin=subprocess.DEVNULL, start_new_session=True,
             preexec_fn=(None if not sys.platform.startswith("linux")
-                        else _set_pdeathsig_and_priority if prioritised else _set_pdeathsig))
+                        else _set_pdeathsig_and_priority if prioritised else die_with_parent))
         proc = _Proc(name, popen)
         self._procs.append(proc)
         return proc

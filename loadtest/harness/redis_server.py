@@ -16,6 +16,8 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+from loadtest.harness.orphans import DIE_WITH_PARENT
+
 STARTUP_TIMEOUT_S = 10.0
 
 
@@ -107,7 +109,8 @@ class RedisServer:
             "--protected-mode", "no", "--loglevel", "warning",
         ]
         self._proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                                      stdin=subprocess.PIPE if stdin_config else None)
+                                      stdin=subprocess.PIPE if stdin_config else None,
+                                      preexec_fn=DIE_WITH_PARENT)  # a killed bench leaves none
         if self._proc.stdin is not None:
             self._proc.stdin.write(f"requirepass {self.password}\n".encode())
             self._proc.stdin.close()

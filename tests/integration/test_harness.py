@@ -54,3 +54,30 @@ def test_stopping_escalates_to_sigkill() -> None:
     # killed (-9), not the 60 s sleep's natural exit (0): the escalation happened
     assert proc.returncode == -9 and "up" in out
 
+
+
+def test_a_killed_owner_leaves_no_redis_behind(tmp_path: Path) -> None:
+    """A benchmark killed with SIGKILL (no ``finally`` runs) used to leave its throwaway
+    ``redis-server`` running; the harness now has the kernel end it with its owner."""
+    script = ("import sys, time\nfrom loadtest.harness.redis_server import RedisServer\n"
+              "server = RedisServer().__enter__()\nprint(server.pid, flush=True)\ntime.sleep(120)")
+    log = tmp_path / "owner.log"
+    owner = start_process([PYTHON, "-c", script], log_path=log)
+    try:
+        redis_pid = int(wait_for(lambda: log.read_text().split()[0], 60, message="the Redis pid",
+                                 procs=[owner]))
+        assert _alive(redis_pid)
+        owner.kill()
+        owner.wait()
+        wait_for(lambda: not _alive(redis_pid), 30, message=f"Redis {redis_pid} gone")
+    finally:
+        stop_process(owner)
+
+
+def _alive(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie, dead but not yet reaped by init, counts as gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
