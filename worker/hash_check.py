@@ -6,11 +6,21 @@ At start and after every epoch change the worker sends the probe completion
 verdict as ``hash_verified``. Engine hashes that match the routers' keep ``key_mode=engine``;
 hashes that differ switch the replica to keys re-computed from the events' token ids
 (``key_mode=recomputed``), re-keying the set from the engine's replay buffer.
+
+A probe is sent once the event socket is subscribed (a PUB socket drops what it publishes
+before a subscriber's subscription reached it), and a probe whose ``BlockStored`` does not
+come within the probe timeout is sent again (a new prompt) up to ``PROBE_ATTEMPTS`` times with
+backoff: an engine slow to publish, or a subscription that reached the engine just after the
+probe's batch (nothing after it reveals the gap until the next batch, which the next probe
+is), leaves the worker unverified only until a later probe's events arrive. Each miss is
+logged and counted (``worker_probe_misses_total``; ``worker_probe_retrying`` is 1 while the
+next attempt waits); after the last the worker stays unverified until the next epoch change.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from typing import TYPE_CHECKING, Final
 
@@ -27,19 +37,30 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-PROBE_RETRY_S: Final = 2.0
+PROBE_RETRY_S: Final = 2.0  # wait after an engine that did not answer; the first backoff
+PROBE_ATTEMPTS: Final = 8  # probes without their BlockStored before waiting for an epoch change
+PROBE_BACKOFF_MAX_S: Final = 60.0  # backoff doubles from PROBE_RETRY_S up to this
+_NO_EVENTS_HINT: Final = (
+    "are KV events enabled on the engine, and does it bind its endpoint, e.g. tcp://*:5557? "
+    "vLLM connects instead for a concrete host, and so does this worker, so no events flow")
 
 
 class HashCheck:
     """One worker's hash probe: ``run`` probes at start and whenever ``want`` is called,
     ``observe`` feeds it the batches the worker applies. ``hash_verified`` is the verdict the
     heartbeat publishes (``HashVerified.UNKNOWN`` until a probe finished), ``num_probes`` the
-    probes judged."""
+    probes judged, ``num_misses`` the probes that missed (the event socket not subscribed, or
+    the probe's ``BlockStored`` not arrived, in time),
+    ``retrying`` True while the next attempt after a miss waits. ``timeout_s``: how long a
+    probe waits for the event socket's subscription, the completion and its ``BlockStored``."""
 
-    def __init__(self, worker: Worker) -> None:
+    def __init__(self, worker: Worker, timeout_s: float = PROBE_TIMEOUT_S) -> None:
         self.worker = worker
+        self.timeout_s = timeout_s
         self.hash_verified = HashVerified.UNKNOWN
         self.num_probes = 0
+        self.num_misses = 0
+        self.retrying = False
         self._wanted = asyncio.Event()
         self._catcher: ProbeCatcher | None = None
 
@@ -56,49 +77,90 @@ class HashCheck:
                     catcher.observe(event)
 
     async def run(self) -> None:
-        """Probe at start and after every ``want``; retry while the engine is away."""
+        """Probe at start and after every ``want`` until a verdict (``probe_until_judged``)."""
         self._wanted.set()
         while True:
             await self._wanted.wait()
             self._wanted.clear()
             try:
-                await self.worker.engine_known.wait()
-                await self.probe_once()
+                await self.probe_until_judged()
             except asyncio.CancelledError:
                 raise
-            except EngineUnreachable as exc:
-                logger.warning("hash probe failed (%s); retrying in %.0fs", exc, PROBE_RETRY_S)
-                await asyncio.sleep(PROBE_RETRY_S)
-                self._wanted.set()
             except Exception:
                 logger.exception("hash probe failed unexpectedly")
             finally:
                 self._catcher = None
+                self.retrying = False
 
-    async def probe_once(self) -> None:
-        """Send the probe completion, catch its ``BlockStored``, publish the verdict."""
+    async def probe_until_judged(self) -> None:
+        """Probe until a verdict: every ``PROBE_RETRY_S`` while the engine does not answer,
+        and up to ``PROBE_ATTEMPTS`` probes whose ``BlockStored`` does not arrive, the wait
+        between them doubling from ``PROBE_RETRY_S`` to ``PROBE_BACKOFF_MAX_S``."""
+        misses = 0
+        backoff = PROBE_RETRY_S
+        while True:
+            try:
+                await self.worker.engine_known.wait()
+                missed = await self.probe_once()
+            except EngineUnreachable as exc:
+                logger.warning("hash probe failed (%s); retrying in %.0fs", exc, PROBE_RETRY_S)
+                await self._pause(PROBE_RETRY_S)
+                continue
+            if missed is None:
+                return
+            misses += 1
+            self.num_misses += 1
+            if misses >= PROBE_ATTEMPTS:
+                logger.error("hash probe %d/%d: %s; no more probes until the engine restarts "
+                             "or the set is reset (%s); hash_verified stays %r", misses,
+                             PROBE_ATTEMPTS, missed, _NO_EVENTS_HINT, self.hash_verified.value)
+                return
+            logger.warning("hash probe %d/%d: %s; unverified, probing again in %.0fs", misses,
+                           PROBE_ATTEMPTS, missed, backoff)
+            self.retrying = True
+            await self._pause(backoff)
+            self.retrying = False
+            backoff = min(backoff * 2, PROBE_BACKOFF_MAX_S)
+
+    async def _pause(self, seconds: float) -> None:
+        """Sleep ``seconds``, or less when ``want`` asks for a probe meanwhile (the probe
+        after the pause is that one)."""
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._wanted.wait(), seconds)
+        self._wanted.clear()
+
+    async def probe_once(self) -> str | None:
+        """Send the probe completion once the event socket is subscribed, catch its
+        ``BlockStored``, publish the verdict. Returns None once judged, else what was missing
+        (the subscription or the ``BlockStored``, within ``timeout_s`` each). Raises
+        ``EngineUnreachable``."""
         worker = self.worker
         try:
             hasher = worker.hasher()
         except HashConfigError as exc:
             logger.error("cannot reproduce the engine's block hashes: %s", exc)
             self.hash_verified = HashVerified.MISMATCH
-            return
+            return None
         models = worker.heartbeat.models
         if models is None or not models.models:
             raise EngineUnreachable("engine serves no models yet")
+        subscriber = worker.subscriber
+        if subscriber is not None and not subscriber.connected.is_set():
+            try:
+                await asyncio.wait_for(subscriber.connected.wait(), self.timeout_s)
+            except TimeoutError:
+                return (f"the KV event socket {subscriber.endpoint} is not subscribed after "
+                        f"{self.timeout_s:.0f}s (the engine is not publishing there yet)")
         tokens = probe_tokens(worker.engine_block_size or hasher.block_size)
         catcher = ProbeCatcher(tokens, worker.engine_block_size or hasher.block_size)
         self._catcher = catcher
-        await worker.engine.complete(models.models[0], tokens, PROBE_TIMEOUT_S)
         try:
-            await asyncio.wait_for(catcher.done.wait(), PROBE_TIMEOUT_S)
+            await worker.engine.complete(models.models[0], tokens, self.timeout_s)
+            await asyncio.wait_for(catcher.done.wait(), self.timeout_s)
         except TimeoutError:
-            logger.error("hash probe: no BlockStored for the probe prompt within %.0fs (are KV "
-                         "events enabled on the engine, and does it bind its endpoint, e.g. "
-                         "tcp://*:5557? vLLM connects instead for a concrete host, and so does "
-                         "this worker, so no events flow)", PROBE_TIMEOUT_S)
-            return
+            return f"no BlockStored for the probe prompt within {self.timeout_s:.0f}s"
+        finally:
+            self._catcher = None
         verdict = judge(catcher, hasher)
         self.num_probes += 1
         self.hash_verified = HashVerified.VERIFIED if verdict.verified else HashVerified.MISMATCH
@@ -115,6 +177,7 @@ class HashCheck:
                 await self._switch(RecomputedKeys(hasher, worker.lora_paths.get),
                                    f"hash mismatch ({verdict.cause}): key_mode=recomputed")
         worker.heartbeat.wake.set()
+        return None
 
     async def _verified(self, hasher: BlockHasher) -> None:
         config = self.worker.config

@@ -57,6 +57,8 @@ class WorkerSnapshot:
     num_unknown_removals: int = 0
     num_unknown_depth_blocks: int = 0
     num_probes: int = 0
+    num_probe_misses: int = 0
+    probe_retrying: int = 0
     resident_blocks: int = 0
     resident_cpu_blocks: int = 0
     pending_changes: int = 0
@@ -94,6 +96,8 @@ _COUNTERS: tuple[tuple[str, str, str], ...] = (
      "Stored blocks not placed in their chain (parent never seen, or a host store of a hash "
      "never seen stored on the GPU); not published."),
     ("worker_probes", "num_probes", "Hash agreement probes completed."),
+    ("worker_probe_misses", "num_probe_misses", "Hash agreement probes sent again: the event "
+     "socket was not subscribed, or the probe's BlockStored did not arrive, in time."),
 )
 _GAUGES: tuple[tuple[str, str, str], ...] = (
     ("worker_resident_blocks", "resident_blocks", "Block keys resident on the replica's GPU."),
@@ -103,6 +107,8 @@ _GAUGES: tuple[tuple[str, str, str], ...] = (
     ("worker_epoch", "epoch", "Current epoch of the replica's view."),
     ("worker_last_seq", "seq", "Last KV event batch sequence number applied."),
     ("worker_hash_verified", "hash_verified", "1 engine hashes verified, 0 mismatch, -1 unknown."),
+    ("worker_probe_retrying", "probe_retrying", "1 while a hash probe missed and the next one "
+     "waits (the verdict is not refreshed yet)."),
     ("worker_key_mode_recomputed", "key_mode_recomputed", "1 when keys are re-computed."),
     ("worker_engine_up", "engine_up", "1 when the engine answered the last poll."),
     ("worker_redis_up", "redis_up", "1 when the last Redis write succeeded."),
@@ -179,6 +185,8 @@ def worker_snapshot(worker: Worker) -> WorkerSnapshot:
         num_unknown_removals=worker.view.num_unknown_removals,
         num_unknown_depth_blocks=stats.num_unknown_depth_blocks,
         num_probes=worker.hash_check.num_probes,
+        num_probe_misses=worker.hash_check.num_misses,
+        probe_retrying=int(worker.hash_check.retrying),
         resident_blocks=len(worker.view.blocks),
         resident_cpu_blocks=len(worker.view.cpu_blocks),
         pending_changes=worker.writer.num_pending,

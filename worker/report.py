@@ -106,7 +106,7 @@ class Worker:
                                    url=config.url, fields=self._heartbeat_fields,
                                    on_engine=self._on_engine)
         self.subscriber: KVEventSubscriber | None = None
-        self.hash_check = HashCheck(self)
+        self.hash_check = HashCheck(self, config.probe_timeout_s)
         self.engine_block_size: int | None = None
         self.engine_hash_algo: str | None = None
         self.lora_paths: dict[str, str] = {}  # {lora_name: lora_path} from the engine's /v1/models
@@ -331,7 +331,7 @@ class Worker:
         config = self.config
         self.starting = "Redis (the replica's stored state)"
         state = await self.read_state()
-        self._heartbeat_task = asyncio.create_task(self.heartbeat.run())
+        self._heartbeat_task = asyncio.create_task(self.heartbeat.run(), name="heartbeat")
         self.starting = "the engine's cache config"
         try:
             await asyncio.wait_for(self.engine_known.wait(), ENGINE_WAIT_S)
@@ -348,10 +348,23 @@ class Worker:
         logger.info("worker for replica %s: engine %s, events %s, redis %s (%s)", config.replica_id,
                     config.engine_url, config.kv_events_endpoint, config.redis_url,
                     f"continuing from seq {self.view.seq}" if replay_from_state else "fresh start")
-        self._writer_task = asyncio.create_task(self.writer.run())
-        self._subscriber_task = asyncio.create_task(self.subscriber.run())
-        self._probe_task = asyncio.create_task(self.hash_check.run())
+        self._writer_task = asyncio.create_task(self.writer.run(), name="Redis writer")
+        self._subscriber_task = asyncio.create_task(self.subscriber.run(),
+                                                    name="KV event subscriber")
+        self._probe_task = asyncio.create_task(self.hash_check.run(), name="hash probe")
+        for task in (self._heartbeat_task, self._writer_task, self._subscriber_task,
+                     self._probe_task):
+            if task is not None:
+                task.add_done_callback(_log_failure)
         self.starting = ""
+
+
+def _log_failure(task: asyncio.Task[None]) -> None:
+    """Log a worker task that died of an exception: its loop is meant to run until the worker
+    stops, and nothing else would say that the replica's events, probe or writes stopped."""
+    if not task.cancelled() and (exc := task.exception()) is not None:
+        logger.error("the worker's %s task died; the replica is no longer kept up to date",
+                     task.get_name(), exc_info=exc)
 
 
 async def discover_sources(engine: EngineClient) -> list[RankSource]:

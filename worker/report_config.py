@@ -28,6 +28,7 @@ from router.shared.secrets import with_redis_password
 from router.shared.settings import ConfigError, Settings
 from router.shared.version import version_line
 from worker.event_filter import DEFAULT_KV_TIERS, parse_kv_tiers
+from worker.probe import PROBE_TIMEOUT_S
 
 ENV_PREFIX: Final = "WORKER_"
 DEFAULT_METRICS_HOST: Final = "127.0.0.1"  # set 0.0.0.0 in a pod so Prometheus can scrape
@@ -68,6 +69,9 @@ class WorkerConfig:
     metrics_host: str = DEFAULT_METRICS_HOST
     metrics_port: int = DEFAULT_METRICS_PORT
     replay_timeout_s: float = DEFAULT_REPLAY_TIMEOUT_S
+    # seconds a hash probe waits for the event socket's subscription, the completion and its
+    # BlockStored, each; a probe that misses is sent again (worker.hash_check)
+    probe_timeout_s: float = PROBE_TIMEOUT_S
     # seconds a KV event batch waits so that the batches of the next steps join it (one
     # wake-up and one Redis flush for all); adds at most this much index lag; 0: one by one
     event_window_s: float = DEFAULT_EVENT_WINDOW_S
@@ -186,6 +190,9 @@ def _validate(config: WorkerConfig) -> None:
     if not 0 < config.replay_timeout_s < float("inf"):
         raise ConfigError("replay_timeout_s must be a positive number of seconds",
                           "replay_timeout_s")
+    if not 0 < config.probe_timeout_s < float("inf"):
+        raise ConfigError("probe_timeout_s must be a positive number of seconds",
+                          "probe_timeout_s")
     if not 10 <= config.state_ttl_s < float("inf"):
         raise ConfigError(f"state_ttl_s must be at least 10 seconds, got {config.state_ttl_s}",
                           "state_ttl_s")

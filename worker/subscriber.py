@@ -158,7 +158,11 @@ class KVEventSubscriber:
         self._bad_log = IntervalLog(logger, BAD_MESSAGE_LOG_INTERVAL_S)
         self._refused_log = IntervalLog(logger, BAD_MESSAGE_LOG_INTERVAL_S)
         self._disconnect_log = IntervalLog(logger, BAD_MESSAGE_LOG_INTERVAL_S)
-        self.connected = asyncio.Event()  # set once the SUB socket is connected
+        self._events = BoundedSubscriber(endpoint, self.topic, MESSAGE_FRAMES, max_message_bytes,
+                                         self._publisher_dropped, SUB_RCVHWM)
+        # set while the event socket is subscribed (the publisher sends it what it publishes
+        # from then on), cleared while it connects again
+        self.connected = self._events.subscribed
         self._replay_socket = ReplaySocket(
             replay_endpoint, context or zmq.asyncio.Context.instance(), max_message_bytes,
             replay_timeout_s) if replay_endpoint else None
@@ -170,11 +174,9 @@ class KVEventSubscriber:
 
     async def run(self) -> None:
         """Receive batches until cancelled. Never returns otherwise."""
-        sub = BoundedSubscriber(self.endpoint, self.topic, MESSAGE_FRAMES,
-                                self.max_message_bytes, self._publisher_dropped, SUB_RCVHWM)
+        sub = self._events
         sub.start()
-        self.connected.set()
-        logger.info("subscribed to KV events at %s (replay %s, messages up to %d bytes)",
+        logger.info("subscribing to KV events at %s (replay %s, messages up to %d bytes)",
                     self.endpoint, self.replay_endpoint or "off", self.max_message_bytes)
         try:
             if self.start_replay and self.replay_endpoint:

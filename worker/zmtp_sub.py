@@ -109,7 +109,10 @@ class BoundedSubscriber:
     at most ``max_frames`` frames and ``max_bytes`` bytes (module docstring). ``start`` connects
     (and keeps connecting) on a task, ``recv_multipart`` / ``recv_nowait`` take messages,
     ``close`` stops it. ``on_drop(reason)`` hears of every dropped connection (an oversized
-    message, a protocol error or the publisher gone); ``num_drops`` counts them."""
+    message, a protocol error or the publisher gone); ``num_drops`` counts them. ``subscribed``
+    is set while a connection has sent its subscription (the publisher sends this reader what
+    it publishes from then on: a PUB socket drops messages for a peer not yet subscribed) and
+    cleared when that connection drops."""
 
     def __init__(self, endpoint: str, topic: bytes, max_frames: int, max_bytes: int,
                  on_drop: Callable[[str], None] | None = None, max_queued: int = 100_000) -> None:
@@ -128,6 +131,7 @@ class BoundedSubscriber:
         self._arrived = asyncio.Event()  # a message is queued
         self._room = asyncio.Event()  # the queue has room
         self._room.set()
+        self.subscribed = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
 
     def start(self) -> None:
@@ -165,6 +169,8 @@ class BoundedSubscriber:
             try:
                 reader, writer = await open_endpoint(self.endpoint)
                 await self._handshake(reader, writer)
+                logger.debug("subscribed to %s (topic %r)", self.endpoint, self.topic)
+                self.subscribed.set()
                 await self._receive(reader, writer)
             except MessageTooLarge as exc:
                 self._dropped(str(exc))
@@ -172,6 +178,7 @@ class BoundedSubscriber:
                 if writer is not None:  # (a refused connect is no drop: nothing was there)
                     self._dropped(str(exc) or type(exc).__name__)
             finally:
+                self.subscribed.clear()
                 if writer is not None:
                     writer.close()
                     with contextlib.suppress(OSError):

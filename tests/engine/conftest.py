@@ -22,6 +22,7 @@ from typing import Any
 import pytest
 import redis
 
+from loadtest.harness.processes import describe, output
 from loadtest.harness.redis_server import RedisServer
 from loadtest.harness.vllm_engine import (
     BLOCK_SIZE,
@@ -177,6 +178,17 @@ def dp_engine(engine_pool: EnginePool) -> Iterator[VllmEngine]:
     engine_pool.release("data-parallel")
 
 
+WAITED_FOR = "both engines routable with verified hashes"
+# what /ready says of a replica that is not (routable, affinity, hash_verified "1")
+NOT_READY_FIELDS = ("routable", "not_routable_reason", "affinity", "no_affinity_reason",
+                    "hash_verified", "epoch", "index_blocks")
+
+
+def ready_with_affinity(state: dict[str, Any]) -> bool:
+    """A replica's ``/ready`` entry says it is routable with affinity and verified hashes."""
+    return bool(state["routable"] and state["affinity"] and state["hash_verified"] == "1")
+
+
 class EngineFleet:
     """The package's two engines, a worker each (``engine-0``, ``engine-1``, the exact index:
     ``--index-stride 1``), and one router on the session's Redis, with the engines' tokenizer
@@ -203,8 +215,14 @@ class EngineFleet:
                 "--index-stride", "1"])
             self.procs.append(self.router)
             self.url = wait_ready(ready, self.procs, 120, "the router's ready file")["url"]
-            wait_for(lambda: self.routable() == len(engines), 300,
-                     message="both engines routable with verified hashes", procs=self.procs)
+            try:
+                wait_for(lambda: self.routable() == len(engines), 300, message=WAITED_FOR,
+                         procs=self.procs)
+            except TimeoutError as exc:
+                # wait_for's message (what it waited for, its last error) without the tails
+                # of every process's log: the replicas short of it and their workers' logs
+                waited = str(exc).split("\n---", 1)[0]
+                raise TimeoutError(f"{waited}\n{self.not_ready()}") from None
         except BaseException:
             self.stop()
             raise
@@ -213,8 +231,27 @@ class EngineFleet:
         return get_json(f"{self.url}/ready")
 
     def routable(self) -> int:
-        return sum(bool(r["routable"] and r["affinity"] and r["hash_verified"] == "1")
-                   for r in self.ready()["replicas"])
+        return sum(ready_with_affinity(r) for r in self.ready()["replicas"])
+
+    def not_ready(self) -> str:
+        """Each replica short of ``WAITED_FOR``: what the router's ``/ready`` says of it and the
+        tail of its worker's log (for a fixture that timed out)."""
+        try:
+            states = {r["replica_id"]: r for r in self.ready()["replicas"]}
+        except (OSError, ValueError, KeyError) as exc:
+            states, unread = {}, f" (the router's /ready did not answer: {exc!r})"
+        else:
+            unread = ""
+        lines = []
+        for rid, worker in zip(self.replica_ids, self.procs, strict=False):
+            state = states.get(rid)
+            if state is not None and ready_with_affinity(state):
+                continue
+            shown = ("not in the router's /ready" + unread if state is None else
+                     ", ".join(f"{k} {state.get(k)!r}" for k in NOT_READY_FIELDS))
+            lines.append(f"replica {rid} ({describe(worker)}): {shown}; its worker's log "
+                         f"(tail):\n{output(worker)[-4000:]}")
+        return "\n".join(lines)
 
     def engine(self, replica_id: str) -> VllmEngine:
         return self.engines[self.replica_ids.index(replica_id)]

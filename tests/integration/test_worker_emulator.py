@@ -41,10 +41,12 @@ class Emulator:
 
 
 def start_emulator(tmp: Path, *, seed: str = SEED, num_gpu_blocks: int = 4000,
-                   ports: tuple[int, int, int] | None = None, extra: tuple[str, ...] = ()) -> Emulator:
+                   ports: tuple[int, int, int] | None = None, extra: tuple[str, ...] = (),
+                   events: str | None = None) -> Emulator:
+    """An emulator publishing its KV events at ``events`` (default ``tcp://*:PORT``)."""
     port, ev, rp = ports or (free_port(), free_port(), free_port())
     ready = tmp / f"ready-{port}-{random.random()}.json"
-    config = dict(KV_EVENTS, endpoint=f"tcp://*:{ev}", replay_endpoint=f"tcp://*:{rp}")
+    config = dict(KV_EVENTS, endpoint=events or f"tcp://*:{ev}", replay_endpoint=f"tcp://*:{rp}")
     proc, replicas = helpers.start_emulator(
         ready, ["--port", str(port), "--num-gpu-blocks-override", str(num_gpu_blocks),
                 "--kv-events-config", json.dumps(config), *extra], {"PYTHONHASHSEED": seed})
@@ -337,3 +339,39 @@ def test_a_key_mode_switch_rekeys_the_engines_cached_blocks(tmp: Path, rds: Redi
     wait_for(lambda: engines <= rds.blocks(), 10, message="cached blocks re-keyed as engine hashes")
     assert not ours & rds.blocks()
     assert rds.epoch() > epoch
+
+
+def worker_metric(port: int, name: str) -> float:
+    """The value of the unlabelled metric ``name`` on the worker's ``/metrics`` at ``port``."""
+    text = requests.get(f"http://127.0.0.1:{port}/metrics", timeout=5).text
+    return next(float(line.split()[1]) for line in text.splitlines()
+                if line.split(" ", 1)[0] == name)
+
+
+def test_a_missed_probe_is_sent_again_until_the_engines_events_arrive(
+        tmp: Path, rds: Redis, redis_url: str, procs: list[subprocess.Popen[bytes]]) -> None:
+    """A worker that cannot hear the engine's KV events at its first probe (the engine's
+    publisher not reachable yet: here its endpoint appears only later) misses that probe, says
+    so (a log line, ``worker_probe_misses_total``, ``worker_probe_retrying`` 1) and probes
+    again until the events arrive; then ``hash_verified`` is 1. A probe used to be sent once:
+    the worker stayed unverified, and the replica without affinity, until the engine restarted.
+    """
+    engine_events = tmp / "events.sock"
+    emu = start_emulator(tmp, events=f"ipc://{engine_events}")
+    procs.append(emu.proc)
+    late = tmp / "late.sock"  # the worker's endpoint: a link to the engine's, made later
+    metrics_port = free_port()
+    worker = start_worker(emu, redis_url, events=f"ipc://{late}", extra=(
+        "--probe-timeout-s", "1", "--metrics-port", str(metrics_port)))
+    procs.append(worker)
+    wait_for(lambda: worker_metric(metrics_port, "worker_probe_retrying") == 1, 30,
+             message="a missed probe, waiting to probe again", procs=[worker])
+    assert rds.heartbeat().get(contract.F_HASH_VERIFIED) == ""
+    late.symlink_to(engine_events)
+    wait_for(lambda: verified(rds), 60, message="hash probe verified", procs=[worker])
+    assert worker_metric(metrics_port, "worker_probe_misses_total") >= 1
+    assert worker_metric(metrics_port, "worker_probe_retrying") == 0
+    procs.remove(worker)
+    log = stop_process(worker)
+    assert "hash probe 1/8: the KV event socket" in log
+    assert "unverified, probing again" in log
