@@ -6,6 +6,11 @@ of past batches served on a ROUTER socket (request ``[identity, b"", start_seq]`
 replies ``[identity, b"", topic, seq, payload]`` then the end marker
 ``[identity, b"", b"", seq=-1, b""]``). Extra knobs let a test lose batches
 (``publish(..., drop=True)``) and restart the sequence like a restarted engine.
+
+The live socket is an XPUB (a PUB whose subscribers' subscriptions can be read): vLLM's PUB
+drops what it sends before a subscription has reached it (ZMQ's slow joiner), and a test that
+must not lose its first batch waits for ``wait_subscribed`` first. To a subscriber the two are
+the same socket.
 """
 
 from __future__ import annotations
@@ -51,11 +56,15 @@ class KVEventPublisher:
         self._pub: zmq.asyncio.Socket | None = None
         self._router: zmq.asyncio.Socket | None = None
         self._task: asyncio.Task[None] | None = None
+        self._subscriptions_task: asyncio.Task[None] | None = None
+        self.num_subscriptions = 0  # subscribe messages the XPUB has taken (one per connection)
+        self._subscribed = asyncio.Event()
         self.endpoint = ""
         self.replay_endpoint = ""
 
     async def start(self) -> KVEventPublisher:
-        self._pub = self._ctx.socket(zmq.PUB)
+        self._pub = self._ctx.socket(zmq.XPUB)
+        self._pub.setsockopt(zmq.XPUB_VERBOSE, 1)  # every subscription, not a topic's first only
         self._pub.setsockopt(zmq.SNDHWM, 1_000_000)
         self._pub.setsockopt(zmq.LINGER, 0)
         port = self._pub.bind_to_random_port(f"tcp://{self.host}")
@@ -65,13 +74,32 @@ class KVEventPublisher:
         rport = self._router.bind_to_random_port(f"tcp://{self.host}")
         self.replay_endpoint = f"tcp://{self.host}:{rport}"
         self._task = asyncio.create_task(self._serve_replay())
+        self._subscriptions_task = asyncio.create_task(self._count_subscriptions())
         return self
 
+    async def wait_subscribed(self, count: int = 1, timeout_s: float = 30.0) -> None:
+        """Wait until the live socket has taken ``count`` subscriptions in all (a reader that
+        connects again subscribes again); a batch published after it reaches them. Raises
+        ``TimeoutError``."""
+        async with asyncio.timeout(timeout_s):
+            while self.num_subscriptions < count:
+                self._subscribed.clear()
+                await self._subscribed.wait()
+
+    async def _count_subscriptions(self) -> None:
+        assert self._pub is not None
+        while True:
+            message = await self._pub.recv()
+            if message[:1] == b"\x01":  # subscribe (b"\x00": unsubscribe)
+                self.num_subscriptions += 1
+                self._subscribed.set()
+
     async def close(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+        for task in (self._task, self._subscriptions_task):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
         for sock in (self._pub, self._router):
             if sock is not None:
                 sock.close(linger=0)

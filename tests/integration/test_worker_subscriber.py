@@ -74,8 +74,12 @@ async def running(sub: KVEventSubscriber) -> AsyncIterator[KVEventSubscriber]:
 
 
 async def connected(pub: KVEventPublisher, sub: KVEventSubscriber, sink: RecordingSink) -> None:
-    """Publish until the subscription is live (ZMQ slow joiner); the first batches may come by replay."""
+    """Publish one batch once the subscription is live and wait until it is applied.
+    ``sub.connected`` is set once the reader sent its subscription, which the PUB side may not
+    have taken yet (a batch published at once was lost 8 times in 40: ZMQ's slow joiner), so
+    the publisher's XPUB is asked too."""
     await sub.connected.wait()
+    await pub.wait_subscribed()
     target = len(sink.applied) + 1
     await pub.publish(one_block(1000 + pub.next_seq))
     await until(lambda: len(sink.applied) >= target)
