@@ -135,15 +135,18 @@ def _cluster_port() -> int:
 
 class RedisClusterServers(_Topology):
     """A Redis Cluster of ``num_masters`` masters on loopback, slots split evenly, each master
-    with ``replicas_per_master`` replicas (``CLUSTER REPLICATE``)."""
+    with ``replicas_per_master`` replicas (``CLUSTER REPLICATE``), failure detection after
+    ``node_timeout_ms`` (``cluster-node-timeout``)."""
 
-    def __init__(self, num_masters: int = 3, replicas_per_master: int = 0) -> None:
+    def __init__(self, num_masters: int = 3, replicas_per_master: int = 0,
+                 node_timeout_ms: int = NODE_TIMEOUT_MS) -> None:
         if num_masters < 1:
             raise ValueError("a cluster needs at least one master")
         if replicas_per_master < 0:
             raise ValueError("replicas_per_master must be >= 0")
         self.ports = [_cluster_port() for _ in range(num_masters * (1 + replicas_per_master))]
         self.num_masters = num_masters
+        self.node_timeout_ms = node_timeout_ms
         self._procs = _Processes("prefix-router-cluster-")
 
     @property
@@ -155,7 +158,7 @@ class RedisClusterServers(_Topology):
             for port in self.ports:
                 self._procs.start(port, ["--cluster-enabled", "yes", "--cluster-config-file",
                                          f"nodes-{port}.conf", "--cluster-node-timeout",
-                                         str(NODE_TIMEOUT_MS), "--appendonly", "no"])
+                                         str(self.node_timeout_ms), "--appendonly", "no"])
             clients = [_client(p) for p in self.ports]
             n, masters = len(self.ports), self.num_masters
             for i, client in enumerate(clients[:masters]):
@@ -237,7 +240,7 @@ class RedisClusterServers(_Topology):
         """Promote a replica of the master holding ``key``: by ``CLUSTER FAILOVER`` sent to the
         replica (the coordinated manual failover, in which the master pauses its clients until
         the replica has caught up), or with ``kill`` by SIGKILL of the master (the cluster marks
-        it failed after ``NODE_TIMEOUT_MS`` and the replica takes over; writes it had not yet
+        it failed after ``node_timeout_ms`` and the replica takes over; writes it had not yet
         replicated are lost). Waits until every running node sees the replica as the slot's
         master, it answers ``ROLE`` as master, and the cluster state is ok. Returns the new
         master's port."""

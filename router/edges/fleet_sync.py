@@ -90,9 +90,12 @@ class FleetReader:
         self.synced = asyncio.Event()
         self.attempted = asyncio.Event()  # the first connection attempt succeeded or failed
         self._cached_fleet: list[dict[str, Any]] | None = None  # last written to fleet_cache_file
-        # after a reconnect, replicas whose heartbeat is missing stay until then (monotonic):
-        # a Redis that restarted empty gets one heartbeat TTL for the workers to re-register
+        # after a reconnect or a cluster failover, replicas whose heartbeat is missing stay until
+        # then (monotonic): a Redis that restarted empty, or a master that came back through its
+        # replica without the heartbeats (expired while it was down), gets one heartbeat TTL for
+        # the workers to re-register
         self._keep_missing_until = 0.0
+        self._masters: frozenset[str] | None = None  # a cluster's masters at the last refresh
         self.redis_oom = RedisOom(fleet, metrics)
         self.block_sets = BlockSetLoader(fleet, self.prefix, self.redis_oom)
         self._bad_log = IntervalLog(logger, OOM_READ_HOLD_S)  # malformed stream entries
@@ -185,6 +188,7 @@ class FleetReader:
             pipe.pttl(key)
         wall_now = time.time()
         results = await pipe.execute() if found else []
+        self._note_failover(client)
         seen: set[str] = set()
         for (rid, (_, tagged)), raw, ttl_ms in zip(found.items(), results[::2], results[1::2],
                                                     strict=True):
@@ -207,6 +211,28 @@ class FleetReader:
         self._update_gauges()
         self._write_fleet_cache()
         self.redis_oom.update()
+
+    def _note_failover(self, client: Any) -> None:
+        """A Redis Cluster whose masters changed since the last refresh failed over: the
+        heartbeats of the replicas whose keys the failed master held may be gone (the promoted
+        replica expires them when the outage outlasted their TTL, the cluster's
+        ``cluster-node-timeout`` plus an election), and this router may have seen no error (its
+        read waited in redis-py's retries until the replica took over). Their workers
+        re-register at their next heartbeat; until then (one heartbeat TTL) they stay, as after a
+        reconnect. Logged and counted (``router_redis_cluster_failovers_total``)."""
+        from router.shared.redis_client import cluster_masters
+
+        masters = cluster_masters(client)
+        previous, self._masters = self._masters, masters
+        if previous is None or masters is None or masters == previous:
+            return
+        self.metrics.redis_cluster_failovers.inc()
+        self._keep_missing_until = max(self._keep_missing_until,
+                                       time.monotonic() + c.HEARTBEAT_TTL_S)
+        logger.warning("Redis Cluster masters changed (gone: %s; new: %s): a failover; replicas "
+                       "whose heartbeat is missing stay %.0f s for their workers to re-register",
+                       ", ".join(sorted(previous - masters)) or "none",
+                       ", ".join(sorted(masters - previous)) or "none", c.HEARTBEAT_TTL_S)
 
     @property
     def oom(self) -> bool:

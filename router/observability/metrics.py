@@ -128,6 +128,10 @@ class RouterMetrics:
         self.redis_resyncs = Counter(
             "router_redis_resyncs_total", "Full reloads of heartbeats and block sets",
             registry=registry)
+        self.redis_cluster_failovers = Counter(
+            "router_redis_cluster_failovers_total", "Times the Redis Cluster's masters changed "
+            "between two heartbeat refreshes (a failover): replicas whose heartbeat is missing "
+            "then stay one heartbeat TTL for their workers to re-register", registry=registry)
         self.replica_routable = Gauge(
             "router_replica_routable", "1 when a replica takes traffic", ["replica"],
             registry=registry)

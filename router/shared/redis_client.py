@@ -186,6 +186,19 @@ def redis_client(url: str, password: str | None = None, **connection: Any) -> An
     return sentinel.master_for(target.service, db=target.db, **auth)
 
 
+def cluster_masters(client: Any) -> frozenset[str] | None:
+    """The ``host:port`` of each master a Redis Cluster client (``redis_client``) knows, from
+    redis-py's cached slot map, which the client refreshes itself after a connection error or a
+    ``MOVED``: a set that differs from an earlier one means the cluster failed over (or a master
+    was added or removed) in between. None for a client of one server or of a Sentinel set.
+    No I/O."""
+    from redis.asyncio.cluster import RedisCluster
+
+    if not isinstance(client, RedisCluster):
+        return None
+    return frozenset(node.name for node in client.get_primaries())
+
+
 RECONNECT_BASE_S: Final = 0.05  # the first wait is 2 x this: 0.1 s, then doubling ...
 RECONNECT_CAP_S: Final = 5.0  # ... up to this, for as long as Redis stays away
 FIRST_RECONNECT_WAIT_S: Final = 2 * RECONNECT_BASE_S  # ExponentialBackoff.compute(1)

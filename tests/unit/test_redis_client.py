@@ -8,7 +8,13 @@ from redis.asyncio import Redis
 from redis.asyncio.cluster import RedisCluster
 from redis.asyncio.sentinel import SentinelConnectionPool
 
-from router.shared.redis_client import RedisTarget, RedisUrlError, parse_redis_url, redis_client
+from router.shared.redis_client import (
+    RedisTarget,
+    RedisUrlError,
+    cluster_masters,
+    parse_redis_url,
+    redis_client,
+)
 
 
 @pytest.mark.parametrize(("url", "want"), [
@@ -94,6 +100,19 @@ async def test_sentinel_client_follows_the_named_master() -> None:
             for s in sentinels] == [("127.0.0.1", 26379), ("127.0.0.1", 26380)]
     # the data-node password is not sent to the sentinels (they usually have none)
     assert all(s.connection_pool.connection_kwargs.get("password") is None for s in sentinels)
+    await client.aclose()
+
+
+async def test_only_a_cluster_client_has_masters_to_compare() -> None:
+    """``cluster_masters`` reads a cluster client's cached slot map (checked against a real
+    cluster failing over in ``tests/integration/test_redis_topologies.py``); a client of one
+    server or of a Sentinel set has none."""
+    for url in ("redis://127.0.0.1:6390/0", "redis+sentinel://127.0.0.1:26379/mymaster"):
+        client = redis_client(url)
+        assert cluster_masters(client) is None
+        await client.aclose()
+    client = redis_client("redis+cluster://127.0.0.1:7000")
+    assert cluster_masters(client) == frozenset()  # no slot map before the first command
     await client.aclose()
 
 
