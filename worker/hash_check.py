@@ -118,16 +118,22 @@ class HashCheck:
             logger.warning("hash probe %d/%d: %s; unverified, probing again in %.0fs", misses,
                            PROBE_ATTEMPTS, missed, backoff)
             self.retrying = True
-            await self._pause(backoff)
+            wanted = await self._pause(backoff)
             self.retrying = False
-            backoff = min(backoff * 2, PROBE_BACKOFF_MAX_S)
+            if wanted:  # the epoch changed meanwhile: a new engine gets all its attempts
+                misses, backoff = 0, PROBE_RETRY_S
+            else:
+                backoff = min(backoff * 2, PROBE_BACKOFF_MAX_S)
 
-    async def _pause(self, seconds: float) -> None:
+    async def _pause(self, seconds: float) -> bool:
         """Sleep ``seconds``, or less when ``want`` asks for a probe meanwhile (the probe
-        after the pause is that one)."""
+        after the pause is that one); returns whether it did."""
+        wanted = False
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self._wanted.wait(), seconds)
+            wanted = True
         self._wanted.clear()
+        return wanted
 
     async def probe_once(self) -> str | None:
         """Send the probe completion once the event socket is subscribed, catch its

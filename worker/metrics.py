@@ -96,8 +96,9 @@ _COUNTERS: tuple[tuple[str, str, str], ...] = (
      "Stored blocks not placed in their chain (parent never seen, or a host store of a hash "
      "never seen stored on the GPU); not published."),
     ("worker_probes", "num_probes", "Hash agreement probes completed."),
-    ("worker_probe_misses", "num_probe_misses", "Hash agreement probes sent again: the event "
-     "socket was not subscribed, or the probe's BlockStored did not arrive, in time."),
+    ("worker_probe_misses", "num_probe_misses", "Hash agreement probes that missed: the event "
+     "socket was not subscribed, or the probe's BlockStored did not arrive, in time (each is "
+     "sent again, up to the attempts an epoch gets)."),
 )
 _GAUGES: tuple[tuple[str, str, str], ...] = (
     ("worker_resident_blocks", "resident_blocks", "Block keys resident on the replica's GPU."),

@@ -30,6 +30,7 @@ from typing import Any, Final, Self
 import redis
 
 from loadtest.harness import processes
+from loadtest.harness.orphans import DIE_WITH_PARENT
 from loadtest.harness.redis_server import RedisServerError, _ping, free_port, redis_server_binary
 from router.shared.contract import key_slot
 
@@ -64,7 +65,8 @@ class _Processes:
             cmd.append(str(path))
         cmd += ["--port", str(port), "--bind", "127.0.0.1", "--protected-mode", "no",
                 "--dir", str(self.dir), "--save", "", "--loglevel", "warning", *args]
-        proc = self.procs[port] = processes.start_process(cmd, log_path=self.dir / f"{port}.log")
+        proc = self.procs[port] = processes.start_process(
+            cmd, log_path=self.dir / f"{port}.log", preexec_fn=DIE_WITH_PARENT)  # no orphans
         _wait(lambda: proc.poll() is None and _ping("127.0.0.1", port), STARTUP_TIMEOUT_S,
               f"redis-server on port {port} ({(self.dir / f'{port}.log')})")
 

@@ -52,20 +52,22 @@ STORED_RESPONSE_PATHS: Final = {
 }
 
 
-# the body fields that carry a pooling or scoring request's inputs (vLLM 0.32's embed, pooling,
-# classify, score and rerank request types; Cohere's embed v2 "texts"); the rest are options
-INPUT_FIELDS: Final = ("input", "texts", "text_1", "text_2", "queries", "documents", "items",
-                       "data_1", "data_2", "query", "messages")
+# the body fields that are no input: everything else a pooling or scoring body carries is
+# counted (vLLM's request types name their inputs in many ways: "input", "texts", "inputs",
+# "images", "data", "text_1", "queries", "documents", "messages", ...; a field left out of a
+# list of inputs was a way to send unmetered work)
+NOT_INPUT_FIELDS: Final = frozenset({"model", "cache_salt"})
 
 
 def input_tokens(data: dict[str, Any]) -> int:
     """A pooling or scoring body's inputs in tokens, estimated before any tokenizer (the router
-    renders none of them): each token id list by its length, each text at 4 characters a token
-    (the admission step's estimate, ``router.service.fleet_admission.prompt_tokens``), through
-    the lists and objects of ``INPUT_FIELDS``; at least 1. What the rate limits' tokens per
-    minute count for these paths."""
+    renders none of them): each token id by itself, each text at 4 characters a token (the
+    admission step's estimate, ``router.service.fleet_admission.prompt_tokens``), through every
+    list and object of the body but ``NOT_INPUT_FIELDS`` (an option's value counts as the small
+    text or number it is); at least 1. What the rate limits' tokens per minute count for these
+    paths."""
     total = 0
-    pending: list[Any] = [data.get(field) for field in INPUT_FIELDS]
+    pending: list[Any] = [value for key, value in data.items() if key not in NOT_INPUT_FIELDS]
     while pending:
         item = pending.pop()
         if isinstance(item, str):

@@ -54,17 +54,21 @@ class PassthroughHandler:
         client's own ``cache_salt`` on a pooling path under the ``reject`` policy),
         ``RateLimited`` (429) for a pooling or scoring request over its tenant's limits."""
         arrival = time.perf_counter()
-        body = await self.parser.read(request)
-        data = body.data()
-        model = request_model(data)
-        self._salt(request, body)
-        if request.path in POOLING_PATHS and self.rate_limits.enabled:
-            await self.rate_limits.check(request.get(TENANT_KEY) or "", input_tokens(data))
-        target = self.aliases.resolve(model) if model is not None else None
-        if target is not None:
-            body.set("model", target)
-            model = target
-        decision, targets = self.router.least_loaded(model)
+        try:
+            body = await self.parser.read(request)
+            data = body.data()
+            model = request_model(data)
+            self._salt(request, body)
+            if request.path in POOLING_PATHS and self.rate_limits.enabled:
+                await self.rate_limits.check(request.get(TENANT_KEY) or "", input_tokens(data))
+            target = self.aliases.resolve(model) if model is not None else None
+            if target is not None:
+                body.set("model", target)
+                model = target
+            decision, targets = self.router.least_loaded(model)
+        except RouterError as exc:  # refused before any replica: counted as generation's are
+            self.metrics.requests.labels("", "none", request.path, str(exc.status)).inc()
+            raise
         return await self._forward(request, request.path, body.encoded(), targets,
                                    decision.replica_id, decision.reason, arrival)
 

@@ -50,4 +50,4 @@ def test_the_demo_runs_and_its_figures_agree(tmp_path: Path) -> None:
         assert 0 <= row["token_hit_rate"] <= 1
         assert row["client_token_hit_rate"] == pytest.approx(row["token_hit_rate"], abs=1e-3)
     spread = results["policies"]["round_robin"]["requests_per_replica"].values()
-    assert max(spread) - min(spread) <= 1, spread  # one router, one turn each
+    assert max(spread) - min(spread) <= 2, spread  # one router, one turn each (a retry: 2)

@@ -56,20 +56,28 @@ def test_stopping_escalates_to_sigkill() -> None:
 
 
 
-def test_a_killed_owner_leaves_no_redis_behind(tmp_path: Path) -> None:
+@pytest.mark.parametrize("start", [
+    "RedisServer().__enter__().pid",
+    "' '.join(str(p.pid) for p in RedisClusterServers(3).__enter__()._procs.procs.values())",
+], ids=["redis", "cluster"])
+def test_a_killed_owner_leaves_no_redis_behind(tmp_path: Path, start: str) -> None:
     """A benchmark killed with SIGKILL (no ``finally`` runs) used to leave its throwaway
-    ``redis-server`` running; the harness now has the kernel end it with its owner."""
-    script = ("import sys, time\nfrom loadtest.harness.redis_server import RedisServer\n"
-              "server = RedisServer().__enter__()\nprint(server.pid, flush=True)\ntime.sleep(120)")
+    ``redis-server`` (or a cluster's three) running; the harness now has the kernel end them
+    with their owner."""
+    script = ("import time\nfrom loadtest.harness.redis_server import RedisServer\n"
+              "from loadtest.harness.redis_topology import RedisClusterServers\n"
+              f"print({start}, flush=True)\ntime.sleep(120)")
     log = tmp_path / "owner.log"
     owner = start_process([PYTHON, "-c", script], log_path=log)
     try:
-        redis_pid = int(wait_for(lambda: log.read_text().split()[0], 60, message="the Redis pid",
-                                 procs=[owner]))
-        assert _alive(redis_pid)
+        pids = [int(p) for p in wait_for(lambda: log.read_text().split("\n", 1)[0].split()
+                                          if log.read_text().endswith("\n") else None, 120,
+                                          message="the Redis pids", procs=[owner])]
+        assert pids and all(_alive(pid) for pid in pids)
         owner.kill()
         owner.wait()
-        wait_for(lambda: not _alive(redis_pid), 30, message=f"Redis {redis_pid} gone")
+        wait_for(lambda: not any(_alive(pid) for pid in pids), 30,
+                 message=f"Redis {pids} gone")
     finally:
         stop_process(owner)
 

@@ -295,8 +295,11 @@ def test_pooling_paths_count_against_the_tenants_limits(replicas: list[HoldingRe
             assert 1 <= int(headers["retry-after"]) <= WINDOW_S
         status, _, answer = router.post("/tokenize", {"model": "fixed", "prompt": "x"})
         assert status != 429, answer
-        assert sample(router.metrics(), "router_rate_limit_requests_total",
-                      outcome="limited") == 3
+        metrics = router.metrics()
+        assert sample(metrics, "router_rate_limit_requests_total", outcome="limited") == 3
+        # the refusals are requests finished too (they were missing from the pooling paths')
+        for path in ("/v1/embeddings", "/score"):
+            assert sample(metrics, "router_requests_total", endpoint=path, status="429") == 1
     finally:
         router.stop()
 
@@ -319,6 +322,10 @@ def test_a_request_over_the_whole_token_limit_is_refused_without_retry_after(
         assert error["type"] == "RateLimitError" and "too large" in error["message"]
         status, headers, answer = router.post(
             "/v1/embeddings", {"model": "fixed", "input": [list(range(1, 150))]})
+        assert status == 429 and "retry-after" not in headers, answer
+        # Cohere's mixed inputs: counted as any other input (they counted 1 token)
+        status, headers, answer = router.post("/v2/embed", {"model": "fixed", "inputs": [
+            {"content": [{"type": "text", "text": "word " * 200}]}]})
         assert status == 429 and "retry-after" not in headers, answer
         assert router.post("/v1/completions", {**BODY, "prompt": list(range(1, 90))})[0] == 200
     finally:

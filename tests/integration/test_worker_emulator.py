@@ -354,7 +354,7 @@ def test_a_missed_probe_is_sent_again_until_the_engines_events_arrive(
     publisher not reachable yet: here its endpoint appears only later) misses that probe, says
     so (a log line, ``worker_probe_misses_total``, ``worker_probe_retrying`` 1) and probes
     again until the events arrive; then ``hash_verified`` is 1. A probe used to be sent once:
-    the worker stayed unverified, and the replica without affinity, until the engine restarted.
+    the worker stayed unverified (its hashes unknown to the router) until the engine restarted.
     """
     engine_events = tmp / "events.sock"
     emu = start_emulator(tmp, events=f"ipc://{engine_events}")
