@@ -34,6 +34,7 @@ from typing import Any
 
 import aiohttp
 
+from loadtest.harness.orphans import DIE_WITH_PARENT
 from loadtest.harness.processes import (
     EMULATE,
     PYTHON,
@@ -46,7 +47,10 @@ from router.request.prompts import default_tokenizer_dir
 
 
 def _start(args: list[str], log: Path) -> Any:
-    return start_process([PYTHON, "-m", *args] if args[0] != PYTHON else args, log_path=log)
+    """A benchmark's process (``python -m`` ``args``), ended by the kernel with the benchmark
+    (a killed benchmark left its router and null replica running)."""
+    return start_process([PYTHON, "-m", *args] if args[0] != PYTHON else args, log_path=log,
+                         preexec_fn=DIE_WITH_PARENT)
 
 
 def _pct(values: list[float], q: float) -> float:
