@@ -2,9 +2,10 @@
 
 ``PromptChainer`` is the one place that turns a parsed request (``PromptSpec``) into its
 ``PromptChain``: token ids through ``ChainCache.id_chain``, text and chat through
-``PromptTokenizer.prompt_chain``; on the event loop when cheap, else in the tokenizer threads;
-lazily for long new prompts, with the rest hashed on a thread of its own after the request was
-sent, and the *pending tails* that make a burst of one new long prefix see the whole prefix.
+``PromptTokenizer.prompt_chain``; on the event loop when cheap or token ids (a long chain in
+slices between loop turns), else in the tokenizer threads; lazily for long new prompts, with the
+rest hashed after the request was sent, and the *pending tails* that make a burst of one new
+long prefix see the whole prefix.
 
 Lazy hashing: a long prompt is tokenized and hashed before routing only up to the first piece
 holding a block no replica holds (no replica can hit beyond it); the rest after the request was
@@ -41,8 +42,8 @@ INLINE_HASH_BLOCKS: Final = 64  # uncached blocks hashed on the event loop befor
 MAX_KEPT_PIECES: Final = 256  # lazy token-id chains whose piece keys wait for their rest
 INLINE_TOKENIZE_CHARS: Final = 2048  # uncached characters tokenized on the loop before a thread hop
 # (both cost less than the hop: docs/benchmarks.md, "Figures from the code's comments")
-# token-id rest pieces hashed per event-loop turn: INLINE_HASH_BLOCKS blocks (at SPAN_BLOCKS = 16
-# a piece), as much as a chain hashed inline before routing may
+# token-id pieces hashed per event-loop turn (a rest, or a whole chain too long to hash at once):
+# INLINE_HASH_BLOCKS blocks (at SPAN_BLOCKS = 16 a piece), as much as a chain hashed inline may
 REST_SLICE_PIECES: Final = 4
 
 Lora = tuple[str, str] | None
