@@ -12,7 +12,7 @@ from typing import Any
 
 from router.observability.audit import PrefixAudit
 from router.request.prompts import PromptSpec
-from router.service.audit_queue import AUDIT_QUEUE, AuditQueue
+from router.service.audit_queue import AUDIT_QUEUE, AUDIT_SLICE, AuditQueue
 
 TAIL = (b'data: {"usage":{"prompt_tokens":64,"prompt_tokens_details":{"cached_tokens":16}}}\n\n'
         b"data: [DONE]\n\n")
@@ -96,3 +96,19 @@ async def test_nothing_is_audited_after_shutdown() -> None:
     assert len(audit.seen) <= 1  # at most the one the thread held
     queue.submit(_spec(2000), 64, 0, TAIL, None)  # after shutdown: not audited, no error
     assert len(audit.seen) <= 1
+
+
+async def test_a_burst_is_audited_a_slice_per_loop_turn() -> None:
+    """Token-id observations are audited ``AUDIT_SLICE`` per event-loop turn: a saturated loop
+    turns about once per request, so one a turn fell behind and dropped a fifth of them."""
+    audit = _Recording()
+    queue = AuditQueue(audit, None, 1024)
+    try:
+        for i in range(2 * AUDIT_SLICE):
+            queue.submit(_spec(1000 + i), 64, 0, TAIL, None)
+        await asyncio.sleep(0)  # one turn
+        assert len(audit.seen) == AUDIT_SLICE
+        await _wait(lambda: queue.num_queued == 0)
+        assert [seen[0] for seen in audit.seen] == [1000 + i for i in range(2 * AUDIT_SLICE)]
+    finally:
+        queue.shutdown()
