@@ -62,7 +62,8 @@ class RouterMetrics:
         self.tokenize = Histogram(
             "router_tokenize_seconds", "Time to compute a prompt's length and block-key chain "
             "(tokenize + hash through the chain cache); path=inline on the event loop (cached or "
-            "small), path=thread in the tokenizer thread pool", ["kind", "path"],
+            "small), path=sliced on the event loop between its turns (long token ids), "
+            "path=thread in the tokenizer thread pool", ["kind", "path"],
             buckets=_LATENCY_BUCKETS, registry=registry)
         self.inflight = Gauge(
             "router_inflight_requests", "Requests this router has in flight per replica",

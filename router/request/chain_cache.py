@@ -29,7 +29,7 @@ from __future__ import annotations
 import itertools
 import threading
 from array import array
-from collections.abc import Callable, Hashable, Iterable, Sequence
+from collections.abc import Callable, Generator, Hashable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Final
 
@@ -294,6 +294,33 @@ class ChainCache:
                       if held is not None and max_uncached_blocks is not None else None)
         return self.chain(root, pieces, self.id_spans(tokens), lora, cache_salt, path=path,
                           held=held, num_tokens=len(tokens), max_pieces=max_pieces)
+
+    def id_chain_steps(self, tokens: Sequence[int], lora: tuple[str, str] | None,
+                       cache_salt: str | None,
+                       pieces: list[Hashable] | None = None) -> Generator[None, None, PromptChain]:
+        """``id_chain(tokens, lora, cache_salt)`` (whole, not lazy) one piece at a time: the
+        generator yields before hashing each uncached piece (``SPAN_BLOCKS`` blocks) and returns
+        the chain, so that a caller on the event loop hashes a long prompt between loop turns. A
+        piece another caller cached meanwhile is taken from the cache, not hashed again."""
+        if pieces is None:
+            pieces = self.id_pieces(tokens)
+        root = self.root(lora, cache_salt)
+        path = self.walk(root, pieces)
+        span = SPAN_BLOCKS * self.hasher.block_size
+        node = path[-1] if path else root
+        cached = len(path)
+        for i in range(cached, len(pieces)):
+            yield
+            new = self.child(node, pieces[i])
+            if new is None:
+                new = self.extend(node, tokens[i * span:(i + 1) * span], lora, cache_salt)
+                self.put(node, pieces[i], new)
+            path.append(new)
+            node = new
+        keys: list[BlockKey] = list(root.keys)
+        for n in path:
+            keys.extend(n.keys)
+        return PromptChain(node.num_tokens, keys, node.head, cached, len(path) - cached)
 
     def uncached_id_blocks(self, tokens: Sequence[int], lora: tuple[str, str] | None = None,
                            cache_salt: str | None = None) -> tuple[int, list[ChainNode],

@@ -2,17 +2,21 @@
 
 ``PromptChainer`` is the one place that turns a parsed request (``PromptSpec``) into its
 ``PromptChain``: token ids through ``ChainCache.id_chain``, text and chat through
-``PromptTokenizer.prompt_chain``; on the event loop when cheap, else in the tokenizer threads;
-lazily for long new prompts, with the rest hashed on a thread of its own after the request was
-sent, and the *pending tails* that make a burst of one new long prefix see the whole prefix.
+``PromptTokenizer.prompt_chain``; on the event loop when cheap or token ids (a long chain in
+slices between loop turns), else in the tokenizer threads; lazily for long new prompts, with the
+rest hashed after the request was sent, and the *pending tails* that make a burst of one new
+long prefix see the whole prefix.
 
 Lazy hashing: a long prompt is tokenized and hashed before routing only up to the first piece
-holding a block no replica holds (no replica can hit beyond it); the rest in its own thread after
-the request was sent, then recorded as placed (for text, the prompt length used for routing is
-estimated from the tokens per character so far until then). Until then the request's last hashed
-key is a *pending tail*: a request whose chain reaches it waits for the rest to be recorded (at
-most ``PENDING_TAIL_WAIT_S``) and hashes again, so a burst of one new long prefix sees the whole
-prefix. With ``MAX_QUEUED_RESTS`` rests waiting for their thread, prompts are hashed whole before
+holding a block no replica holds (no replica can hit beyond it); the rest after the request was
+sent, then recorded as placed (for text, the prompt length used for routing is estimated from the
+tokens per character so far until then). Rests are done one at a time, in order: a token-id rest
+on the event loop, ``REST_SLICE_PIECES`` pieces per loop turn (no thread hop, and no thread
+contending with the loop for the GIL: docs/benchmarks.md, "Router CPU per request, by phase"),
+a text rest on a thread of its own (its tokenization is long). Until then the request's last
+hashed key is a *pending tail*: a request whose chain reaches it waits for the rest to be
+recorded (at most ``PENDING_TAIL_WAIT_S``) and hashes again, so a burst of one new long prefix
+sees the whole prefix. With ``MAX_QUEUED_RESTS`` rests waiting, prompts are hashed whole before
 routing again: the backlog (and the delay of the placements it records) stays bounded under
 overload.
 """
@@ -20,8 +24,11 @@ overload.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Hashable
+import functools
+from collections import deque
+from collections.abc import Callable, Generator, Hashable
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Final
 
 from router.request.chain_cache import ChainCache, PromptChain
@@ -35,6 +42,9 @@ INLINE_HASH_BLOCKS: Final = 64  # uncached blocks hashed on the event loop befor
 MAX_KEPT_PIECES: Final = 256  # lazy token-id chains whose piece keys wait for their rest
 INLINE_TOKENIZE_CHARS: Final = 2048  # uncached characters tokenized on the loop before a thread hop
 # (both cost less than the hop: docs/benchmarks.md, "Figures from the code's comments")
+# token-id pieces hashed per event-loop turn (a rest, or a whole chain too long to hash at once):
+# INLINE_HASH_BLOCKS blocks (at SPAN_BLOCKS = 16 a piece), as much as a chain hashed inline may
+REST_SLICE_PIECES: Final = 4
 
 Lora = tuple[str, str] | None
 
@@ -44,8 +54,10 @@ class PromptChainer:
 
     ``chain(spec, lora, lazy=...)`` is the chain used for routing; ``hash_rest`` finishes a lazy
     one after dispatch. ``executor`` (``threads`` tokenizer threads) runs chains too costly for
-    the event loop; ``rest_executor`` (one thread) the rests, so that under load they never take
-    the cores that routing needs. Not thread-safe: call on the event loop.
+    the event loop; the rests are queued and done one at a time (module docstring), a text one
+    on ``rest_executor`` (one thread, so that under load rests never take the cores that routing
+    needs). ``hold_rests()`` starts no rest until its release is called. Not thread-safe: call
+    on the event loop.
     """
 
     def __init__(self, chains: ChainCache, tokenizer: PromptTokenizer | None,
@@ -61,13 +73,19 @@ class PromptChainer:
         # {id(token ids): (those ids, their piece keys)} of lazy token-id chains, until their
         # rest is hashed: cutting and digesting 8k ids costs about 0.1 ms, once per request
         self._rest_pieces: dict[int, tuple[list[int], list[Hashable]]] = {}
+        self._rests: deque[_Rest] = deque()  # queued rests, oldest (the one under way) first
+        self._rests_busy = False  # a slice is scheduled, or a text rest is on its thread
+        self._holds = 0  # hold_rests() not released yet
+        self._closed = False
 
     def tokenizes(self, spec: PromptSpec) -> bool:
         """True if ``spec`` gets a block chain (token ids, or text with a tokenizer)."""
         return spec.token_ids is not None or self.tokenizer is not None
 
     async def chain(self, spec: PromptSpec, lora: Lora, *, lazy: bool) -> tuple[PromptChain, str]:
-        """The chain for routing ``spec`` and the path taken (``"inline"`` or ``"thread"``).
+        """The chain for routing ``spec`` and the path taken: ``"inline"`` (on the event loop,
+        at once), ``"sliced"`` (a whole token-id chain on the event loop, ``REST_SLICE_PIECES``
+        pieces per loop turn) or ``"thread"`` (the tokenizer threads).
 
         ``lazy`` (a request that will be sent, under an index policy): hash only up to the first
         un-held piece while fewer than ``MAX_QUEUED_RESTS`` rests wait, and follow pending
@@ -84,7 +102,10 @@ class PromptChainer:
         while True:
             path = "inline"
             prompt = self._compute(spec, lora, inline=True, lazy=lazy, pieces=pieces)
-            if prompt is None:
+            if prompt is None and ids is not None and not lazy:
+                path = "sliced"
+                prompt = await self._sliced_id_chain(ids, lora, spec.cache_salt, pieces)
+            elif prompt is None:
                 path = "thread"
                 prompt = await loop.run_in_executor(self.executor, self._whole_or_lazy,
                                                     spec, lora, lazy, pieces)
@@ -100,9 +121,25 @@ class PromptChainer:
             await asyncio.wait([fut for key, fut in pending.items() if key in keys],
                                timeout=wait_s)
 
+    async def _sliced_id_chain(self, ids: list[int], lora: Lora, cache_salt: str | None,
+                               pieces: list[Hashable] | None) -> PromptChain:
+        """A token-id prompt's whole chain hashed on the event loop, ``REST_SLICE_PIECES``
+        pieces per loop turn (as a rest is: no thread hop, no thread contending for the GIL)."""
+        steps = self.chains.id_chain_steps(ids, lora, cache_salt, pieces)
+        budget = REST_SLICE_PIECES
+        while True:
+            try:
+                next(steps)
+            except StopIteration as stop:
+                return stop.value
+            budget -= 1
+            if not budget:
+                budget = REST_SLICE_PIECES
+                await asyncio.sleep(0)
+
     def hash_rest(self, spec: PromptSpec, lora: Lora, boundary: BlockKey,
                   record: Callable[[PromptChain], None]) -> asyncio.Future[PromptChain]:
-        """Hash the whole chain of a lazily routed ``spec`` on the rest thread; when done, call
+        """Queue the whole chain of a lazily routed ``spec`` (module docstring); when done, call
         ``record(whole_chain)`` (not when cancelled or failed), then release the pending tail
         ``boundary`` (the lazy chain's last key). Returns the future (cancel it to drop the
         rest: nothing is recorded, the tail is released)."""
@@ -126,19 +163,98 @@ class PromptChainer:
             if kept is not None and kept[0] is spec.token_ids:
                 pieces = kept[1]
         self.queued_rests += 1
-        try:
-            future = loop.run_in_executor(self.rest_executor, self._whole_or_lazy, spec, lora,
-                                          False, pieces)
-        except RuntimeError:  # the executor is shut down: the router is stopping
-            future = loop.create_future()
-            future.cancel()
+        future: asyncio.Future[PromptChain] = loop.create_future()
         future.add_done_callback(done)
+        if self._closed:  # the router is stopping
+            future.cancel()
+        else:
+            self._rests.append(_Rest(spec, lora, pieces, future))
+            self._next_rest()
         return future
 
+    def hold_rests(self) -> Callable[[], None]:
+        """Start no queued rest (one under way finishes its slice) until the returned release
+        is called (a second call does nothing): tests hold the rests as a busy router would."""
+        self._holds += 1
+        released = False
+
+        def release() -> None:
+            nonlocal released
+            if not released:
+                released = True
+                self._holds -= 1
+                if not self._closed:
+                    self._next_rest()
+
+        return release
+
     def shutdown(self, wait: bool = False) -> None:
-        """Stop both thread pools (queued work is cancelled)."""
+        """Stop both thread pools and drop the queued rests (cancelled while their loop runs)."""
+        self._closed = True
+        while self._rests:
+            future = self._rests.popleft().future
+            if not future.get_loop().is_closed():
+                future.cancel()
         self.executor.shutdown(wait=wait, cancel_futures=not wait)
         self.rest_executor.shutdown(wait=wait, cancel_futures=not wait)
+
+    def _next_rest(self) -> None:
+        """Schedule the next slice of the queued rests unless one is under way, or held."""
+        if self._rests and not self._rests_busy and not self._holds:
+            self._rests_busy = True
+            asyncio.get_running_loop().call_soon(self._rest_slice)
+
+    def _rest_slice(self) -> None:
+        """Hash up to ``REST_SLICE_PIECES`` pieces of the queued token-id rests, or start the
+        first queued text rest on its thread; then schedule the next slice (a loop callback)."""
+        self._rests_busy = False
+        if self._closed or self._holds:
+            return
+        budget = REST_SLICE_PIECES
+        rests = self._rests
+        while rests and budget:
+            rest = rests[0]
+            if rest.future.done():  # cancelled: its request was refused
+                rests.popleft()
+                continue
+            spec = rest.spec
+            if spec.token_ids is None:
+                rests.popleft()
+                try:
+                    on_thread = asyncio.get_running_loop().run_in_executor(
+                        self.rest_executor, self._whole_or_lazy, spec, rest.lora, False, None)
+                except RuntimeError:  # the executor is shut down: the router is stopping
+                    rest.future.cancel()
+                    return
+                self._rests_busy = True
+                on_thread.add_done_callback(functools.partial(self._text_rest_done, rest))
+                return
+            if rest.steps is None:
+                rest.steps = self.chains.id_chain_steps(spec.token_ids, rest.lora,
+                                                        spec.cache_salt, rest.pieces)
+            try:
+                next(rest.steps)
+                budget -= 1
+            except StopIteration as stop:
+                rests.popleft()
+                rest.future.set_result(stop.value)
+            except Exception as exc:  # the rest fails: nothing recorded, the tail released
+                rests.popleft()
+                rest.future.set_exception(exc)
+        self._next_rest()
+
+    def _text_rest_done(self, rest: _Rest, on_thread: asyncio.Future[PromptChain]) -> None:
+        """A text rest's thread is done: pass its outcome on, then go on with the queue."""
+        self._rests_busy = False
+        if not rest.future.done():
+            if on_thread.cancelled():
+                rest.future.cancel()
+            elif (exc := on_thread.exception()) is not None:
+                rest.future.set_exception(exc)
+            else:
+                rest.future.set_result(on_thread.result())
+        if not self._closed:
+            self._next_rest()
 
     def _keep_pieces(self, ids: list[int], pieces: list[Hashable]) -> None:
         """Keep a lazy chain's piece keys for its rest (``hash_rest``); a chain never sent
@@ -168,3 +284,15 @@ class PromptChainer:
         chain = self._compute(spec, lora, inline=False, lazy=lazy, pieces=pieces)
         assert chain is not None  # only the inline limit gives up
         return chain
+
+
+@dataclass(slots=True)
+class _Rest:
+    """A queued rest: what to hash, the future ``hash_rest`` returned, and (token ids, once
+    started) the generator hashing it one piece per step."""
+
+    spec: PromptSpec
+    lora: Lora
+    pieces: list[Hashable] | None
+    future: asyncio.Future[PromptChain]
+    steps: Generator[None, None, PromptChain] | None = None

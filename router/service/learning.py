@@ -1,6 +1,6 @@
 """What the router learns from a finished request: first-byte rates for the first-byte deadlines
 and the ttft policy, TTFT and hit metrics, the typical output length, and the template audit's
-observation. No I/O (metrics are in-process; the audit runs on its own thread).
+observation. No I/O (metrics are in-process; the audit runs after the answer, ``audit_queue``).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """The template audit's hand-off (``router.service.audit_queue``): every observation submitted is
-audited once, in order, on the audit's thread; beyond ``AUDIT_QUEUE`` waiting they are dropped and
-counted; after ``shutdown`` nothing more is audited (what the thread holds may end). A real
-``PrefixAudit`` on a real thread."""
+audited once, in order (a token-id prompt's on the event loop, a text one's on the audit's
+thread); beyond ``AUDIT_QUEUE`` waiting they are dropped and counted; after ``shutdown`` nothing
+more is audited (what the thread holds may end). A real ``PrefixAudit``."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from typing import Any
 
 from router.observability.audit import PrefixAudit
 from router.request.prompts import PromptSpec
-from router.service.audit_queue import AUDIT_QUEUE, AuditQueue
+from router.service.audit_queue import AUDIT_QUEUE, AUDIT_SLICE, AuditQueue
 
 TAIL = (b'data: {"usage":{"prompt_tokens":64,"prompt_tokens_details":{"cached_tokens":16}}}\n\n'
         b"data: [DONE]\n\n")
@@ -24,6 +24,7 @@ class _Recording(PrefixAudit):
     def __init__(self) -> None:
         super().__init__(16)
         self.seen: list[tuple[int, int | None, str | None]] = []
+        self.threads: set[int] = set()  # the threads it observed on
         self.hold = threading.Event()
         self.hold.set()
 
@@ -31,6 +32,7 @@ class _Recording(PrefixAudit):
                 predicted_hit_tokens: int = 0, cached_tokens: int | None = None,
                 tenant: str | None = None) -> str | None:
         self.hold.wait(10)
+        self.threads.add(threading.get_ident())
         self.seen.append((tokens[0], cached_tokens, tenant))
         return super().observe(tokens, prompt_tokens, predicted_hit_tokens, cached_tokens, tenant)
 
@@ -57,6 +59,8 @@ async def test_every_observation_is_audited_once_in_order() -> None:
         await _wait(lambda: queue.num_queued == 0)
         assert audit.seen == [(1000 + i, 16, "t" if i % 2 else None) for i in range(200)]
         assert audit.observed == 200 and audit.dropped == 0
+        # token ids: on the event loop (issue 32: no hop, no thread contending for the GIL)
+        assert audit.threads == {threading.get_ident()}
     finally:
         queue.shutdown()
 
@@ -92,3 +96,19 @@ async def test_nothing_is_audited_after_shutdown() -> None:
     assert len(audit.seen) <= 1  # at most the one the thread held
     queue.submit(_spec(2000), 64, 0, TAIL, None)  # after shutdown: not audited, no error
     assert len(audit.seen) <= 1
+
+
+async def test_a_burst_is_audited_a_slice_per_loop_turn() -> None:
+    """Token-id observations are audited ``AUDIT_SLICE`` per event-loop turn: a saturated loop
+    turns about once per request, so one a turn fell behind and dropped a fifth of them."""
+    audit = _Recording()
+    queue = AuditQueue(audit, None, 1024)
+    try:
+        for i in range(2 * AUDIT_SLICE):
+            queue.submit(_spec(1000 + i), 64, 0, TAIL, None)
+        await asyncio.sleep(0)  # one turn
+        assert len(audit.seen) == AUDIT_SLICE
+        await _wait(lambda: queue.num_queued == 0)
+        assert [seen[0] for seen in audit.seen] == [1000 + i for i in range(2 * AUDIT_SLICE)]
+    finally:
+        queue.shutdown()

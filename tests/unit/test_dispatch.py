@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import random
-import threading
 import time
 
 import pytest
@@ -60,12 +59,11 @@ def test_a_refused_request_withdraws_its_writes_and_a_lazy_rest_is_hashed_once()
     own KV writes (the failed first send's count twice), and cancels the rest."""
     service = service_with_replicas(2)
     spec = parse_prompt("completion", {"model": MODEL, "prompt": long_prompt(2)})
-    gate = threading.Event()
 
     async def scenario() -> None:
         routed = await service.router.route(spec)
         assert not routed.complete
-        service.chainer.rest_executor.submit(gate.wait)  # hold the rest thread busy
+        release = service.chainer.hold_rests()  # the rests held back, as on a busy router
         dispatch = service.dispatcher.begin(routed, spec)
         for rid in (routed.decision.replica_id, routed.decision.fallbacks[0]):
             dispatch.start_ticket(rid).finish()
@@ -81,11 +79,11 @@ def test_a_refused_request_withdraws_its_writes_and_a_lazy_rest_is_hashed_once()
             2 * (routed.num_tokens // 16), rel=0.02)
         assert service.tracker.recent_writes(second, window) == 0
         assert not any(key in service.fleet.speculative for key in routed.chain)
+        release()
 
     try:
         asyncio.run(scenario())
     finally:
-        gate.set()
         service.chainer.shutdown(wait=True)
 
 

