@@ -11,7 +11,7 @@ Lazy hashing: a long prompt is tokenized and hashed before routing only up to th
 holding a block no replica holds (no replica can hit beyond it); the rest after the request was
 sent, then recorded as placed (for text, the prompt length used for routing is estimated from the
 tokens per character so far until then). Rests are done one at a time, in order: a token-id rest
-on the event loop, ``REST_SLICE_PIECES`` pieces per loop turn (no thread hop, and no thread
+on the event loop, ``REST_SLICE_S`` of hashing per loop turn (no thread hop, and no thread
 contending with the loop for the GIL: docs/benchmarks.md, "Router CPU per request, by phase"),
 a text rest on a thread of its own (its tokenization is long). Until then the request's last
 hashed key is a *pending tail*: a request whose chain reaches it waits for the rest to be
@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import time
 from collections import deque
 from collections.abc import Callable, Generator, Hashable
 from concurrent.futures import ThreadPoolExecutor
@@ -42,9 +43,13 @@ INLINE_HASH_BLOCKS: Final = 64  # uncached blocks hashed on the event loop befor
 MAX_KEPT_PIECES: Final = 256  # lazy token-id chains whose piece keys wait for their rest
 INLINE_TOKENIZE_CHARS: Final = 2048  # uncached characters tokenized on the loop before a thread hop
 # (both cost less than the hop: docs/benchmarks.md, "Figures from the code's comments")
-# token-id pieces hashed per event-loop turn (a rest, or a whole chain too long to hash at once):
-# INLINE_HASH_BLOCKS blocks (at SPAN_BLOCKS = 16 a piece), as much as a chain hashed inline may
-REST_SLICE_PIECES: Final = 4
+# seconds of token-id hashing per event-loop turn (a rest, or a whole chain too long to hash at
+# once), at least one piece: about 1,200 blocks. A count of pieces (4, 64 blocks) made a 128k
+# rest take 128 turns: with other work making turns 4 ms long, a request waiting for that rest's
+# pending tail ran out of its PENDING_TAIL_WAIT_S and was routed on 48 of 4,102 blocks, where the
+# rest thread it replaced took 0.1-0.25 s (a reviewer's measurement). 1 ms holds the loop less
+# than the interpreter's 5 ms GIL switch interval let that thread hold it.
+REST_SLICE_S: Final = 0.001
 
 Lora = tuple[str, str] | None
 
@@ -84,7 +89,7 @@ class PromptChainer:
 
     async def chain(self, spec: PromptSpec, lora: Lora, *, lazy: bool) -> tuple[PromptChain, str]:
         """The chain for routing ``spec`` and the path taken: ``"inline"`` (on the event loop,
-        at once), ``"sliced"`` (a whole token-id chain on the event loop, ``REST_SLICE_PIECES``
+        at once), ``"sliced"`` (a whole token-id chain on the event loop, ``REST_SLICE_S``
         pieces per loop turn) or ``"thread"`` (the tokenizer threads).
 
         ``lazy`` (a request that will be sent, under an index policy): hash only up to the first
@@ -123,19 +128,19 @@ class PromptChainer:
 
     async def _sliced_id_chain(self, ids: list[int], lora: Lora, cache_salt: str | None,
                                pieces: list[Hashable] | None) -> PromptChain:
-        """A token-id prompt's whole chain hashed on the event loop, ``REST_SLICE_PIECES``
-        pieces per loop turn (as a rest is: no thread hop, no thread contending for the GIL)."""
+        """A token-id prompt's whole chain hashed on the event loop, ``REST_SLICE_S`` of it per
+        loop turn (as a rest is: no thread hop, no thread contending for the GIL)."""
         steps = self.chains.id_chain_steps(ids, lora, cache_salt, pieces)
-        budget = REST_SLICE_PIECES
+        clock = time.perf_counter
+        until = clock() + REST_SLICE_S
         while True:
             try:
                 next(steps)
             except StopIteration as stop:
                 return stop.value
-            budget -= 1
-            if not budget:
-                budget = REST_SLICE_PIECES
+            if clock() >= until:
                 await asyncio.sleep(0)
+                until = clock() + REST_SLICE_S
 
     def hash_rest(self, spec: PromptSpec, lora: Lora, boundary: BlockKey,
                   record: Callable[[PromptChain], None]) -> asyncio.Future[PromptChain]:
@@ -205,14 +210,15 @@ class PromptChainer:
             asyncio.get_running_loop().call_soon(self._rest_slice)
 
     def _rest_slice(self) -> None:
-        """Hash up to ``REST_SLICE_PIECES`` pieces of the queued token-id rests, or start the
+        """Hash ``REST_SLICE_S`` of the queued token-id rests (at least one piece), or start the
         first queued text rest on its thread; then schedule the next slice (a loop callback)."""
         self._rests_busy = False
         if self._closed or self._holds:
             return
-        budget = REST_SLICE_PIECES
+        clock = time.perf_counter
+        until = clock() + REST_SLICE_S
         rests = self._rests
-        while rests and budget:
+        while rests and clock() < until:
             rest = rests[0]
             if rest.future.done():  # cancelled: its request was refused
                 rests.popleft()
@@ -234,7 +240,6 @@ class PromptChainer:
                                                         spec.cache_salt, rest.pieces)
             try:
                 next(rest.steps)
-                budget -= 1
             except StopIteration as stop:
                 rests.popleft()
                 rest.future.set_result(stop.value)

@@ -1,7 +1,7 @@
 """The hand-off of served requests to the template audit (``router.observability.audit``): a
 bounded queue, drained in order after the answers went out, ``AUDIT_SLICE`` observations per
-event-loop turn. A token-id prompt's observation runs on the event loop (about 80 us: no thread
-hop, and no
+event-loop turn. A token-id prompt's observation runs on the event loop (about 80 us at the
+default ``audit_head_tokens``, up to ``LOOP_AUDIT_MAX_HEAD_TOKENS``: no thread hop, and no
 second thread contending with the loop for the GIL, docs/benchmarks.md "Router CPU per request,
 by phase"); a text prompt's, which tokenizes the head, on the audit's own thread, so that the
 audit never competes with routing for the tokenizer pool. No network I/O.
@@ -25,6 +25,10 @@ AUDIT_QUEUE = 64  # template-audit observations waiting at most (more are droppe
 # observations audited per event-loop turn: a saturated loop turns about once per request, so one
 # a turn fell behind (a fifth dropped at 600 requests/s); 4 hold the loop about 0.3 ms at most
 AUDIT_SLICE = 4
+# a token-id observation runs on the loop only while the audit reads at most this many tokens of
+# each prompt: one costs about 0.09 ms at the default 1,024 and grows with it (0.5 ms at 8,192,
+# 9 ms at 131,072, a reviewer's measurement); above, it goes to the audit's thread as text does
+LOOP_AUDIT_MAX_HEAD_TOKENS = 2048
 
 
 class AuditQueue:
@@ -63,7 +67,8 @@ class AuditQueue:
                 audit.observe(tokens, num_tokens, predicted_hit_tokens, cached, tenant)
 
         self.num_queued += 1
-        self._waiting.append((observe, spec.token_ids is not None))
+        on_loop = spec.token_ids is not None and head <= LOOP_AUDIT_MAX_HEAD_TOKENS
+        self._waiting.append((observe, on_loop))
         self._drain_soon()
 
     def _drain_soon(self) -> None:

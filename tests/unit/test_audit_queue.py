@@ -12,7 +12,12 @@ from typing import Any
 
 from router.observability.audit import PrefixAudit
 from router.request.prompts import PromptSpec
-from router.service.audit_queue import AUDIT_QUEUE, AUDIT_SLICE, AuditQueue
+from router.service.audit_queue import (
+    AUDIT_QUEUE,
+    AUDIT_SLICE,
+    LOOP_AUDIT_MAX_HEAD_TOKENS,
+    AuditQueue,
+)
 
 TAIL = (b'data: {"usage":{"prompt_tokens":64,"prompt_tokens_details":{"cached_tokens":16}}}\n\n'
         b"data: [DONE]\n\n")
@@ -112,3 +117,20 @@ async def test_a_burst_is_audited_a_slice_per_loop_turn() -> None:
         assert [seen[0] for seen in audit.seen] == [1000 + i for i in range(2 * AUDIT_SLICE)]
     finally:
         queue.shutdown()
+
+
+async def test_a_long_audit_head_keeps_token_id_observations_off_the_loop() -> None:
+    """An operator's ``audit_head_tokens`` above ``LOOP_AUDIT_MAX_HEAD_TOKENS`` makes each
+    observation long (9 ms at 131,072 tokens): token-id ones then go to the audit's thread, as
+    text ones do, rather than holding the event loop."""
+    for head, on_loop in ((LOOP_AUDIT_MAX_HEAD_TOKENS, True),
+                          (LOOP_AUDIT_MAX_HEAD_TOKENS + 1, False)):
+        audit = _Recording()
+        queue = AuditQueue(audit, None, head)
+        try:
+            queue.submit(_spec(1000), 64, 0, TAIL, None)
+            await _wait(lambda q=queue: q.num_queued == 0)
+            assert (audit.threads == {threading.get_ident()}) == on_loop, (head, audit.threads)
+            assert len(audit.seen) == 1
+        finally:
+            queue.shutdown()
