@@ -20,6 +20,7 @@ from __future__ import annotations
 from typing import Any, Final
 
 from router.request.errors import BadRequest
+from router.request.prompts import estimated_tokens
 
 # {path: what it is} for the paths the router forwards to the least-loaded replica
 POOLING_PATHS: Final = {
@@ -71,7 +72,7 @@ def input_tokens(data: dict[str, Any]) -> int:
     while pending:
         item = pending.pop()
         if isinstance(item, str):
-            total += max(1, len(item) // 4)
+            total += estimated_tokens(item)
         elif isinstance(item, int) and not isinstance(item, bool):
             total += 1  # a token id
         elif isinstance(item, list):

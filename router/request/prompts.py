@@ -91,6 +91,17 @@ class PromptError(BadRequest, ValueError):
     """The request's prompt fields are malformed (an HTTP 400 through ``router.edges.http_errors``)."""
 
 
+CHARS_PER_TOKEN_ESTIMATE: Final = 4  # a text's characters per token before it is tokenized
+
+
+def estimated_tokens(text: str) -> int:
+    """``text``'s length in tokens before any tokenizer: its characters over
+    ``CHARS_PER_TOKEN_ESTIMATE``, at least 1. The router's one estimate where it has no token
+    ids yet (routing without a tokenizer, admission's cost, the rate limits' tokens); it
+    undercounts scripts with more tokens per character (CJK about 4x)."""
+    return max(1, len(text) // CHARS_PER_TOKEN_ESTIMATE)
+
+
 @dataclass(frozen=True, slots=True)
 class PromptSpec:
     """What the router needs from a request body (pure parse result).
@@ -249,7 +260,7 @@ def _completion_spec(body: dict[str, Any], common: dict[str, Any]) -> PromptSpec
         if isinstance(first, str) and all(isinstance(p, str) for p in prompt):
             return PromptSpec("completion", text=first, add_special_tokens=add_special,
                               batch_size=len(prompt),
-                              rest_tokens=sum(max(1, len(p) // 4) for p in prompt[1:]),
+                              rest_tokens=sum(estimated_tokens(p) for p in prompt[1:]),
                               **common)
         if all(_is_token_list(p) and p for p in prompt):
             return PromptSpec("completion", token_ids=first, batch_size=len(prompt),

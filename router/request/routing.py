@@ -45,7 +45,7 @@ from router.observability.metrics import RouterMetrics
 from router.observability.tracing import Tracing
 from router.request.chain_cache import PromptChain
 from router.request.prompt_path import Lora, PromptChainer
-from router.request.prompts import PromptSpec
+from router.request.prompts import PromptSpec, estimated_tokens
 from router.service.config import RouterConfig
 from router.shared.contract import BlockKey
 from router.traffic.sessions import SessionTable, session_key
@@ -140,7 +140,7 @@ class RequestRouter:
             head_key = text_key(json.dumps(prompt.head)) if prompt.head and not chain else 0
             request = RouteInput(chain, prompt.num_tokens, head_key)
         else:  # no tokenizer: a length estimate and the text's ring position
-            request = RouteInput([], max(1, len(spec.fallback_text()) // 4),
+            request = RouteInput([], estimated_tokens(spec.fallback_text()),
                                  text_key(spec.fallback_text()), tokenized=False)
         decision = self.decide(request, candidates, now, confirmed, combined,
                                len(eligible), count=not dry_run, tiered=tiered)  # 5

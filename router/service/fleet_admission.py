@@ -18,7 +18,7 @@ from router.edges.auth import TENANT_KEY
 from router.edges.http_errors import REQUEST_ID_KEY
 from router.observability.metrics import RouterMetrics
 from router.request.errors import RouterError
-from router.request.prompts import PromptSpec
+from router.request.prompts import PromptSpec, estimated_tokens
 from router.service.config import RouterConfig
 from router.service.request_parse import ParsedRequest
 from router.shared.redis_client import redis_client
@@ -50,7 +50,7 @@ def prompt_tokens(spec: PromptSpec) -> int:
     / 4, plus a batch's other prompts (``PromptSpec.rest_tokens``): admission's fair-share
     cost, the rate limits' tokens."""
     first = (len(spec.token_ids) if spec.token_ids is not None
-             else max(1, len(spec.fallback_text()) // 4))
+             else estimated_tokens(spec.fallback_text()))
     return first + spec.rest_tokens
 
 

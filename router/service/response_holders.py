@@ -12,7 +12,7 @@ import time
 from router.apis.affinity import ResponseAffinity, holder_target, response_id_from_head
 from router.decision.fleet import Fleet
 from router.edges.proxy import ProxyOutcome
-from router.request.prompts import PromptSpec
+from router.request.prompts import PromptSpec, estimated_tokens
 from router.request.routing import Routed, Target
 
 
@@ -32,7 +32,7 @@ class ResponseHolders:
         holder = await self.affinity.holder(response_id, tenant)
         decision, targets, lora = holder_target(self.fleet, response_id, holder, spec.model,
                                                 time.monotonic())
-        return Routed(decision, max(1, len(spec.fallback_text()) // 4), [], targets,
+        return Routed(decision, estimated_tokens(spec.fallback_text()), [], targets,
                       tokenized=False, lora=lora)
 
     async def target(self, response_id: str, tenant: str | None) -> Target:
